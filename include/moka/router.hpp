@@ -1,0 +1,62 @@
+// The router: logits = x @ W_router^T, scores by softmax or sigmoid, top-k selection with an
+// optional per-expert bias used for selection only, optional renormalization and route scale,
+// optional load-balancing and z losses, per-expert load statistics.
+#pragma once
+#include <memory>
+#include <vector>
+
+#include "moka/config.hpp"
+#include "moka/layer.hpp"
+#include "moka/tensor.hpp"
+
+namespace moka {
+
+struct RouterLosses {
+  double aux_loss = 0.0;  // aux_loss_coef * E * sum_e f_e * P_e
+  double z_loss = 0.0;    // z_loss_coef * mean_t logsumexp(logits_t)^2
+};
+
+// Outputs of forward. topk_ids: [T, k] int32; topk_weights: [T, k] (f64 for f64 x, else f32);
+// expert_counts: [E] int32, routes per expert (optional, may be empty).
+struct RouterOutputs {
+  TensorView topk_ids;
+  TensorView topk_weights;
+  TensorView expert_counts;
+};
+
+class RouterContext {
+ public:
+  virtual ~RouterContext() = default;
+  virtual RouterLosses losses() const = 0;
+};
+
+class Router {
+ public:
+  virtual ~Router() = default;
+  virtual const RouterConfig& config() const = 0;
+  // x: [T, H]; w_router: [E, H]; selection_bias: [E] or empty.
+  virtual std::unique_ptr<RouterContext> forward(const TensorView& x, const TensorView& w_router,
+                                                 const TensorView& selection_bias,
+                                                 const RouterOutputs& out) = 0;
+  // d_topk_weights: [T, k]. The auxiliary losses enter with gradient 1 (they are added to the
+  // training loss). Overwrites d_x [T, H] and d_w_router [E, H].
+  virtual void backward(const RouterContext& saved, const TensorView& d_topk_weights,
+                        const TensorView& d_x, const TensorView& d_w_router) = 0;
+};
+
+std::unique_ptr<Router> make_router(const RouterConfig& config, Backend backend,
+                                    const LayerOptions& options = {});
+
+// Per-expert load: counts, the busiest expert over the mean, and the Gini coefficient.
+struct LoadStats {
+  std::vector<int64_t> counts;
+  double max_over_mean = 0.0;
+  double gini = 0.0;
+};
+LoadStats load_stats(const std::vector<int64_t>& counts);
+
+// Auxiliary-loss-free balancing (DeepSeek-V3): bias_e += rate * sign(mean_count - count_e).
+void update_selection_bias(std::vector<double>& bias, const std::vector<int64_t>& counts,
+                           double rate);
+
+}  // namespace moka

@@ -1,0 +1,87 @@
+// Backend selection and the load-balancing helpers of the public API.
+#include <algorithm>
+#include <cmath>
+#include <numeric>
+
+#include "core/routing_gen.hpp"
+#include "cpu/cpu_layer.hpp"
+#include "moka/moka.hpp"
+#if MOKA_WITH_CUDA
+#include "cuda/cuda_backend.hpp"
+#endif
+
+namespace moka {
+
+const char* to_string(Backend b) {
+  switch (b) {
+    case Backend::cpu: return "cpu";
+    case Backend::cuda: return "cuda";
+    case Backend::automatic: return "auto";
+  }
+  return "?";
+}
+
+Backend parse_backend(const std::string& name) {
+  if (name == "cpu") return Backend::cpu;
+  if (name == "cuda") return Backend::cuda;
+  if (name == "auto") return Backend::automatic;
+  throw Error(ErrorCode::invalid_argument, "unknown backend '" + name + "' (cpu, cuda, auto)");
+}
+
+bool cuda_backend_available() {
+#if MOKA_WITH_CUDA
+  return cuda::device_count() > 0;
+#else
+  return false;
+#endif
+}
+
+namespace {
+Backend resolve(Backend b) {
+  if (b == Backend::automatic) return cuda_backend_available() ? Backend::cuda : Backend::cpu;
+  require(b != Backend::cuda || cuda_backend_available(), ErrorCode::backend_unavailable,
+          "the CUDA backend needs a GPU and a build with nvcc");
+  return b;
+}
+}  // namespace
+
+std::unique_ptr<MoeLayer> make_moe_layer(const MoeShape& shape, Backend backend, ProcessGroup* group,
+                                         const LayerOptions& options) {
+#if MOKA_WITH_CUDA
+  if (resolve(backend) == Backend::cuda) return cuda::make_cuda_moe_layer(shape, group, options);
+#else
+  resolve(backend);
+#endif
+  return cpu::make_cpu_moe_layer(shape, group, options);
+}
+
+std::unique_ptr<Router> make_router(const RouterConfig& config, Backend backend, const LayerOptions& options) {
+#if MOKA_WITH_CUDA
+  if (resolve(backend) == Backend::cuda) return cuda::make_cuda_router(config, options);
+#else
+  resolve(backend);
+#endif
+  return cpu::make_cpu_router(config, options);
+}
+
+LoadStats load_stats(const std::vector<int64_t>& counts) {
+  LoadStats s;
+  s.counts = counts;
+  if (counts.empty()) return s;
+  const double total = std::accumulate(counts.begin(), counts.end(), 0.0);
+  const double mean = total / double(counts.size());
+  s.max_over_mean = mean > 0 ? double(*std::max_element(counts.begin(), counts.end())) / mean : 0.0;
+  s.gini = core::gini(std::vector<double>(counts.begin(), counts.end()));
+  return s;
+}
+
+void update_selection_bias(std::vector<double>& bias, const std::vector<int64_t>& counts, double rate) {
+  require(bias.size() == counts.size(), ErrorCode::shape_mismatch, "bias and counts differ in length");
+  const double mean = counts.empty() ? 0.0 : std::accumulate(counts.begin(), counts.end(), 0.0) / double(counts.size());
+  for (size_t e = 0; e < bias.size(); ++e) {
+    const double c = double(counts[e]);
+    bias[e] += rate * (c < mean ? 1.0 : (c > mean ? -1.0 : 0.0));
+  }
+}
+
+}  // namespace moka

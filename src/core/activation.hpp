@@ -1,0 +1,46 @@
+// The expert activation, forward and backward, for one element; shared by every backend.
+#pragma once
+#include <cmath>
+
+#include "core/hd.hpp"
+
+namespace moka::core {
+
+inline constexpr float kClampedSwigluAlpha = 1.702f;  // GPT-OSS
+
+template <typename T>
+MOKA_HD T sigmoid(T v) {
+  return T(1) / (T(1) + exp(-v));
+}
+
+// act(g, u) = silu(g) * u, or the clamped GPT-OSS form when `clamped`.
+template <typename T>
+MOKA_HD T swiglu_forward(T g, T u, bool clamped, T limit) {
+  if (!clamped) return g * sigmoid(g) * u;
+  const T gc = g < limit ? g : limit;
+  const T uc = u < -limit ? -limit : (u > limit ? limit : u);
+  return gc * sigmoid(T(kClampedSwigluAlpha) * gc) * (uc + T(1));
+}
+
+// Given d_act = dL/d act(g, u), writes dL/dg and dL/du. The clamp passes no gradient where it
+// clamps (the derivative of min/max there).
+template <typename T>
+MOKA_HD void swiglu_backward(T g, T u, T d_act, bool clamped, T limit, T& d_g, T& d_u) {
+  if (!clamped) {
+    const T s = sigmoid(g);
+    d_u = d_act * g * s;
+    d_g = d_act * u * s * (T(1) + g * (T(1) - s));
+    return;
+  }
+  const bool g_clamped = !(g < limit);
+  const bool u_clamped = u < -limit || u > limit;
+  const T gc = g_clamped ? limit : g;
+  const T uc = u < -limit ? -limit : (u > limit ? limit : u);
+  const T alpha = T(kClampedSwigluAlpha);
+  const T s = sigmoid(alpha * gc);
+  const T glu = gc * s;
+  d_u = u_clamped ? T(0) : d_act * glu;
+  d_g = g_clamped ? T(0) : d_act * (uc + T(1)) * s * (T(1) + alpha * gc * (T(1) - s));
+}
+
+}  // namespace moka::core

@@ -1,0 +1,274 @@
+// The CPU reference router: logits, scores, biased top-k selection, weights, losses, backward.
+#include <algorithm>
+#include <cmath>
+#include <numeric>
+
+#include "core/validate.hpp"
+#include "cpu/cpu_layer.hpp"
+#include "cpu/expert_math.hpp"
+#include "cpu/parallel.hpp"
+
+namespace moka::cpu {
+namespace {
+
+template <typename T>
+struct RouterState final : RouterContext {
+  int64_t tokens = 0;
+  const T* x = nullptr;
+  const T* w_router = nullptr;
+  std::vector<T> logits, scores;  // [T, E]
+  std::vector<int32_t> selected;  // [T, k]
+  std::vector<double> fraction;   // f_e: share of routes per expert
+  RouterLosses loss_values;
+  RouterLosses losses() const override { return loss_values; }
+};
+
+template <typename T>
+class CpuRouter {
+ public:
+  CpuRouter(const RouterConfig& c, int threads) : c_(c), threads_(threads) {}
+
+  std::unique_ptr<RouterContext> forward(const TensorView& x, const TensorView& w_router,
+                                         const TensorView& bias, const RouterOutputs& out) const {
+    const DType dt = std::is_same_v<T, double> ? DType::f64 : DType::f32;
+    require(x.rank == 2, ErrorCode::shape_mismatch, "router x must be [T, H], got " + x.shape_string());
+    const int64_t T_ = x.dim(0), H = c_.hidden, E = c_.num_experts, k = c_.top_k;
+    expect_tensor(x, "x", dt, Device::cpu(), {T_, H});
+    expect_tensor(w_router, "w_router", dt, Device::cpu(), {E, H});
+    if (c_.use_selection_bias) expect_tensor(bias, "selection_bias", dt, Device::cpu(), {E});
+    expect_tensor(out.topk_ids, "topk_ids", DType::i32, Device::cpu(), {T_, k});
+    expect_tensor(out.topk_weights, "topk_weights", core::router_weight_dtype(dt), Device::cpu(), {T_, k});
+    if (!out.expert_counts.empty()) expect_tensor(out.expert_counts, "expert_counts", DType::i32, Device::cpu(), {E});
+
+    auto st = std::make_unique<RouterState<T>>();
+    st->tokens = T_;
+    st->x = x.as<T>();
+    st->w_router = w_router.as<T>();
+    st->logits.resize(T_ * E);
+    st->scores.resize(T_ * E);
+    st->selected.resize(T_ * k);
+    const T* b = c_.use_selection_bias ? bias.as<T>() : nullptr;
+    T* weights = out.topk_weights.as<T>();
+    parallel_for(T_, threads_, [&](int64_t lo, int64_t hi) {
+      std::vector<int32_t> order(E);
+      for (int64_t t = lo; t < hi; ++t) {
+        T* lg = &st->logits[t * E];
+        T* sc = &st->scores[t * E];
+        for (int64_t e = 0; e < E; ++e) lg[e] = dot(st->w_router + e * H, st->x + t * H, H);
+        scores_of(lg, sc, E);
+        // Top-k by score + bias, ties to the lower expert id: deterministic.
+        std::iota(order.begin(), order.end(), 0);
+        std::partial_sort(order.begin(), order.begin() + k, order.end(), [&](int32_t a, int32_t bb) {
+          const T ka = sc[a] + (b ? b[a] : T(0)), kb = sc[bb] + (b ? b[bb] : T(0));
+          return ka != kb ? ka > kb : a < bb;
+        });
+        T sum = 0;
+        for (int64_t j = 0; j < k; ++j) sum += sc[order[j]];
+        for (int64_t j = 0; j < k; ++j) {
+          st->selected[t * k + j] = order[j];
+          const T s = sc[order[j]];
+          weights[t * k + j] = static_cast<T>(c_.route_scale) * (c_.renormalize ? s / sum : s);
+        }
+      }
+    });
+    require(std::all_of(st->logits.begin(), st->logits.end(), [](T v) { return std::isfinite(v); }),
+            ErrorCode::non_finite, "router logits are not finite (check x and w_router)");
+    std::copy(st->selected.begin(), st->selected.end(), out.topk_ids.as<int32_t>());
+
+    std::vector<int64_t> counts(E, 0);
+    for (int32_t e : st->selected) ++counts[e];
+    if (!out.expert_counts.empty())
+      for (int64_t e = 0; e < E; ++e) out.expert_counts.as<int32_t>()[e] = static_cast<int32_t>(counts[e]);
+    st->fraction.resize(E);
+    for (int64_t e = 0; e < E; ++e) st->fraction[e] = T_ > 0 ? double(counts[e]) / double(T_ * k) : 0.0;
+    st->loss_values = losses(*st);
+    return st;
+  }
+
+  void backward(const RouterContext& saved, const TensorView& d_weights, const TensorView& d_x,
+                const TensorView& d_w_router) const {
+    const auto* stp = dynamic_cast<const RouterState<T>*>(&saved);
+    require(stp != nullptr, ErrorCode::invalid_argument, "router backward got a context of another dtype");
+    const auto& st = *stp;
+    const DType dt = std::is_same_v<T, double> ? DType::f64 : DType::f32;
+    const int64_t T_ = st.tokens, H = c_.hidden, E = c_.num_experts, k = c_.top_k;
+    expect_tensor(d_weights, "d_topk_weights", core::router_weight_dtype(dt), Device::cpu(), {T_, k});
+    expect_tensor(d_x, "d_x", dt, Device::cpu(), {T_, H});
+    expect_tensor(d_w_router, "d_w_router", dt, Device::cpu(), {E, H});
+    const T* dw = d_weights.as<T>();
+
+    std::vector<T> d_logits(T_ * E);
+    parallel_for(T_, threads_, [&](int64_t lo, int64_t hi) {
+      std::vector<T> ds(E);
+      for (int64_t t = lo; t < hi; ++t) {
+        const T* sc = &st.scores[t * E];
+        const T* lg = &st.logits[t * E];
+        std::fill(ds.begin(), ds.end(), T(0));
+        selection_backward(sc, &st.selected[t * k], dw + t * k, ds.data());
+        aux_loss_backward(sc, st, ds.data(), T_);
+        scores_backward(lg, sc, ds.data(), &d_logits[t * E], E);
+        z_loss_backward(lg, &d_logits[t * E], E, T_);
+      }
+    });
+    // d_x = d_logits @ W_router; d_W_router = d_logits^T x (tokens in order).
+    T* dx = d_x.as<T>();
+    parallel_for(T_, threads_, [&](int64_t lo, int64_t hi) {
+      for (int64_t t = lo; t < hi; ++t) {
+        for (int64_t c = 0; c < H; ++c) dx[t * H + c] = 0;
+        for (int64_t e = 0; e < E; ++e) {
+          const T d = d_logits[t * E + e];
+          for (int64_t c = 0; c < H; ++c) dx[t * H + c] += d * st.w_router[e * H + c];
+        }
+      }
+    });
+    T* dwr = d_w_router.as<T>();
+    parallel_for(E, threads_, [&](int64_t lo, int64_t hi) {
+      for (int64_t e = lo; e < hi; ++e) {
+        for (int64_t c = 0; c < H; ++c) dwr[e * H + c] = 0;
+        for (int64_t t = 0; t < T_; ++t) {
+          const T d = d_logits[t * E + e];
+          for (int64_t c = 0; c < H; ++c) dwr[e * H + c] += d * st.x[t * H + c];
+        }
+      }
+    });
+  }
+
+ private:
+  void scores_of(const T* lg, T* sc, int64_t E) const {
+    if (c_.score == ScoreFunction::sigmoid) {
+      for (int64_t e = 0; e < E; ++e) sc[e] = core::sigmoid(lg[e]);
+      return;
+    }
+    const T mx = *std::max_element(lg, lg + E);
+    T sum = 0;
+    for (int64_t e = 0; e < E; ++e) sum += (sc[e] = std::exp(lg[e] - mx));
+    for (int64_t e = 0; e < E; ++e) sc[e] /= sum;
+  }
+
+  // Probabilities the balancing loss uses: softmax scores, or sigmoid scores normalized per token.
+  static void normalized(const T* sc, T* p, int64_t E) {
+    T sum = 0;
+    for (int64_t e = 0; e < E; ++e) sum += sc[e];
+    for (int64_t e = 0; e < E; ++e) p[e] = sc[e] / sum;
+  }
+
+  static T logsumexp(const T* lg, int64_t E) {
+    const T mx = *std::max_element(lg, lg + E);
+    T sum = 0;
+    for (int64_t e = 0; e < E; ++e) sum += std::exp(lg[e] - mx);
+    return mx + std::log(sum);
+  }
+
+  RouterLosses losses(const RouterState<T>& st) const {
+    RouterLosses l;
+    const int64_t T_ = st.tokens, E = c_.num_experts;
+    if (T_ == 0) return l;
+    if (c_.aux_loss_coef != 0) {
+      std::vector<double> P(E, 0.0);
+      std::vector<T> p(E);
+      for (int64_t t = 0; t < T_; ++t) {
+        normalized(&st.scores[t * E], p.data(), E);
+        for (int64_t e = 0; e < E; ++e) P[e] += double(p[e]) / double(T_);
+      }
+      double s = 0;
+      for (int64_t e = 0; e < E; ++e) s += st.fraction[e] * P[e];
+      l.aux_loss = c_.aux_loss_coef * double(E) * s;
+    }
+    if (c_.z_loss_coef != 0) {
+      double z = 0;
+      for (int64_t t = 0; t < T_; ++t) {
+        const double v = double(logsumexp(&st.logits[t * E], E));
+        z += v * v;
+      }
+      l.z_loss = c_.z_loss_coef * z / double(T_);
+    }
+    return l;
+  }
+
+  // d scores from d weights through renormalization and route scale.
+  void selection_backward(const T* sc, const int32_t* sel, const T* dw, T* ds) const {
+    const int64_t k = c_.top_k;
+    const T scale = static_cast<T>(c_.route_scale);
+    if (!c_.renormalize) {
+      for (int64_t j = 0; j < k; ++j) ds[sel[j]] += scale * dw[j];
+      return;
+    }
+    T S = 0, dot_ws = 0;
+    for (int64_t j = 0; j < k; ++j) {
+      S += sc[sel[j]];
+      dot_ws += dw[j] * sc[sel[j]];
+    }
+    for (int64_t j = 0; j < k; ++j) ds[sel[j]] += scale * (dw[j] / S - dot_ws / (S * S));
+  }
+
+  // The balancing loss treats the route fractions f_e as constants (they are counts).
+  void aux_loss_backward(const T* sc, const RouterState<T>& st, T* ds, int64_t T_) const {
+    if (c_.aux_loss_coef == 0) return;
+    const int64_t E = c_.num_experts;
+    std::vector<T> dp(E), p(E);
+    for (int64_t e = 0; e < E; ++e) dp[e] = static_cast<T>(c_.aux_loss_coef * double(E) * st.fraction[e] / double(T_));
+    normalized(sc, p.data(), E);
+    T sum = 0, dpp = 0;
+    for (int64_t e = 0; e < E; ++e) {
+      sum += sc[e];
+      dpp += dp[e] * p[e];
+    }
+    for (int64_t e = 0; e < E; ++e) ds[e] += (dp[e] - dpp) / sum;
+  }
+
+  void scores_backward(const T* lg, const T* sc, const T* ds, T* dl, int64_t E) const {
+    (void)lg;
+    if (c_.score == ScoreFunction::sigmoid) {
+      for (int64_t e = 0; e < E; ++e) dl[e] = ds[e] * sc[e] * (T(1) - sc[e]);
+      return;
+    }
+    T dot_sp = 0;
+    for (int64_t e = 0; e < E; ++e) dot_sp += ds[e] * sc[e];
+    for (int64_t e = 0; e < E; ++e) dl[e] = sc[e] * (ds[e] - dot_sp);
+  }
+
+  void z_loss_backward(const T* lg, T* dl, int64_t E, int64_t T_) const {
+    if (c_.z_loss_coef == 0) return;
+    const T lse = logsumexp(lg, E);
+    const T coef = static_cast<T>(2.0 * c_.z_loss_coef / double(T_)) * lse;
+    for (int64_t e = 0; e < E; ++e) dl[e] += coef * std::exp(lg[e] - lse);
+  }
+
+  RouterConfig c_;
+  int threads_;
+};
+
+class CpuRouterByDtype final : public Router {
+ public:
+  CpuRouterByDtype(const RouterConfig& c, int threads) : config_(c), f32_(c, threads), f64_(c, threads) {
+    require(c.hidden > 0 && c.num_experts > 0 && c.top_k > 0, ErrorCode::invalid_argument,
+            "router hidden, num_experts and top_k must be positive");
+    require(c.top_k <= c.num_experts, ErrorCode::invalid_argument, "router top_k exceeds num_experts");
+    require(std::isfinite(c.route_scale), ErrorCode::invalid_argument, "route_scale must be finite");
+  }
+  const RouterConfig& config() const override { return config_; }
+  std::unique_ptr<RouterContext> forward(const TensorView& x, const TensorView& w, const TensorView& bias,
+                                         const RouterOutputs& out) override {
+    if (x.dtype == DType::f64) return f64_.forward(x, w, bias, out);
+    require(x.dtype == DType::f32, ErrorCode::invalid_argument, "the CPU router computes in f32 or f64");
+    return f32_.forward(x, w, bias, out);
+  }
+  void backward(const RouterContext& saved, const TensorView& dw, const TensorView& dx,
+                const TensorView& dwr) override {
+    if (dx.dtype == DType::f64) return f64_.backward(saved, dw, dx, dwr);
+    f32_.backward(saved, dw, dx, dwr);
+  }
+
+ private:
+  RouterConfig config_;
+  CpuRouter<float> f32_;
+  CpuRouter<double> f64_;
+};
+
+}  // namespace
+
+std::unique_ptr<Router> make_cpu_router(const RouterConfig& config, const LayerOptions& options) {
+  return std::make_unique<CpuRouterByDtype>(config, resolve_threads(options.num_threads, 1));
+}
+
+}  // namespace moka::cpu

@@ -1,0 +1,115 @@
+// Row-level math of one SwiGLU expert, the CPU reference of every GPU stage. Each function
+// computes whole output rows in a fixed summation order, so results do not depend on threads.
+#pragma once
+#include <cstdint>
+#include <vector>
+
+#include "core/activation.hpp"
+#include "moka/config.hpp"
+
+namespace moka::cpu {
+
+// One expert's weights: gate/up [I, H], down [H, I].
+template <typename T>
+struct ExpertWeights {
+  const T* gate;
+  const T* up;
+  const T* down;
+  int64_t hidden, intermediate;
+};
+
+struct ActivationSpec {
+  bool clamped = false;
+  double limit = 7.0;
+  static ActivationSpec of(const MoeShape& s) {
+    return {s.activation == Activation::swiglu_clamped, static_cast<double>(s.clamp_limit)};
+  }
+};
+
+template <typename T>
+T dot(const T* a, const T* b, int64_t n) {
+  T acc = 0;
+  for (int64_t i = 0; i < n; ++i) acc += a[i] * b[i];
+  return acc;
+}
+
+// g = W_gate x, u = W_up x, h = act(g, u) for one row.
+template <typename T>
+void gate_up_row(const ExpertWeights<T>& w, ActivationSpec act, const T* x, T* g, T* u, T* h) {
+  for (int64_t i = 0; i < w.intermediate; ++i) {
+    g[i] = dot(w.gate + i * w.hidden, x, w.hidden);
+    u[i] = dot(w.up + i * w.hidden, x, w.hidden);
+    h[i] = core::swiglu_forward<T>(g[i], u[i], act.clamped, static_cast<T>(act.limit));
+  }
+}
+
+// y = W_down h for one row.
+template <typename T>
+void down_row(const ExpertWeights<T>& w, const T* h, T* y) {
+  for (int64_t o = 0; o < w.hidden; ++o) y[o] = dot(w.down + o * w.intermediate, h, w.intermediate);
+}
+
+// Backward of one routed row whose output was scaled by `route_weight`:
+//   dh_u = W_down^T d_out;  d_route_weight = <dh_u, h>  (= <d_out, y>);  dh = route_weight*dh_u;
+//   (dg, du) = act'(g, u) dh;  dx = W_gate^T dg + W_up^T du.
+// Scratch `dh` has I entries. Returns d_route_weight.
+template <typename T>
+T backward_row(const ExpertWeights<T>& w, ActivationSpec act, const T* g, const T* u, const T* h,
+               const T* d_out, T route_weight, T* dh, T* dg, T* du, T* dx) {
+  const int64_t H = w.hidden, I = w.intermediate;
+  for (int64_t i = 0; i < I; ++i) dh[i] = 0;
+  for (int64_t o = 0; o < H; ++o) {
+    const T d = d_out[o];
+    const T* row = w.down + o * I;
+    for (int64_t i = 0; i < I; ++i) dh[i] += row[i] * d;
+  }
+  const T d_weight = dot(dh, h, I);
+  for (int64_t i = 0; i < I; ++i) {
+    core::swiglu_backward<T>(g[i], u[i], route_weight * dh[i], act.clamped, static_cast<T>(act.limit),
+                             dg[i], du[i]);
+  }
+  for (int64_t c = 0; c < H; ++c) dx[c] = 0;
+  for (int64_t i = 0; i < I; ++i) {
+    const T* wg = w.gate + i * H;
+    const T* wu = w.up + i * H;
+    for (int64_t c = 0; c < H; ++c) dx[c] += wg[c] * dg[i] + wu[c] * du[i];
+  }
+  return d_weight;
+}
+
+// Weight gradients of one expert over its rows in the given (canonical) order. Row r of the
+// row-major activations a[r * width]. `scale[r]` multiplies d_out rows (the route weight).
+// Output rows [row_begin, row_end) of each of the three gradients, so callers can split work.
+template <typename T>
+void gate_up_weight_grad_rows(const std::vector<int64_t>& rows, const T* dg, const T* du, const T* x,
+                              int64_t H, int64_t I, int64_t i_begin, int64_t i_end, T* d_gate, T* d_up) {
+  for (int64_t i = i_begin; i < i_end; ++i) {
+    T* ag = d_gate + i * H;
+    T* au = d_up + i * H;
+    for (int64_t c = 0; c < H; ++c) ag[c] = au[c] = 0;
+    for (int64_t r : rows) {
+      const T gi = dg[r * I + i], ui = du[r * I + i];
+      const T* xr = x + r * H;
+      for (int64_t c = 0; c < H; ++c) {
+        ag[c] += gi * xr[c];
+        au[c] += ui * xr[c];
+      }
+    }
+  }
+}
+
+template <typename T>
+void down_weight_grad_rows(const std::vector<int64_t>& rows, const T* scale, const T* d_out, const T* h,
+                           int64_t H, int64_t I, int64_t o_begin, int64_t o_end, T* d_down) {
+  for (int64_t o = o_begin; o < o_end; ++o) {
+    T* acc = d_down + o * I;
+    for (int64_t i = 0; i < I; ++i) acc[i] = 0;
+    for (int64_t r : rows) {
+      const T d = scale[r] * d_out[r * H + o];
+      const T* hr = h + r * I;
+      for (int64_t i = 0; i < I; ++i) acc[i] += d * hr[i];
+    }
+  }
+}
+
+}  // namespace moka::cpu

@@ -1,0 +1,148 @@
+// Owning host buffers for one rank's layer tensors, with the views the API takes. Used by the
+// CLI, the tests and the GPU checks to build inputs and hold reference results.
+#pragma once
+#include <cmath>
+#include <cstdint>
+#include <random>
+#include <vector>
+
+#include "cpu/compare.hpp"
+#include "moka/layer.hpp"
+
+namespace moka::cpu {
+
+template <typename T>
+constexpr DType dtype_of() {
+  return std::is_same_v<T, double> ? DType::f64 : DType::f32;
+}
+
+template <typename T>
+struct LayerBuffers {
+  MoeShape shape;
+  int world_size = 1;
+  int64_t tokens = 0;
+  std::vector<T> x, out, d_out, topk_weights, d_x, d_topk_weights;
+  std::vector<int32_t> topk_ids;
+  std::vector<T> w_gate, w_up, w_down, ws_gate, ws_up, ws_down;
+  std::vector<T> d_w_gate, d_w_up, d_w_down, d_ws_gate, d_ws_up, d_ws_down;
+
+  LayerBuffers(const MoeShape& s, int world, int64_t T_) : shape(s), world_size(world), tokens(T_) {
+    const int64_t H = s.hidden, I = s.intermediate, k = s.top_k, El = s.num_experts / world;
+    const int64_t Is = s.shared_intermediate;
+    x.resize(T_ * H);
+    out.resize(T_ * H);
+    d_out.resize(T_ * H);
+    d_x.resize(T_ * H);
+    topk_ids.resize(T_ * k);
+    topk_weights.resize(T_ * k);
+    d_topk_weights.resize(T_ * k);
+    for (auto* v : {&w_gate, &w_up, &d_w_gate, &d_w_up}) v->resize(El * I * H);
+    for (auto* v : {&w_down, &d_w_down}) v->resize(El * H * I);
+    for (auto* v : {&ws_gate, &ws_up, &ws_down, &d_ws_gate, &d_ws_up, &d_ws_down}) v->resize(Is * H);
+  }
+
+  // Random x, d_out (N(0,1)), weights N(0, 1/fan_in), router weights U(0.1, 1).
+  void randomize(uint64_t seed) {
+    std::mt19937_64 rng(seed);
+    std::normal_distribution<double> n01(0.0, 1.0);
+    auto fill = [&](std::vector<T>& v, double std) {
+      for (auto& e : v) e = static_cast<T>(n01(rng) * std);
+    };
+    fill(x, 1.0);
+    fill(d_out, 1.0);
+    const double H = double(shape.hidden), I = double(shape.intermediate);
+    fill(w_gate, 1 / std::sqrt(H));
+    fill(w_up, 1 / std::sqrt(H));
+    fill(w_down, 1 / std::sqrt(I));
+    if (shape.has_shared()) {
+      fill(ws_gate, 1 / std::sqrt(H));
+      fill(ws_up, 1 / std::sqrt(H));
+      fill(ws_down, 1 / std::sqrt(double(shape.shared_intermediate)));
+    }
+    std::uniform_real_distribution<double> uw(0.1, 1.0);
+    for (auto& w : topk_weights) w = static_cast<T>(uw(rng));
+  }
+
+  // Every output poisoned with NaN, so a value the layer forgot to write fails any check.
+  void poison_outputs() {
+    for (auto* v : {&out, &d_x, &d_topk_weights, &d_w_gate, &d_w_up, &d_w_down, &d_ws_gate, &d_ws_up, &d_ws_down})
+      std::fill(v->begin(), v->end(), std::numeric_limits<T>::quiet_NaN());
+  }
+
+  MoeInputs inputs() {
+    const int64_t H = shape.hidden, k = shape.top_k;
+    return {view(x, {tokens, H}), TensorView(topk_ids.data(), DType::i32, {tokens, k}), view(topk_weights, {tokens, k})};
+  }
+  MoeWeights weights() {
+    const int64_t H = shape.hidden, I = shape.intermediate, El = shape.num_experts / world_size;
+    const int64_t Is = shape.shared_intermediate;
+    MoeWeights w{view(w_gate, {El, I, H}), view(w_up, {El, I, H}), view(w_down, {El, H, I}), {}, {}, {}};
+    if (shape.has_shared()) {
+      w.ws_gate = view(ws_gate, {Is, H});
+      w.ws_up = view(ws_up, {Is, H});
+      w.ws_down = view(ws_down, {H, Is});
+    }
+    return w;
+  }
+  MoeGradients gradients() {
+    const int64_t H = shape.hidden, I = shape.intermediate, El = shape.num_experts / world_size, k = shape.top_k;
+    const int64_t Is = shape.shared_intermediate;
+    MoeGradients g{view(d_x, {tokens, H}), view(d_topk_weights, {tokens, k}), view(d_w_gate, {El, I, H}),
+                   view(d_w_up, {El, I, H}), view(d_w_down, {El, H, I}), {}, {}, {}};
+    if (shape.has_shared()) {
+      g.d_ws_gate = view(d_ws_gate, {Is, H});
+      g.d_ws_up = view(d_ws_up, {Is, H});
+      g.d_ws_down = view(d_ws_down, {H, Is});
+    }
+    return g;
+  }
+  TensorView out_view() { return view(out, {tokens, shape.hidden}); }
+  TensorView d_out_view() { return view(d_out, {tokens, shape.hidden}); }
+
+  static TensorView view(std::vector<T>& v, std::initializer_list<int64_t> dims) {
+    return TensorView(v.data(), dtype_of<T>(), dims);
+  }
+};
+
+}  // namespace moka::cpu
+
+namespace moka::cpu {
+
+// The same tensors in another precision (inputs and weights; outputs are left to compute).
+template <typename To, typename From>
+LayerBuffers<To> convert_buffers(const LayerBuffers<From>& src) {
+  LayerBuffers<To> dst(src.shape, src.world_size, src.tokens);
+  auto cp = [](std::vector<To>& d, const std::vector<From>& s) { d.assign(s.begin(), s.end()); };
+  cp(dst.x, src.x);
+  cp(dst.d_out, src.d_out);
+  cp(dst.topk_weights, src.topk_weights);
+  dst.topk_ids = src.topk_ids;
+  cp(dst.w_gate, src.w_gate);
+  cp(dst.w_up, src.w_up);
+  cp(dst.w_down, src.w_down);
+  cp(dst.ws_gate, src.ws_gate);
+  cp(dst.ws_up, src.ws_up);
+  cp(dst.ws_down, src.ws_down);
+  return dst;
+}
+
+// Largest relative error over every output of a layer's forward and backward.
+template <typename A, typename R>
+double max_layer_error(const LayerBuffers<A>& a, const LayerBuffers<R>& ref) {
+  double e = 0;
+  auto upd = [&](const auto& x, const auto& y) {
+    if (!y.empty()) e = std::max(e, max_rel_error(x, y));
+  };
+  upd(a.out, ref.out);
+  upd(a.d_x, ref.d_x);
+  upd(a.d_topk_weights, ref.d_topk_weights);
+  upd(a.d_w_gate, ref.d_w_gate);
+  upd(a.d_w_up, ref.d_w_up);
+  upd(a.d_w_down, ref.d_w_down);
+  upd(a.d_ws_gate, ref.d_ws_gate);
+  upd(a.d_ws_up, ref.d_ws_up);
+  upd(a.d_ws_down, ref.d_ws_down);
+  return e;
+}
+
+}  // namespace moka::cpu

@@ -1,0 +1,110 @@
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <set>
+
+#include "core/routing_gen.hpp"
+#include "core/schedule.hpp"
+
+using namespace moka::core;
+
+namespace {
+std::vector<int32_t> routing(int R, int64_t T, int64_t k, int64_t E, RoutingKind kind, uint64_t seed) {
+  std::vector<int32_t> all;
+  for (int r = 0; r < R; ++r) {
+    auto ids = sample_topk_ids({kind, 0.35, seed}, T, k, E, r);
+    all.insert(all.end(), ids.begin(), ids.end());
+  }
+  return all;
+}
+}  // namespace
+
+class ScheduleInvariants : public ::testing::TestWithParam<std::tuple<int, int64_t, int64_t, RoutingKind>> {};
+
+TEST_P(ScheduleInvariants, EveryRoutePlacedOnceWithCorrectPadding) {
+  const auto [R, T, tile, kind] = GetParam();
+  const int64_t k = 3, E = 16;
+  const auto all = routing(R, T, k, E, kind, 7);
+  std::set<std::tuple<int, int64_t>> seen;
+  for (int rank = 0; rank < R; ++rank) {
+    ScheduleDims d{R, T, k, E / R, rank * (E / R), tile};
+    const auto s = build_receive_schedule(d, all.data());
+    ASSERT_EQ(s.expert_offset.size(), size_t(E / R + 1));
+    for (int64_t e = 0; e < E / R; ++e) {
+      const int64_t seg = s.expert_offset[e + 1] - s.expert_offset[e];
+      EXPECT_EQ(seg % tile, 0);
+      EXPECT_GE(seg, s.expert_rows[e]);
+      EXPECT_LT(seg - s.expert_rows[e], tile);
+      // Real rows first, padding after; each real row routes to this expert.
+      for (int64_t r = s.expert_offset[e]; r < s.expert_offset[e + 1]; ++r) {
+        const bool real = r < s.expert_offset[e] + s.expert_rows[e];
+        EXPECT_EQ(s.row_source[r] >= 0, real);
+        if (real) {
+          EXPECT_EQ(all[s.row_source[r] * T * k + s.row_slot[r]], d.first_local_expert + e);
+          EXPECT_TRUE(seen.insert({s.row_source[r], s.row_slot[r]}).second) << "route placed twice";
+        }
+      }
+    }
+  }
+  EXPECT_EQ(seen.size(), size_t(R * T * k)) << "every route placed exactly once";
+}
+
+INSTANTIATE_TEST_SUITE_P(Shapes, ScheduleInvariants,
+                         ::testing::Combine(::testing::Values(1, 2, 4, 8), ::testing::Values<int64_t>(0, 1, 37, 256),
+                                            ::testing::Values<int64_t>(1, 8, 128),
+                                            ::testing::Values(RoutingKind::uniform, RoutingKind::zipf,
+                                                              RoutingKind::one_expert)));
+
+TEST(Schedule, InterleavesSourcesRoundRobinAndKeepsSlotOrder) {
+  // 2 ranks, T=3, k=1, one expert: rank 0 routes tokens 0,1,2; rank 1 routes token 0 and 2.
+  const int32_t ids[] = {0, 0, 0, 0, 1, 0};
+  ScheduleDims d{2, 3, 1, 1, 0, 4};
+  // With 2 experts split over 2 ranks, rank 0 owns expert 0.
+  d.num_local_experts = 1;
+  const auto s = build_receive_schedule(d, ids);
+  ASSERT_EQ(s.expert_rows[0], 5);
+  const std::vector<int32_t> src = {0, 1, 0, 1, 0, -1, -1, -1};
+  const std::vector<int64_t> slot = {0, 0, 1, 2, 2, -1, -1, -1};
+  EXPECT_EQ(s.row_source, src);
+  EXPECT_EQ(s.row_slot, slot);
+  EXPECT_EQ(s.canonical_rows[0], (std::vector<int64_t>{0, 2, 4, 1, 3}));
+}
+
+TEST(Schedule, IsDeterministic) {
+  const auto all = routing(4, 100, 2, 8, RoutingKind::zipf, 3);
+  ScheduleDims d{4, 100, 2, 2, 2, 16};
+  const auto a = build_receive_schedule(d, all.data());
+  const auto b = build_receive_schedule(d, all.data());
+  EXPECT_EQ(a.row_source, b.row_source);
+  EXPECT_EQ(a.row_slot, b.row_slot);
+  EXPECT_EQ(a.counts, b.counts);
+}
+
+TEST(Schedule, SendPlanMatchesReceiverOrder) {
+  const int R = 4;
+  const int64_t T = 50, k = 2, E = 8;
+  const auto all = routing(R, T, k, E, RoutingKind::uniform, 5);
+  for (int dst = 0; dst < R; ++dst) {
+    ScheduleDims d{R, T, k, E / R, dst * (E / R), 8};
+    const auto s = build_receive_schedule(d, all.data());
+    const auto by_src = rows_by_source(s);
+    for (int src = 0; src < R; ++src) {
+      const auto plan = build_send_plan(all.data() + src * T * k, T, k, E, R);
+      const int64_t n = plan.rank_offset[dst + 1] - plan.rank_offset[dst];
+      ASSERT_EQ(n, int64_t(by_src[src].size()));
+      for (int64_t i = 0; i < n; ++i)
+        EXPECT_EQ(s.row_slot[by_src[src][i]], plan.slots[plan.rank_offset[dst] + i]);
+    }
+  }
+}
+
+TEST(RoutingGen, ZipfHitsTargetGini) {
+  for (double g : {0.1, 0.2, 0.38}) {
+    const auto p = expert_popularity({RoutingKind::zipf, g, 1}, 128);
+    EXPECT_NEAR(gini(p), g, 1e-6);
+  }
+  const auto ids = sample_topk_ids({RoutingKind::zipf, 0.3, 1}, 4000, 4, 64);
+  std::vector<double> load(64, 0);
+  for (int32_t e : ids) load[e] += 1;
+  EXPECT_NEAR(gini(load), 0.3, 0.05);
+}

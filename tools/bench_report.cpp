@@ -1,0 +1,74 @@
+#include "bench_report.hpp"
+
+#include <unistd.h>
+
+#include <algorithm>
+#include <cstdio>
+#include <iomanip>
+#include <iostream>
+#include <nlohmann/json.hpp>
+
+#include "moka/moka.hpp"
+
+namespace moka::cli {
+
+double median(std::vector<double> v) {
+  if (v.empty()) return 0;
+  std::sort(v.begin(), v.end());
+  const size_t n = v.size();
+  return n % 2 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);
+}
+
+std::string bench_json(const BenchRow& r) {
+  nlohmann::ordered_json j;
+  j["shape"] = r.shape;
+  j["backend"] = r.backend;
+  j["path"] = r.path;
+  j["ep"] = r.ep;
+  j["tokens_per_rank"] = r.tokens_per_rank;
+  j["dtype"] = r.dtype;
+  j["routing"] = r.routing;
+  j["iters"] = r.iters;
+  j["fwd_ms"] = r.fwd_ms;
+  j["bwd_ms"] = r.bwd_ms;
+  j["fwdbwd_ms"] = r.fwdbwd_ms;
+  j["tflops"] = r.tflops;
+  j["max_rel_error"] = r.max_rel_error;
+  j["commit"] = build_commit();
+  j["device"] = r.device;
+  std::string s = j.dump();
+  if (!r.extra_json.empty()) s = s.substr(0, s.size() - 1) + ", " + r.extra_json + "}";
+  return s;
+}
+
+void print_table(std::ostream& os, const std::vector<BenchRow>& rows) {
+  os << std::left << std::setw(16) << "shape" << std::setw(10) << "path" << std::setw(8) << "backend"
+     << std::setw(4) << "ep" << std::right << std::setw(8) << "tokens" << std::setw(11) << "fwd ms"
+     << std::setw(11) << "bwd ms" << std::setw(11) << "fwd+bwd ms" << std::setw(10) << "TFLOP/s"
+     << std::setw(12) << "max rel err" << "\n";
+  for (const auto& r : rows) {
+    os << std::left << std::setw(16) << r.shape << std::setw(10) << r.path << std::setw(8) << r.backend
+       << std::setw(4) << r.ep << std::right << std::setw(8) << r.tokens_per_rank << std::fixed
+       << std::setprecision(3) << std::setw(11) << r.fwd_ms << std::setw(11) << r.bwd_ms << std::setw(11)
+       << r.fwdbwd_ms << std::setprecision(4) << std::setw(10) << r.tflops << std::scientific
+       << std::setprecision(2) << std::setw(12) << r.max_rel_error << std::defaultfloat << "\n";
+  }
+}
+
+Progress::Progress(std::string label) : label_(std::move(label)), tty_(isatty(STDERR_FILENO) != 0) {}
+
+void Progress::update(const std::string& what, int done, int total) {
+  const std::string line = label_ + " " + what + " [" + std::to_string(done) + "/" + std::to_string(total) + "]";
+  if (tty_) {
+    std::fprintf(stderr, "\r\033[K%s", line.c_str());
+  } else if (what != last_) {
+    std::fprintf(stderr, "%s\n", line.c_str());
+  }
+  last_ = what;
+}
+
+void Progress::finish() {
+  if (tty_) std::fprintf(stderr, "\r\033[K");
+}
+
+}  // namespace moka::cli

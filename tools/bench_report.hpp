@@ -1,0 +1,39 @@
+// Result rows of `moka bench`: the table for people and one JSON line per case for
+// bench/results/.
+#pragma once
+#include <cstdint>
+#include <iosfwd>
+#include <string>
+#include <vector>
+
+namespace moka::cli {
+
+struct BenchRow {
+  std::string shape, backend, path, device, dtype, routing;
+  int ep = 1;
+  int64_t tokens_per_rank = 0;
+  int iters = 0;
+  double fwd_ms = 0, bwd_ms = 0, fwdbwd_ms = 0;
+  double tflops = 0;          // useful FLOPs of forward+backward per rank / fwdbwd time
+  double max_rel_error = -1;  // against the fp64 reference; -1 = not checked
+  std::string extra_json;     // further fields as `"key": value, ...` (may be empty)
+};
+
+double median(std::vector<double> v);
+std::string bench_json(const BenchRow& row);
+void print_table(std::ostream& os, const std::vector<BenchRow>& rows);
+
+// A progress line on stderr, redrawn in place on a terminal and printed once per case otherwise.
+class Progress {
+ public:
+  explicit Progress(std::string label);
+  void update(const std::string& what, int done, int total);
+  void finish();
+
+ private:
+  std::string label_;
+  bool tty_;
+  std::string last_;
+};
+
+}  // namespace moka::cli

@@ -1,0 +1,9 @@
+// Each `moka` subcommand registers itself on the CLI11 app.
+#pragma once
+#include <CLI/CLI.hpp>
+
+namespace moka::cli {
+
+void register_bench(CLI::App& app);
+
+}  // namespace moka::cli

@@ -1,0 +1,23 @@
+// The `moka` command-line tool.
+#include <iostream>
+
+#include "commands.hpp"
+#include "moka/error.hpp"
+
+int main(int argc, char** argv) {
+  CLI::App app{"moka: Mixture-of-Experts layers for NVLink-connected Hopper GPUs"};
+  app.require_subcommand(1);
+  moka::cli::register_bench(app);
+  try {
+    app.parse(argc, argv);
+  } catch (const CLI::ParseError& e) {
+    return app.exit(e);
+  } catch (const moka::Error& e) {
+    std::cerr << "moka: " << e.what() << "\n";
+    return 2;
+  } catch (const std::exception& e) {
+    std::cerr << "moka: " << e.what() << "\n";
+    return 3;
+  }
+  return 0;
+}
