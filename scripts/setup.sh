@@ -1,0 +1,18 @@
+#!/usr/bin/env bash
+# Installs what moka's build and tests need on a Debian machine (idempotent).
+set -euo pipefail
+packages=(cmake ninja-build g++ git python3 libgtest-dev libcli11-dev nlohmann-json3-dev)
+missing=()
+for p in "${packages[@]}"; do
+  dpkg -s "$p" >/dev/null 2>&1 || missing+=("$p")
+done
+if ((${#missing[@]})); then
+  SUDO=""
+  [ "$(id -u)" -eq 0 ] || SUDO="sudo"
+  $SUDO apt-get update -qq
+  DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq "${missing[@]}"
+fi
+# nvcc lives outside PATH on some machines; CMake finds it through PATH or CUDACXX.
+if ! command -v nvcc >/dev/null && [ -x /usr/local/cuda/bin/nvcc ]; then
+  echo "setup: nvcc found at /usr/local/cuda/bin (add it to PATH to build the CUDA backend)"
+fi

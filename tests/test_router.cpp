@@ -1,0 +1,155 @@
+// Router forward (selection, weights, losses, counts) and fp64 finite-difference backward.
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <numeric>
+#include <random>
+
+#include "moka/moka.hpp"
+
+using namespace moka;
+
+namespace {
+
+struct RouterCase {
+  RouterConfig config;
+  int64_t tokens = 7;
+  std::vector<double> x, w, bias, g;  // g: upstream gradient of the top-k weights
+  std::vector<int32_t> ids;
+  std::vector<double> weights;
+  std::vector<int32_t> counts;
+
+  explicit RouterCase(RouterConfig c, uint64_t seed = 3) : config(c) {
+    std::mt19937_64 rng(seed);
+    std::normal_distribution<double> nd(0, 1);
+    x.resize(tokens * c.hidden);
+    w.resize(c.num_experts * c.hidden);
+    bias.resize(c.num_experts);
+    g.resize(tokens * c.top_k);
+    for (auto* v : {&x, &w, &bias, &g})
+      for (auto& e : *v) e = nd(rng);
+    ids.resize(tokens * c.top_k);
+    weights.resize(tokens * c.top_k);
+    counts.resize(c.num_experts);
+  }
+  TensorView bias_view() { return config.use_selection_bias ? TensorView(bias.data(), DType::f64, {config.num_experts}) : TensorView{}; }
+  std::unique_ptr<RouterContext> forward(Router& r) {
+    RouterOutputs out{TensorView(ids.data(), DType::i32, {tokens, config.top_k}),
+                      TensorView(weights.data(), DType::f64, {tokens, config.top_k}),
+                      TensorView(counts.data(), DType::i32, {config.num_experts})};
+    return r.forward(TensorView(x.data(), DType::f64, {tokens, config.hidden}),
+                     TensorView(w.data(), DType::f64, {config.num_experts, config.hidden}), bias_view(), out);
+  }
+  // Training loss the router contributes: <weights, g> + aux + z.
+  double loss(Router& r) {
+    auto ctx = forward(r);
+    const auto l = ctx->losses();
+    return std::inner_product(weights.begin(), weights.end(), g.begin(), 0.0) + l.aux_loss + l.z_loss;
+  }
+};
+
+RouterConfig config(ScoreFunction score, bool renorm, bool bias, double aux, double z) {
+  RouterConfig c;
+  c.hidden = 6;
+  c.num_experts = 8;
+  c.top_k = 3;
+  c.score = score;
+  c.renormalize = renorm;
+  c.use_selection_bias = bias;
+  c.route_scale = 1.7;
+  c.aux_loss_coef = aux;
+  c.z_loss_coef = z;
+  return c;
+}
+
+class RouterGradCheck : public ::testing::TestWithParam<std::tuple<ScoreFunction, bool, bool>> {};
+
+TEST_P(RouterGradCheck, BackwardMatchesFiniteDifferences) {
+  const auto [score, renorm, bias] = GetParam();
+  RouterCase rc(config(score, renorm, bias, 0.3, 0.05));
+  auto router = make_router(rc.config, Backend::cpu);
+  auto ctx = rc.forward(*router);
+  EXPECT_GT(ctx->losses().aux_loss, 0);
+  EXPECT_GT(ctx->losses().z_loss, 0);
+  std::vector<double> dx(rc.x.size()), dw(rc.w.size());
+  router->backward(*ctx, TensorView(rc.g.data(), DType::f64, {rc.tokens, 3}),
+                   TensorView(dx.data(), DType::f64, {rc.tokens, 6}), TensorView(dw.data(), DType::f64, {8, 6}));
+  const auto selected = rc.ids;
+  auto check = [&](std::vector<double>& param, const std::vector<double>& analytic, const char* name) {
+    for (size_t i = 0; i < param.size(); ++i) {
+      const double saved = param[i], eps = 1e-6;
+      param[i] = saved + eps;
+      const double lp = rc.loss(*router);
+      param[i] = saved - eps;
+      const double lm = rc.loss(*router);
+      param[i] = saved;
+      ASSERT_EQ(rc.ids, selected) << "perturbation changed the selection; pick another seed";
+      const double numeric = (lp - lm) / (2 * eps);
+      ASSERT_NEAR(numeric, analytic[i], 1e-6 * std::max(1.0, std::abs(numeric))) << name << "[" << i << "]";
+    }
+  };
+  check(rc.x, dx, "x");
+  check(rc.w, dw, "w_router");
+}
+
+INSTANTIATE_TEST_SUITE_P(Variants, RouterGradCheck,
+                         ::testing::Combine(::testing::Values(ScoreFunction::softmax, ScoreFunction::sigmoid),
+                                            ::testing::Bool(), ::testing::Bool()));
+
+TEST(Router, SelectsByScorePlusBiasButWeighsByScoreAlone) {
+  RouterConfig c = config(ScoreFunction::sigmoid, false, true, 0, 0);
+  c.route_scale = 1.0;
+  RouterCase rc(c);
+  std::fill(rc.bias.begin(), rc.bias.end(), 0.0);
+  rc.bias[5] = 100.0;  // expert 5 always selected, first
+  auto router = make_router(c, Backend::cpu);
+  rc.forward(*router);
+  for (int64_t t = 0; t < rc.tokens; ++t) {
+    EXPECT_EQ(rc.ids[t * 3], 5);
+    double logit = 0;
+    for (int64_t h = 0; h < 6; ++h) logit += rc.w[5 * 6 + h] * rc.x[t * 6 + h];
+    EXPECT_NEAR(rc.weights[t * 3], 1 / (1 + std::exp(-logit)), 1e-12);
+  }
+  EXPECT_EQ(rc.counts[5], rc.tokens);
+  EXPECT_EQ(std::accumulate(rc.counts.begin(), rc.counts.end(), 0), rc.tokens * 3);
+}
+
+TEST(Router, RenormalizedWeightsSumToRouteScaleAndTiesGoToLowerIds) {
+  RouterConfig c = config(ScoreFunction::softmax, true, false, 0, 0);
+  RouterCase rc(c);
+  std::fill(rc.w.begin(), rc.w.end(), 0.0);  // all logits equal: a full tie
+  auto router = make_router(c, Backend::cpu);
+  rc.forward(*router);
+  for (int64_t t = 0; t < rc.tokens; ++t) {
+    EXPECT_EQ(rc.ids[t * 3 + 0], 0);
+    EXPECT_EQ(rc.ids[t * 3 + 1], 1);
+    EXPECT_EQ(rc.ids[t * 3 + 2], 2);
+    EXPECT_NEAR(rc.weights[t * 3] + rc.weights[t * 3 + 1] + rc.weights[t * 3 + 2], 1.7, 1e-12);
+  }
+}
+
+TEST(Router, NonFiniteLogitsAreAnError) {
+  RouterCase rc(config(ScoreFunction::softmax, false, false, 0, 0));
+  rc.x[0] = NAN;
+  auto router = make_router(rc.config, Backend::cpu);
+  try {
+    rc.forward(*router);
+    FAIL();
+  } catch (const Error& e) {
+    EXPECT_EQ(e.code(), ErrorCode::non_finite);
+  }
+}
+
+TEST(LoadBalance, StatsAndBiasUpdate) {
+  const auto s = load_stats({4, 4, 4, 4});
+  EXPECT_DOUBLE_EQ(s.max_over_mean, 1.0);
+  EXPECT_DOUBLE_EQ(s.gini, 0.0);
+  const auto skew = load_stats({0, 0, 0, 16});
+  EXPECT_DOUBLE_EQ(skew.max_over_mean, 4.0);
+  EXPECT_NEAR(skew.gini, 0.75, 1e-12);
+  std::vector<double> bias(3, 0.0);
+  update_selection_bias(bias, {1, 5, 3}, 0.01);
+  EXPECT_EQ(bias, (std::vector<double>{0.01, -0.01, 0.0}));
+}
+
+}  // namespace
