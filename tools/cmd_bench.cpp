@@ -3,7 +3,7 @@
 #include <chrono>
 #include <fstream>
 #include <iostream>
-#include <mutex>
+#include <optional>
 #include <nlohmann/json.hpp>
 #include <sstream>
 #include <thread>
@@ -12,6 +12,7 @@
 #include "commands.hpp"
 #include "core/routing_gen.hpp"
 #include "cpu/layer_buffers.hpp"
+#include "moka/distributed.hpp"
 #include "moka/moka.hpp"
 
 namespace moka::cli {
@@ -34,6 +35,8 @@ struct BenchOptions {
   // A custom shape (used when --hidden is given).
   int64_t hidden = 0, intermediate = 0, experts = 0, top_k = 0, shared = 0;
   int fail_rank = -1;
+  std::string fail_mode = "bad-input";
+  int gpus = 1;
 };
 
 NamedShape custom_shape(const BenchOptions& o) {
@@ -67,11 +70,11 @@ void make_routing(const NamedShape& ns, const BenchOptions& o, int rank, cpu::La
   b.topk_ids = core::sample_topk_ids(spec, b.tokens, s.top_k, s.num_experts, static_cast<uint64_t>(rank));
 }
 
-std::string cpu_device_name(int ep, int threads) {
+std::string cpu_device_name(int ranks, int threads, bool processes) {
   const unsigned hw = std::thread::hardware_concurrency();
   std::ostringstream os;
   os << "cpu (" << hw << " hardware threads";
-  if (ep > 1) os << ", " << ep << " emulated ranks";
+  if (ranks > 1) os << ", " << ranks << (processes ? " worker processes" : " emulated ranks");
   if (threads > 0) os << ", " << threads << " threads per rank";
   os << ")";
   return os.str();
@@ -92,67 +95,102 @@ void dump_routing(const std::string& path, const NamedShape& ns, int64_t tokens,
   f << j.dump() << "\n";
 }
 
+// --fail-rank: this rank fails right after start, as a bad input (caught by validation on every
+// rank) or as a crash (the process dies; peers see its connection close).
+void fail_on_purpose(const std::string& mode, cpu::LayerBuffers<double>& b, const MoeShape& s) {
+  if (mode == "crash") std::abort();
+  b.topk_ids.at(0) = static_cast<int32_t>(s.num_experts);
+}
+
 using Clock = std::chrono::steady_clock;
 double ms_since(Clock::time_point t0) {
   return std::chrono::duration<double, std::milli>(Clock::now() - t0).count();
 }
 
-BenchRow run_cpu_case(const NamedShape& ns, int64_t tokens, const BenchOptions& o, Progress& progress) {
+// One rank's part of a case, collective over `g` (threads of one process or worker processes).
+// Rank 0 returns the row.
+std::optional<BenchRow> run_cpu_case_on(ProcessGroup& g, const NamedShape& ns, int64_t tokens,
+                                        const BenchOptions& o, Progress& progress) {
   const MoeShape& s = ns.shape;
+  const int rank = g.rank(), world = g.size();
   std::vector<double> fwd, bwd, total;
-  std::vector<double> rank_error(o.ep, 0.0);
-  std::vector<std::vector<int32_t>> all_ids(o.ep);
-  const LayerOptions lo{o.tile_rows, o.threads};
-  run_emulated_ranks(o.ep, [&](ProcessGroup& g) {
-    const int rank = g.rank();
-    cpu::LayerBuffers<double> ref(s, o.ep, tokens);
-    ref.randomize(o.seed * 1000 + rank);
-    make_routing(ns, o, rank, ref);
-    if (rank == o.fail_rank) ref.topk_ids.at(0) = static_cast<int32_t>(s.num_experts);  // --fail-rank
-    all_ids[rank] = ref.topk_ids;
-    auto f32 = cpu::convert_buffers<float>(ref);
-    auto layer = make_moe_layer(s, Backend::cpu, &g, lo);
-    for (int it = 0; it < o.warmup + o.iters; ++it) {
-      if (rank == 0) progress.update(ns.name + " T=" + std::to_string(tokens), it + 1, o.warmup + o.iters);
-      g.barrier();
-      const auto t0 = Clock::now();
-      auto ctx = layer->forward(f32.inputs(), f32.weights(), f32.out_view());
-      g.barrier();
-      const double tf = ms_since(t0);
-      const auto t1 = Clock::now();
-      layer->backward(*ctx, f32.d_out_view(), f32.weights(), f32.gradients());
-      g.barrier();
-      const double tb = ms_since(t1);
-      if (rank == 0 && it >= o.warmup) {
-        fwd.push_back(tf);
-        bwd.push_back(tb);
-        total.push_back(tf + tb);
-      }
+  cpu::LayerBuffers<double> ref(s, world, tokens);
+  ref.randomize(o.seed * 1000 + rank);
+  make_routing(ns, o, rank, ref);
+  if (rank == o.fail_rank) fail_on_purpose(o.fail_mode, ref, s);
+  auto f32 = cpu::convert_buffers<float>(ref);
+  auto layer = make_moe_layer(s, Backend::cpu, &g, LayerOptions{o.tile_rows, o.threads});
+  for (int it = 0; it < o.warmup + o.iters; ++it) {
+    if (rank == 0) progress.update(ns.name + " T=" + std::to_string(tokens), it + 1, o.warmup + o.iters);
+    g.barrier();
+    const auto t0 = Clock::now();
+    auto ctx = layer->forward(f32.inputs(), f32.weights(), f32.out_view());
+    g.barrier();
+    const double tf = ms_since(t0);
+    const auto t1 = Clock::now();
+    layer->backward(*ctx, f32.d_out_view(), f32.weights(), f32.gradients());
+    g.barrier();
+    const double tb = ms_since(t1);
+    if (it >= o.warmup) {
+      fwd.push_back(tf);
+      bwd.push_back(tb);
+      total.push_back(tf + tb);
     }
-    auto ctx = layer->forward(ref.inputs(), ref.weights(), ref.out_view());
-    layer->backward(*ctx, ref.d_out_view(), ref.weights(), ref.gradients());
-    rank_error[rank] = cpu::max_layer_error(f32, ref);
-  });
-  if (!o.dump_routing.empty()) dump_routing(o.dump_routing, ns, tokens, o.ep, all_ids);
+  }
+  auto ctx = layer->forward(ref.inputs(), ref.weights(), ref.out_view());
+  layer->backward(*ctx, ref.d_out_view(), ref.weights(), ref.gradients());
+  const double error = cpu::max_layer_error(f32, ref);
+  std::vector<double> errors(world);
+  g.all_gather(&error, errors.data(), sizeof(double));
+  std::vector<int32_t> ids(world * ref.topk_ids.size());
+  g.all_gather(ref.topk_ids.data(), ids.data(), ref.topk_ids.size() * sizeof(int32_t));
+  if (rank != 0) return std::nullopt;
+
+  if (!o.dump_routing.empty()) {
+    std::vector<std::vector<int32_t>> per_rank(world);
+    for (int r = 0; r < world; ++r)
+      per_rank[r].assign(ids.begin() + r * ref.topk_ids.size(), ids.begin() + (r + 1) * ref.topk_ids.size());
+    dump_routing(o.dump_routing, ns, tokens, world, per_rank);
+  }
   BenchRow row;
   row.shape = ns.name;
   row.backend = "cpu";
   row.path = "reference";
-  row.device = cpu_device_name(o.ep, o.threads);
+  row.device = cpu_device_name(world, o.threads, o.gpus > 1);
   row.dtype = "f32";
   row.routing = o.routing == "zipf" ? "zipf(gini=" + std::to_string(o.gini).substr(0, 4) + ")" : o.routing;
-  row.ep = o.ep;
+  row.ep = world;
   row.tokens_per_rank = tokens;
   row.iters = o.iters;
   row.fwd_ms = median(fwd);
   row.bwd_ms = median(bwd);
   row.fwdbwd_ms = median(total);
   row.tflops = 3.0 * s.forward_flops(tokens) / (row.fwdbwd_ms * 1e-3) / 1e12;
-  row.max_rel_error = *std::max_element(rank_error.begin(), rank_error.end());
+  row.max_rel_error = *std::max_element(errors.begin(), errors.end());
   return row;
 }
 
-void run_bench(BenchOptions o) {
+// A case on the worker processes' group, or on `ep` emulated ranks of this process.
+std::optional<BenchRow> run_cpu_case(ProcessGroup* workers, const NamedShape& ns, int64_t tokens,
+                                     const BenchOptions& o, Progress& progress) {
+  if (workers) return run_cpu_case_on(*workers, ns, tokens, o, progress);
+  std::optional<BenchRow> row;
+  run_emulated_ranks(o.ep, [&](ProcessGroup& g) {
+    auto r = run_cpu_case_on(g, ns, tokens, o, progress);
+    if (g.rank() == 0) row = r;
+  });
+  return row;
+}
+
+void run_bench(BenchOptions o, const std::vector<std::string>& argv) {
+  if (o.gpus > 1 && !launched_as_worker()) {
+    // `--gpus N`: start N workers running this same command, and wait for them.
+    std::vector<std::string> args(argv);
+    args[0] = self_executable();
+    const int rc = launch_workers(args, LaunchOptions{o.gpus, 10.0});
+    require(rc == 0, ErrorCode::peer_failure, "a bench worker failed (exit code " + std::to_string(rc) + ")");
+    return;
+  }
   const Backend backend = [&] {
     const Backend b = parse_backend(o.backend);
     if (b != Backend::automatic) return b;
@@ -170,16 +208,28 @@ void run_bench(BenchOptions o) {
     for (const auto& name : o.shapes) shapes.push_back(named_shape(name));
   }
   if (o.tokens.empty()) o.tokens = {512};
+  // Worker processes (started by --gpus N or `moka launch`) form one group over TCP.
+  std::unique_ptr<ProcessGroup> workers;
+  if (launched_as_worker()) workers = make_tcp_group(rendezvous_from_env());
+  const bool root = !workers || workers->rank() == 0;
+  require(!workers || o.ep == 1, ErrorCode::invalid_argument, "--ep (emulated ranks) cannot be combined with worker processes");
   Progress progress("moka bench");
   std::vector<BenchRow> rows;
-  for (const auto& ns : shapes) {
-    for (int64_t t : o.tokens) {
-      rows.push_back(run_cpu_case(ns, t, o, progress));
-      if (o.json) std::cout << bench_json(rows.back()) << std::endl;
+  try {
+    for (const auto& ns : shapes) {
+      for (int64_t t : o.tokens) {
+        auto row = run_cpu_case(workers.get(), ns, t, o, progress);
+        if (!row) continue;
+        rows.push_back(*row);
+        if (o.json) std::cout << bench_json(rows.back()) << std::endl;
+      }
     }
+  } catch (const std::exception& e) {
+    if (workers) workers->abort(e.what());  // peers stop with this reason instead of waiting
+    throw;
   }
   progress.finish();
-  if (!o.json) print_table(std::cout, rows);
+  if (!o.json && root) print_table(std::cout, rows);
 }
 
 }  // namespace
@@ -208,7 +258,9 @@ void register_bench(CLI::App& app) {
   cmd->add_option("--topk", o->top_k, "Custom shape: experts per token");
   cmd->add_option("--shared-intermediate", o->shared, "Custom shape: shared expert size (0 = none)");
   cmd->add_option("--fail-rank", o->fail_rank, "Make this rank fail with a bad input (to test error propagation)");
-  cmd->callback([o] { run_bench(*o); });
+  cmd->add_option("--fail-mode", o->fail_mode, "bad-input | crash")->check(CLI::IsMember({"bad-input", "crash"}));
+  cmd->add_option("--gpus", o->gpus, "Worker processes, one per GPU (started by moka itself)");
+  cmd->callback([o] { run_bench(*o, command_line()); });
 }
 
 }  // namespace moka::cli

@@ -1,9 +1,17 @@
 // Each `moka` subcommand registers itself on the CLI11 app.
 #pragma once
 #include <CLI/CLI.hpp>
+#include <string>
+#include <vector>
 
 namespace moka::cli {
 
 void register_bench(CLI::App& app);
+void register_launch(CLI::App& app);
+
+// The command line moka was started with (argv[0] first), to re-run it in worker processes.
+const std::vector<std::string>& command_line();
+void set_command_line(int argc, char** argv);
+std::string self_executable();
 
 }  // namespace moka::cli

@@ -7,7 +7,9 @@
 int main(int argc, char** argv) {
   CLI::App app{"moka: Mixture-of-Experts layers for NVLink-connected Hopper GPUs"};
   app.require_subcommand(1);
+  moka::cli::set_command_line(argc, argv);
   moka::cli::register_bench(app);
+  moka::cli::register_launch(app);
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {

@@ -1,0 +1,43 @@
+// Multi-process jobs: rendezvous from the environment launchers set, a TCP process group for
+// host-side collectives (CPU backend, and exchanging the NCCL unique id), and a launcher that
+// runs one worker process per GPU and stops them all when one fails.
+#pragma once
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "moka/process_group.hpp"
+
+namespace moka {
+
+struct Rendezvous {
+  int rank = 0;
+  int world_size = 1;
+  int local_rank = 0;
+  std::string master_addr = "127.0.0.1";
+  int master_port = 29500;
+  double timeout_seconds = 60.0;  // connect and every collective; MOKA_COMM_TIMEOUT_S overrides
+};
+
+// Reads RANK/WORLD_SIZE/LOCAL_RANK/MASTER_ADDR/MASTER_PORT (torchrun, `moka launch`), falling
+// back to Slurm's SLURM_PROCID/SLURM_NTASKS/SLURM_LOCALID and Open MPI's OMPI_COMM_WORLD_*.
+// Returns nullopt-like world_size 0 when none is set.
+Rendezvous rendezvous_from_env();
+bool launched_as_worker();  // WORLD_SIZE (or an equivalent) is set and > 1
+
+// Connects the ranks over TCP (rank 0 listens on master_addr:master_port). Collectives relay
+// through rank 0. A peer that closes its connection or stops answering raises peer_failure or
+// timeout naming the rank; a rank that aborts tells the others why.
+std::unique_ptr<ProcessGroup> make_tcp_group(const Rendezvous& rendezvous);
+
+struct LaunchOptions {
+  int num_workers = 1;
+  double grace_seconds = 10.0;  // after one worker fails, how long the others get to exit
+};
+
+// Runs `args` (argv[0] is the program) as num_workers processes with RANK, WORLD_SIZE,
+// LOCAL_RANK, MASTER_ADDR, MASTER_PORT set. Returns 0 when all succeed; otherwise the first
+// failure's exit code (128 + signal for a killed worker), after every worker has stopped.
+int launch_workers(const std::vector<std::string>& args, const LaunchOptions& options);
+
+}  // namespace moka

@@ -1,0 +1,162 @@
+#include "comm/socket.hpp"
+
+#include <arpa/inet.h>
+#include <netdb.h>
+#include <netinet/in.h>
+#include <netinet/tcp.h>
+#include <poll.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <chrono>
+#include <cstring>
+#include <thread>
+
+#include "moka/error.hpp"
+
+namespace moka::comm {
+namespace {
+
+double now_s() {
+  return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count();
+}
+
+// Waits until fd is ready for `events` or the deadline passes.
+void wait_ready(int fd, short events, double deadline, const std::string& peer, const char* what) {
+  for (;;) {
+    const double left = deadline - now_s();
+    if (left <= 0) throw Error(ErrorCode::timeout, peer + " did not answer (" + what + ") in time");
+    pollfd p{fd, events, 0};
+    const int r = ::poll(&p, 1, static_cast<int>(std::min(left, 1.0) * 1000) + 1);
+    if (r > 0) return;
+    if (r < 0 && errno != EINTR) throw Error(ErrorCode::io, std::string("poll: ") + std::strerror(errno));
+  }
+}
+
+sockaddr_in resolve(const std::string& addr, int port) {
+  addrinfo hints{};
+  hints.ai_family = AF_INET;
+  hints.ai_socktype = SOCK_STREAM;
+  addrinfo* res = nullptr;
+  const int rc = ::getaddrinfo(addr.c_str(), nullptr, &hints, &res);
+  require(rc == 0 && res, ErrorCode::invalid_argument, "cannot resolve MASTER_ADDR '" + addr + "'");
+  sockaddr_in sa = *reinterpret_cast<sockaddr_in*>(res->ai_addr);
+  ::freeaddrinfo(res);
+  sa.sin_port = htons(static_cast<uint16_t>(port));
+  return sa;
+}
+
+struct Header {
+  uint32_t type;
+  uint32_t reserved;
+  uint64_t bytes;
+};
+
+}  // namespace
+
+Socket& Socket::operator=(Socket&& o) noexcept {
+  if (this != &o) {
+    close();
+    fd_ = o.fd_;
+    o.fd_ = -1;
+  }
+  return *this;
+}
+
+Socket::~Socket() { close(); }
+
+void Socket::close() {
+  if (fd_ >= 0) ::close(fd_);
+  fd_ = -1;
+}
+
+void Socket::send_all(const void* data, size_t bytes, const std::string& peer, double deadline) {
+  const char* p = static_cast<const char*>(data);
+  while (bytes > 0) {
+    wait_ready(fd_, POLLOUT, deadline, peer, "send");
+    const ssize_t n = ::send(fd_, p, bytes, MSG_NOSIGNAL);
+    if (n < 0 && (errno == EINTR || errno == EAGAIN)) continue;
+    if (n <= 0) throw Error(ErrorCode::peer_failure, peer + " closed the connection");
+    p += n;
+    bytes -= static_cast<size_t>(n);
+  }
+}
+
+void Socket::recv_all(void* data, size_t bytes, const std::string& peer, double deadline) {
+  char* p = static_cast<char*>(data);
+  while (bytes > 0) {
+    wait_ready(fd_, POLLIN, deadline, peer, "receive");
+    const ssize_t n = ::recv(fd_, p, bytes, 0);
+    if (n < 0 && (errno == EINTR || errno == EAGAIN)) continue;
+    if (n <= 0) throw Error(ErrorCode::peer_failure, peer + " closed the connection (it stopped or failed)");
+    p += n;
+    bytes -= static_cast<size_t>(n);
+  }
+}
+
+void Socket::send_frame(FrameType type, const void* data, size_t bytes, const std::string& peer, double timeout_s) {
+  const double deadline = now_s() + timeout_s;
+  const Header h{static_cast<uint32_t>(type), 0, bytes};
+  send_all(&h, sizeof(h), peer, deadline);
+  send_all(data, bytes, peer, deadline);
+}
+
+Frame Socket::recv_frame(const std::string& peer, double timeout_s) {
+  const double deadline = now_s() + timeout_s;
+  Header h{};
+  recv_all(&h, sizeof(h), peer, deadline);
+  Frame f;
+  f.type = static_cast<FrameType>(h.type);
+  f.payload.resize(h.bytes);
+  recv_all(f.payload.data(), h.bytes, peer, deadline);
+  return f;
+}
+
+Socket listen_on(const std::string& addr, int port) {
+  Socket s(::socket(AF_INET, SOCK_STREAM, 0));
+  require(s.valid(), ErrorCode::io, std::string("socket: ") + std::strerror(errno));
+  const int one = 1;
+  ::setsockopt(s.fd(), SOL_SOCKET, SO_REUSEADDR, &one, sizeof(one));
+  sockaddr_in sa = resolve(addr, port);
+  if (::bind(s.fd(), reinterpret_cast<sockaddr*>(&sa), sizeof(sa)) != 0)
+    throw Error(ErrorCode::io, "cannot listen on " + addr + ":" + std::to_string(port) + ": " + std::strerror(errno));
+  require(::listen(s.fd(), 1024) == 0, ErrorCode::io, std::string("listen: ") + std::strerror(errno));
+  return s;
+}
+
+Socket accept_one(Socket& listener, double timeout_s) {
+  wait_ready(listener.fd(), POLLIN, now_s() + timeout_s, "a rank", "connect to rank 0");
+  Socket s(::accept(listener.fd(), nullptr, nullptr));
+  require(s.valid(), ErrorCode::io, std::string("accept: ") + std::strerror(errno));
+  const int one = 1;
+  ::setsockopt(s.fd(), IPPROTO_TCP, TCP_NODELAY, &one, sizeof(one));
+  return s;
+}
+
+Socket connect_to(const std::string& addr, int port, double timeout_s) {
+  const double deadline = now_s() + timeout_s;
+  const sockaddr_in sa = resolve(addr, port);
+  for (;;) {
+    Socket s(::socket(AF_INET, SOCK_STREAM, 0));
+    require(s.valid(), ErrorCode::io, std::string("socket: ") + std::strerror(errno));
+    if (::connect(s.fd(), reinterpret_cast<const sockaddr*>(&sa), sizeof(sa)) == 0) {
+      const int one = 1;
+      ::setsockopt(s.fd(), IPPROTO_TCP, TCP_NODELAY, &one, sizeof(one));
+      return s;
+    }
+    if (now_s() > deadline)
+      throw Error(ErrorCode::timeout, "rank 0 at " + addr + ":" + std::to_string(port) + " is not reachable");
+    std::this_thread::sleep_for(std::chrono::milliseconds(50));  // rank 0 may not listen yet
+  }
+}
+
+int pick_free_port() {
+  Socket s = listen_on("127.0.0.1", 0);
+  sockaddr_in sa{};
+  socklen_t len = sizeof(sa);
+  ::getsockname(s.fd(), reinterpret_cast<sockaddr*>(&sa), &len);
+  return ntohs(sa.sin_port);
+}
+
+}  // namespace moka::comm
