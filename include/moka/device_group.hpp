@@ -1,0 +1,54 @@
+// GPU-side communication of an expert-parallel group: NCCL for collectives, symmetric buffers
+// that every GPU of the group can load from and store to over NVLink, and a bounded device
+// barrier. CUDA types appear as void* so this header needs no CUDA headers.
+#pragma once
+#include <cstddef>
+#include <memory>
+#include <vector>
+
+#include "moka/process_group.hpp"
+
+namespace moka {
+
+// A buffer of equal size on every rank. `peers[r]` is rank r's buffer as this GPU addresses it
+// (peers[rank] == local); `peers_device` is the same table in device memory, for kernels.
+struct SymmetricBuffer {
+  void* local = nullptr;
+  std::vector<void*> peers;
+  void** peers_device = nullptr;
+  size_t bytes = 0;
+};
+
+class DeviceGroup {
+ public:
+  virtual ~DeviceGroup() = default;
+  virtual int rank() const = 0;
+  virtual int size() const = 0;
+  virtual int device() const = 0;
+  virtual void* nccl_comm() const = 0;  // ncclComm_t
+
+  // Grouped ncclSend/ncclRecv of byte ranges (the expert-parallel all-to-all-v), on `stream`.
+  virtual void all_to_all_v(const void* send, const size_t* send_bytes, const size_t* send_offsets, void* recv,
+                            const size_t* recv_bytes, const size_t* recv_offsets, void* stream) = 0;
+  virtual void all_gather(const void* send, void* recv, size_t bytes, void* stream) = 0;
+
+  // Collective: every rank allocates `bytes` and maps every peer's buffer (CUDA IPC; the
+  // handles travel through an NCCL all-gather). Owned by the group.
+  virtual const SymmetricBuffer& allocate_symmetric(size_t bytes) = 0;
+
+  // Enqueues a barrier among the group's GPUs on `stream`: each GPU signals every peer with a
+  // system-scope release store and waits for all peers with acquire loads, at most
+  // `timeout_seconds`; a peer that never arrives sets an error that check_device_errors()
+  // reports naming that rank. Capturable in a CUDA graph (the epoch lives on the device).
+  virtual void device_barrier(void* stream, double timeout_seconds) = 0;
+  // Synchronizes nothing; reads the error word after the caller has synchronized the stream.
+  virtual void check_device_errors() = 0;
+};
+
+// Creates a communicator for this rank on `device`: rank 0's NCCL unique id travels through
+// `host` (e.g. the TCP group from rendezvous_from_env()).
+std::unique_ptr<DeviceGroup> make_nccl_group(ProcessGroup& host, int device);
+// Wraps a communicator the caller already has (PyTorch's, an MPI job's); not destroyed by moka.
+std::unique_ptr<DeviceGroup> wrap_nccl_comm(void* nccl_comm, int device);
+
+}  // namespace moka

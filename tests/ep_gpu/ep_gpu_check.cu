@@ -1,0 +1,162 @@
+// GPU checks of the device group, run as N worker processes on N GPUs:
+//   moka launch -n 2 -- build/tests/moka_ep_gpu_check
+// NCCL all-to-all-v with random sizes, symmetric memory loads and stores across GPUs ordered by
+// the device barrier, barrier replay in a CUDA graph, and a barrier timeout naming the rank.
+#include <cuda_runtime.h>
+
+#include <cstdio>
+#include <functional>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "comm/cuda_check.hpp"
+#include "moka/device_group.hpp"
+#include "moka/distributed.hpp"
+
+using namespace moka;
+
+namespace {
+
+int passed = 0, failed = 0;
+
+void check(bool ok, const std::string& what, int rank) {
+  (ok ? passed : failed)++;
+  if (!ok) std::fprintf(stderr, "rank %d: FAILED %s\n", rank, what.c_str());
+}
+
+// Rank s sends count(s, d) int32 values s*1000 + d*10 + i%7 to rank d; sizes vary per call.
+void all_to_all_v_matches(DeviceGroup& g, ProcessGroup& host, uint64_t seed) {
+  const int R = g.size(), me = g.rank();
+  std::mt19937 rng(static_cast<uint32_t>(seed));
+  std::vector<int> counts(R * R);
+  for (auto& c : counts) c = static_cast<int>(rng() % 5000);  // same table on every rank (same seed)
+  counts[0] = 0;                                              // an empty pair
+  std::vector<size_t> sb(R), so(R), rb(R), ro(R);
+  std::vector<int32_t> send;
+  for (int d = 0; d < R; ++d) {
+    so[d] = send.size() * 4;
+    sb[d] = counts[me * R + d] * 4;
+    for (int i = 0; i < counts[me * R + d]; ++i) send.push_back(me * 1000 + d * 10 + i % 7);
+  }
+  size_t total = 0;
+  for (int s = 0; s < R; ++s) {
+    ro[s] = total;
+    rb[s] = counts[s * R + me] * 4;
+    total += rb[s];
+  }
+  int32_t *d_send, *d_recv;
+  MOKA_CUDA_CHECK(cudaMalloc(&d_send, send.size() * 4 + 4));
+  MOKA_CUDA_CHECK(cudaMalloc(&d_recv, total + 4));
+  MOKA_CUDA_CHECK(cudaMemset(d_recv, 0xff, total + 4));  // poison
+  MOKA_CUDA_CHECK(cudaMemcpy(d_send, send.data(), send.size() * 4, cudaMemcpyHostToDevice));
+  g.all_to_all_v(d_send, sb.data(), so.data(), d_recv, rb.data(), ro.data(), nullptr);
+  std::vector<int32_t> recv(total / 4);
+  MOKA_CUDA_CHECK(cudaMemcpy(recv.data(), d_recv, total, cudaMemcpyDeviceToHost));
+  bool ok = true;
+  size_t i = 0;
+  for (int s = 0; s < R; ++s)
+    for (int c = 0; c < counts[s * R + me]; ++c) ok &= recv[i++] == s * 1000 + me * 10 + c % 7;
+  check(ok, "all_to_all_v seed " + std::to_string(seed), me);
+  cudaFree(d_send);
+  cudaFree(d_recv);
+  host.barrier();
+}
+
+__global__ void store_to_peers(void** peers, int world, int me, int n) {
+  // Rank `me` writes its block of every peer's buffer: word [me * n + i] = me * 1'000'000 + i.
+  for (int p = 0; p < world; ++p) {
+    int* dst = static_cast<int*>(peers[p]) + me * n;
+    for (int i = blockIdx.x * blockDim.x + threadIdx.x; i < n; i += gridDim.x * blockDim.x) dst[i] = me * 1000000 + i;
+  }
+}
+
+void symmetric_stores_are_visible_after_the_barrier(DeviceGroup& g) {
+  const int R = g.size(), me = g.rank(), n = 1 << 20;
+  const SymmetricBuffer& buf = g.allocate_symmetric(size_t(R) * n * sizeof(int));
+  cudaStream_t s;
+  MOKA_CUDA_CHECK(cudaStreamCreate(&s));
+  g.device_barrier(s, 10.0);  // peers mapped and zeroed before anyone stores
+  store_to_peers<<<64, 256, 0, s>>>(buf.peers_device, R, me, n);
+  MOKA_CUDA_CHECK(cudaGetLastError());
+  g.device_barrier(s, 10.0);
+  std::vector<int> local(size_t(R) * n);
+  MOKA_CUDA_CHECK(cudaMemcpyAsync(local.data(), buf.local, local.size() * 4, cudaMemcpyDeviceToHost, s));
+  MOKA_CUDA_CHECK(cudaStreamSynchronize(s));
+  g.check_device_errors();
+  bool ok = true;
+  for (int p = 0; p < R; ++p)
+    for (int i = 0; i < n; i += 997) ok &= local[size_t(p) * n + i] == p * 1000000 + i;
+  check(ok, "peer stores visible after the device barrier", me);
+  // Loads from a peer's buffer (pull direction).
+  const int peer = (me + 1) % R;
+  std::vector<int> pulled(n);
+  MOKA_CUDA_CHECK(cudaMemcpy(pulled.data(), static_cast<int*>(buf.peers[peer]) + me * n, n * 4, cudaMemcpyDefault));
+  check(pulled[12345] == me * 1000000 + 12345, "load from a peer's symmetric buffer", me);
+  g.device_barrier(s, 10.0);  // nobody frees or reuses before everyone has read
+  MOKA_CUDA_CHECK(cudaStreamSynchronize(s));
+  cudaStreamDestroy(s);
+}
+
+void barrier_replays_in_a_cuda_graph(DeviceGroup& g) {
+  cudaStream_t s;
+  MOKA_CUDA_CHECK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
+  cudaGraph_t graph;
+  cudaGraphExec_t exec;
+  MOKA_CUDA_CHECK(cudaStreamBeginCapture(s, cudaStreamCaptureModeGlobal));
+  g.device_barrier(s, 10.0);
+  MOKA_CUDA_CHECK(cudaStreamEndCapture(s, &graph));
+  MOKA_CUDA_CHECK(cudaGraphInstantiate(&exec, graph, 0));
+  for (int i = 0; i < 5; ++i) MOKA_CUDA_CHECK(cudaGraphLaunch(exec, s));
+  MOKA_CUDA_CHECK(cudaStreamSynchronize(s));
+  bool ok = true;
+  try {
+    g.check_device_errors();
+  } catch (const Error&) {
+    ok = false;
+  }
+  check(ok, "barrier replayed 5 times from a CUDA graph", g.rank());
+  cudaGraphExecDestroy(exec);
+  cudaGraphDestroy(graph);
+  cudaStreamDestroy(s);
+}
+
+// Last: rank 1 never arrives; rank 0's barrier must time out and name rank 1.
+void missing_peer_times_out(DeviceGroup& g) {
+  if (g.rank() != 0) return;
+  g.device_barrier(nullptr, 0.5);
+  MOKA_CUDA_CHECK(cudaDeviceSynchronize());
+  std::string error;
+  try {
+    g.check_device_errors();
+  } catch (const Error& e) {
+    error = e.what();
+  }
+  check(error.find("rank 1 did not arrive") != std::string::npos, "barrier timeout names the rank: " + error, 0);
+}
+
+}  // namespace
+
+int main() {
+  const Rendezvous rv = rendezvous_from_env();
+  require(rv.world_size >= 2, ErrorCode::invalid_argument, "run under `moka launch -n 2` (or torchrun)");
+  auto host = make_tcp_group(rv);
+  try {
+    int devices = 0;
+    MOKA_CUDA_CHECK(cudaGetDeviceCount(&devices));
+    require(devices >= rv.world_size, ErrorCode::invalid_argument, "needs one GPU per rank");
+    auto g = make_nccl_group(*host, rv.local_rank);
+    for (uint64_t seed = 1; seed <= 3; ++seed) all_to_all_v_matches(*g, *host, seed);
+    symmetric_stores_are_visible_after_the_barrier(*g);
+    barrier_replays_in_a_cuda_graph(*g);
+    host->barrier();
+    missing_peer_times_out(*g);
+    host->barrier();
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "rank %d: %s\n", rv.rank, e.what());
+    host->abort(e.what());
+    return 2;
+  }
+  std::printf("rank %d: %d passed, %d failed\n", rv.rank, passed, failed);
+  return failed ? 1 : 0;
+}
