@@ -7,20 +7,23 @@
 
 #include "moka/error.hpp"
 
-#define MOKA_CUDA_CHECK(call)                                                                      \
-  do {                                                                                             \
-    const cudaError_t moka_err_ = (call);                                                          \
-    if (moka_err_ != cudaSuccess)                                                                  \
-      throw ::moka::Error(::moka::ErrorCode::cuda, std::string(#call) + ": " +                     \
-                                                       cudaGetErrorString(moka_err_) + " at " +    \
-                                                       __FILE__ + ":" + std::to_string(__LINE__)); \
+namespace moka::detail {
+[[noreturn]] inline void throw_api_error(ErrorCode code, const char* call, const char* what, const char* file,
+                                         int line) {
+  throw Error(code, std::string(call) + ": " + what + " at " + file + ":" + std::to_string(line));
+}
+}  // namespace moka::detail
+
+#define MOKA_CUDA_CHECK(call)                                                                                 \
+  do {                                                                                                        \
+    if (const cudaError_t moka_e_ = (call); moka_e_ != cudaSuccess)                                           \
+      ::moka::detail::throw_api_error(::moka::ErrorCode::cuda, #call, cudaGetErrorString(moka_e_), __FILE__, \
+                                      __LINE__);                                                              \
   } while (0)
 
-#define MOKA_NCCL_CHECK(call)                                                                      \
-  do {                                                                                             \
-    const ncclResult_t moka_res_ = (call);                                                         \
-    if (moka_res_ != ncclSuccess)                                                                  \
-      throw ::moka::Error(::moka::ErrorCode::nccl, std::string(#call) + ": " +                     \
-                                                       ncclGetErrorString(moka_res_) + " at " +    \
-                                                       __FILE__ + ":" + std::to_string(__LINE__)); \
+#define MOKA_NCCL_CHECK(call)                                                                                 \
+  do {                                                                                                        \
+    if (const ncclResult_t moka_e_ = (call); moka_e_ != ncclSuccess)                                          \
+      ::moka::detail::throw_api_error(::moka::ErrorCode::nccl, #call, ncclGetErrorString(moka_e_), __FILE__, \
+                                      __LINE__);                                                              \
   } while (0)
