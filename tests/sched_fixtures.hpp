@@ -18,7 +18,11 @@ inline TrafficMatrix incast_counterexample() {
   }
   return d;
 }
-inline Fabric unit_fabric(int gpus, double bw = 2.0) { return Fabric{.gpus = gpus, .link_bw = bw}; }
+inline Fabric unit_fabric(int gpus, double bw = 2.0) {
+  Fabric f;
+  f.gpus = gpus, f.link_bw = bw;
+  return f;
+}
 
 inline TrafficMatrix uniform_matrix(int n, int64_t bytes) {
   TrafficMatrix d(n);

@@ -5,5 +5,6 @@
 namespace moka::cli {
 
 void register_bench(CLI::App& app);
+void register_simulate(CLI::App& app);
 
 }  // namespace moka::cli

@@ -8,6 +8,7 @@ int main(int argc, char** argv) {
   CLI::App app{"moka: Mixture-of-Experts layers for NVLink-connected Hopper GPUs"};
   app.require_subcommand(1);
   moka::cli::register_bench(app);
+  moka::cli::register_simulate(app);
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {

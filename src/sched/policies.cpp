@@ -44,6 +44,12 @@ Policy parse_policy(const std::string& name) {
 
 namespace {
 
+std::vector<int> shifted_destinations(int n, int i) {
+  std::vector<int> order(n - 1);
+  for (int s = 1; s < n; ++s) order[s - 1] = (i + s) % n;
+  return order;
+}
+
 double pair_bw(const Fabric& f, int i, int j) { return std::min(f.send_bw_of(i), f.recv_bw_of(j)); }
 double as_double(int64_t bytes) { return static_cast<double>(bytes); }
 
@@ -63,13 +69,12 @@ FluidPlan rate_based(const TrafficMatrix& d, const Fabric& f) {
 }
 
 // Each sender sends its flows one after another at line rate, in `order_of(i)`.
-template <class Order>
-FluidPlan one_destination_at_a_time(const TrafficMatrix& d, const Fabric& f, Order order_of) {
+FluidPlan one_destination_at_a_time(Policy p, const TrafficMatrix& d, const Fabric& f) {
   FluidPlan plan;
   for (int i = 0; i < d.n; ++i) {
     double t = 0;
     const double bw = f.send_bw_of(i);
-    for (int j : order_of(i)) {
+    for (int j : destination_order(p, d, i)) {
       if (d.at(i, j) == 0) continue;
       const double dt = as_double(d.at(i, j)) / bw;
       plan.segments.push_back({t, t + dt, i, j, bw});
@@ -78,24 +83,6 @@ FluidPlan one_destination_at_a_time(const TrafficMatrix& d, const Fabric& f, Ord
     plan.injection_end = std::max(plan.injection_end, t);
   }
   return plan;
-}
-
-std::vector<int> shifted_destinations(int n, int i) {
-  std::vector<int> order(n - 1);
-  for (int s = 1; s < n; ++s) order[s - 1] = (i + s) % n;
-  return order;
-}
-
-FluidPlan destination_major(const TrafficMatrix& d, const Fabric& f) {
-  return one_destination_at_a_time(d, f, [&](int i) {
-    auto order = shifted_destinations(d.n, i);
-    std::stable_sort(order.begin(), order.end(), [&](int a, int b) { return d.at(i, a) > d.at(i, b); });
-    return order;
-  });
-}
-
-FluidPlan spreadout(const TrafficMatrix& d, const Fabric& f) {
-  return one_destination_at_a_time(d, f, [&](int i) { return shifted_destinations(d.n, i); });
 }
 
 // Processor sharing inside each sender: the line rate split equally over unfinished flows.
@@ -155,9 +142,9 @@ FluidPlan phased(const std::vector<Phase>& phases, const Fabric& f, double barri
   return plan;
 }
 
-FluidPlan greedy_matching(const TrafficMatrix& d, const Fabric& f, const PolicyOptions& o) {
-  TrafficMatrix residual;
-  FluidPlan plan = phased(greedy_phases(d, o.phase_budget > 0 ? o.phase_budget : d.n, residual), f, o.barrier_s);
+FluidPlan phased_plan(Policy p, const TrafficMatrix& d, const Fabric& f, const PolicyOptions& o) {
+  TrafficMatrix residual(d.n);
+  FluidPlan plan = phased(policy_phases(p, d, o, residual), f, o.barrier_s);
   const double tail = lower_bound(residual, f).seconds;
   if (tail > 0) add_constant_rates(residual, plan.injection_end + (plan.phases > 0 ? o.barrier_s : 0), tail, plan);
   return plan;
@@ -234,16 +221,37 @@ FluidPlan max_min_fair(const TrafficMatrix& d, const Fabric& f) {
 
 }  // namespace
 
+std::vector<int> destination_order(Policy p, const TrafficMatrix& d, int i) {
+  auto order = shifted_destinations(d.n, i);
+  if (p == Policy::destination_major)
+    std::stable_sort(order.begin(), order.end(), [&](int a, int b) { return d.at(i, a) > d.at(i, b); });
+  return order;
+}
+
+bool is_phased(Policy p) {
+  return p == Policy::spreadout_barrier || p == Policy::bvn || p == Policy::greedy_matching;
+}
+
+std::vector<Phase> policy_phases(Policy p, const TrafficMatrix& d, const PolicyOptions& o, TrafficMatrix& residual) {
+  residual = TrafficMatrix(d.n);
+  switch (p) {
+    case Policy::spreadout_barrier: return shift_steps(d);
+    case Policy::bvn: return bvn_phases(d);
+    case Policy::greedy_matching: return greedy_phases(d, o.phase_budget > 0 ? o.phase_budget : d.n, residual);
+    default: throw Error(ErrorCode::invalid_argument, to_string(p) + " is not a phased policy");
+  }
+}
+
 FluidPlan plan_fluid(Policy p, const TrafficMatrix& d, const Fabric& f, const PolicyOptions& o) {
   require(d.n == f.gpus, ErrorCode::shape_mismatch, "traffic matrix and fabric disagree on the GPU count");
   switch (p) {
     case Policy::rate_based: return rate_based(d, f);
     case Policy::round_robin: return round_robin(d, f);
-    case Policy::destination_major: return destination_major(d, f);
-    case Policy::spreadout: return spreadout(d, f);
-    case Policy::spreadout_barrier: return phased(shift_steps(d), f, o.barrier_s);
-    case Policy::bvn: return phased(bvn_phases(d), f, o.barrier_s);
-    case Policy::greedy_matching: return greedy_matching(d, f, o);
+    case Policy::destination_major:
+    case Policy::spreadout: return one_destination_at_a_time(p, d, f);
+    case Policy::spreadout_barrier:
+    case Policy::bvn:
+    case Policy::greedy_matching: return phased_plan(p, d, f, o);
     case Policy::max_min_fair: return max_min_fair(d, f);
   }
   throw Error(ErrorCode::internal, "unhandled policy");

@@ -6,6 +6,7 @@
 #include <string>
 #include <vector>
 
+#include "sched/phases.hpp"
 #include "sched/traffic.hpp"
 
 namespace moka::sched {
@@ -41,6 +42,14 @@ struct FluidPlan {
   double injection_end = 0;  // last byte leaves its sender
   int phases = 0;            // matchings or steps, for phased policies
 };
+
+// Shared by the fluid and packet models:
+// the destinations of sender i in the order destination_major / spreadout serve them;
+std::vector<int> destination_order(Policy p, const TrafficMatrix& d, int sender);
+// whether the policy runs in matching phases separated by barriers, and those phases
+// (`residual`: what greedy_matching leaves to a final rate-based phase; empty otherwise).
+bool is_phased(Policy p);
+std::vector<Phase> policy_phases(Policy p, const TrafficMatrix& d, const PolicyOptions& options, TrafficMatrix& residual);
 
 FluidPlan plan_fluid(Policy p, const TrafficMatrix& d, const Fabric& fabric, const PolicyOptions& options = {});
 
