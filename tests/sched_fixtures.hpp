@@ -1,5 +1,6 @@
 // Traffic matrices shared by the scheduling tests.
 #pragma once
+#include <algorithm>
 #include <numeric>
 #include <random>
 
