@@ -13,5 +13,6 @@ void register_launch(CLI::App& app);
 const std::vector<std::string>& command_line();
 void set_command_line(int argc, char** argv);
 std::string self_executable();
+void register_simulate(CLI::App& app);
 
 }  // namespace moka::cli

@@ -10,6 +10,7 @@ int main(int argc, char** argv) {
   moka::cli::set_command_line(argc, argv);
   moka::cli::register_bench(app);
   moka::cli::register_launch(app);
+  moka::cli::register_simulate(app);
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {

@@ -57,35 +57,61 @@ std::vector<double> expert_popularity(const RoutingSpec& spec, int64_t n) {
   return p;
 }
 
-std::vector<int32_t> sample_topk_ids(const RoutingSpec& spec, int64_t tokens, int64_t k,
-                                     int64_t n, uint64_t stream) {
+namespace {
+// Distinct top-k ids drawn without replacement from `pop`: drawing from the full distribution
+// and redrawing repeats is the same law as renormalising over the remaining experts, and it
+// costs O(k) per token instead of O(num_experts), which replaying 1024 ranks needs.
+std::vector<int32_t> draw_topk(const std::vector<double>& pop, bool first_is_expert0, int64_t tokens,
+                               int64_t k, uint64_t seed) {
+  const auto n = static_cast<int64_t>(pop.size());
   require(k <= n, ErrorCode::invalid_argument, "top_k exceeds the number of experts");
+  const auto positive = std::count_if(pop.begin(), pop.end(), [](double p) { return p > 0; });
+  require(positive >= k, ErrorCode::invalid_argument, "fewer experts with positive popularity than top_k");
   std::vector<int32_t> ids(tokens * k);
-  std::mt19937_64 rng(spec.seed * 1000003ULL + stream * 7919ULL + 1);
-  const std::vector<double> pop = expert_popularity(spec, n);
-  std::vector<double> w(n);
+  std::mt19937_64 rng(seed);
+  std::discrete_distribution<int32_t> pick(pop.begin(), pop.end());
+  std::vector<int64_t> taken_by_token(n, -1);
   for (int64_t t = 0; t < tokens; ++t) {
-    w = pop;
     for (int64_t j = 0; j < k; ++j) {
-      int64_t e;
-      if (spec.kind == RoutingKind::one_expert && j == 0) {
-        e = 0;
-      } else {
-        // Sequential sampling without replacement (Gumbel-free; cheap for the sizes we use).
-        const double total = std::accumulate(w.begin(), w.end(), 0.0);
-        double u = std::uniform_real_distribution<double>(0.0, total)(rng);
-        e = 0;
-        while (e < n - 1 && (w[e] == 0 || u >= w[e])) {
-          u -= w[e];
-          ++e;
-        }
-        while (w[e] == 0) e = (e + n - 1) % n;  // rounding at the tail
+      int32_t e = 0;
+      if (!(first_is_expert0 && j == 0)) {
+        do e = pick(rng);
+        while (taken_by_token[e] == t);
       }
-      ids[t * k + j] = static_cast<int32_t>(e);
-      w[e] = 0;
+      taken_by_token[e] = t;
+      ids[t * k + j] = e;
     }
   }
   return ids;
+}
+uint64_t stream_seed(const RoutingSpec& spec, uint64_t stream) { return spec.seed * 1000003ULL + stream * 7919ULL + 1; }
+}  // namespace
+
+std::vector<int32_t> sample_topk_ids(const RoutingSpec& spec, int64_t tokens, int64_t k,
+                                     int64_t n, uint64_t stream) {
+  return draw_topk(expert_popularity(spec, n), spec.kind == RoutingKind::one_expert, tokens, k,
+                   stream_seed(spec, stream));
+}
+
+std::vector<double> rank_expert_popularity(const RoutingSpec& spec, int64_t n, int rank, int world) {
+  require(world > 0 && n % world == 0, ErrorCode::invalid_argument, "num_experts must divide over the ranks");
+  require(spec.locality >= 0 && spec.locality <= 1, ErrorCode::invalid_argument, "locality must be in [0, 1]");
+  std::vector<double> p = expert_popularity(spec, n);
+  if (spec.locality == 0) return p;
+  const int64_t per_rank = n / world, first = rank * per_rank;
+  const double local_mass = std::accumulate(p.begin() + first, p.begin() + first + per_rank, 0.0);
+  for (int64_t e = 0; e < n; ++e) {
+    const bool local = e >= first && e < first + per_rank;
+    const double local_share = local ? (local_mass > 0 ? p[e] / local_mass : 1.0 / per_rank) : 0.0;
+    p[e] = (1 - spec.locality) * p[e] + spec.locality * local_share;
+  }
+  return p;
+}
+
+std::vector<int32_t> sample_rank_topk_ids(const RoutingSpec& spec, int64_t tokens, int64_t k, int64_t n,
+                                          int rank, int world) {
+  return draw_topk(rank_expert_popularity(spec, n, rank, world), spec.kind == RoutingKind::one_expert,
+                   tokens, k, stream_seed(spec, static_cast<uint64_t>(rank)));
 }
 
 }  // namespace moka::core
