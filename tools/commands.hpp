@@ -5,5 +5,8 @@
 namespace moka::cli {
 
 void register_bench(CLI::App& app);
+void register_train(CLI::App& app);
+void register_coordcheck(CLI::App& app);
+void register_lr_sweep(CLI::App& app);
 
 }  // namespace moka::cli

@@ -8,6 +8,9 @@ int main(int argc, char** argv) {
   CLI::App app{"moka: Mixture-of-Experts layers for NVLink-connected Hopper GPUs"};
   app.require_subcommand(1);
   moka::cli::register_bench(app);
+  moka::cli::register_train(app);
+  moka::cli::register_coordcheck(app);
+  moka::cli::register_lr_sweep(app);
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {
