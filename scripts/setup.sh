@@ -16,3 +16,5 @@ fi
 if ! command -v nvcc >/dev/null && [ -x /usr/local/cuda/bin/nvcc ]; then
   echo "setup: nvcc found at /usr/local/cuda/bin (add it to PATH to build the CUDA backend)"
 fi
+# The English text `moka train` and the training tests use.
+bash "$(dirname "$0")/fetch_data.sh"

@@ -14,5 +14,8 @@ const std::vector<std::string>& command_line();
 void set_command_line(int argc, char** argv);
 std::string self_executable();
 void register_simulate(CLI::App& app);
+void register_train(CLI::App& app);
+void register_coordcheck(CLI::App& app);
+void register_lr_sweep(CLI::App& app);
 
 }  // namespace moka::cli

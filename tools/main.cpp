@@ -11,6 +11,9 @@ int main(int argc, char** argv) {
   moka::cli::register_bench(app);
   moka::cli::register_launch(app);
   moka::cli::register_simulate(app);
+  moka::cli::register_train(app);
+  moka::cli::register_coordcheck(app);
+  moka::cli::register_lr_sweep(app);
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {

@@ -1,0 +1,36 @@
+// The safetensors file format: an 8-byte little-endian header length N, N bytes of JSON
+//   {"name": {"dtype": "F32", "shape": [...], "data_offsets": [begin, end]}, ...,
+//    "__metadata__": {"key": "value", ...}}
+// then the tensors' bytes, offsets relative to the end of the header.
+#pragma once
+#include <cstdint>
+#include <map>
+#include <string>
+#include <vector>
+
+#include "moka/tensor.hpp"
+
+namespace moka::train {
+
+struct StoredTensor {
+  DType dtype = DType::f32;
+  std::vector<int64_t> shape;
+  std::vector<uint8_t> bytes;
+
+  template <typename T>
+  std::vector<T> as() const;  // checks the dtype
+};
+
+struct SafetensorsFile {
+  std::map<std::string, StoredTensor> tensors;
+  std::map<std::string, std::string> metadata;
+
+  template <typename T>
+  void put(const std::string& name, const std::vector<T>& values, std::vector<int64_t> shape);
+  const StoredTensor& get(const std::string& name) const;  // throws io when absent
+};
+
+void write_safetensors(const std::string& path, const SafetensorsFile& file);
+SafetensorsFile read_safetensors(const std::string& path);
+
+}  // namespace moka::train
