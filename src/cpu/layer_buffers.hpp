@@ -1,6 +1,7 @@
 // Owning host buffers for one rank's layer tensors, with the views the API takes. Used by the
 // CLI, the tests and the GPU checks to build inputs and hold reference results.
 #pragma once
+#include <array>
 #include <cmath>
 #include <cstdint>
 #include <random>
@@ -65,8 +66,21 @@ struct LayerBuffers {
 
   // Every output poisoned with NaN, so a value the layer forgot to write fails any check.
   void poison_outputs() {
-    for (auto* v : {&out, &d_x, &d_topk_weights, &d_w_gate, &d_w_up, &d_w_down, &d_ws_gate, &d_ws_up, &d_ws_down})
-      std::fill(v->begin(), v->end(), std::numeric_limits<T>::quiet_NaN());
+    for (auto* v : outputs()) std::fill(v->begin(), v->end(), std::numeric_limits<T>::quiet_NaN());
+  }
+
+  // Floating-point inputs and weights, and every output, in a fixed order (for copies and checks).
+  std::array<std::vector<T>*, 9> inputs_and_weights() {
+    return {&x, &d_out, &topk_weights, &w_gate, &w_up, &w_down, &ws_gate, &ws_up, &ws_down};
+  }
+  std::array<const std::vector<T>*, 9> inputs_and_weights() const {
+    return {&x, &d_out, &topk_weights, &w_gate, &w_up, &w_down, &ws_gate, &ws_up, &ws_down};
+  }
+  std::array<std::vector<T>*, 9> outputs() {
+    return {&out, &d_x, &d_topk_weights, &d_w_gate, &d_w_up, &d_w_down, &d_ws_gate, &d_ws_up, &d_ws_down};
+  }
+  std::array<const std::vector<T>*, 9> outputs() const {
+    return {&out, &d_x, &d_topk_weights, &d_w_gate, &d_w_up, &d_w_down, &d_ws_gate, &d_ws_up, &d_ws_down};
   }
 
   MoeInputs inputs() {
@@ -112,17 +126,10 @@ namespace moka::cpu {
 template <typename To, typename From>
 LayerBuffers<To> convert_buffers(const LayerBuffers<From>& src) {
   LayerBuffers<To> dst(src.shape, src.world_size, src.tokens);
-  auto cp = [](std::vector<To>& d, const std::vector<From>& s) { d.assign(s.begin(), s.end()); };
-  cp(dst.x, src.x);
-  cp(dst.d_out, src.d_out);
-  cp(dst.topk_weights, src.topk_weights);
+  const auto from = src.inputs_and_weights();
+  auto to = dst.inputs_and_weights();
+  for (size_t i = 0; i < to.size(); ++i) to[i]->assign(from[i]->begin(), from[i]->end());
   dst.topk_ids = src.topk_ids;
-  cp(dst.w_gate, src.w_gate);
-  cp(dst.w_up, src.w_up);
-  cp(dst.w_down, src.w_down);
-  cp(dst.ws_gate, src.ws_gate);
-  cp(dst.ws_up, src.ws_up);
-  cp(dst.ws_down, src.ws_down);
   return dst;
 }
 
@@ -130,18 +137,10 @@ LayerBuffers<To> convert_buffers(const LayerBuffers<From>& src) {
 template <typename A, typename R>
 double max_layer_error(const LayerBuffers<A>& a, const LayerBuffers<R>& ref) {
   double e = 0;
-  auto upd = [&](const auto& x, const auto& y) {
-    if (!y.empty()) e = std::max(e, max_rel_error(x, y));
-  };
-  upd(a.out, ref.out);
-  upd(a.d_x, ref.d_x);
-  upd(a.d_topk_weights, ref.d_topk_weights);
-  upd(a.d_w_gate, ref.d_w_gate);
-  upd(a.d_w_up, ref.d_w_up);
-  upd(a.d_w_down, ref.d_w_down);
-  upd(a.d_ws_gate, ref.d_ws_gate);
-  upd(a.d_ws_up, ref.d_ws_up);
-  upd(a.d_ws_down, ref.d_ws_down);
+  const auto got = a.outputs();
+  const auto want = ref.outputs();
+  for (size_t i = 0; i < got.size(); ++i)
+    if (!want[i]->empty()) e = std::max(e, max_rel_error(*got[i], *want[i]));
   return e;
 }
 
