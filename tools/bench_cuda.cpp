@@ -18,6 +18,7 @@
 #include "core/routing_gen.hpp"
 #include "cuda/check.hpp"
 #include "cuda/cuda_backend.hpp"
+#include "cuda/device_tensors.hpp"
 #include "cuda/grouped_gemm.hpp"
 #include "cuda/layer_kernels.hpp"
 #include "moka/moka.hpp"
@@ -28,19 +29,8 @@ namespace moka::cli {
 #if MOKA_WITH_CUDA
 namespace {
 
-struct Dev {
-  void* p = nullptr;
-  size_t bytes = 0;
-  explicit Dev(size_t n) : bytes(n) { MOKA_CUDA_CHECK(cudaMalloc(&p, std::max<size_t>(n, 16))); }
-  ~Dev() { cudaFree(p); }
-  Dev(const Dev&) = delete;
-  Dev& operator=(const Dev&) = delete;
-};
-
-// Random N(0, std) bf16 on the device (benchmarks never run on zeros).
-void fill(Dev& d, double stddev, std::mt19937_64& rng) {
-  cuda::fill_normal_bf16(static_cast<cuda::bf16*>(d.p), int64_t(d.bytes / 2), rng(), float(stddev), nullptr);
-}
+using Dev = cuda::DeviceMemory;
+using LayerTensors = cuda::DeviceLayerTensors;
 
 // Median milliseconds of `fn` over iters, timed with events after warmup runs.
 template <typename Fn>
@@ -69,10 +59,9 @@ double dense_peak_tflops(cudaStream_t s) {
   static double cached = 0;
   if (cached > 0) return cached;
   const int n = 8192;
-  std::mt19937_64 rng(7);
   Dev a(size_t(n) * n * 2), b(size_t(n) * n * 2), c(size_t(n) * n * 2);
-  fill(a, 1.0, rng);
-  fill(b, 1.0, rng);
+  a.fill_normal(1.0, 1);
+  b.fill_normal(1.0, 2);
   cublasHandle_t h;
   MOKA_CUBLAS_CHECK(cublasCreate(&h));
   MOKA_CUBLAS_CHECK(cublasSetStream(h, s));
@@ -89,46 +78,6 @@ double dense_peak_tflops(cudaStream_t s) {
   return cached;
 }
 
-struct LayerTensors {
-  Dev x, ids, w, out, d_out, d_x, d_w, wg, wu, wd, wsg, wsu, wsd, dwg, dwu, dwd, dwsg, dwsu, dwsd;
-  MoeShape s;
-  int64_t T;
-  LayerTensors(const MoeShape& sh, int64_t t)
-      : x(t * sh.hidden * 2), ids(t * sh.top_k * 4), w(t * sh.top_k * 4), out(t * sh.hidden * 2),
-        d_out(t * sh.hidden * 2), d_x(t * sh.hidden * 2), d_w(t * sh.top_k * 4),
-        wg(sh.num_experts * sh.intermediate * sh.hidden * 2), wu(wg.bytes), wd(wg.bytes),
-        wsg(sh.shared_intermediate * sh.hidden * 2), wsu(wsg.bytes), wsd(wsg.bytes), dwg(wg.bytes), dwu(wg.bytes),
-        dwd(wg.bytes), dwsg(wsg.bytes), dwsu(wsg.bytes), dwsd(wsg.bytes), s(sh), T(t) {}
-  MoeInputs inputs() const {
-    const Device d = Device::cuda(0);
-    return {TensorView(x.p, DType::bf16, {T, s.hidden}, d), TensorView(ids.p, DType::i32, {T, s.top_k}, d),
-            TensorView(w.p, DType::f32, {T, s.top_k}, d)};
-  }
-  MoeWeights weights() const {
-    const Device d = Device::cuda(0);
-    const int64_t H = s.hidden, I = s.intermediate, E = s.num_experts, Is = s.shared_intermediate;
-    MoeWeights r{TensorView(wg.p, DType::bf16, {E, I, H}, d), TensorView(wu.p, DType::bf16, {E, I, H}, d),
-                 TensorView(wd.p, DType::bf16, {E, H, I}, d), {}, {}, {}};
-    if (s.has_shared())
-      r.ws_gate = TensorView(wsg.p, DType::bf16, {Is, H}, d), r.ws_up = TensorView(wsu.p, DType::bf16, {Is, H}, d),
-      r.ws_down = TensorView(wsd.p, DType::bf16, {H, Is}, d);
-    return r;
-  }
-  MoeGradients grads() const {
-    const Device d = Device::cuda(0);
-    const int64_t H = s.hidden, I = s.intermediate, E = s.num_experts, Is = s.shared_intermediate;
-    MoeGradients g{TensorView(d_x.p, DType::bf16, {T, H}, d), TensorView(d_w.p, DType::f32, {T, s.top_k}, d),
-                   TensorView(dwg.p, DType::bf16, {E, I, H}, d), TensorView(dwu.p, DType::bf16, {E, I, H}, d),
-                   TensorView(dwd.p, DType::bf16, {E, H, I}, d), {}, {}, {}};
-    if (s.has_shared())
-      g.d_ws_gate = TensorView(dwsg.p, DType::bf16, {Is, H}, d),
-      g.d_ws_up = TensorView(dwsu.p, DType::bf16, {Is, H}, d), g.d_ws_down = TensorView(dwsd.p, DType::bf16, {H, Is}, d);
-    return g;
-  }
-  TensorView out_v() const { return TensorView(out.p, DType::bf16, {T, s.hidden}, Device::cuda(0)); }
-  TensorView dout_v() const { return TensorView(d_out.p, DType::bf16, {T, s.hidden}, Device::cuda(0)); }
-};
-
 struct Timing {
   double fwd = 0, bwd = 0, total = 0;
 };
@@ -136,12 +85,12 @@ struct Timing {
 Timing time_layer(MoeLayer& layer, const LayerTensors& t, const CudaBenchOptions& o, cudaStream_t s) {
   Timing r;
   std::unique_ptr<MoeContext> ctx;
-  r.fwd = time_ms([&] { ctx = layer.forward(t.inputs(), t.weights(), t.out_v()); }, o.warmup, o.iters, s);
-  r.bwd = time_ms([&] { layer.backward(*ctx, t.dout_v(), t.weights(), t.grads()); }, o.warmup, o.iters, s);
+  r.fwd = time_ms([&] { ctx = layer.forward(t.inputs(), t.weights(), t.out_view()); }, o.warmup, o.iters, s);
+  r.bwd = time_ms([&] { layer.backward(*ctx, t.d_out_view(), t.weights(), t.gradients()); }, o.warmup, o.iters, s);
   r.total = time_ms(
       [&] {
-        auto c = layer.forward(t.inputs(), t.weights(), t.out_v());
-        layer.backward(*c, t.dout_v(), t.weights(), t.grads());
+        auto c = layer.forward(t.inputs(), t.weights(), t.out_view());
+        layer.backward(*c, t.d_out_view(), t.weights(), t.gradients());
       },
       o.warmup, o.iters, s);
   return r;
@@ -173,8 +122,7 @@ double grouped_gemm_tflops(const NamedShape& ns, const LayerTensors& t, const Cu
   Dev chunk(cuda::schedule_chunks(slots) * E * 4), counts(E * 4), offsets((E + 1) * 4), map(slots * 4), err(8);
   MOKA_CUDA_CHECK(cudaMemset(err.p, 0xFF, 8));
   Dev xg(rows * H * 2), gate(rows * I * 2), up(rows * I * 2);
-  std::mt19937_64 rng(o.seed + 11);
-  fill(xg, 1.0, rng);
+  xg.fill_normal(1.0, o.seed + 11);
   cuda::DeviceSchedule d;
   d.slots = slots, d.num_experts = E, d.global_experts = E, d.tile_rows = o.tile_rows, d.top_k = k;
   d.chunk_counts = static_cast<int32_t*>(chunk.p), d.counts = static_cast<int32_t*>(counts.p);
@@ -192,7 +140,7 @@ double grouped_gemm_tflops(const NamedShape& ns, const LayerTensors& t, const Cu
       groups.push_back(g);
     }
   }
-  cuda::GroupedGemm gemm(cuda::GemmLayout::tn, groups, 0);
+  cuda::GroupedGemm gemm(groups, 0);
   cuda::BufferTable table;
   table.ptr[0] = xg.p, table.ptr[1] = t.wg.p, table.ptr[2] = t.wu.p, table.ptr[3] = gate.p, table.ptr[4] = up.p;
   const double ms = time_ms([&] { gemm.run(table, d.counts, d.offsets, s); }, o.warmup, o.iters, s);
@@ -234,44 +182,30 @@ void print_cuda_comparison(std::ostream& os, const std::vector<BenchRow>& rows) 
 }
 
 BenchRow run_cuda_case(const NamedShape& ns, int64_t tokens, const CudaBenchOptions& o) {
+  require(cuda_backend_available(), ErrorCode::backend_unavailable,
+          "moka bench --backend cuda needs a GPU (none is visible)");
   const MoeShape& sh = ns.shape;
   cudaStream_t s;
   MOKA_CUDA_CHECK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
   cuda::set_stream(s);
   const double peak = dense_peak_tflops(s);
   LayerTensors t(sh, tokens);
-  std::mt19937_64 rng(o.seed);
-  fill(t.x, 1.0, rng);
-  fill(t.d_out, 1.0, rng);
-  fill(t.wg, 1 / std::sqrt(double(sh.hidden)), rng);
-  fill(t.wu, 1 / std::sqrt(double(sh.hidden)), rng);
-  fill(t.wd, 1 / std::sqrt(double(sh.intermediate)), rng);
-  if (sh.has_shared()) {
-    fill(t.wsg, 1 / std::sqrt(double(sh.hidden)), rng);
-    fill(t.wsu, 1 / std::sqrt(double(sh.hidden)), rng);
-    fill(t.wsd, 1 / std::sqrt(double(sh.shared_intermediate)), rng);
-  }
-  // Uniform routing (the same ids and weights torch_baseline.py draws for this seed is not
-  // needed: both sides route uniformly at random, so expert loads match in distribution).
-  const auto ids = core::sample_topk_ids({core::RoutingKind::uniform, 0.3, o.seed}, tokens, sh.top_k, sh.num_experts);
-  std::vector<float> w(ids.size());
-  std::uniform_real_distribution<float> uw(0.1f, 1.0f);
-  for (auto& v : w) v = uw(rng);
-  MOKA_CUDA_CHECK(cudaMemcpy(t.ids.p, ids.data(), t.ids.bytes, cudaMemcpyHostToDevice));
-  MOKA_CUDA_CHECK(cudaMemcpy(t.w.p, w.data(), t.w.bytes, cudaMemcpyHostToDevice));
-
+  // Uniform routing: torch_baseline.py routes uniformly at random too, so expert loads match in
+  // distribution (the draws themselves differ).
+  t.randomize(o.seed, core::sample_topk_ids({core::RoutingKind::uniform, 0.3, o.seed}, tokens, sh.top_k,
+                                            sh.num_experts));
   const LayerOptions lo{o.tile_rows, 0};
   auto layer = make_moe_layer(sh, Backend::cuda, nullptr, lo);
   auto base = cuda::make_cuda_baseline_layer(sh, lo);
   // Check first: moka against the cuBLAS-loop path on every output element.
   {
-    auto c = layer->forward(t.inputs(), t.weights(), t.out_v());
-    layer->backward(*c, t.dout_v(), t.weights(), t.grads());
+    auto c = layer->forward(t.inputs(), t.weights(), t.out_view());
+    layer->backward(*c, t.d_out_view(), t.weights(), t.gradients());
   }
   const auto out_m = read_bf16(t.out), dx_m = read_bf16(t.d_x), dwd_m = read_bf16(t.dwd);
   {
-    auto c = base->forward(t.inputs(), t.weights(), t.out_v());
-    base->backward(*c, t.dout_v(), t.weights(), t.grads());
+    auto c = base->forward(t.inputs(), t.weights(), t.out_view());
+    base->backward(*c, t.d_out_view(), t.weights(), t.gradients());
   }
   const double err = std::max({rel_diff(out_m, read_bf16(t.out)), rel_diff(dx_m, read_bf16(t.d_x)),
                                rel_diff(dwd_m, read_bf16(t.dwd))});

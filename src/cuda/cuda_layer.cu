@@ -3,11 +3,15 @@
 //   -> SwiGLU -> grouped down GEMM -> combine (shared + sum_j w_j y_j, fp32, fixed j order).
 // Backward: gather d_out -> grouped dY W_down -> SwiGLU backward (+ d_w = <dh_u, h>) ->
 //   grouped dG W_gate, dU W_up -> fixed-order token sum; weight gradients dY^T X per expert.
+// The grouped GEMM takes K-major operands only (see gemm_cutlass.cu), so backward first
+// transposes the weights (for dY W) and the routed activations (for dY^T X, where K is the
+// expert's rows): suffix T below, e.g. kXGT = x_g^T [H, rows].
 // The host never reads a routed count: every size reaches the GEMMs through device memory.
 #include <algorithm>
 #include <cstring>
 #include <sstream>
 
+#include "core/schedule.hpp"
 #include "core/validate.hpp"
 #include "cuda/check.hpp"
 #include "cuda/cuda_backend.hpp"
@@ -23,7 +27,9 @@ thread_local cudaStream_t g_stream = nullptr;
 enum Buf : int {
   kX, kXG, kWG, kWU, kWD, kGate, kUp, kHid, kY, kWSG, kWSU, kWSD, kSG, kSU, kSH, kSY,
   kDOut, kDYG, kDHU, kDG, kDU, kHS, kDXA, kDXB, kDHS, kDGS, kDUS, kDXSA, kDXSB,
-  kDWG, kDWU, kDWD, kDWSG, kDWSU, kDWSD, kNumBufs
+  kDWG, kDWU, kDWD, kDWSG, kDWSU, kDWSD,
+  kXGT, kDYGT, kDGT, kDUT, kHST, kWGT, kWUT, kWDT, kXT, kDOutT, kDGST, kDUST, kSHT, kWSGT, kWSUT, kWSDT,
+  kNumBufs
 };
 static_assert(kNumBufs <= kMaxGemmBuffers);
 
@@ -44,6 +50,7 @@ struct DeviceBuffer {
 // Everything sized by the token count: allocated on the first call with that count.
 struct Workspace {
   int64_t tokens = 0, rows = 0;
+  int64_t rows_pitch = 0, tokens_pitch = 0;  // of the transposed buffers: 16-byte multiples
   DeviceBuffer chunk_counts, counts, offsets, row_of_slot;
   DeviceBuffer bufs[kNumBufs];  // workspace-owned entries of the buffer table (others stay empty)
   std::unique_ptr<GroupedGemm> gate_up, down, data_grad_h, data_grad_x, weight_grad;
@@ -69,6 +76,9 @@ class CudaMoeLayer final : public MoeLayer {
     require(shape_.hidden % 8 == 0 && shape_.intermediate % 8 == 0 && shape_.shared_intermediate % 8 == 0,
             ErrorCode::unsupported_size,
             "the CUDA backend needs hidden, intermediate and shared sizes that are multiples of 8 (16-byte rows)");
+    require(options_.tile_rows % 8 == 0, ErrorCode::unsupported_size,
+            "the CUDA backend needs tile_rows to be a multiple of 8 (16-byte aligned expert segments), got " +
+                std::to_string(options_.tile_rows));
     require(shape_.num_experts <= 8192, ErrorCode::unsupported_size, "the CUDA backend takes at most 8192 experts");
     MOKA_CUDA_CHECK(cudaGetDevice(&device_));
     MOKA_CUDA_CHECK(cudaHostAlloc(&error_, sizeof(unsigned long long), cudaHostAllocMapped));
@@ -156,18 +166,50 @@ class CudaMoeLayer final : public MoeLayer {
     const int32_t* map = ws.row_of_slot.as<int32_t>();
     const int32_t* counts = ws.counts.as<int32_t>();
     const int32_t* offsets = ws.offsets.as<int32_t>();
+    const int32_t* live_rows = offsets + E;  // total padded rows this forward placed
     const ActParams act{shape_.activation == Activation::swiglu_clamped, shape_.clamp_limit};
+    const bool shared = shape_.has_shared();
+    const int64_t Rp = ws.rows_pitch, Tp = ws.tokens_pitch;
+    auto tr = [&](const void* in, Buf out, int64_t rows, int64_t cols, int64_t out_pitch, int64_t batch = 1,
+                  const int32_t* bound = nullptr) {
+      TransposeSpec t;
+      t.rows = rows, t.cols = cols, t.batch = batch, t.in_pitch = cols, t.in_batch_stride = rows * cols;
+      t.out_pitch = out_pitch, t.out_batch_stride = rows * cols, t.row_bound = bound;
+      transpose(static_cast<const bf16*>(in), buf(ws, out), t, s);
+    };
+    // Weights as [E, in, out] for the data gradients dY W.
+    tr(w.w_gate.data, kWGT, I, H, I, E);
+    tr(w.w_up.data, kWUT, I, H, I, E);
+    tr(w.w_down.data, kWDT, H, I, H, E);
+    if (shared) {
+      tr(w.ws_gate.data, kWSGT, Is, H, Is);
+      tr(w.ws_up.data, kWSUT, Is, H, Is);
+      tr(w.ws_down.data, kWSDT, H, Is, H);
+    }
     gather_rows(d_out.as<bf16>(), buf(ws, kDYG), map, T * k, k, H, s);
     ws.data_grad_h->run(table, counts, offsets, s);
-    swiglu_backward_rows(buf(ws, kGate), buf(ws, kUp), buf(ws, kHid), buf(ws, kDHU), ctx->inputs.topk_weights.as<float>(),
-                         g.d_topk_weights.as<float>(), buf(ws, kHS), buf(ws, kDG), buf(ws, kDU), map, T * k, I, act,
-                         s);
-    if (shape_.has_shared())
+    swiglu_backward_rows(buf(ws, kGate), buf(ws, kUp), buf(ws, kHid), buf(ws, kDHU),
+                         ctx->inputs.topk_weights.as<float>(), g.d_topk_weights.as<float>(), buf(ws, kHS),
+                         buf(ws, kDG), buf(ws, kDU), map, T * k, I, act, s);
+    if (shared)
       swiglu_backward_rows(buf(ws, kSG), buf(ws, kSU), buf(ws, kSH), buf(ws, kDHS), nullptr, nullptr, nullptr,
                            buf(ws, kDGS), buf(ws, kDUS), nullptr, T, Is, act, s);
     ws.data_grad_x->run(table, counts, offsets, s);
-    reduce_input_grads(buf(ws, kDXA), buf(ws, kDXB), shape_.has_shared() ? buf(ws, kDXSA) : nullptr,
-                       shape_.has_shared() ? buf(ws, kDXSB) : nullptr, g.d_x.as<bf16>(), map, T, k, H, s);
+    reduce_input_grads(buf(ws, kDXA), buf(ws, kDXB), shared ? buf(ws, kDXSA) : nullptr,
+                       shared ? buf(ws, kDXSB) : nullptr, g.d_x.as<bf16>(), map, T, k, H, s);
+    // Activations as [features, rows] for the weight gradients (K = rows).
+    tr(buf(ws, kXG), kXGT, ws.rows, H, Rp, 1, live_rows);
+    tr(buf(ws, kDYG), kDYGT, ws.rows, H, Rp, 1, live_rows);
+    tr(buf(ws, kDG), kDGT, ws.rows, I, Rp, 1, live_rows);
+    tr(buf(ws, kDU), kDUT, ws.rows, I, Rp, 1, live_rows);
+    tr(buf(ws, kHS), kHST, ws.rows, I, Rp, 1, live_rows);
+    if (shared) {
+      tr(ctx->inputs.x.data, kXT, T, H, Tp);
+      tr(d_out.data, kDOutT, T, H, Tp);
+      tr(buf(ws, kDGS), kDGST, T, Is, Tp);
+      tr(buf(ws, kDUS), kDUST, T, Is, Tp);
+      tr(buf(ws, kSH), kSHT, T, Is, Tp);
+    }
     zero_empty_experts(counts, E, g.d_w_gate.as<bf16>(), g.d_w_up.as<bf16>(), g.d_w_down.as<bf16>(), I * H, s);
     ws.weight_grad->run(table, counts, offsets, s);
   }
@@ -245,9 +287,18 @@ class CudaMoeLayer final : public MoeLayer {
     auto alloc = [&](Buf b, int64_t elems) { ws->bufs[b] = DeviceBuffer(elems * sizeof(bf16)); };
     for (Buf b : {kXG, kY, kDYG, kDXA, kDXB}) alloc(b, R * H);
     for (Buf b : {kGate, kUp, kHid, kDHU, kDG, kDU, kHS}) alloc(b, R * I);
+    ws->rows_pitch = core::round_up(R, 8);
+    ws->tokens_pitch = core::round_up(T, 8);
+    const int64_t Rp = ws->rows_pitch, Tp = ws->tokens_pitch;
+    for (Buf b : {kXGT, kDYGT}) alloc(b, H * Rp);
+    for (Buf b : {kDGT, kDUT, kHST}) alloc(b, I * Rp);
+    for (Buf b : {kWGT, kWUT, kWDT}) alloc(b, E * I * H);
     if (shape_.has_shared()) {
       for (Buf b : {kSG, kSU, kSH, kDHS, kDGS, kDUS}) alloc(b, T * Is);
       for (Buf b : {kSY, kDXSA, kDXSB}) alloc(b, T * H);
+      for (Buf b : {kXT, kDOutT}) alloc(b, H * Tp);
+      for (Buf b : {kDGST, kDUST, kSHT}) alloc(b, Is * Tp);
+      for (Buf b : {kWSGT, kWSUT, kWSDT}) alloc(b, Is * H);
     }
     build_gemms(*ws);
     ws_ = std::move(ws);
@@ -256,19 +307,30 @@ class CudaMoeLayer final : public MoeLayer {
 
   // The five grouped GEMMs of a layer, each with one group per expert and operand (plus the
   // shared expert's dense products as extra fixed-size groups, so they overlap with the routed
-  // tiles in the same persistent launch).
+  // tiles in the same persistent launch). All are D = A B^T with row-major A [m, k], B [n, k].
   void build_gemms(Workspace& ws) const {
     const int64_t H = shape_.hidden, I = shape_.intermediate, E = shape_.num_experts, T = ws.tokens;
-    const int64_t Is = shape_.shared_intermediate;
+    const int64_t Is = shape_.shared_intermediate, Rp = ws.rows_pitch, Tp = ws.tokens_pitch;
     const int Ti = static_cast<int>(T), Hi = static_cast<int>(H), Ii = static_cast<int>(I),
               Isi = static_cast<int>(Is);
-    auto routed = [](int e, int a, int64_t a_step, int64_t lda, int b, int64_t b_off, int64_t ldb, int d,
-                     int64_t d_step, int64_t ldd, int n, int k) {
+    // A product over a routed expert's rows: m = the expert's row count.
+    auto rows_of = [](int e, int a, int64_t lda, int b, int64_t b_off, int64_t ldb, int d, int64_t ldd, int n,
+                      int k) {
       GroupSpec g;
-      g.a = a, g.a_step = a_step, g.lda = lda;
+      g.a = a, g.a_step = lda, g.lda = lda;
       g.b = b, g.b_off = b_off, g.ldb = ldb;
-      g.d = d, g.d_step = d_step, g.ldd = ldd;
+      g.d = d, g.d_step = ldd, g.ldd = ldd;
       g.n = n, g.k = k, g.expert = e, g.count_dim = CountDim::m;
+      return g;
+    };
+    // A weight gradient summed over a routed expert's rows: k = the expert's row count; A and B
+    // are transposed activations [features, rows_pitch], advanced by the segment's first row.
+    auto sum_over_rows = [&](int e, int a, int b, int d, int64_t d_off, int m, int n) {
+      GroupSpec g;
+      g.a = a, g.a_step = 1, g.lda = Rp;
+      g.b = b, g.b_step = 1, g.ldb = Rp;
+      g.d = d, g.d_off = d_off, g.ldd = n;
+      g.m = m, g.n = n, g.expert = e, g.count_dim = CountDim::k;
       return g;
     };
     auto fixed = [](int a, int64_t lda, int b, int64_t ldb, int d, int64_t ldd, int m, int n, int k) {
@@ -279,40 +341,35 @@ class CudaMoeLayer final : public MoeLayer {
     };
     std::vector<GroupSpec> gate_up, down, dh, dx, wgrad;
     for (int e = 0; e < E; ++e) {
-      // Forward: x_g W^T.
-      gate_up.push_back(routed(e, kXG, H, H, kWG, e * I * H, H, kGate, I, I, Ii, Hi));
-      gate_up.push_back(routed(e, kXG, H, H, kWU, e * I * H, H, kUp, I, I, Ii, Hi));
-      down.push_back(routed(e, kHid, I, I, kWD, e * H * I, I, kY, H, H, Hi, Ii));
-      // Backward data gradients: dY_g W_down, dG W_gate, dU W_up.
-      dh.push_back(routed(e, kDYG, H, H, kWD, e * H * I, I, kDHU, I, I, Ii, Hi));
-      dx.push_back(routed(e, kDG, I, I, kWG, e * I * H, H, kDXA, H, H, Hi, Ii));
-      dx.push_back(routed(e, kDU, I, I, kWU, e * I * H, H, kDXB, H, H, Hi, Ii));
-      // Weight gradients (k = the expert's rows): dG^T x_g, dU^T x_g, dY_g^T (w * hidden).
-      for (auto [a, d] : {std::pair{kDG, kDWG}, std::pair{kDU, kDWU}}) {
-        GroupSpec g = fixed(a, I, kXG, H, d, H, Ii, Hi, 0);
-        g.a_step = I, g.b_step = H, g.d_off = e * I * H, g.expert = e, g.count_dim = CountDim::k;
-        wgrad.push_back(g);
-      }
-      GroupSpec g = fixed(kDYG, H, kHS, I, kDWD, I, Hi, Ii, 0);
-      g.a_step = H, g.b_step = I, g.d_off = e * H * I, g.expert = e, g.count_dim = CountDim::k;
-      wgrad.push_back(g);
+      // Forward: x_g W_gate^T, x_g W_up^T, hidden W_down^T.
+      gate_up.push_back(rows_of(e, kXG, H, kWG, e * I * H, H, kGate, I, Ii, Hi));
+      gate_up.push_back(rows_of(e, kXG, H, kWU, e * I * H, H, kUp, I, Ii, Hi));
+      down.push_back(rows_of(e, kHid, I, kWD, e * H * I, I, kY, H, Hi, Ii));
+      // Backward data gradients: dY_g W_down, dG W_gate, dU W_up (B = the transposed weights).
+      dh.push_back(rows_of(e, kDYG, H, kWDT, e * I * H, H, kDHU, I, Ii, Hi));
+      dx.push_back(rows_of(e, kDG, I, kWGT, e * H * I, I, kDXA, H, Hi, Ii));
+      dx.push_back(rows_of(e, kDU, I, kWUT, e * H * I, I, kDXB, H, Hi, Ii));
+      // Weight gradients: dG^T x_g, dU^T x_g, dY_g^T (w * hidden).
+      wgrad.push_back(sum_over_rows(e, kDGT, kXGT, kDWG, e * I * H, Ii, Hi));
+      wgrad.push_back(sum_over_rows(e, kDUT, kXGT, kDWU, e * I * H, Ii, Hi));
+      wgrad.push_back(sum_over_rows(e, kDYGT, kHST, kDWD, e * H * I, Hi, Ii));
     }
     if (shape_.has_shared()) {
       gate_up.push_back(fixed(kX, H, kWSG, H, kSG, Is, Ti, Isi, Hi));
       gate_up.push_back(fixed(kX, H, kWSU, H, kSU, Is, Ti, Isi, Hi));
       down.push_back(fixed(kSH, Is, kWSD, Is, kSY, H, Ti, Hi, Isi));
-      dh.push_back(fixed(kDOut, H, kWSD, Is, kDHS, Is, Ti, Isi, Hi));
-      dx.push_back(fixed(kDGS, Is, kWSG, H, kDXSA, H, Ti, Hi, Isi));
-      dx.push_back(fixed(kDUS, Is, kWSU, H, kDXSB, H, Ti, Hi, Isi));
-      wgrad.push_back(fixed(kDGS, Is, kX, H, kDWSG, H, Isi, Hi, Ti));
-      wgrad.push_back(fixed(kDUS, Is, kX, H, kDWSU, H, Isi, Hi, Ti));
-      wgrad.push_back(fixed(kDOut, H, kSH, Is, kDWSD, Is, Hi, Isi, Ti));
+      dh.push_back(fixed(kDOut, H, kWSDT, H, kDHS, Is, Ti, Isi, Hi));
+      dx.push_back(fixed(kDGS, Is, kWSGT, Is, kDXSA, H, Ti, Hi, Isi));
+      dx.push_back(fixed(kDUS, Is, kWSUT, Is, kDXSB, H, Ti, Hi, Isi));
+      wgrad.push_back(fixed(kDGST, Tp, kXT, Tp, kDWSG, H, Isi, Hi, Ti));
+      wgrad.push_back(fixed(kDUST, Tp, kXT, Tp, kDWSU, H, Isi, Hi, Ti));
+      wgrad.push_back(fixed(kDOutT, Tp, kSHT, Tp, kDWSD, Is, Hi, Isi, Ti));
     }
-    ws.gate_up = std::make_unique<GroupedGemm>(GemmLayout::tn, gate_up, device_, engine_);
-    ws.down = std::make_unique<GroupedGemm>(GemmLayout::tn, down, device_, engine_);
-    ws.data_grad_h = std::make_unique<GroupedGemm>(GemmLayout::nn, dh, device_, engine_);
-    ws.data_grad_x = std::make_unique<GroupedGemm>(GemmLayout::nn, dx, device_, engine_);
-    ws.weight_grad = std::make_unique<GroupedGemm>(GemmLayout::tt, wgrad, device_, engine_);
+    ws.gate_up = std::make_unique<GroupedGemm>(gate_up, device_, engine_);
+    ws.down = std::make_unique<GroupedGemm>(down, device_, engine_);
+    ws.data_grad_h = std::make_unique<GroupedGemm>(dh, device_, engine_);
+    ws.data_grad_x = std::make_unique<GroupedGemm>(dx, device_, engine_);
+    ws.weight_grad = std::make_unique<GroupedGemm>(wgrad, device_, engine_);
   }
 
   MoeShape shape_;

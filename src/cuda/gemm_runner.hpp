@@ -1,5 +1,5 @@
-// Internal: the CUTLASS kernel of one GemmLayout behind a plain interface, so the CUTLASS
-// headers compile once per layout (gemm_tn.cu, gemm_nn.cu, gemm_tt.cu), in parallel.
+// Internal: the CUTLASS kernel behind a plain interface, so the CUTLASS headers compile in one
+// translation unit (gemm_cutlass.cu).
 #pragma once
 #include <cuda_runtime.h>
 
@@ -24,8 +24,6 @@ class GemmRunner {
   virtual void run(cudaStream_t stream) = 0;
 };
 
-std::unique_ptr<GemmRunner> make_gemm_runner_tn(const GroupArrays&, const std::vector<GroupSpec>&, int device);
-std::unique_ptr<GemmRunner> make_gemm_runner_nn(const GroupArrays&, const std::vector<GroupSpec>&, int device);
-std::unique_ptr<GemmRunner> make_gemm_runner_tt(const GroupArrays&, const std::vector<GroupSpec>&, int device);
+std::unique_ptr<GemmRunner> make_gemm_runner(const GroupArrays&, const std::vector<GroupSpec>&, int device);
 
 }  // namespace moka::cuda

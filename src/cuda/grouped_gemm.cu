@@ -35,7 +35,6 @@ __global__ void setup_groups(const GroupSpec* specs, int groups, const BufferTab
 }  // namespace
 
 struct GroupedGemm::Impl {
-  GemmLayout layout = GemmLayout::tn;
   GroupSpec* specs = nullptr;
   GroupArrays arrays;
   std::unique_ptr<GemmRunner> runner;
@@ -58,9 +57,8 @@ struct GroupedGemm::Impl {
   }
 };
 
-GroupedGemm::GroupedGemm(GemmLayout layout, const std::vector<GroupSpec>& groups, int device, GemmEngine engine)
+GroupedGemm::GroupedGemm(const std::vector<GroupSpec>& groups, int device, GemmEngine engine)
     : impl_(std::make_unique<Impl>()), groups_(groups.size()) {
-  impl_->layout = layout;
   require(!groups.empty(), ErrorCode::internal, "grouped GEMM with no groups");
   for (const auto& g : groups) {
     require(g.a >= 0 && g.a < kMaxGemmBuffers && g.b >= 0 && g.b < kMaxGemmBuffers && g.d >= 0 &&
@@ -86,11 +84,7 @@ GroupedGemm::GroupedGemm(GemmLayout layout, const std::vector<GroupSpec>& groups
   MOKA_CUDA_CHECK(cudaMalloc(&impl_->arrays.a, G * sizeof(void*)));
   MOKA_CUDA_CHECK(cudaMalloc(&impl_->arrays.b, G * sizeof(void*)));
   MOKA_CUDA_CHECK(cudaMalloc(&impl_->arrays.d, G * sizeof(void*)));
-  switch (layout) {
-    case GemmLayout::tn: impl_->runner = make_gemm_runner_tn(impl_->arrays, groups, device); break;
-    case GemmLayout::nn: impl_->runner = make_gemm_runner_nn(impl_->arrays, groups, device); break;
-    case GemmLayout::tt: impl_->runner = make_gemm_runner_tt(impl_->arrays, groups, device); break;
-  }
+  impl_->runner = make_gemm_runner(impl_->arrays, groups, device);
 }
 
 GroupedGemm::~GroupedGemm() = default;
@@ -119,10 +113,8 @@ void GroupedGemm::Impl::run_cublas_loop(const BufferTable& buffers, const int32_
     const auto* a = static_cast<const bf*>(buffers.ptr[s.a]) + s.a_off + row * s.a_step;
     const auto* b = static_cast<const bf*>(buffers.ptr[s.b]) + s.b_off + row * s.b_step;
     auto* d = const_cast<bf*>(static_cast<const bf*>(buffers.ptr[s.d])) + s.d_off + row * s.d_step;
-    // Row-major D[m, n] is column-major D^T[n, m] = op(B) op(A) (see GemmLayout).
-    const cublasOperation_t op_b = layout == GemmLayout::tn ? CUBLAS_OP_T : CUBLAS_OP_N;
-    const cublasOperation_t op_a = layout == GemmLayout::tt ? CUBLAS_OP_T : CUBLAS_OP_N;
-    MOKA_CUBLAS_CHECK(cublasGemmEx(cublas, op_b, op_a, dims[1], dims[0], dims[2], &one, b, CUDA_R_16BF,
+    // Row-major D[m, n] is column-major D^T[n, m] = B A^T with B, A column-major [k, n], [k, m].
+    MOKA_CUBLAS_CHECK(cublasGemmEx(cublas, CUBLAS_OP_T, CUBLAS_OP_N, dims[1], dims[0], dims[2], &one, b, CUDA_R_16BF,
                                    static_cast<int>(s.ldb), a, CUDA_R_16BF, static_cast<int>(s.lda), &zero, d,
                                    CUDA_R_16BF, static_cast<int>(s.ldd), CUBLAS_COMPUTE_32F,
                                    CUBLAS_GEMM_DEFAULT));

@@ -4,7 +4,8 @@
 // pointers, then the persistent GEMM walks the groups. Both launches are stream-ordered and
 // capturable in a CUDA graph.
 //
-// Every GEMM is D[m, n] = sum_k A(m, k) B(n, k), fp32 accumulation, bf16 row-major D.
+// Every GEMM is D[m, n] = sum_k A[m, k] B[n, k] (A, B, D row-major, i.e. both operands
+// K-major), fp32 accumulation, bf16 D.
 #pragma once
 #include <cuda_runtime.h>
 
@@ -14,22 +15,12 @@
 
 namespace moka::cuda {
 
-// Operand layouts of the three GEMM families of an MoE layer.
-enum class GemmLayout {
-  // A [m, k] row-major, B [n, k] row-major: X W^T (forward gate/up and down).
-  tn,
-  // A [m, k] row-major, B [k, n] row-major: dY W (backward data gradients).
-  nn,
-  // A [k, m] row-major, B [k, n] row-major: dY^T X (weight gradients, k = routed rows).
-  tt,
-};
-
 // Which dimension of a group takes its expert's routed row count.
 enum class CountDim : int8_t { none = -1, m = 0, k = 2 };
 
 // Base pointers of one launch, passed by value to the setup kernel, so the caller's tensors
 // (weights, x, d_out) may move between calls, and a captured graph keeps the pointers it saw.
-inline constexpr int kMaxGemmBuffers = 40;
+inline constexpr int kMaxGemmBuffers = 64;
 struct BufferTable {
   const void* ptr[kMaxGemmBuffers] = {};
 };
@@ -56,8 +47,7 @@ enum class GemmEngine { cutlass, cublas_loop };
 
 class GroupedGemm {
  public:
-  GroupedGemm(GemmLayout layout, const std::vector<GroupSpec>& groups, int device,
-              GemmEngine engine = GemmEngine::cutlass);
+  GroupedGemm(const std::vector<GroupSpec>& groups, int device, GemmEngine engine = GemmEngine::cutlass);
   ~GroupedGemm();
   GroupedGemm(const GroupedGemm&) = delete;
   GroupedGemm& operator=(const GroupedGemm&) = delete;

@@ -8,6 +8,7 @@
 
 #include "core/routing_gen.hpp"
 #include "cuda/cuda_backend.hpp"
+#include "cuda/device_tensors.hpp"
 #include "gpu_case.hpp"
 #include "moka/moka.hpp"
 
@@ -103,45 +104,87 @@ INSTANTIATE_TEST_SUITE_P(
         Case{"mixtral_dims", shape(4096, 14336, 2, 1), 20, U}),
     [](const auto& info) { return std::string(info.param.name); });
 
-// Full named shapes at scale: forward+backward against the per-expert cuBLAS baseline (an
-// independent GEMM path) on every element, plus the fp64 reference on sampled tokens through
-// the CPU layer restricted to those tokens (same weights, the tokens' own routing).
+std::vector<double> download_bf16(const void* p, int64_t n) {
+  std::vector<__nv_bfloat16> b(n);
+  MOKA_CUDA_CHECK(cudaMemcpy(b.data(), p, n * 2, cudaMemcpyDeviceToHost));
+  return std::vector<double>(b.begin(), b.end());
+}
+
+// Full named shapes (every expert) at 512 tokens, device tensors only: forward+backward against
+// the per-expert cuBLAS baseline (an independent GEMM path) on every element of every output,
+// and against the fp64 reference on two sampled tokens: each alone through the CPU layer with
+// only its own k experts' weights (ids remapped to 0..k-1) and the shared expert.
 TEST(CudaLayer, NamedShapesMatchBaselineAndSampledReference) {
   for (const auto& ns : named_shapes()) {
     if (ns.name == "tiny") continue;
     SCOPED_TRACE(ns.name);
+    const MoeShape& sh = ns.shape;
+    const int64_t T = 512, H = sh.hidden, I = sh.intermediate, k = sh.top_k, Is = sh.shared_intermediate;
     const uint64_t seed = fresh_seed();
-    const int64_t T = 512;
-    GpuCase c(ns.shape, T, seed);
-    route(c, U, seed + 1);
-    c.upload();
-    auto layer = make_moe_layer(ns.shape, Backend::cuda);
-    run_gpu(*layer, c);
-    const auto got = c.download();
-    c.poison();
-    auto base = cuda::make_cuda_baseline_layer(ns.shape, {});
-    run_gpu(*base, c);
-    const auto want = c.download();
-    expect_close(got, want, 1e-2);
-    // Sampled fp64 check of out and d_x: 2 tokens, each alone through the reference.
-    for (int64_t t : {int64_t(0), T - 1}) {
-      cpu::LayerBuffers<double> r(ns.shape, 1, 1);
-      r.w_gate = c.ref.w_gate, r.w_up = c.ref.w_up, r.w_down = c.ref.w_down;
-      r.ws_gate = c.ref.ws_gate, r.ws_up = c.ref.ws_up, r.ws_down = c.ref.ws_down;
-      const int64_t H = ns.shape.hidden, k = ns.shape.top_k;
-      r.x.assign(c.ref.x.begin() + t * H, c.ref.x.begin() + (t + 1) * H);
-      r.d_out.assign(c.ref.d_out.begin() + t * H, c.ref.d_out.begin() + (t + 1) * H);
-      r.topk_ids.assign(c.ref.topk_ids.begin() + t * k, c.ref.topk_ids.begin() + (t + 1) * k);
-      r.topk_weights.assign(c.ref.topk_weights.begin() + t * k, c.ref.topk_weights.begin() + (t + 1) * k);
-      auto cpu = make_moe_layer(ns.shape, Backend::cpu);
+    const auto ids = core::sample_topk_ids({U, 0.3, seed}, T, k, sh.num_experts);
+    cuda::DeviceLayerTensors t(sh, T);
+    t.randomize(seed, ids);
+    t.poison();
+    auto layer = make_moe_layer(sh, Backend::cuda);
+    auto run = [&](MoeLayer& l) {
+      auto ctx = l.forward(t.inputs(), t.weights(), t.out_view());
+      l.backward(*ctx, t.d_out_view(), t.weights(), t.gradients());
+      MOKA_CUDA_CHECK(cudaDeviceSynchronize());
+    };
+    run(*layer);
+    std::vector<std::vector<double>> got;
+    for (const cuda::DeviceMemory* m : {&t.out, &t.d_x, &t.dwg, &t.dwu, &t.dwd, &t.dwsg, &t.dwsu, &t.dwsd})
+      got.push_back(download_bf16(m->p, int64_t(m->bytes / 2)));
+    std::vector<float> dw_got(T * k);
+    MOKA_CUDA_CHECK(cudaMemcpy(dw_got.data(), t.d_w.p, t.d_w.bytes, cudaMemcpyDeviceToHost));
+    t.poison();
+    auto base = cuda::make_cuda_baseline_layer(sh, {});
+    run(*base);
+    const char* names[] = {"out", "d_x", "d_w_gate", "d_w_up", "d_w_down", "d_ws_gate", "d_ws_up", "d_ws_down"};
+    int i = 0;
+    for (const cuda::DeviceMemory* m : {&t.out, &t.d_x, &t.dwg, &t.dwu, &t.dwd, &t.dwsg, &t.dwsu, &t.dwsd}) {
+      const auto want = download_bf16(m->p, int64_t(m->bytes / 2));
+      if (!want.empty()) {
+        EXPECT_LE(cpu::max_rel_error(got[i], want), 1e-2) << names[i] << " vs cuBLAS loop";
+      }
+      ++i;
+    }
+    for (int64_t tok : {int64_t(0), T - 1}) {
+      MoeShape one = sh;
+      one.num_experts = k;
+      cpu::LayerBuffers<double> r(one, 1, 1);
+      auto rows = [&](const cuda::DeviceMemory& m, int64_t row, int64_t width) {
+        return download_bf16(m.as<__nv_bfloat16>() + row * width, width);
+      };
+      r.x = rows(t.x, tok, H);
+      r.d_out = rows(t.d_out, tok, H);
+      std::vector<float> wt(k);
+      MOKA_CUDA_CHECK(cudaMemcpy(wt.data(), t.w.as<float>() + tok * k, k * 4, cudaMemcpyDeviceToHost));
+      r.topk_weights.assign(wt.begin(), wt.end());
+      r.w_gate.clear(), r.w_up.clear(), r.w_down.clear();
+      for (int64_t j = 0; j < k; ++j) {
+        const int64_t e = ids[tok * k + j];
+        r.topk_ids[j] = int32_t(j);
+        for (auto [dst, src, n] : {std::tuple{&r.w_gate, &t.wg, I * H}, std::tuple{&r.w_up, &t.wu, I * H},
+                                   std::tuple{&r.w_down, &t.wd, H * I}}) {
+          const auto v = rows(*src, e, n);
+          dst->insert(dst->end(), v.begin(), v.end());
+        }
+      }
+      if (sh.has_shared()) {
+        r.ws_gate = download_bf16(t.wsg.p, Is * H);
+        r.ws_up = download_bf16(t.wsu.p, Is * H);
+        r.ws_down = download_bf16(t.wsd.p, H * Is);
+      }
+      auto cpu = make_moe_layer(one, Backend::cpu);
       auto ctx = cpu->forward(r.inputs(), r.weights(), r.out_view());
       cpu->backward(*ctx, r.d_out_view(), r.weights(), r.gradients());
-      const std::vector<double> out_t(got.out.begin() + t * H, got.out.begin() + (t + 1) * H);
-      const std::vector<double> dx_t(got.d_x.begin() + t * H, got.d_x.begin() + (t + 1) * H);
-      const std::vector<double> dw_t(got.d_topk_weights.begin() + t * k, got.d_topk_weights.begin() + (t + 1) * k);
-      EXPECT_LE(cpu::max_rel_error(out_t, r.out), 2e-2) << "out of token " << t;
-      EXPECT_LE(cpu::max_rel_error(dx_t, r.d_x), 2e-2) << "d_x of token " << t;
-      EXPECT_LE(cpu::max_rel_error(dw_t, r.d_topk_weights), 2e-2) << "d_topk_weights of token " << t;
+      const std::vector<double> out_t(got[0].begin() + tok * H, got[0].begin() + (tok + 1) * H);
+      const std::vector<double> dx_t(got[1].begin() + tok * H, got[1].begin() + (tok + 1) * H);
+      const std::vector<double> dw_t(dw_got.begin() + tok * k, dw_got.begin() + (tok + 1) * k);
+      EXPECT_LE(cpu::max_rel_error(out_t, r.out), 2e-2) << "out of token " << tok;
+      EXPECT_LE(cpu::max_rel_error(dx_t, r.d_x), 2e-2) << "d_x of token " << tok;
+      EXPECT_LE(cpu::max_rel_error(dw_t, r.d_topk_weights), 2e-2) << "d_topk_weights of token " << tok;
     }
   }
 }

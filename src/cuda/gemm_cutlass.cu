@@ -1,5 +1,5 @@
-// Internal: the CUTLASS sm90 grouped GEMM (pointer-array, device-side problem sizes) for one
-// operand layout. Included by gemm_tn.cu, gemm_nn.cu and gemm_tt.cu only.
+// The CUTLASS sm90 grouped GEMM (pointer-array, device-side problem sizes), both operands
+// K-major: D[m, n] = A[m, k] B[n, k]^T with A, B and D row-major.
 //
 // Kernel: warp-specialized cooperative persistent kernel (one TMA producer warp, two consumer
 // warpgroups sharing a 128x256 tile, 64-deep K blocks, as many pipeline stages as shared
@@ -7,7 +7,6 @@
 // grid is sized from the SM count alone and the host never needs the group sizes.
 // GemmKernel::operator()(params, smem) is a __device__ function: the megakernel can call the
 // same tile loop from its compute CTAs.
-#pragma once
 #include <cute/tensor.hpp>
 #include <cutlass/cutlass.h>
 #include <cutlass/epilogue/collective/collective_builder.hpp>
@@ -28,10 +27,14 @@ using namespace cute;
 
 namespace moka::cuda {
 
-// LayoutA and LayoutB are aliases the including .cu file defines before the include: a plain
-// (non-template) config, since nvcc's host pass failed to re-emit the epilogue builder's
+// Only K-major operands: on CUTLASS 4.2 the grouped (device-sized) kernel with an MN-major
+// operand gave wrong results on the H200 (tests/gpu/test_grouped_gemm.cpp found it), so
+// the layer transposes where a product needs one (docs/ARCHITECTURE.md, CUDA backend).
+// A plain (non-template) config: nvcc's host pass failed to re-emit the epilogue builder's
 // decltype arguments when they were instantiated inside a class template.
 struct GroupedGemmConfig {
+  using LayoutA = cutlass::layout::RowMajor;
+  using LayoutB = cutlass::layout::ColumnMajor;
   using Element = cutlass::bfloat16_t;
   using LayoutD = cutlass::layout::RowMajor;
   static constexpr int kAlign = 8;  // 16 bytes of bf16: TMA's alignment
@@ -148,5 +151,10 @@ class CutlassGemmRunner final : public GemmRunner {
   StrideD* strides_d_ = nullptr;
   void* workspace_ = nullptr;
 };
+
+std::unique_ptr<GemmRunner> make_gemm_runner(const GroupArrays& arrays, const std::vector<GroupSpec>& specs,
+                                             int device) {
+  return std::make_unique<CutlassGemmRunner<GroupedGemmConfig>>(arrays, specs, device);
+}
 
 }  // namespace moka::cuda
