@@ -2,7 +2,8 @@
 # Runs on the GPU machine: the GPU tests, the PyTorch baseline and `moka bench --backend cuda`,
 # side by side in one run. Expects prebuilt binaries next to this script (scripts/stage_gpu.sh
 # copies them) or under build/; writes logs and JSON lines to $OUT (or ./gpu_out).
-#   MODE=tests|bench|all (default all); SHAPES, TOKENS, ITERS override the bench's lists.
+#   MODE=tests|bench|all (default all); SUITES (gtest filters), SHAPES, TOKENS, ITERS override
+#   the default lists.
 set -uo pipefail
 export NCCL_NVLS_ENABLE=0
 HERE=$(cd "$(dirname "$0")" && pwd)
@@ -22,8 +23,9 @@ rc=0
 if [[ $MODE == tests || $MODE == all ]]; then
   # One process per suite: a device fault in one suite cannot hide the others' results.
   : > "$OUT/gpu_tests.log"
-  for suite in 'All/GroupedGemmCounts.*' 'Routing/DeviceSchedule.*' 'Shapes/CudaLayerVsReference.*' \
-               'CudaLayer.*' 'CudaRouter.*'; do
+  SUITES=${SUITES:-All/GroupedGemmCounts.* Routing/DeviceSchedule.* Shapes/CudaLayerVsReference.* CudaLayer.* CudaRouter.*}
+  set -f  # the suite filters are gtest patterns, not file globs
+  for suite in $SUITES; do
     timeout 300 "$BIN/moka_gpu_tests" --gtest_color=no --gtest_filter="$suite" >> "$OUT/gpu_tests.log" 2>&1
     src=$?
     echo "suite $suite: exit code $src"

@@ -111,44 +111,59 @@ std::vector<double> download_bf16(const void* p, int64_t n) {
 }
 
 // Full named shapes (every expert) at 512 tokens, device tensors only: forward+backward against
-// the per-expert cuBLAS baseline (an independent GEMM path) on every element of every output,
-// and against the fp64 reference on two sampled tokens: each alone through the CPU layer with
-// only its own k experts' weights (ids remapped to 0..k-1) and the shared expert.
+// the per-expert cuBLAS baseline (an independent GEMM path) on every element of out, d_x,
+// d_topk_weights and the shared-expert gradients and on the routed weight gradients of three
+// sampled experts (the first, the last, and one in the middle: full routed gradients would be
+// tens of GB on the host); and against the fp64 reference on two sampled tokens: each alone
+// through the CPU layer with only its own k experts' weights (ids remapped to 0..k-1) and the
+// shared expert.
 TEST(CudaLayer, NamedShapesMatchBaselineAndSampledReference) {
   for (const auto& ns : named_shapes()) {
     if (ns.name == "tiny") continue;
     SCOPED_TRACE(ns.name);
     const MoeShape& sh = ns.shape;
     const int64_t T = 512, H = sh.hidden, I = sh.intermediate, k = sh.top_k, Is = sh.shared_intermediate;
+    const int64_t E = sh.num_experts, per_expert = I * H;
     const uint64_t seed = fresh_seed();
-    const auto ids = core::sample_topk_ids({U, 0.3, seed}, T, k, sh.num_experts);
+    const auto ids = core::sample_topk_ids({U, 0.3, seed}, T, k, E);
     cuda::DeviceLayerTensors t(sh, T);
     t.randomize(seed, ids);
     t.poison();
-    auto layer = make_moe_layer(sh, Backend::cuda);
     auto run = [&](MoeLayer& l) {
       auto ctx = l.forward(t.inputs(), t.weights(), t.out_view());
       l.backward(*ctx, t.d_out_view(), t.weights(), t.gradients());
       MOKA_CUDA_CHECK(cudaDeviceSynchronize());
     };
+    // What is compared: whole small outputs, sampled experts' slices of the routed gradients.
+    const std::vector<int64_t> experts = {0, E / 2, E - 1};
+    auto snapshot = [&] {
+      std::vector<std::vector<double>> v;
+      for (const cuda::DeviceMemory* m : {&t.out, &t.d_x, &t.dwsg, &t.dwsu, &t.dwsd})
+        v.push_back(download_bf16(m->p, int64_t(m->bytes / 2)));
+      for (const cuda::DeviceMemory* m : {&t.dwg, &t.dwu, &t.dwd})
+        for (int64_t e : experts) v.push_back(download_bf16(m->as<__nv_bfloat16>() + e * per_expert, per_expert));
+      std::vector<float> dw(T * k);
+      MOKA_CUDA_CHECK(cudaMemcpy(dw.data(), t.d_w.p, t.d_w.bytes, cudaMemcpyDeviceToHost));
+      v.emplace_back(dw.begin(), dw.end());
+      return v;
+    };
+    auto layer = make_moe_layer(sh, Backend::cuda);
     run(*layer);
-    std::vector<std::vector<double>> got;
-    for (const cuda::DeviceMemory* m : {&t.out, &t.d_x, &t.dwg, &t.dwu, &t.dwd, &t.dwsg, &t.dwsu, &t.dwsd})
-      got.push_back(download_bf16(m->p, int64_t(m->bytes / 2)));
-    std::vector<float> dw_got(T * k);
-    MOKA_CUDA_CHECK(cudaMemcpy(dw_got.data(), t.d_w.p, t.d_w.bytes, cudaMemcpyDeviceToHost));
+    const auto got = snapshot();
+    layer.reset();  // frees its workspace before the baseline allocates its own
     t.poison();
     auto base = cuda::make_cuda_baseline_layer(sh, {});
     run(*base);
-    const char* names[] = {"out", "d_x", "d_w_gate", "d_w_up", "d_w_down", "d_ws_gate", "d_ws_up", "d_ws_down"};
-    int i = 0;
-    for (const cuda::DeviceMemory* m : {&t.out, &t.d_x, &t.dwg, &t.dwu, &t.dwd, &t.dwsg, &t.dwsu, &t.dwsd}) {
-      const auto want = download_bf16(m->p, int64_t(m->bytes / 2));
-      if (!want.empty()) {
-        EXPECT_LE(cpu::max_rel_error(got[i], want), 1e-2) << names[i] << " vs cuBLAS loop";
+    const auto want = snapshot();
+    const char* names[] = {"out",      "d_x",      "d_ws_gate", "d_ws_up",  "d_ws_down", "d_w_gate[0]",
+                           "d_w_gate[E/2]", "d_w_gate[E-1]", "d_w_up[0]", "d_w_up[E/2]", "d_w_up[E-1]",
+                           "d_w_down[0]", "d_w_down[E/2]", "d_w_down[E-1]", "d_topk_weights"};
+    for (size_t i = 0; i < got.size(); ++i) {
+      if (!want[i].empty()) {
+        EXPECT_LE(cpu::max_rel_error(got[i], want[i]), 1e-2) << names[i] << " vs cuBLAS loop";
       }
-      ++i;
     }
+    const std::vector<double>& dw_got = got.back();
     for (int64_t tok : {int64_t(0), T - 1}) {
       MoeShape one = sh;
       one.num_experts = k;
