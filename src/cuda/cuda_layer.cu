@@ -8,7 +8,6 @@
 // expert's rows): suffix T below, e.g. kXGT = x_g^T [H, rows].
 // The host never reads a routed count: every size reaches the GEMMs through device memory.
 #include <algorithm>
-#include <cstring>
 #include <sstream>
 
 #include "core/schedule.hpp"
