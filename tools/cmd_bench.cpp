@@ -8,6 +8,7 @@
 #include <sstream>
 #include <thread>
 
+#include "bench_cuda.hpp"
 #include "bench_report.hpp"
 #include "commands.hpp"
 #include "core/routing_gen.hpp"
@@ -30,6 +31,7 @@ struct BenchOptions {
   std::string routing = "router";
   double gini = 0.3;
   std::string dump_routing;
+  std::string torch_results;
   int threads = 0;
   int64_t tile_rows = 128;
   // A custom shape (used when --hidden is given).
@@ -196,8 +198,6 @@ void run_bench(BenchOptions o, const std::vector<std::string>& argv) {
     if (b != Backend::automatic) return b;
     return cuda_backend_available() ? Backend::cuda : Backend::cpu;
   }();
-  require(backend == Backend::cpu, ErrorCode::backend_unavailable,
-          "moka bench --backend cuda needs the CUDA backend, which this build does not have yet");
   require(o.ep >= 1, ErrorCode::invalid_argument, "--ep must be >= 1");
   require(o.iters >= 1 && o.warmup >= 0, ErrorCode::invalid_argument, "--iters must be >= 1, --warmup >= 0");
   std::vector<NamedShape> shapes;
@@ -218,9 +218,15 @@ void run_bench(BenchOptions o, const std::vector<std::string>& argv) {
   try {
     for (const auto& ns : shapes) {
       for (int64_t t : o.tokens) {
-        auto row = run_cpu_case(workers.get(), ns, t, o, progress);
-        if (!row) continue;
-        rows.push_back(*row);
+        if (backend == Backend::cuda) {
+          require(!workers, ErrorCode::invalid_argument, "moka bench --backend cuda runs one GPU (no --gpus yet)");
+          progress.update(ns.name + " T=" + std::to_string(t), 1, 1);
+          rows.push_back(run_cuda_case(ns, t, CudaBenchOptions{o.iters, o.warmup, o.seed, o.tile_rows, o.torch_results}));
+        } else {
+          auto row = run_cpu_case(workers.get(), ns, t, o, progress);
+          if (!row) continue;
+          rows.push_back(*row);
+        }
         if (o.json) std::cout << bench_json(rows.back()) << std::endl;
       }
     }
@@ -230,6 +236,7 @@ void run_bench(BenchOptions o, const std::vector<std::string>& argv) {
   }
   progress.finish();
   if (!o.json && root) print_table(std::cout, rows);
+  if (!o.json && backend == Backend::cuda) print_cuda_comparison(std::cout, rows);
 }
 
 }  // namespace
@@ -257,6 +264,8 @@ void register_bench(CLI::App& app) {
   cmd->add_option("--experts", o->experts, "Custom shape: number of experts");
   cmd->add_option("--topk", o->top_k, "Custom shape: experts per token");
   cmd->add_option("--shared-intermediate", o->shared, "Custom shape: shared expert size (0 = none)");
+  cmd->add_option("--torch-results", o->torch_results,
+                  "JSON lines of bench/torch_baseline.py (same shapes, same run) to print speedups against");
   cmd->add_option("--fail-rank", o->fail_rank, "Make this rank fail with a bad input (to test error propagation)");
   cmd->add_option("--fail-mode", o->fail_mode, "bad-input | crash")->check(CLI::IsMember({"bad-input", "crash"}));
   cmd->add_option("--gpus", o->gpus, "Worker processes, one per GPU (started by moka itself)");

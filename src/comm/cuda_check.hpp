@@ -1,29 +1,20 @@
-// CUDA and NCCL return codes become moka::Error with the call's text and location.
+// NCCL return codes become moka::Error like CUDA's (MOKA_CUDA_CHECK comes from cuda/check.hpp).
 #pragma once
-#include <cuda_runtime.h>
 #include <nccl.h>
 
 #include <string>
 
-#include "moka/error.hpp"
+#include "cuda/check.hpp"
 
-namespace moka::detail {
-[[noreturn]] inline void throw_api_error(ErrorCode code, const char* call, const char* what, const char* file,
-                                         int line) {
-  throw Error(code, std::string(call) + ": " + what + " at " + file + ":" + std::to_string(line));
+namespace moka::comm {
+[[noreturn]] inline void fail_nccl(ncclResult_t r, const char* what, const char* file, int line) {
+  throw Error(ErrorCode::nccl, std::string(what) + " failed: " + ncclGetErrorString(r) + " at " + file + ":" +
+                                   std::to_string(line));
 }
-}  // namespace moka::detail
+}  // namespace moka::comm
 
-#define MOKA_CUDA_CHECK(call)                                                                                 \
-  do {                                                                                                        \
-    if (const cudaError_t moka_e_ = (call); moka_e_ != cudaSuccess)                                           \
-      ::moka::detail::throw_api_error(::moka::ErrorCode::cuda, #call, cudaGetErrorString(moka_e_), __FILE__, \
-                                      __LINE__);                                                              \
-  } while (0)
-
-#define MOKA_NCCL_CHECK(call)                                                                                 \
-  do {                                                                                                        \
-    if (const ncclResult_t moka_e_ = (call); moka_e_ != ncclSuccess)                                          \
-      ::moka::detail::throw_api_error(::moka::ErrorCode::nccl, #call, ncclGetErrorString(moka_e_), __FILE__, \
-                                      __LINE__);                                                              \
+#define MOKA_NCCL_CHECK(call)                                                                     \
+  do {                                                                                            \
+    const ncclResult_t moka_res_ = (call);                                                        \
+    if (moka_res_ != ncclSuccess) ::moka::comm::fail_nccl(moka_res_, #call, __FILE__, __LINE__); \
   } while (0)

@@ -1,0 +1,44 @@
+#!/usr/bin/env bash
+# Runs on the GPU machine: the GPU tests, the PyTorch baseline and `moka bench --backend cuda`,
+# side by side in one run. Expects prebuilt binaries next to this script (scripts/stage_gpu.sh
+# copies them) or under build/; writes logs and JSON lines to $OUT (or ./gpu_out).
+#   MODE=tests|bench|all (default all); SUITES (gtest filters), SHAPES, TOKENS, ITERS override
+#   the default lists.
+set -uo pipefail
+export NCCL_NVLS_ENABLE=0
+HERE=$(cd "$(dirname "$0")" && pwd)
+BIN=${BIN:-$HERE}
+[[ -x $BIN/moka_gpu_tests ]] || BIN=$HERE/../build
+OUT=${OUT:-$PWD/gpu_out}
+mkdir -p "$OUT"
+MODE=${MODE:-all}
+SHAPES=${SHAPES:-qwen3-30b-a3b,qwen3-235b-a22b,deepseek-v3,gpt-oss-120b,mixtral-8x7b}
+TOKENS=${TOKENS:-4096,16384}
+ITERS=${ITERS:-20}
+# cuBLAS from PyTorch's wheels when the system has no libcublas of this major version.
+CUBLAS_DIR=$(python3 -c 'import nvidia.cublas, os; print(os.path.join(list(nvidia.cublas.__path__)[0], "lib"))' 2>/dev/null)
+export LD_LIBRARY_PATH=${CUBLAS_DIR:+$CUBLAS_DIR:}${LD_LIBRARY_PATH:-}
+nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.max.sm,temperature.gpu --format=csv | tee "$OUT/device.txt"
+rc=0
+if [[ $MODE == tests || $MODE == all ]]; then
+  # One process per suite: a device fault in one suite cannot hide the others' results.
+  : > "$OUT/gpu_tests.log"
+  SUITES=${SUITES:-All/GroupedGemmCounts.* Routing/DeviceSchedule.* Shapes/CudaLayerVsReference.* CudaLayer.* CudaRouter.*}
+  set -f  # the suite filters are gtest patterns, not file globs
+  for suite in $SUITES; do
+    timeout 300 "$BIN/moka_gpu_tests" --gtest_color=no --gtest_filter="$suite" >> "$OUT/gpu_tests.log" 2>&1
+    src=$?
+    echo "suite $suite: exit code $src"
+    [[ $src -ne 0 ]] && rc=$src
+  done
+  grep -E "^\[  FAILED  \]|Failure$|actual:|exception" "$OUT/gpu_tests.log" | head -40
+fi
+if [[ $MODE == bench || $MODE == all ]]; then
+  PYTHONUNBUFFERED=1 timeout 300 python3 "$HERE/torch_baseline.py" --shapes "$SHAPES" --tokens "$TOKENS" \
+    --iters "$ITERS" --out "$OUT/torch.jsonl" 2>&1 | tail -20
+  timeout 400 "$BIN/moka" bench --backend cuda --shape "$SHAPES" --tokens "$TOKENS" --iters "$ITERS" --warmup 3 \
+    --torch-results "$OUT/torch.jsonl" 2>&1 | tee "$OUT/bench.txt"
+  timeout 100 "$BIN/moka" bench --backend cuda --shape qwen3-30b-a3b --tokens 4096 --iters 5 --json \
+    > "$OUT/bench_smoke.jsonl" 2>&1 || true
+fi
+exit $rc

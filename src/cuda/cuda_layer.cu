@@ -1,0 +1,408 @@
+// The bf16 MoE layer on one GPU. Stages mirror the CPU reference (src/cpu/cpu_layer.cpp):
+//   device schedule -> gather x -> grouped gate/up GEMM (+ shared expert as two more groups)
+//   -> SwiGLU -> grouped down GEMM -> combine (shared + sum_j w_j y_j, fp32, fixed j order).
+// Backward: gather d_out -> grouped dY W_down -> SwiGLU backward (+ d_w = <dh_u, h>) ->
+//   grouped dG W_gate, dU W_up -> fixed-order token sum; weight gradients dY^T X per expert.
+// The grouped GEMM takes K-major operands only (see gemm_cutlass.cu), so backward first
+// transposes the weights (for dY W) and the routed activations (for dY^T X, where K is the
+// expert's rows): suffix T below, e.g. kXGT = x_g^T [H, rows].
+// The host never reads a routed count: every size reaches the GEMMs through device memory.
+#include <algorithm>
+#include <sstream>
+
+#include "core/schedule.hpp"
+#include "core/validate.hpp"
+#include "cuda/check.hpp"
+#include "cuda/cuda_backend.hpp"
+#include "cuda/grouped_gemm.hpp"
+#include "cuda/layer_kernels.hpp"
+
+namespace moka::cuda {
+namespace {
+
+thread_local cudaStream_t g_stream = nullptr;
+
+// Indices of the BufferTable every grouped GEMM of the layer shares.
+enum Buf : int {
+  kX, kXG, kWG, kWU, kWD, kGate, kUp, kHid, kY, kWSG, kWSU, kWSD, kSG, kSU, kSH, kSY,
+  kDOut, kDYG, kDHU, kDG, kDU, kHS, kDXA, kDXB, kDHS, kDGS, kDUS, kDXSA, kDXSB,
+  kDWG, kDWU, kDWD, kDWSG, kDWSU, kDWSD,
+  kXGT, kDYGT, kDGT, kDUT, kHST, kWGT, kWUT, kWDT, kXT, kDOutT, kDGST, kDUST, kSHT, kWSGT, kWSUT, kWSDT,
+  kNumBufs
+};
+static_assert(kNumBufs <= kMaxGemmBuffers);
+
+struct DeviceBuffer {
+  void* ptr = nullptr;
+  DeviceBuffer() = default;
+  explicit DeviceBuffer(size_t bytes) { MOKA_CUDA_CHECK(cudaMalloc(&ptr, std::max<size_t>(bytes, 16))); }
+  ~DeviceBuffer() { cudaFree(ptr); }
+  DeviceBuffer(const DeviceBuffer&) = delete;
+  DeviceBuffer& operator=(DeviceBuffer&& o) noexcept {
+    std::swap(ptr, o.ptr);
+    return *this;
+  }
+  template <typename T>
+  T* as() const { return static_cast<T*>(ptr); }
+};
+
+// Everything sized by the token count: allocated on the first call with that count.
+struct Workspace {
+  int64_t tokens = 0, rows = 0;
+  int64_t rows_pitch = 0, tokens_pitch = 0;  // of the transposed buffers: 16-byte multiples
+  DeviceBuffer chunk_counts, counts, offsets, row_of_slot;
+  DeviceBuffer bufs[kNumBufs];  // workspace-owned entries of the buffer table (others stay empty)
+  std::unique_ptr<GroupedGemm> gate_up, down, data_grad_h, data_grad_x, weight_grad;
+};
+
+struct CudaContext final : MoeContext {
+  const class CudaMoeLayer* layer = nullptr;
+  uint64_t generation = 0;
+  int64_t tokens = 0;
+  MoeInputs inputs;  // the forward's views (the caller keeps them alive, as autograd does)
+  std::vector<int64_t> local_expert_rows() const override;
+};
+
+class CudaMoeLayer final : public MoeLayer {
+ public:
+  CudaMoeLayer(const MoeShape& shape, ProcessGroup* group, const LayerOptions& options, GemmEngine engine)
+      : shape_(shape), options_(options), engine_(engine) {
+    require(group == nullptr || group->size() == 1, ErrorCode::invalid_argument,
+            "the CUDA backend runs one rank per layer for now (expert parallelism is a later issue)");
+    core::validate_shape(shape_, 1);
+    require(options_.tile_rows >= 1 && options_.tile_rows <= (1 << 16), ErrorCode::invalid_argument,
+            "tile_rows must be in [1, 65536]");
+    require(shape_.hidden % 8 == 0 && shape_.intermediate % 8 == 0 && shape_.shared_intermediate % 8 == 0,
+            ErrorCode::unsupported_size,
+            "the CUDA backend needs hidden, intermediate and shared sizes that are multiples of 8 (16-byte rows)");
+    require(options_.tile_rows % 8 == 0, ErrorCode::unsupported_size,
+            "the CUDA backend needs tile_rows to be a multiple of 8 (16-byte aligned expert segments), got " +
+                std::to_string(options_.tile_rows));
+    require(shape_.num_experts <= 8192, ErrorCode::unsupported_size, "the CUDA backend takes at most 8192 experts");
+    MOKA_CUDA_CHECK(cudaGetDevice(&device_));
+    MOKA_CUDA_CHECK(cudaHostAlloc(&error_, sizeof(unsigned long long), cudaHostAllocMapped));
+    *error_ = ~0ull;
+  }
+  ~CudaMoeLayer() override { cudaFreeHost(error_); }
+
+  const MoeShape& shape() const override { return shape_; }
+  int rank() const override { return 0; }
+  int world_size() const override { return 1; }
+  const char* backend_name() const override { return engine_ == GemmEngine::cutlass ? "cuda" : "cuda-cublas-loop"; }
+
+  std::unique_ptr<MoeContext> forward(const MoeInputs& in, const MoeWeights& w, const TensorView& out) override {
+    report_device_errors();
+    const Device dev = Device::cuda(device_);
+    core::validate_layer_tensors(shape_, 1, in, w, DType::bf16, dev);
+    const int64_t T = in.x.dim(0), H = shape_.hidden, I = shape_.intermediate, k = shape_.top_k;
+    const int64_t Is = shape_.shared_intermediate;
+    require(T >= 1, ErrorCode::invalid_argument, "the CUDA layer needs at least one token");
+    expect_tensor(out, "out", DType::bf16, dev, {T, H});
+    Workspace& ws = workspace(T);
+    const cudaStream_t s = g_stream;
+    BufferTable table = buffer_table(ws);
+    table.ptr[kX] = in.x.data;
+    table.ptr[kWG] = w.w_gate.data;
+    table.ptr[kWU] = w.w_up.data;
+    table.ptr[kWD] = w.w_down.data;
+    table.ptr[kWSG] = w.ws_gate.data;
+    table.ptr[kWSU] = w.ws_up.data;
+    table.ptr[kWSD] = w.ws_down.data;
+
+    const DeviceSchedule sched = schedule(ws);
+    build_schedule(sched, in.topk_ids.as<int32_t>(), in.topk_weights.as<float>(), s);
+    const int32_t* map = ws.row_of_slot.as<int32_t>();
+    gather_rows(in.x.as<bf16>(), buf(ws, kXG), map, T * k, k, H, s);
+    ws.gate_up->run(table, ws.counts.as<int32_t>(), ws.offsets.as<int32_t>(), s);
+    const ActParams act{shape_.activation == Activation::swiglu_clamped, shape_.clamp_limit};
+    swiglu_forward_rows(buf(ws, kGate), buf(ws, kUp), buf(ws, kHid), map, T * k, I, act, s);
+    if (shape_.has_shared()) swiglu_forward_rows(buf(ws, kSG), buf(ws, kSU), buf(ws, kSH), nullptr, T, Is, act, s);
+    ws.down->run(table, ws.counts.as<int32_t>(), ws.offsets.as<int32_t>(), s);
+    combine_tokens(buf(ws, kY), in.topk_weights.as<float>(), shape_.has_shared() ? buf(ws, kSY) : nullptr,
+                   out.as<bf16>(), map, T, k, H, s);
+
+    auto ctx = std::make_unique<CudaContext>();
+    ctx->layer = this;
+    ctx->generation = ++generation_;
+    ctx->tokens = T;
+    ctx->inputs = in;
+    return ctx;
+  }
+
+  void backward(const MoeContext& saved, const TensorView& d_out, const MoeWeights& w,
+                const MoeGradients& g) override {
+    const auto* ctx = dynamic_cast<const CudaContext*>(&saved);
+    require(ctx != nullptr && ctx->layer == this, ErrorCode::invalid_argument,
+            "backward got a context from another layer");
+    require(ctx->generation == generation_, ErrorCode::invalid_argument,
+            "backward got the context of an older forward: the CUDA layer keeps the activations of its "
+            "latest forward only");
+    report_device_errors();
+    const Device dev = Device::cuda(device_);
+    const int64_t T = ctx->tokens, H = shape_.hidden, I = shape_.intermediate, k = shape_.top_k;
+    const int64_t Is = shape_.shared_intermediate, E = shape_.num_experts;
+    expect_tensor(d_out, "d_out", DType::bf16, dev, {T, H});
+    core::validate_layer_gradients(shape_, 1, T, g, DType::bf16, dev);
+    core::validate_layer_tensors(shape_, 1, ctx->inputs, w, DType::bf16, dev);
+    Workspace& ws = *ws_;
+    const cudaStream_t s = g_stream;
+    BufferTable table = buffer_table(ws);
+    table.ptr[kX] = ctx->inputs.x.data;
+    table.ptr[kWG] = w.w_gate.data;
+    table.ptr[kWU] = w.w_up.data;
+    table.ptr[kWD] = w.w_down.data;
+    table.ptr[kWSG] = w.ws_gate.data;
+    table.ptr[kWSU] = w.ws_up.data;
+    table.ptr[kWSD] = w.ws_down.data;
+    table.ptr[kDOut] = d_out.data;
+    table.ptr[kDWG] = g.d_w_gate.data;
+    table.ptr[kDWU] = g.d_w_up.data;
+    table.ptr[kDWD] = g.d_w_down.data;
+    table.ptr[kDWSG] = g.d_ws_gate.data;
+    table.ptr[kDWSU] = g.d_ws_up.data;
+    table.ptr[kDWSD] = g.d_ws_down.data;
+
+    const int32_t* map = ws.row_of_slot.as<int32_t>();
+    const int32_t* counts = ws.counts.as<int32_t>();
+    const int32_t* offsets = ws.offsets.as<int32_t>();
+    const int32_t* live_rows = offsets + E;  // total padded rows this forward placed
+    const ActParams act{shape_.activation == Activation::swiglu_clamped, shape_.clamp_limit};
+    const bool shared = shape_.has_shared();
+    const int64_t Rp = ws.rows_pitch, Tp = ws.tokens_pitch;
+    auto tr = [&](const void* in, Buf out, int64_t rows, int64_t cols, int64_t out_pitch, int64_t batch = 1,
+                  const int32_t* bound = nullptr) {
+      TransposeSpec t;
+      t.rows = rows, t.cols = cols, t.batch = batch, t.in_pitch = cols, t.in_batch_stride = rows * cols;
+      t.out_pitch = out_pitch, t.out_batch_stride = rows * cols, t.row_bound = bound;
+      transpose(static_cast<const bf16*>(in), buf(ws, out), t, s);
+    };
+    // Weights as [E, in, out] for the data gradients dY W.
+    tr(w.w_gate.data, kWGT, I, H, I, E);
+    tr(w.w_up.data, kWUT, I, H, I, E);
+    tr(w.w_down.data, kWDT, H, I, H, E);
+    if (shared) {
+      tr(w.ws_gate.data, kWSGT, Is, H, Is);
+      tr(w.ws_up.data, kWSUT, Is, H, Is);
+      tr(w.ws_down.data, kWSDT, H, Is, H);
+    }
+    gather_rows(d_out.as<bf16>(), buf(ws, kDYG), map, T * k, k, H, s);
+    ws.data_grad_h->run(table, counts, offsets, s);
+    swiglu_backward_rows(buf(ws, kGate), buf(ws, kUp), buf(ws, kHid), buf(ws, kDHU),
+                         ctx->inputs.topk_weights.as<float>(), g.d_topk_weights.as<float>(), buf(ws, kHS),
+                         buf(ws, kDG), buf(ws, kDU), map, T * k, I, act, s);
+    if (shared)
+      swiglu_backward_rows(buf(ws, kSG), buf(ws, kSU), buf(ws, kSH), buf(ws, kDHS), nullptr, nullptr, nullptr,
+                           buf(ws, kDGS), buf(ws, kDUS), nullptr, T, Is, act, s);
+    ws.data_grad_x->run(table, counts, offsets, s);
+    reduce_input_grads(buf(ws, kDXA), buf(ws, kDXB), shared ? buf(ws, kDXSA) : nullptr,
+                       shared ? buf(ws, kDXSB) : nullptr, g.d_x.as<bf16>(), map, T, k, H, s);
+    // Activations as [features, rows] for the weight gradients (K = rows).
+    tr(buf(ws, kXG), kXGT, ws.rows, H, Rp, 1, live_rows);
+    tr(buf(ws, kDYG), kDYGT, ws.rows, H, Rp, 1, live_rows);
+    tr(buf(ws, kDG), kDGT, ws.rows, I, Rp, 1, live_rows);
+    tr(buf(ws, kDU), kDUT, ws.rows, I, Rp, 1, live_rows);
+    tr(buf(ws, kHS), kHST, ws.rows, I, Rp, 1, live_rows);
+    if (shared) {
+      tr(ctx->inputs.x.data, kXT, T, H, Tp);
+      tr(d_out.data, kDOutT, T, H, Tp);
+      tr(buf(ws, kDGS), kDGST, T, Is, Tp);
+      tr(buf(ws, kDUS), kDUST, T, Is, Tp);
+      tr(buf(ws, kSH), kSHT, T, Is, Tp);
+    }
+    zero_empty_experts(counts, E, g.d_w_gate.as<bf16>(), g.d_w_up.as<bf16>(), g.d_w_down.as<bf16>(), I * H, s);
+    ws.weight_grad->run(table, counts, offsets, s);
+  }
+
+  // Reads the routed row counts (a synchronization: for tests and statistics only).
+  std::vector<int64_t> read_counts() const {
+    std::vector<int32_t> c(shape_.num_experts);
+    MOKA_CUDA_CHECK(cudaStreamSynchronize(g_stream));
+    MOKA_CUDA_CHECK(cudaMemcpy(c.data(), ws_->counts.ptr, c.size() * sizeof(int32_t), cudaMemcpyDeviceToHost));
+    return {c.begin(), c.end()};
+  }
+
+ private:
+  static bf16* buf(const Workspace& ws, Buf b) { return ws.bufs[b].as<bf16>(); }
+
+  // A routing error found by the device check of an earlier call (the host reads mapped
+  // memory; it never waits for the device here). Reported once, then cleared.
+  void report_device_errors() {
+    const unsigned long long e = *const_cast<volatile unsigned long long*>(error_);
+    if (e == ~0ull) return;
+    *error_ = ~0ull;
+    const int64_t slot = static_cast<int64_t>(e >> 2), t = slot / shape_.top_k, j = slot % shape_.top_k;
+    std::ostringstream os;
+    os << "an earlier call's routing was invalid at topk_ids/topk_weights[" << t << ", " << j << "]: ";
+    switch (e & 3) {
+      case 1: os << "expert id outside [0, " << shape_.num_experts << ")"; break;
+      case 2: os << "the same expert twice in one token's top-k"; break;
+      default: os << "non-finite weight"; break;
+    }
+    os << " (that call's outputs are invalid)";
+    throw Error((e & 3) == 1 ? ErrorCode::expert_out_of_range
+                             : ((e & 3) == 2 ? ErrorCode::duplicate_expert : ErrorCode::non_finite),
+                os.str());
+  }
+
+  DeviceSchedule schedule(const Workspace& ws) const {
+    DeviceSchedule d;
+    d.slots = ws.tokens * shape_.top_k;
+    d.num_experts = shape_.num_experts;
+    d.first_expert = 0;
+    d.global_experts = shape_.num_experts;
+    d.tile_rows = options_.tile_rows;
+    d.top_k = shape_.top_k;
+    d.chunk_counts = ws.chunk_counts.as<int32_t>();
+    d.counts = ws.counts.as<int32_t>();
+    d.offsets = ws.offsets.as<int32_t>();
+    d.row_of_slot = ws.row_of_slot.as<int32_t>();
+    unsigned long long* dev_error = nullptr;
+    MOKA_CUDA_CHECK(cudaHostGetDevicePointer(reinterpret_cast<void**>(&dev_error), error_, 0));
+    d.error = dev_error;
+    return d;
+  }
+
+  static BufferTable buffer_table(const Workspace& ws) {
+    BufferTable t;
+    for (int b = 0; b < kNumBufs; ++b) t.ptr[b] = ws.bufs[b].ptr;
+    return t;
+  }
+
+  Workspace& workspace(int64_t T) {
+    if (ws_ && ws_->tokens == T) return *ws_;
+    ws_.reset();
+    auto ws = std::make_unique<Workspace>();
+    const int64_t H = shape_.hidden, I = shape_.intermediate, k = shape_.top_k, E = shape_.num_experts;
+    const int64_t Is = shape_.shared_intermediate, tile = options_.tile_rows;
+    ws->tokens = T;
+    // Worst case of the padded grouped buffer: every expert's segment rounds up by < tile.
+    ws->rows = T * k + E * (tile - 1);
+    require(ws->rows < (int64_t(1) << 31), ErrorCode::unsupported_size, "too many routed rows for int32 offsets");
+    ws->chunk_counts = DeviceBuffer(schedule_chunks(T * k) * E * sizeof(int32_t));
+    ws->counts = DeviceBuffer(E * sizeof(int32_t));
+    ws->offsets = DeviceBuffer((E + 1) * sizeof(int32_t));
+    ws->row_of_slot = DeviceBuffer(T * k * sizeof(int32_t));
+    const int64_t R = ws->rows;
+    auto alloc = [&](Buf b, int64_t elems) { ws->bufs[b] = DeviceBuffer(elems * sizeof(bf16)); };
+    for (Buf b : {kXG, kY, kDYG, kDXA, kDXB}) alloc(b, R * H);
+    for (Buf b : {kGate, kUp, kHid, kDHU, kDG, kDU, kHS}) alloc(b, R * I);
+    ws->rows_pitch = core::round_up(R, 8);
+    ws->tokens_pitch = core::round_up(T, 8);
+    const int64_t Rp = ws->rows_pitch, Tp = ws->tokens_pitch;
+    for (Buf b : {kXGT, kDYGT}) alloc(b, H * Rp);
+    for (Buf b : {kDGT, kDUT, kHST}) alloc(b, I * Rp);
+    for (Buf b : {kWGT, kWUT, kWDT}) alloc(b, E * I * H);
+    if (shape_.has_shared()) {
+      for (Buf b : {kSG, kSU, kSH, kDHS, kDGS, kDUS}) alloc(b, T * Is);
+      for (Buf b : {kSY, kDXSA, kDXSB}) alloc(b, T * H);
+      for (Buf b : {kXT, kDOutT}) alloc(b, H * Tp);
+      for (Buf b : {kDGST, kDUST, kSHT}) alloc(b, Is * Tp);
+      for (Buf b : {kWSGT, kWSUT, kWSDT}) alloc(b, Is * H);
+    }
+    build_gemms(*ws);
+    ws_ = std::move(ws);
+    return *ws_;
+  }
+
+  // The five grouped GEMMs of a layer, each with one group per expert and operand (plus the
+  // shared expert's dense products as extra fixed-size groups, so they overlap with the routed
+  // tiles in the same persistent launch). All are D = A B^T with row-major A [m, k], B [n, k].
+  void build_gemms(Workspace& ws) const {
+    const int64_t H = shape_.hidden, I = shape_.intermediate, E = shape_.num_experts, T = ws.tokens;
+    const int64_t Is = shape_.shared_intermediate, Rp = ws.rows_pitch, Tp = ws.tokens_pitch;
+    const int Ti = static_cast<int>(T), Hi = static_cast<int>(H), Ii = static_cast<int>(I),
+              Isi = static_cast<int>(Is);
+    // A product over a routed expert's rows: m = the expert's row count.
+    auto rows_of = [](int e, int a, int64_t lda, int b, int64_t b_off, int64_t ldb, int d, int64_t ldd, int n,
+                      int k) {
+      GroupSpec g;
+      g.a = a, g.a_step = lda, g.lda = lda;
+      g.b = b, g.b_off = b_off, g.ldb = ldb;
+      g.d = d, g.d_step = ldd, g.ldd = ldd;
+      g.n = n, g.k = k, g.expert = e, g.count_dim = CountDim::m;
+      return g;
+    };
+    // A weight gradient summed over a routed expert's rows: k = the expert's row count; A and B
+    // are transposed activations [features, rows_pitch], advanced by the segment's first row.
+    auto sum_over_rows = [&](int e, int a, int b, int d, int64_t d_off, int m, int n) {
+      GroupSpec g;
+      g.a = a, g.a_step = 1, g.lda = Rp;
+      g.b = b, g.b_step = 1, g.ldb = Rp;
+      g.d = d, g.d_off = d_off, g.ldd = n;
+      g.m = m, g.n = n, g.expert = e, g.count_dim = CountDim::k;
+      return g;
+    };
+    auto fixed = [](int a, int64_t lda, int b, int64_t ldb, int d, int64_t ldd, int m, int n, int k) {
+      GroupSpec g;
+      g.a = a, g.lda = lda, g.b = b, g.ldb = ldb, g.d = d, g.ldd = ldd;
+      g.m = m, g.n = n, g.k = k;
+      return g;
+    };
+    std::vector<GroupSpec> gate_up, down, dh, dx, wgrad;
+    for (int e = 0; e < E; ++e) {
+      // Forward: x_g W_gate^T, x_g W_up^T, hidden W_down^T.
+      gate_up.push_back(rows_of(e, kXG, H, kWG, e * I * H, H, kGate, I, Ii, Hi));
+      gate_up.push_back(rows_of(e, kXG, H, kWU, e * I * H, H, kUp, I, Ii, Hi));
+      down.push_back(rows_of(e, kHid, I, kWD, e * H * I, I, kY, H, Hi, Ii));
+      // Backward data gradients: dY_g W_down, dG W_gate, dU W_up (B = the transposed weights).
+      dh.push_back(rows_of(e, kDYG, H, kWDT, e * I * H, H, kDHU, I, Ii, Hi));
+      dx.push_back(rows_of(e, kDG, I, kWGT, e * H * I, I, kDXA, H, Hi, Ii));
+      dx.push_back(rows_of(e, kDU, I, kWUT, e * H * I, I, kDXB, H, Hi, Ii));
+      // Weight gradients: dG^T x_g, dU^T x_g, dY_g^T (w * hidden).
+      wgrad.push_back(sum_over_rows(e, kDGT, kXGT, kDWG, e * I * H, Ii, Hi));
+      wgrad.push_back(sum_over_rows(e, kDUT, kXGT, kDWU, e * I * H, Ii, Hi));
+      wgrad.push_back(sum_over_rows(e, kDYGT, kHST, kDWD, e * H * I, Hi, Ii));
+    }
+    if (shape_.has_shared()) {
+      gate_up.push_back(fixed(kX, H, kWSG, H, kSG, Is, Ti, Isi, Hi));
+      gate_up.push_back(fixed(kX, H, kWSU, H, kSU, Is, Ti, Isi, Hi));
+      down.push_back(fixed(kSH, Is, kWSD, Is, kSY, H, Ti, Hi, Isi));
+      dh.push_back(fixed(kDOut, H, kWSDT, H, kDHS, Is, Ti, Isi, Hi));
+      dx.push_back(fixed(kDGS, Is, kWSGT, Is, kDXSA, H, Ti, Hi, Isi));
+      dx.push_back(fixed(kDUS, Is, kWSUT, Is, kDXSB, H, Ti, Hi, Isi));
+      wgrad.push_back(fixed(kDGST, Tp, kXT, Tp, kDWSG, H, Isi, Hi, Ti));
+      wgrad.push_back(fixed(kDUST, Tp, kXT, Tp, kDWSU, H, Isi, Hi, Ti));
+      wgrad.push_back(fixed(kDOutT, Tp, kSHT, Tp, kDWSD, Is, Hi, Isi, Ti));
+    }
+    ws.gate_up = std::make_unique<GroupedGemm>(gate_up, device_, engine_);
+    ws.down = std::make_unique<GroupedGemm>(down, device_, engine_);
+    ws.data_grad_h = std::make_unique<GroupedGemm>(dh, device_, engine_);
+    ws.data_grad_x = std::make_unique<GroupedGemm>(dx, device_, engine_);
+    ws.weight_grad = std::make_unique<GroupedGemm>(wgrad, device_, engine_);
+  }
+
+  MoeShape shape_;
+  LayerOptions options_;
+  GemmEngine engine_;
+  int device_ = 0;
+  unsigned long long* error_ = nullptr;
+  uint64_t generation_ = 0;
+  std::unique_ptr<Workspace> ws_;
+};
+
+std::vector<int64_t> CudaContext::local_expert_rows() const { return layer->read_counts(); }
+
+}  // namespace
+
+int device_count() {
+  int n = 0;
+  if (cudaGetDeviceCount(&n) != cudaSuccess) {
+    cudaGetLastError();  // no driver or no device: the backend is unavailable, not an error
+    return 0;
+  }
+  return n;
+}
+
+void set_stream(cudaStream_t stream) { g_stream = stream; }
+cudaStream_t current_stream() { return g_stream; }
+
+std::unique_ptr<MoeLayer> make_cuda_moe_layer(const MoeShape& shape, ProcessGroup* group,
+                                              const LayerOptions& options) {
+  return std::make_unique<CudaMoeLayer>(shape, group, options, GemmEngine::cutlass);
+}
+
+std::unique_ptr<MoeLayer> make_cuda_baseline_layer(const MoeShape& shape, const LayerOptions& options) {
+  return std::make_unique<CudaMoeLayer>(shape, nullptr, options, GemmEngine::cublas_loop);
+}
+
+}  // namespace moka::cuda

@@ -1,0 +1,307 @@
+// The router on the GPU: logits = x W^T through cuBLAS (bf16 in, fp32 out), then one block per
+// token for scores, biased top-k (ties to the lower expert id, as the CPU reference), weights,
+// and per-expert counts (integer atomics: exact). Losses and their gradients use fixed-order
+// reductions. Only RouterContext::losses() synchronizes (it returns host numbers).
+#include <cfloat>
+#include <cmath>
+
+#include "core/activation.hpp"
+#include "cuda/check.hpp"
+#include "cuda/cuda_backend.hpp"
+#include "cuda/layer_kernels.hpp"
+
+namespace moka::cuda {
+namespace {
+
+constexpr int kThreads = 256;
+
+struct RouterParams {
+  int64_t tokens, experts, top_k;
+  bool sigmoid, renormalize;
+  float route_scale;
+  double aux_coef, z_coef;
+};
+
+// Block-wide argmax of key over experts (higher key wins; equal keys: lower id). Fixed shape.
+__device__ void block_argmax(float key, int id, float& best_key, int& best_id) {
+  __shared__ float keys[kThreads / 32];
+  __shared__ int ids[kThreads / 32];
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) {
+    const float k2 = __shfl_xor_sync(0xffffffffu, key, o);
+    const int i2 = __shfl_xor_sync(0xffffffffu, id, o);
+    if (k2 > key || (k2 == key && i2 < id)) key = k2, id = i2;
+  }
+  if ((threadIdx.x & 31) == 0) keys[threadIdx.x / 32] = key, ids[threadIdx.x / 32] = id;
+  __syncthreads();
+  best_key = keys[0], best_id = ids[0];
+  for (int w = 1; w < kThreads / 32; ++w)
+    if (keys[w] > best_key || (keys[w] == best_key && ids[w] < best_id)) best_key = keys[w], best_id = ids[w];
+  __syncthreads();
+}
+
+__device__ float block_reduce(float v, bool is_max) {
+  __shared__ float part[kThreads / 32];
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) {
+    const float u = __shfl_xor_sync(0xffffffffu, v, o);
+    v = is_max ? fmaxf(v, u) : v + u;
+  }
+  if ((threadIdx.x & 31) == 0) part[threadIdx.x / 32] = v;
+  __syncthreads();
+  float r = part[0];
+  for (int w = 1; w < kThreads / 32; ++w) r = is_max ? fmaxf(r, part[w]) : r + part[w];
+  __syncthreads();
+  return r;
+}
+
+// One block per token. scores/p: [T, E]; lse: [T].
+__global__ void __launch_bounds__(kThreads) route_tokens(RouterParams P, const float* logits, const float* bias,
+                                                         float* scores, float* p, float* lse, int32_t* ids,
+                                                         float* weights, int32_t* counts) {
+  const int64_t t = blockIdx.x, E = P.experts;
+  const float* lg = logits + t * E;
+  float* sc = scores + t * E;
+  float mx = -FLT_MAX;
+  for (int64_t e = threadIdx.x; e < E; e += kThreads) mx = fmaxf(mx, lg[e]);
+  mx = block_reduce(mx, true);
+  float sum_exp = 0;
+  for (int64_t e = threadIdx.x; e < E; e += kThreads) sum_exp += expf(lg[e] - mx);
+  sum_exp = block_reduce(sum_exp, false);
+  if (threadIdx.x == 0) lse[t] = mx + logf(sum_exp);
+  for (int64_t e = threadIdx.x; e < E; e += kThreads)
+    sc[e] = P.sigmoid ? core::sigmoid(lg[e]) : expf(lg[e] - mx) / sum_exp;
+  __syncthreads();
+  // Probabilities of the balancing loss: the scores normalized per token.
+  float ssum = 0;
+  for (int64_t e = threadIdx.x; e < E; e += kThreads) ssum += sc[e];
+  ssum = block_reduce(ssum, false);
+  for (int64_t e = threadIdx.x; e < E; e += kThreads) p[t * E + e] = sc[e] / ssum;
+  // Top-k: k rounds of a block argmax over experts not yet taken.
+  __shared__ int chosen[64];
+  float sel_sum = 0;
+  for (int64_t j = 0; j < P.top_k; ++j) {
+    float key = -FLT_MAX;
+    int id = INT_MAX;
+    for (int64_t e = threadIdx.x; e < E; e += kThreads) {
+      bool taken = false;
+      for (int64_t i = 0; i < j; ++i) taken |= chosen[i] == e;
+      if (taken) continue;
+      const float kv = sc[e] + (bias ? bias[e] : 0.0f);
+      if (kv > key || (kv == key && e < id)) key = kv, id = static_cast<int>(e);
+    }
+    float bk;
+    int bi;
+    block_argmax(key, id, bk, bi);
+    if (threadIdx.x == 0) chosen[j] = bi;
+    __syncthreads();
+    sel_sum += sc[chosen[j]];
+  }
+  if (threadIdx.x < P.top_k) {
+    const int e = chosen[threadIdx.x];
+    const float s = sc[e];
+    ids[t * P.top_k + threadIdx.x] = e;
+    weights[t * P.top_k + threadIdx.x] = P.route_scale * (P.renormalize ? s / sel_sum : s);
+    atomicAdd(&counts[e], 1);
+  }
+}
+
+// Losses in fixed order: P_e = mean_t p[t, e] (one thread per expert, tokens in order), then one
+// thread sums over experts and tokens. losses = {aux, z} in double.
+__global__ void router_losses(RouterParams P, const float* p, const float* lse, const int32_t* counts,
+                              double* mean_p, double* losses) {
+  for (int64_t e = threadIdx.x; e < P.experts; e += blockDim.x) {
+    double s = 0;
+    for (int64_t t = 0; t < P.tokens; ++t) s += p[t * P.experts + e];
+    mean_p[e] = s / double(P.tokens);
+  }
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    double aux = 0, z = 0;
+    for (int64_t e = 0; e < P.experts; ++e) aux += double(counts[e]) / double(P.tokens * P.top_k) * mean_p[e];
+    for (int64_t t = 0; t < P.tokens; ++t) z += double(lse[t]) * lse[t];
+    losses[0] = P.aux_coef * double(P.experts) * aux;
+    losses[1] = P.z_coef * z / double(P.tokens);
+  }
+}
+
+// d_logits of one token (bf16 for the cuBLAS products), mirroring the CPU router's backward.
+__global__ void __launch_bounds__(kThreads) router_backward_tokens(RouterParams P, const float* logits,
+                                                                   const float* scores, const float* lse,
+                                                                   const int32_t* ids, const int32_t* counts,
+                                                                   const float* d_weights, float* ds_scratch,
+                                                                   bf16* d_logits) {
+  const int64_t t = blockIdx.x, E = P.experts, k = P.top_k;
+  const float* sc = scores + t * E;
+  float* ds = ds_scratch + t * E;
+  for (int64_t e = threadIdx.x; e < E; e += kThreads) ds[e] = 0;
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    float S = 0, dot = 0;
+    for (int64_t j = 0; j < k; ++j) S += sc[ids[t * k + j]], dot += d_weights[t * k + j] * sc[ids[t * k + j]];
+    for (int64_t j = 0; j < k; ++j) {
+      const float dw = d_weights[t * k + j];
+      ds[ids[t * k + j]] += P.route_scale * (P.renormalize ? dw / S - dot / (S * S) : dw);
+    }
+  }
+  __syncthreads();
+  if (P.aux_coef != 0) {
+    float ssum = 0, dpp = 0;
+    for (int64_t e = threadIdx.x; e < E; e += kThreads) ssum += sc[e];
+    ssum = block_reduce(ssum, false);
+    for (int64_t e = threadIdx.x; e < E; e += kThreads) {
+      const float dp = float(P.aux_coef * double(E) * (double(counts[e]) / double(P.tokens * k)) / double(P.tokens));
+      dpp += dp * sc[e] / ssum;
+    }
+    dpp = block_reduce(dpp, false);
+    for (int64_t e = threadIdx.x; e < E; e += kThreads) {
+      const float dp = float(P.aux_coef * double(E) * (double(counts[e]) / double(P.tokens * k)) / double(P.tokens));
+      ds[e] += (dp - dpp) / ssum;
+    }
+    __syncthreads();
+  }
+  float dot_sp = 0;
+  if (!P.sigmoid) {
+    for (int64_t e = threadIdx.x; e < E; e += kThreads) dot_sp += ds[e] * sc[e];
+    dot_sp = block_reduce(dot_sp, false);
+  }
+  const float zc = float(2.0 * P.z_coef / double(P.tokens)) * lse[t];
+  for (int64_t e = threadIdx.x; e < E; e += kThreads) {
+    float dl = P.sigmoid ? ds[e] * sc[e] * (1.0f - sc[e]) : sc[e] * (ds[e] - dot_sp);
+    if (P.z_coef != 0) dl += zc * expf(logits[t * E + e] - lse[t]);
+    d_logits[t * E + e] = __float2bfloat16(dl);
+  }
+}
+
+struct Scratch {
+  void* p = nullptr;
+  explicit Scratch(size_t bytes) { MOKA_CUDA_CHECK(cudaMalloc(&p, bytes)); }
+  ~Scratch() { cudaFree(p); }
+  Scratch(const Scratch&) = delete;
+  Scratch& operator=(const Scratch&) = delete;
+  template <typename T>
+  T* as() const { return static_cast<T*>(p); }
+};
+
+struct CudaRouterState final : RouterContext {
+  RouterParams params{};
+  const void* x = nullptr;
+  const void* w_router = nullptr;
+  std::unique_ptr<Scratch> logits, scores, p, lse, ids, counts, mean_p, losses_dev;
+  RouterLosses losses() const override {
+    double h[2];
+    MOKA_CUDA_CHECK(cudaStreamSynchronize(current_stream()));
+    MOKA_CUDA_CHECK(cudaMemcpy(h, losses_dev->p, sizeof(h), cudaMemcpyDeviceToHost));
+    return {h[0], h[1]};
+  }
+};
+
+class CudaRouter final : public Router {
+ public:
+  explicit CudaRouter(const RouterConfig& c) : c_(c) {
+    require(c.hidden > 0 && c.num_experts > 0 && c.top_k > 0, ErrorCode::invalid_argument,
+            "router hidden, num_experts and top_k must be positive");
+    require(c.top_k <= c.num_experts, ErrorCode::invalid_argument, "router top_k exceeds num_experts");
+    require(c.top_k <= 64, ErrorCode::unsupported_size, "the CUDA router takes top_k <= 64");
+    require(std::isfinite(c.route_scale), ErrorCode::invalid_argument, "route_scale must be finite");
+    MOKA_CUDA_CHECK(cudaGetDevice(&device_));
+    MOKA_CUBLAS_CHECK(cublasCreate(&cublas_));
+  }
+  ~CudaRouter() override { cublasDestroy(cublas_); }
+  const RouterConfig& config() const override { return c_; }
+
+  std::unique_ptr<RouterContext> forward(const TensorView& x, const TensorView& w, const TensorView& bias,
+                                         const RouterOutputs& out) override {
+    const Device dev = Device::cuda(device_);
+    require(x.rank == 2, ErrorCode::shape_mismatch, "router x must be [T, H], got " + x.shape_string());
+    const int64_t T = x.dim(0), H = c_.hidden, E = c_.num_experts, k = c_.top_k;
+    require(T >= 1, ErrorCode::invalid_argument, "the CUDA router needs at least one token");
+    expect_tensor(x, "x", DType::bf16, dev, {T, H});
+    expect_tensor(w, "w_router", DType::bf16, dev, {E, H});
+    if (c_.use_selection_bias) expect_tensor(bias, "selection_bias", DType::f32, dev, {E});
+    expect_tensor(out.topk_ids, "topk_ids", DType::i32, dev, {T, k});
+    expect_tensor(out.topk_weights, "topk_weights", DType::f32, dev, {T, k});
+    if (!out.expert_counts.empty()) expect_tensor(out.expert_counts, "expert_counts", DType::i32, dev, {E});
+
+    auto st = std::make_unique<CudaRouterState>();
+    st->params = {T, E, k, c_.score == ScoreFunction::sigmoid, c_.renormalize, float(c_.route_scale),
+                  c_.aux_loss_coef, c_.z_loss_coef};
+    st->x = x.data;
+    st->w_router = w.data;
+    st->logits = std::make_unique<Scratch>(T * E * sizeof(float));
+    st->scores = std::make_unique<Scratch>(T * E * sizeof(float));
+    st->p = std::make_unique<Scratch>(T * E * sizeof(float));
+    st->lse = std::make_unique<Scratch>(T * sizeof(float));
+    st->ids = std::make_unique<Scratch>(T * k * sizeof(int32_t));
+    st->counts = std::make_unique<Scratch>(E * sizeof(int32_t));
+    st->mean_p = std::make_unique<Scratch>(E * sizeof(double));
+    st->losses_dev = std::make_unique<Scratch>(2 * sizeof(double));
+    const cudaStream_t s = current_stream();
+    MOKA_CUBLAS_CHECK(cublasSetStream(cublas_, s));
+    const float one = 1.0f, zero = 0.0f;
+    // Column-major logits^T [E, T] = W (as [H, E])^T x (as [H, T]).
+    MOKA_CUBLAS_CHECK(cublasGemmEx(cublas_, CUBLAS_OP_T, CUBLAS_OP_N, int(E), int(T), int(H), &one, w.data,
+                                   CUDA_R_16BF, int(H), x.data, CUDA_R_16BF, int(H), &zero, st->logits->p,
+                                   CUDA_R_32F, int(E), CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT));
+    MOKA_CUDA_CHECK(cudaMemsetAsync(st->counts->p, 0, E * sizeof(int32_t), s));
+    route_tokens<<<unsigned(T), kThreads, 0, s>>>(st->params, st->logits->as<float>(),
+                                                  c_.use_selection_bias ? bias.as<float>() : nullptr,
+                                                  st->scores->as<float>(), st->p->as<float>(), st->lse->as<float>(),
+                                                  out.topk_ids.as<int32_t>(), out.topk_weights.as<float>(),
+                                                  st->counts->as<int32_t>());
+    MOKA_CUDA_CHECK_LAUNCH();
+    MOKA_CUDA_CHECK(cudaMemcpyAsync(st->ids->p, out.topk_ids.data, T * k * sizeof(int32_t),
+                                    cudaMemcpyDeviceToDevice, s));
+    if (!out.expert_counts.empty())
+      MOKA_CUDA_CHECK(cudaMemcpyAsync(out.expert_counts.data, st->counts->p, E * sizeof(int32_t),
+                                      cudaMemcpyDeviceToDevice, s));
+    router_losses<<<1, 256, 0, s>>>(st->params, st->p->as<float>(), st->lse->as<float>(), st->counts->as<int32_t>(),
+                                    st->mean_p->as<double>(), st->losses_dev->as<double>());
+    MOKA_CUDA_CHECK_LAUNCH();
+    return st;
+  }
+
+  void backward(const RouterContext& saved, const TensorView& d_weights, const TensorView& d_x,
+                const TensorView& d_w) override {
+    const auto* st = dynamic_cast<const CudaRouterState*>(&saved);
+    require(st != nullptr, ErrorCode::invalid_argument, "router backward got a context from another router");
+    const Device dev = Device::cuda(device_);
+    const int64_t T = st->params.tokens, H = c_.hidden, E = c_.num_experts, k = c_.top_k;
+    expect_tensor(d_weights, "d_topk_weights", DType::f32, dev, {T, k});
+    expect_tensor(d_x, "d_x", DType::bf16, dev, {T, H});
+    expect_tensor(d_w, "d_w_router", DType::bf16, dev, {E, H});
+    const cudaStream_t s = current_stream();
+    Scratch ds(T * E * sizeof(float)), d_logits(T * E * sizeof(bf16));
+    router_backward_tokens<<<unsigned(T), kThreads, 0, s>>>(st->params, st->logits->as<float>(),
+                                                            st->scores->as<float>(), st->lse->as<float>(),
+                                                            st->ids->as<int32_t>(), st->counts->as<int32_t>(),
+                                                            d_weights.as<float>(), ds.as<float>(),
+                                                            d_logits.as<bf16>());
+    MOKA_CUDA_CHECK_LAUNCH();
+    MOKA_CUBLAS_CHECK(cublasSetStream(cublas_, s));
+    const float one = 1.0f, zero = 0.0f;
+    // d_x^T [H, T] = W^T (W as column-major [H, E]) d_logits^T (as [E, T]).
+    MOKA_CUBLAS_CHECK(cublasGemmEx(cublas_, CUBLAS_OP_N, CUBLAS_OP_N, int(H), int(T), int(E), &one, st->w_router,
+                                   CUDA_R_16BF, int(H), d_logits.p, CUDA_R_16BF, int(E), &zero, d_x.data, CUDA_R_16BF,
+                                   int(H), CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT));
+    // d_W^T [H, E] = x^T (as [H, T]) d_logits (as [E, T])^T.
+    MOKA_CUBLAS_CHECK(cublasGemmEx(cublas_, CUBLAS_OP_N, CUBLAS_OP_T, int(H), int(E), int(T), &one, st->x,
+                                   CUDA_R_16BF, int(H), d_logits.p, CUDA_R_16BF, int(E), &zero, d_w.data, CUDA_R_16BF,
+                                   int(H), CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT));
+    // The scratch is freed at scope exit: wait so the kernels above never see freed memory.
+    MOKA_CUDA_CHECK(cudaStreamSynchronize(s));
+  }
+
+ private:
+  RouterConfig c_;
+  int device_ = 0;
+  cublasHandle_t cublas_ = nullptr;
+};
+
+}  // namespace
+
+std::unique_ptr<Router> make_cuda_router(const RouterConfig& config, const LayerOptions&) {
+  return std::make_unique<CudaRouter>(config);
+}
+
+}  // namespace moka::cuda

@@ -1,0 +1,107 @@
+// Owning device tensors of one layer case (inputs, weights, gradients) with the views the API
+// takes: used by `moka bench --backend cuda` and the GPU tests at full model sizes, where host
+// copies of the weights would not fit.
+#pragma once
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <random>
+#include <vector>
+
+#include "cuda/check.hpp"
+#include "cuda/layer_kernels.hpp"
+#include "moka/layer.hpp"
+
+namespace moka::cuda {
+
+struct DeviceMemory {
+  void* p = nullptr;
+  size_t bytes = 0;
+  explicit DeviceMemory(size_t n) : bytes(n) { MOKA_CUDA_CHECK(cudaMalloc(&p, std::max<size_t>(n, 16))); }
+  ~DeviceMemory() { cudaFree(p); }
+  DeviceMemory(const DeviceMemory&) = delete;
+  DeviceMemory& operator=(const DeviceMemory&) = delete;
+  template <typename T>
+  T* as() const { return static_cast<T*>(p); }
+  // N(0, stddev) bf16 contents (never zeros: they hide unwritten outputs and time faster).
+  void fill_normal(double stddev, uint64_t seed) {
+    fill_normal_bf16(as<bf16>(), int64_t(bytes / sizeof(bf16)), seed, float(stddev), nullptr);
+  }
+};
+
+struct DeviceLayerTensors {
+  MoeShape s;
+  int64_t T;
+  DeviceMemory x, ids, w, out, d_out, d_x, d_w, wg, wu, wd, wsg, wsu, wsd, dwg, dwu, dwd, dwsg, dwsu, dwsd;
+
+  DeviceLayerTensors(const MoeShape& sh, int64_t t)
+      : s(sh), T(t), x(t * sh.hidden * 2), ids(t * sh.top_k * 4), w(t * sh.top_k * 4), out(x.bytes),
+        d_out(x.bytes), d_x(x.bytes), d_w(w.bytes), wg(sh.num_experts * sh.intermediate * sh.hidden * 2),
+        wu(wg.bytes), wd(wg.bytes), wsg(sh.shared_intermediate * sh.hidden * 2), wsu(wsg.bytes), wsd(wsg.bytes),
+        dwg(wg.bytes), dwu(wg.bytes), dwd(wg.bytes), dwsg(wsg.bytes), dwsu(wsg.bytes), dwsd(wsg.bytes) {}
+
+  // Random x, d_out, weights N(0, 1/fan_in), router weights U(0.1, 1), the given routing.
+  void randomize(uint64_t seed, const std::vector<int32_t>& topk_ids) {
+    std::mt19937_64 rng(seed);
+    const double H = double(s.hidden), I = double(s.intermediate), Is = double(s.shared_intermediate);
+    x.fill_normal(1.0, rng());
+    d_out.fill_normal(1.0, rng());
+    wg.fill_normal(1 / std::sqrt(H), rng());
+    wu.fill_normal(1 / std::sqrt(H), rng());
+    wd.fill_normal(1 / std::sqrt(I), rng());
+    if (s.has_shared()) {
+      wsg.fill_normal(1 / std::sqrt(H), rng());
+      wsu.fill_normal(1 / std::sqrt(H), rng());
+      wsd.fill_normal(1 / std::sqrt(Is), rng());
+    }
+    std::vector<float> wt(topk_ids.size());
+    std::uniform_real_distribution<float> uw(0.1f, 1.0f);
+    for (auto& v : wt) v = uw(rng);
+    MOKA_CUDA_CHECK(cudaMemcpy(ids.p, topk_ids.data(), ids.bytes, cudaMemcpyHostToDevice));
+    MOKA_CUDA_CHECK(cudaMemcpy(w.p, wt.data(), w.bytes, cudaMemcpyHostToDevice));
+  }
+
+  // 0xFF bytes (NaN in bf16 and f32) in every output.
+  void poison() {
+    for (DeviceMemory* m : {&out, &d_x, &d_w, &dwg, &dwu, &dwd, &dwsg, &dwsu, &dwsd})
+      MOKA_CUDA_CHECK(cudaMemset(m->p, 0xFF, m->bytes));
+  }
+
+  MoeInputs inputs() const {
+    return {view(x, DType::bf16, {T, s.hidden}), view(ids, DType::i32, {T, s.top_k}),
+            view(w, DType::f32, {T, s.top_k})};
+  }
+  MoeWeights weights() const {
+    const int64_t H = s.hidden, I = s.intermediate, E = s.num_experts, Is = s.shared_intermediate;
+    MoeWeights r{view(wg, DType::bf16, {E, I, H}), view(wu, DType::bf16, {E, I, H}), view(wd, DType::bf16, {E, H, I}),
+                 {}, {}, {}};
+    if (s.has_shared()) {
+      r.ws_gate = view(wsg, DType::bf16, {Is, H});
+      r.ws_up = view(wsu, DType::bf16, {Is, H});
+      r.ws_down = view(wsd, DType::bf16, {H, Is});
+    }
+    return r;
+  }
+  MoeGradients gradients() const {
+    const int64_t H = s.hidden, I = s.intermediate, E = s.num_experts, Is = s.shared_intermediate;
+    MoeGradients g{view(d_x, DType::bf16, {T, H}), view(d_w, DType::f32, {T, s.top_k}),
+                   view(dwg, DType::bf16, {E, I, H}), view(dwu, DType::bf16, {E, I, H}),
+                   view(dwd, DType::bf16, {E, H, I}), {}, {}, {}};
+    if (s.has_shared()) {
+      g.d_ws_gate = view(dwsg, DType::bf16, {Is, H});
+      g.d_ws_up = view(dwsu, DType::bf16, {Is, H});
+      g.d_ws_down = view(dwsd, DType::bf16, {H, Is});
+    }
+    return g;
+  }
+  TensorView out_view() const { return view(out, DType::bf16, {T, s.hidden}); }
+  TensorView d_out_view() const { return view(d_out, DType::bf16, {T, s.hidden}); }
+
+  static TensorView view(const DeviceMemory& m, DType t, std::initializer_list<int64_t> dims) {
+    return TensorView(m.p, t, dims, Device::cuda(0));
+  }
+};
+
+}  // namespace moka::cuda

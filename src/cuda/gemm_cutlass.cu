@@ -1,0 +1,160 @@
+// The CUTLASS sm90 grouped GEMM (pointer-array, device-side problem sizes), both operands
+// K-major: D[m, n] = A[m, k] B[n, k]^T with A, B and D row-major.
+//
+// Kernel: warp-specialized cooperative persistent kernel (one TMA producer warp, two consumer
+// warpgroups sharing a 128x256 tile, 64-deep K blocks, as many pipeline stages as shared
+// memory holds). The persistent tile scheduler reads the problem sizes on the device, so the
+// grid is sized from the SM count alone and the host never needs the group sizes.
+// GemmKernel::operator()(params, smem) is a __device__ function: the megakernel can call the
+// same tile loop from its compute CTAs.
+#include <cute/tensor.hpp>
+#include <cutlass/cutlass.h>
+#include <cutlass/epilogue/collective/collective_builder.hpp>
+#include <cutlass/gemm/collective/collective_builder.hpp>
+#include <cutlass/gemm/device/gemm_universal_adapter.h>
+#include <cutlass/gemm/dispatch_policy.hpp>
+#include <cutlass/gemm/group_array_problem_shape.hpp>
+#include <cutlass/gemm/kernel/gemm_universal.hpp>
+
+#include <string>
+
+#include "cuda/check.hpp"
+#include "cuda/gemm_runner.hpp"
+
+// CUTLASS's sm90 epilogue builder names cute functions (size<1>(...)) unqualified; its own
+// examples make them visible this way, and without it g++ misparses the builder.
+using namespace cute;
+
+namespace moka::cuda {
+
+// Only K-major operands: on CUTLASS 4.2 the grouped (device-sized) kernel with an MN-major
+// operand gave wrong results on the H200 (tests/gpu/test_grouped_gemm.cpp found it), so
+// the layer transposes where a product needs one (docs/ARCHITECTURE.md, CUDA backend).
+// A plain (non-template) config: nvcc's host pass failed to re-emit the epilogue builder's
+// decltype arguments when they were instantiated inside a class template.
+struct GroupedGemmConfig {
+  using LayoutA = cutlass::layout::RowMajor;
+  using LayoutB = cutlass::layout::ColumnMajor;
+  using Element = cutlass::bfloat16_t;
+  using LayoutD = cutlass::layout::RowMajor;
+  static constexpr int kAlign = 8;  // 16 bytes of bf16: TMA's alignment
+  using ProblemShape = cutlass::gemm::GroupProblemShape<cute::Shape<int, int, int>>;
+  using TileShape = cute::Shape<cute::_128, cute::_256, cute::_64>;
+  using ClusterShape = cute::Shape<cute::_1, cute::_1, cute::_1>;
+  using KernelSchedule = cutlass::gemm::KernelPtrArrayTmaWarpSpecializedCooperative;
+  using EpilogueSchedule = cutlass::epilogue::PtrArrayTmaWarpSpecializedCooperative;
+
+  using EpilogueOp = typename cutlass::epilogue::collective::CollectiveBuilder<
+      cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, TileShape, ClusterShape,
+      cutlass::epilogue::collective::EpilogueTileAuto, float, float, void, LayoutD*, kAlign, Element, LayoutD*,
+      kAlign, EpilogueSchedule, cutlass::epilogue::fusion::LinearCombination<Element, float>>::CollectiveOp;
+
+  using MainloopOp = typename cutlass::gemm::collective::CollectiveBuilder<
+      cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, Element, LayoutA*, kAlign, Element, LayoutB*, kAlign,
+      float, TileShape, ClusterShape,
+      cutlass::gemm::collective::StageCountAutoCarveout<static_cast<int>(
+          sizeof(typename EpilogueOp::SharedStorage))>,
+      KernelSchedule>::CollectiveOp;
+
+  using GemmKernel = cutlass::gemm::kernel::GemmUniversal<ProblemShape, MainloopOp, EpilogueOp>;
+  using Gemm = cutlass::gemm::device::GemmUniversalAdapter<GemmKernel>;
+};
+
+// A stride with one dynamic pitch (the other mode is the static unit stride, the batch mode 0).
+template <class Stride>
+Stride pitched(int64_t pitch) {
+  Stride s{};
+  if constexpr (cute::is_same_v<cute::remove_cvref_t<decltype(cute::get<0>(s))>, int64_t>) {
+    cute::get<0>(s) = pitch;
+  } else {
+    cute::get<1>(s) = pitch;
+  }
+  return s;
+}
+
+template <class Config>
+class CutlassGemmRunner final : public GemmRunner {
+  using Gemm = typename Config::Gemm;
+  using Kernel = typename Gemm::GemmKernel;
+  using StrideA = typename Kernel::InternalStrideA;
+  using StrideB = typename Kernel::InternalStrideB;
+  using StrideD = typename Kernel::InternalStrideD;
+  using Element = typename Config::Element;
+  using Shape3 = typename Config::ProblemShape::UnderlyingProblemShape;
+
+ public:
+  CutlassGemmRunner(const GroupArrays& arrays, const std::vector<GroupSpec>& specs, int device) {
+    static_assert(sizeof(Shape3) == 3 * sizeof(int), "problem sizes are written as int[3]");
+    const size_t G = specs.size();
+    std::vector<StrideA> sa(G);
+    std::vector<StrideB> sb(G);
+    std::vector<StrideD> sd(G);
+    for (size_t g = 0; g < G; ++g) {
+      sa[g] = pitched<StrideA>(specs[g].lda);
+      sb[g] = pitched<StrideB>(specs[g].ldb);
+      sd[g] = pitched<StrideD>(specs[g].ldd);
+    }
+    MOKA_CUDA_CHECK(cudaMalloc(&strides_a_, G * sizeof(StrideA)));
+    MOKA_CUDA_CHECK(cudaMalloc(&strides_b_, G * sizeof(StrideB)));
+    MOKA_CUDA_CHECK(cudaMalloc(&strides_d_, G * sizeof(StrideD)));
+    MOKA_CUDA_CHECK(cudaMemcpy(strides_a_, sa.data(), G * sizeof(StrideA), cudaMemcpyHostToDevice));
+    MOKA_CUDA_CHECK(cudaMemcpy(strides_b_, sb.data(), G * sizeof(StrideB), cudaMemcpyHostToDevice));
+    MOKA_CUDA_CHECK(cudaMemcpy(strides_d_, sd.data(), G * sizeof(StrideD), cudaMemcpyHostToDevice));
+
+    cutlass::KernelHardwareInfo hw = cutlass::KernelHardwareInfo::make_kernel_hardware_info<Kernel>(device);
+    typename Gemm::Arguments args;
+    decltype(args.epilogue.thread) fusion;
+    fusion.alpha = 1.0f;
+    fusion.beta = 0.0f;
+    fusion.alpha_ptr = nullptr;
+    fusion.beta_ptr = nullptr;
+    fusion.alpha_ptr_array = nullptr;
+    fusion.beta_ptr_array = nullptr;
+    fusion.dAlpha = {cute::_0{}, cute::_0{}, 0};
+    fusion.dBeta = {cute::_0{}, cute::_0{}, 0};
+    // Host problem shapes are null: the scheduler reads the sizes on the device.
+    args = typename Gemm::Arguments{
+        cutlass::gemm::GemmUniversalMode::kGrouped,
+        {static_cast<int>(G), reinterpret_cast<Shape3*>(arrays.problems), nullptr},
+        {reinterpret_cast<const Element**>(arrays.a), strides_a_, reinterpret_cast<const Element**>(arrays.b),
+         strides_b_},
+        {fusion, nullptr, nullptr, reinterpret_cast<Element**>(arrays.d), strides_d_},
+        hw};
+    const cutlass::Status ok = gemm_.can_implement(args);
+    require(ok == cutlass::Status::kSuccess, ErrorCode::unsupported_size,
+            std::string("grouped GEMM cannot take these operands: ") + cutlassGetStatusString(ok));
+    const size_t ws = Gemm::get_workspace_size(args);
+    if (ws > 0) MOKA_CUDA_CHECK(cudaMalloc(&workspace_, ws));
+    const cutlass::Status init = gemm_.initialize(args, workspace_);
+    require(init == cutlass::Status::kSuccess, ErrorCode::cuda,
+            std::string("grouped GEMM initialize failed: ") + cutlassGetStatusString(init));
+  }
+
+  ~CutlassGemmRunner() override {
+    cudaFree(strides_a_);
+    cudaFree(strides_b_);
+    cudaFree(strides_d_);
+    cudaFree(workspace_);
+  }
+
+  void run(cudaStream_t stream) override {
+    const cutlass::Status st = gemm_.run(stream);
+    require(st == cutlass::Status::kSuccess, ErrorCode::cuda,
+            std::string("grouped GEMM launch failed: ") + cutlassGetStatusString(st));
+    MOKA_CUDA_CHECK_LAUNCH();
+  }
+
+ private:
+  Gemm gemm_;
+  StrideA* strides_a_ = nullptr;
+  StrideB* strides_b_ = nullptr;
+  StrideD* strides_d_ = nullptr;
+  void* workspace_ = nullptr;
+};
+
+std::unique_ptr<GemmRunner> make_gemm_runner(const GroupArrays& arrays, const std::vector<GroupSpec>& specs,
+                                             int device) {
+  return std::make_unique<CutlassGemmRunner<GroupedGemmConfig>>(arrays, specs, device);
+}
+
+}  // namespace moka::cuda

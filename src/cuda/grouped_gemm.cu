@@ -1,0 +1,136 @@
+#include "cuda/grouped_gemm.hpp"
+
+#include <algorithm>
+
+#include "cuda/check.hpp"
+#include "cuda/gemm_runner.hpp"
+
+namespace moka::cuda {
+namespace {
+
+// Turns the device-side expert counts and segment offsets into this launch's problem sizes and
+// pointers: one thread per group. This is the only place group sizes are read, on the device.
+__global__ void setup_groups(const GroupSpec* specs, int groups, const BufferTable buffers, const int32_t* counts,
+                             const int32_t* offsets, GroupArrays out) {
+  const int g = blockIdx.x * blockDim.x + threadIdx.x;
+  if (g >= groups) return;
+  const GroupSpec s = specs[g];
+  int dims[3] = {s.m, s.n, s.k};
+  int64_t row = 0;
+  if (s.expert >= 0) {
+    const int count = counts[s.expert];
+    row = offsets[s.expert];
+    dims[static_cast<int>(s.count_dim)] = count;
+    if (count == 0) dims[0] = 0;  // no tiles (for k = count: no empty-K tiles either)
+  }
+  out.problems[3 * g + 0] = dims[0];
+  out.problems[3 * g + 1] = dims[1];
+  out.problems[3 * g + 2] = dims[2];
+  using bf = unsigned short;  // pointer arithmetic in bf16 elements
+  out.a[g] = static_cast<const bf*>(buffers.ptr[s.a]) + s.a_off + row * s.a_step;
+  out.b[g] = static_cast<const bf*>(buffers.ptr[s.b]) + s.b_off + row * s.b_step;
+  out.d[g] = const_cast<bf*>(static_cast<const bf*>(buffers.ptr[s.d])) + s.d_off + row * s.d_step;
+}
+
+}  // namespace
+
+struct GroupedGemm::Impl {
+  GroupSpec* specs = nullptr;
+  GroupArrays arrays;
+  std::unique_ptr<GemmRunner> runner;
+  // cublas_loop only
+  std::vector<GroupSpec> host_specs;
+  cublasHandle_t cublas = nullptr;
+  int32_t* host_counts = nullptr;  // pinned [2][max expert + 2]: counts, then offsets
+  int experts = 0;
+
+  void run_cublas_loop(const BufferTable& buffers, const int32_t* counts, const int32_t* offsets,
+                       cudaStream_t stream);
+  ~Impl() {
+    if (cublas) cublasDestroy(cublas);
+    cudaFreeHost(host_counts);
+    cudaFree(specs);
+    cudaFree(arrays.problems);
+    cudaFree(arrays.a);
+    cudaFree(arrays.b);
+    cudaFree(arrays.d);
+  }
+};
+
+GroupedGemm::GroupedGemm(const std::vector<GroupSpec>& groups, int device, GemmEngine engine)
+    : impl_(std::make_unique<Impl>()), groups_(groups.size()) {
+  require(!groups.empty(), ErrorCode::internal, "grouped GEMM with no groups");
+  for (const auto& g : groups) {
+    require(g.a >= 0 && g.a < kMaxGemmBuffers && g.b >= 0 && g.b < kMaxGemmBuffers && g.d >= 0 &&
+                g.d < kMaxGemmBuffers,
+            ErrorCode::internal, "grouped GEMM buffer index out of range");
+    // TMA needs 16-byte aligned rows and bases.
+    require(g.lda % 8 == 0 && g.ldb % 8 == 0 && g.ldd % 8 == 0 && g.n % 8 == 0, ErrorCode::unsupported_size,
+            "the CUDA backend needs hidden and intermediate sizes that are multiples of 8, got a GEMM with n=" +
+                std::to_string(g.n) + " and row pitches " + std::to_string(g.lda) + "/" + std::to_string(g.ldb) +
+                "/" + std::to_string(g.ldd));
+  }
+  const size_t G = groups.size();
+  if (engine == GemmEngine::cublas_loop) {
+    impl_->host_specs = groups;
+    for (const auto& g : groups) impl_->experts = std::max(impl_->experts, g.expert + 1);
+    MOKA_CUDA_CHECK(cudaMallocHost(&impl_->host_counts, 2 * (impl_->experts + 2) * sizeof(int32_t)));
+    MOKA_CUBLAS_CHECK(cublasCreate(&impl_->cublas));
+    return;
+  }
+  MOKA_CUDA_CHECK(cudaMalloc(&impl_->specs, G * sizeof(GroupSpec)));
+  MOKA_CUDA_CHECK(cudaMemcpy(impl_->specs, groups.data(), G * sizeof(GroupSpec), cudaMemcpyHostToDevice));
+  MOKA_CUDA_CHECK(cudaMalloc(&impl_->arrays.problems, G * 3 * sizeof(int)));
+  MOKA_CUDA_CHECK(cudaMalloc(&impl_->arrays.a, G * sizeof(void*)));
+  MOKA_CUDA_CHECK(cudaMalloc(&impl_->arrays.b, G * sizeof(void*)));
+  MOKA_CUDA_CHECK(cudaMalloc(&impl_->arrays.d, G * sizeof(void*)));
+  impl_->runner = make_gemm_runner(impl_->arrays, groups, device);
+}
+
+GroupedGemm::~GroupedGemm() = default;
+
+void GroupedGemm::Impl::run_cublas_loop(const BufferTable& buffers, const int32_t* counts, const int32_t* offsets,
+                                        cudaStream_t stream) {
+  int32_t* h_counts = host_counts;
+  int32_t* h_offsets = host_counts + experts + 2;
+  if (experts > 0) {
+    // The host-side sizes this baseline needs: a device-to-host copy and a synchronization.
+    MOKA_CUDA_CHECK(cudaMemcpyAsync(h_counts, counts, experts * sizeof(int32_t), cudaMemcpyDeviceToHost, stream));
+    MOKA_CUDA_CHECK(cudaMemcpyAsync(h_offsets, offsets, experts * sizeof(int32_t), cudaMemcpyDeviceToHost, stream));
+    MOKA_CUDA_CHECK(cudaStreamSynchronize(stream));
+  }
+  MOKA_CUBLAS_CHECK(cublasSetStream(cublas, stream));
+  const float one = 1.0f, zero = 0.0f;
+  using bf = unsigned short;
+  for (const GroupSpec& s : host_specs) {
+    int dims[3] = {s.m, s.n, s.k};
+    int64_t row = 0;
+    if (s.expert >= 0) {
+      dims[static_cast<int>(s.count_dim)] = h_counts[s.expert];
+      row = h_offsets[s.expert];
+      if (h_counts[s.expert] == 0) continue;
+    }
+    const auto* a = static_cast<const bf*>(buffers.ptr[s.a]) + s.a_off + row * s.a_step;
+    const auto* b = static_cast<const bf*>(buffers.ptr[s.b]) + s.b_off + row * s.b_step;
+    auto* d = const_cast<bf*>(static_cast<const bf*>(buffers.ptr[s.d])) + s.d_off + row * s.d_step;
+    // Row-major D[m, n] is column-major D^T[n, m] = B A^T with B, A column-major [k, n], [k, m].
+    MOKA_CUBLAS_CHECK(cublasGemmEx(cublas, CUBLAS_OP_T, CUBLAS_OP_N, dims[1], dims[0], dims[2], &one, b, CUDA_R_16BF,
+                                   static_cast<int>(s.ldb), a, CUDA_R_16BF, static_cast<int>(s.lda), &zero, d,
+                                   CUDA_R_16BF, static_cast<int>(s.ldd), CUBLAS_COMPUTE_32F,
+                                   CUBLAS_GEMM_DEFAULT));
+  }
+}
+
+void GroupedGemm::run(const BufferTable& buffers, const int32_t* counts, const int32_t* offsets,
+                      cudaStream_t stream) {
+  if (impl_->cublas) {
+    impl_->run_cublas_loop(buffers, counts, offsets, stream);
+    return;
+  }
+  const int G = static_cast<int>(groups_);
+  setup_groups<<<(G + 127) / 128, 128, 0, stream>>>(impl_->specs, G, buffers, counts, offsets, impl_->arrays);
+  MOKA_CUDA_CHECK_LAUNCH();
+  impl_->runner->run(stream);
+}
+
+}  // namespace moka::cuda

@@ -1,0 +1,67 @@
+// Grouped bf16 GEMMs whose group sizes live in device memory (CUTLASS sm90: TMA loads, wgmma,
+// warp-specialized cooperative persistent kernel). The host never reads a group size: a small
+// setup kernel turns the device-side expert counts/offsets into per-group problem sizes and
+// pointers, then the persistent GEMM walks the groups. Both launches are stream-ordered and
+// capturable in a CUDA graph.
+//
+// Every GEMM is D[m, n] = sum_k A[m, k] B[n, k] (A, B, D row-major, i.e. both operands
+// K-major), fp32 accumulation, bf16 D.
+#pragma once
+#include <cuda_runtime.h>
+
+#include <cstdint>
+#include <memory>
+#include <vector>
+
+namespace moka::cuda {
+
+// Which dimension of a group takes its expert's routed row count.
+enum class CountDim : int8_t { none = -1, m = 0, k = 2 };
+
+// Base pointers of one launch, passed by value to the setup kernel, so the caller's tensors
+// (weights, x, d_out) may move between calls, and a captured graph keeps the pointers it saw.
+inline constexpr int kMaxGemmBuffers = 64;
+struct BufferTable {
+  const void* ptr[kMaxGemmBuffers] = {};
+};
+
+// One group, described once on the host: operands are (buffer index, element offset). For an
+// expert group (expert >= 0) the device setup kernel sets the `count_dim` size to that expert's
+// row count and advances each operand by expert_offset[expert] * step (the expert's segment of
+// a grouped buffer). A group whose count is zero gets m = 0 (no tiles); callers zero such
+// outputs themselves where needed.
+struct GroupSpec {
+  int a = 0, b = 0, d = 0;                      // BufferTable indices
+  int64_t a_off = 0, b_off = 0, d_off = 0;      // elements
+  int64_t a_step = 0, b_step = 0, d_step = 0;   // elements per grouped row; 0 = fixed
+  int64_t lda = 0, ldb = 0, ldd = 0;           // row pitch (elements) of each row-major operand
+  int m = 0, n = 0, k = 0;
+  int expert = -1;
+  CountDim count_dim = CountDim::none;
+};
+
+// How the groups run. `cutlass`: the device-sized persistent grouped kernel (the product).
+// `cublas_loop`: the comparison baseline users would write without it: copy the counts to the
+// host (a synchronization) and issue one cuBLAS GEMM per non-empty group.
+enum class GemmEngine { cutlass, cublas_loop };
+
+class GroupedGemm {
+ public:
+  GroupedGemm(const std::vector<GroupSpec>& groups, int device, GemmEngine engine = GemmEngine::cutlass);
+  ~GroupedGemm();
+  GroupedGemm(const GroupedGemm&) = delete;
+  GroupedGemm& operator=(const GroupedGemm&) = delete;
+
+  // counts/offsets: device [E] routed rows and [E + 1] segment starts (may be null when no
+  // group is an expert group).
+  void run(const BufferTable& buffers, const int32_t* counts, const int32_t* offsets, cudaStream_t stream);
+  int groups() const { return static_cast<int>(groups_); }
+
+  struct Impl;
+
+ private:
+  std::unique_ptr<Impl> impl_;
+  size_t groups_;
+};
+
+}  // namespace moka::cuda

@@ -1,0 +1,367 @@
+#include <cmath>
+
+#include "core/activation.hpp"
+#include "core/schedule.hpp"
+#include "cuda/check.hpp"
+#include "cuda/layer_kernels.hpp"
+
+namespace moka::cuda {
+namespace {
+
+constexpr int kRowThreads = 128;
+constexpr int kVec = 8;  // bf16 per 16-byte access
+
+struct alignas(16) Vec8 {
+  __nv_bfloat162 h[4];
+};
+
+__device__ __forceinline__ void load8(const bf16* p, float (&v)[kVec]) {
+  const Vec8 q = *reinterpret_cast<const Vec8*>(p);
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    const float2 f = __bfloat1622float2(q.h[i]);
+    v[2 * i] = f.x;
+    v[2 * i + 1] = f.y;
+  }
+}
+__device__ __forceinline__ void store8(bf16* p, const float (&v)[kVec]) {
+  Vec8 q;
+#pragma unroll
+  for (int i = 0; i < 4; ++i) q.h[i] = __floats2bfloat162_rn(v[2 * i], v[2 * i + 1]);
+  *reinterpret_cast<Vec8*>(p) = q;
+}
+
+
+// --- schedule -------------------------------------------------------------------------------
+
+// Per-chunk expert histogram (integer shared-memory atomics: the result is exact).
+__global__ void count_chunks(DeviceSchedule s, const int32_t* ids) {
+  extern __shared__ int32_t hist[];
+  for (int64_t e = threadIdx.x; e < s.num_experts; e += blockDim.x) hist[e] = 0;
+  __syncthreads();
+  const int64_t slot = int64_t(blockIdx.x) * kScheduleChunk + threadIdx.x;
+  if (slot < s.slots) {
+    const int64_t e = int64_t(ids[slot]) - s.first_expert;
+    if (e >= 0 && e < s.num_experts) atomicAdd(&hist[e], 1);
+  }
+  __syncthreads();
+  for (int64_t e = threadIdx.x; e < s.num_experts; e += blockDim.x)
+    s.chunk_counts[blockIdx.x * s.num_experts + e] = hist[e];
+}
+
+// Per expert: exclusive scan of its chunk counts (in place) and its total; then the padded
+// segment offsets, scanned in expert order by one thread (E is at most a few thousand).
+__global__ void scan_experts(DeviceSchedule s, int64_t chunks) {
+  for (int64_t e = threadIdx.x; e < s.num_experts; e += blockDim.x) {
+    int32_t run = 0;
+    for (int64_t c = 0; c < chunks; ++c) {
+      int32_t* p = &s.chunk_counts[c * s.num_experts + e];
+      const int32_t v = *p;
+      *p = run;
+      run += v;
+    }
+    s.counts[e] = run;
+  }
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    int64_t off = 0;
+    for (int64_t e = 0; e < s.num_experts; ++e) {
+      s.offsets[e] = static_cast<int32_t>(off);
+      off += core::round_up(s.counts[e], s.tile_rows);
+    }
+    s.offsets[s.num_experts] = static_cast<int32_t>(off);
+  }
+}
+
+// Row of every slot: a route's index among its expert's routes in slot order, placed by the
+// shared interleave rule (one source rank here).
+__global__ void place_rows(DeviceSchedule s, const int32_t* ids) {
+  __shared__ int32_t chunk_ids[kScheduleChunk];
+  const int64_t base = int64_t(blockIdx.x) * kScheduleChunk;
+  const int64_t slot = base + threadIdx.x;
+  chunk_ids[threadIdx.x] = slot < s.slots ? ids[slot] : -1;
+  __syncthreads();
+  if (slot >= s.slots) return;
+  const int32_t id = chunk_ids[threadIdx.x];
+  const int64_t e = int64_t(id) - s.first_expert;
+  if (e < 0 || e >= s.num_experts) {
+    s.row_of_slot[slot] = -1;
+    return;
+  }
+  int64_t index = s.chunk_counts[blockIdx.x * s.num_experts + e];
+  for (int i = 0; i < int(threadIdx.x); ++i) index += chunk_ids[i] == id;
+  const int64_t count = s.counts[e];
+  s.row_of_slot[slot] = static_cast<int32_t>(s.offsets[e] + core::interleaved_position(&count, 1, 0, index));
+}
+
+// Input checks on the device (the host never reads the routing): the lowest bad slot wins, so
+// the reported entry is deterministic. Bad ids are also harmless to the other kernels (they are
+// dropped as non-local).
+__global__ void check_routing(DeviceSchedule s, const int32_t* ids, const float* weights) {
+  const int64_t slot = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (slot >= s.slots) return;
+  const int32_t id = ids[slot];
+  unsigned long long code = 0;
+  if (id < 0 || id >= s.global_experts) {
+    code = 1;
+  } else if (!isfinite(weights[slot])) {
+    code = 3;
+  } else {
+    const int64_t j = slot % s.top_k;
+    for (int64_t i = 1; i <= j; ++i)
+      if (ids[slot - i] == id) code = 2;
+  }
+  if (code) atomicMin(s.error, (static_cast<unsigned long long>(slot) << 2) | code);
+}
+
+// --- rows -----------------------------------------------------------------------------------
+
+__global__ void gather_rows_kernel(const bf16* src, bf16* dst, const int32_t* row_of_slot, int64_t top_k,
+                                   int64_t width) {
+  const int64_t slot = blockIdx.x;
+  const int32_t row = row_of_slot[slot];
+  if (row < 0) return;
+  const Vec8* s = reinterpret_cast<const Vec8*>(src + (slot / top_k) * width);
+  Vec8* d = reinterpret_cast<Vec8*>(dst + int64_t(row) * width);
+  for (int64_t c = threadIdx.x; c < width / kVec; c += blockDim.x) d[c] = s[c];
+}
+
+__device__ __forceinline__ int64_t row_of(const int32_t* row_of_slot, int64_t i) {
+  return row_of_slot ? row_of_slot[i] : i;
+}
+
+__global__ void swiglu_forward_kernel(const bf16* gate, const bf16* up, bf16* hidden, const int32_t* row_of_slot,
+                                      int64_t width, ActParams act) {
+  const int64_t row = row_of(row_of_slot, blockIdx.x);
+  if (row < 0) return;
+  const int64_t base = row * width;
+  for (int64_t c = threadIdx.x * kVec; c < width; c += blockDim.x * kVec) {
+    float g[kVec], u[kVec], h[kVec];
+    load8(gate + base + c, g);
+    load8(up + base + c, u);
+#pragma unroll
+    for (int i = 0; i < kVec; ++i) h[i] = core::swiglu_forward<float>(g[i], u[i], act.clamped, act.limit);
+    store8(hidden + base + c, h);
+  }
+}
+
+// Fixed-shape tree reduction over the block: deterministic for a given blockDim.
+__device__ float block_sum(float v) {
+  __shared__ float partial[kRowThreads / 32];
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+  if ((threadIdx.x & 31) == 0) partial[threadIdx.x / 32] = v;
+  __syncthreads();
+  float total = 0;
+#pragma unroll
+  for (int w = 0; w < kRowThreads / 32; ++w) total += partial[w];
+  return total;
+}
+
+__global__ void __launch_bounds__(kRowThreads) swiglu_backward_kernel(
+    const bf16* gate, const bf16* up, const bf16* hidden, const bf16* dh_u, const float* weights, float* d_weight,
+    bf16* scaled_hidden, bf16* d_gate, bf16* d_up, const int32_t* row_of_slot, int64_t width, ActParams act) {
+  const int64_t row = row_of(row_of_slot, blockIdx.x);
+  if (row < 0) return;
+  const float w = weights ? weights[blockIdx.x] : 1.0f;
+  const int64_t base = row * width;
+  float dot = 0;
+  for (int64_t c = threadIdx.x * kVec; c < width; c += blockDim.x * kVec) {
+    float g[kVec], u[kVec], h[kVec], dh[kVec], dg[kVec], du[kVec];
+    load8(gate + base + c, g);
+    load8(up + base + c, u);
+    load8(hidden + base + c, h);
+    load8(dh_u + base + c, dh);
+#pragma unroll
+    for (int i = 0; i < kVec; ++i) {
+      dot += dh[i] * h[i];
+      core::swiglu_backward<float>(g[i], u[i], w * dh[i], act.clamped, act.limit, dg[i], du[i]);
+      h[i] *= w;
+    }
+    store8(d_gate + base + c, dg);
+    store8(d_up + base + c, du);
+    if (scaled_hidden) store8(scaled_hidden + base + c, h);
+  }
+  if (d_weight) {
+    const float total = block_sum(dot);
+    if (threadIdx.x == 0) d_weight[blockIdx.x] = total;
+  }
+}
+
+__global__ void combine_kernel(const bf16* y, const float* weights, const bf16* shared, bf16* out,
+                               const int32_t* row_of_slot, int64_t top_k, int64_t width) {
+  const int64_t t = blockIdx.x;
+  for (int64_t c = threadIdx.x * kVec; c < width; c += blockDim.x * kVec) {
+    float acc[kVec] = {};
+    if (shared) load8(shared + t * width + c, acc);
+    for (int64_t j = 0; j < top_k; ++j) {
+      const int32_t row = row_of_slot[t * top_k + j];
+      if (row < 0) continue;
+      const float w = weights[t * top_k + j];
+      float v[kVec];
+      load8(y + int64_t(row) * width + c, v);
+#pragma unroll
+      for (int i = 0; i < kVec; ++i) acc[i] += w * v[i];
+    }
+    store8(out + t * width + c, acc);
+  }
+}
+
+__global__ void reduce_grads_kernel(const bf16* ra, const bf16* rb, const bf16* sa, const bf16* sb, bf16* d_x,
+                                    const int32_t* row_of_slot, int64_t top_k, int64_t width) {
+  const int64_t t = blockIdx.x;
+  for (int64_t c = threadIdx.x * kVec; c < width; c += blockDim.x * kVec) {
+    float acc[kVec] = {};
+    if (sa) {
+      float a[kVec], b[kVec];
+      load8(sa + t * width + c, a);
+      load8(sb + t * width + c, b);
+#pragma unroll
+      for (int i = 0; i < kVec; ++i) acc[i] = a[i] + b[i];
+    }
+    for (int64_t j = 0; j < top_k; ++j) {
+      const int32_t row = row_of_slot[t * top_k + j];
+      if (row < 0) continue;
+      float a[kVec], b[kVec];
+      load8(ra + int64_t(row) * width + c, a);
+      load8(rb + int64_t(row) * width + c, b);
+#pragma unroll
+      for (int i = 0; i < kVec; ++i) acc[i] += a[i] + b[i];
+    }
+    store8(d_x + t * width + c, acc);
+  }
+}
+
+__global__ void zero_empty_kernel(const int32_t* counts, bf16* a, bf16* b, bf16* c, int64_t per_expert) {
+  const int64_t e = blockIdx.y;
+  if (counts[e] != 0) return;
+  const int64_t n = per_expert / kVec;
+  const Vec8 zero{};
+  for (int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < n; i += int64_t(gridDim.x) * blockDim.x) {
+    reinterpret_cast<Vec8*>(a + e * per_expert)[i] = zero;
+    reinterpret_cast<Vec8*>(b + e * per_expert)[i] = zero;
+    reinterpret_cast<Vec8*>(c + e * per_expert)[i] = zero;
+  }
+}
+
+constexpr int kTile = 64;
+
+// 64x64 tiles through shared memory (padded rows: no bank conflicts on the column reads).
+__global__ void __launch_bounds__(256) transpose_kernel(const bf16* in, bf16* out, TransposeSpec t) {
+  __shared__ bf16 tile[kTile][kTile + 2];
+  const int64_t rows = t.row_bound ? *t.row_bound : t.rows;
+  const int64_t r0 = int64_t(blockIdx.y) * kTile, c0 = int64_t(blockIdx.x) * kTile;
+  if (r0 >= rows) return;
+  const bf16* src = in + blockIdx.z * t.in_batch_stride;
+  bf16* dst = out + blockIdx.z * t.out_batch_stride;
+  const int tx = threadIdx.x % kTile, ty = threadIdx.x / kTile;  // 64 x 4 threads
+  for (int i = ty; i < kTile; i += 4) {
+    const int64_t r = r0 + i, c = c0 + tx;
+    if (r < rows && c < t.cols) tile[i][tx] = src[r * t.in_pitch + c];
+  }
+  __syncthreads();
+  for (int i = ty; i < kTile; i += 4) {
+    const int64_t c = c0 + i, r = r0 + tx;
+    if (r < rows && c < t.cols) dst[c * t.out_pitch + r] = tile[tx][i];
+  }
+}
+
+__device__ __forceinline__ uint64_t mix64(uint64_t z) {  // splitmix64 finalizer
+  z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
+  z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
+  return z ^ (z >> 31);
+}
+
+__global__ void fill_normal_kernel(bf16* data, int64_t n, uint64_t seed, float stddev) {
+  for (int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < n; i += int64_t(gridDim.x) * blockDim.x) {
+    const uint64_t h = mix64(seed * 0x9e3779b97f4a7c15ull + uint64_t(i));
+    const float u1 = (float(h >> 40) + 1.0f) / 16777217.0f, u2 = float((h >> 16) & 0xFFFFFF) / 16777216.0f;
+    data[i] = __float2bfloat16(stddev * sqrtf(-2.0f * logf(u1)) * cospif(2.0f * u2));
+  }
+}
+
+unsigned grid_of(int64_t blocks) { return static_cast<unsigned>(blocks); }
+
+}  // namespace
+
+void transpose(const bf16* in, bf16* out, const TransposeSpec& t, cudaStream_t stream) {
+  if (t.rows == 0 || t.cols == 0 || t.batch == 0) return;
+  const dim3 grid(static_cast<unsigned>((t.cols + kTile - 1) / kTile), static_cast<unsigned>((t.rows + kTile - 1) / kTile),
+                  static_cast<unsigned>(t.batch));
+  transpose_kernel<<<grid, 256, 0, stream>>>(in, out, t);
+  MOKA_CUDA_CHECK_LAUNCH();
+}
+
+void fill_normal_bf16(bf16* data, int64_t n, uint64_t seed, float stddev, cudaStream_t stream) {
+  if (n == 0) return;
+  fill_normal_kernel<<<1024, 256, 0, stream>>>(data, n, seed, stddev);
+  MOKA_CUDA_CHECK_LAUNCH();
+}
+
+int64_t schedule_chunks(int64_t slots) { return (slots + kScheduleChunk - 1) / kScheduleChunk; }
+
+void build_schedule(const DeviceSchedule& s, const int32_t* topk_ids, const float* topk_weights,
+                    cudaStream_t stream) {
+  const int64_t chunks = schedule_chunks(s.slots);
+  if (s.slots > 0) {
+    check_routing<<<grid_of((s.slots + 255) / 256), 256, 0, stream>>>(s, topk_ids, topk_weights);
+    MOKA_CUDA_CHECK_LAUNCH();
+    count_chunks<<<grid_of(chunks), kScheduleChunk, s.num_experts * sizeof(int32_t), stream>>>(s, topk_ids);
+    MOKA_CUDA_CHECK_LAUNCH();
+  }
+  scan_experts<<<1, 1024, 0, stream>>>(s, chunks);
+  MOKA_CUDA_CHECK_LAUNCH();
+  if (s.slots > 0) {
+    place_rows<<<grid_of(chunks), kScheduleChunk, 0, stream>>>(s, topk_ids);
+    MOKA_CUDA_CHECK_LAUNCH();
+  }
+}
+
+void gather_rows(const bf16* src, bf16* dst, const int32_t* row_of_slot, int64_t slots, int64_t top_k,
+                 int64_t width, cudaStream_t stream) {
+  if (slots == 0) return;
+  gather_rows_kernel<<<grid_of(slots), kRowThreads, 0, stream>>>(src, dst, row_of_slot, top_k, width);
+  MOKA_CUDA_CHECK_LAUNCH();
+}
+
+void swiglu_forward_rows(const bf16* gate, const bf16* up, bf16* hidden, const int32_t* row_of_slot, int64_t rows,
+                         int64_t width, ActParams act, cudaStream_t stream) {
+  if (rows == 0) return;
+  swiglu_forward_kernel<<<grid_of(rows), kRowThreads, 0, stream>>>(gate, up, hidden, row_of_slot, width, act);
+  MOKA_CUDA_CHECK_LAUNCH();
+}
+
+void swiglu_backward_rows(const bf16* gate, const bf16* up, const bf16* hidden, const bf16* dh_u,
+                          const float* weights, float* d_weight, bf16* scaled_hidden, bf16* d_gate, bf16* d_up,
+                          const int32_t* row_of_slot, int64_t rows, int64_t width, ActParams act,
+                          cudaStream_t stream) {
+  if (rows == 0) return;
+  swiglu_backward_kernel<<<grid_of(rows), kRowThreads, 0, stream>>>(gate, up, hidden, dh_u, weights, d_weight,
+                                                                    scaled_hidden, d_gate, d_up, row_of_slot,
+                                                                    width, act);
+  MOKA_CUDA_CHECK_LAUNCH();
+}
+
+void combine_tokens(const bf16* y, const float* weights, const bf16* shared, bf16* out, const int32_t* row_of_slot,
+                    int64_t tokens, int64_t top_k, int64_t width, cudaStream_t stream) {
+  if (tokens == 0) return;
+  combine_kernel<<<grid_of(tokens), kRowThreads, 0, stream>>>(y, weights, shared, out, row_of_slot, top_k, width);
+  MOKA_CUDA_CHECK_LAUNCH();
+}
+
+void reduce_input_grads(const bf16* ra, const bf16* rb, const bf16* sa, const bf16* sb, bf16* d_x,
+                        const int32_t* row_of_slot, int64_t tokens, int64_t top_k, int64_t width,
+                        cudaStream_t stream) {
+  if (tokens == 0) return;
+  reduce_grads_kernel<<<grid_of(tokens), kRowThreads, 0, stream>>>(ra, rb, sa, sb, d_x, row_of_slot, top_k, width);
+  MOKA_CUDA_CHECK_LAUNCH();
+}
+
+void zero_empty_experts(const int32_t* counts, int64_t experts, bf16* a, bf16* b, bf16* c, int64_t per_expert,
+                        cudaStream_t stream) {
+  const dim3 grid(32, static_cast<unsigned>(experts));
+  zero_empty_kernel<<<grid, 256, 0, stream>>>(counts, a, b, c, per_expert);
+  MOKA_CUDA_CHECK_LAUNCH();
+}
+
+}  // namespace moka::cuda

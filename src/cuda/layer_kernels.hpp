@@ -1,0 +1,87 @@
+// Launchers of the non-GEMM kernels of the CUDA layer: the device-side routing schedule, row
+// gathers, the SwiGLU epilogues and the fixed-order token reductions. All stream-ordered, with
+// no host synchronization and no floating-point atomics (results are bitwise reproducible).
+#pragma once
+#include <cuda_bf16.h>
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+namespace moka::cuda {
+
+using bf16 = __nv_bfloat16;
+
+// Device schedule of one rank (expert-parallel size 1): the placement equals
+// core::build_receive_schedule's (same counts, padded offsets and interleave rule).
+struct DeviceSchedule {
+  int64_t slots = 0;            // T * k
+  int64_t num_experts = 0;      // local experts
+  int64_t first_expert = 0;     // global id of local expert 0
+  int64_t global_experts = 0;   // ids outside [0, global_experts) are invalid input
+  int64_t tile_rows = 128;
+  int64_t top_k = 1;
+  int32_t* chunk_counts = nullptr;  // [chunks][E] scratch
+  int32_t* counts = nullptr;        // [E] routed rows per expert
+  int32_t* offsets = nullptr;       // [E + 1] padded segment starts
+  int32_t* row_of_slot = nullptr;   // [T * k] grouped row of slot token*k+j; -1 if not local
+  // First invalid routing entry, encoded (slot << 2 | code) with code 1 = id out of range,
+  // 2 = duplicate id in a token, 3 = non-finite weight; ~0 when none. Device-visible host memory.
+  unsigned long long* error = nullptr;
+};
+inline constexpr int kScheduleChunk = 256;  // slots per block of the counting passes
+int64_t schedule_chunks(int64_t slots);
+
+void build_schedule(const DeviceSchedule& s, const int32_t* topk_ids, const float* topk_weights,
+                    cudaStream_t stream);
+
+// dst[row_of_slot[s]] = src[s / k] for every local slot s (rows of `width` bf16).
+void gather_rows(const bf16* src, bf16* dst, const int32_t* row_of_slot, int64_t slots, int64_t top_k,
+                 int64_t width, cudaStream_t stream);
+
+// hidden = act(gate, up) for the rows named by row_of_slot (or rows 0..rows-1 when null).
+struct ActParams {
+  bool clamped = false;
+  float limit = 7.0f;
+};
+void swiglu_forward_rows(const bf16* gate, const bf16* up, bf16* hidden, const int32_t* row_of_slot,
+                         int64_t rows, int64_t width, ActParams act, cudaStream_t stream);
+
+// Backward of the activation for the same rows. With weights (routed rows):
+//   d_weight[s] = <dh_u[row], hidden[row]>,  dh = w[s] * dh_u[row],  scaled_hidden[row] = w[s] * hidden[row].
+// Without (shared expert): w = 1 and neither d_weight nor scaled_hidden is written.
+void swiglu_backward_rows(const bf16* gate, const bf16* up, const bf16* hidden, const bf16* dh_u,
+                          const float* weights, float* d_weight, bf16* scaled_hidden, bf16* d_gate, bf16* d_up,
+                          const int32_t* row_of_slot, int64_t rows, int64_t width, ActParams act,
+                          cudaStream_t stream);
+
+// out[t] = shared[t] + sum_j w[t, j] * y[row_of_slot[t*k + j]], fp32, j in order. shared may be null.
+void combine_tokens(const bf16* y, const float* weights, const bf16* shared, bf16* out,
+                    const int32_t* row_of_slot, int64_t tokens, int64_t top_k, int64_t width,
+                    cudaStream_t stream);
+
+// d_x[t] = (sa[t] + sb[t]) + sum_j (ra[row] + rb[row]), fp32, in that fixed order: the
+// gate and up halves of each route's input gradient. sa/sb may be null (no shared expert).
+void reduce_input_grads(const bf16* ra, const bf16* rb, const bf16* sa, const bf16* sb, bf16* d_x,
+                        const int32_t* row_of_slot, int64_t tokens, int64_t top_k, int64_t width,
+                        cudaStream_t stream);
+
+// Zeroes `per_expert` elements of each buffer for every expert with no routed row (the grouped
+// weight-gradient GEMM gives such experts no tiles).
+void zero_empty_experts(const int32_t* counts, int64_t experts, bf16* a, bf16* b, bf16* c, int64_t per_expert,
+                        cudaStream_t stream);
+
+// out[b][c][r] = in[b][r][c] for b < batch, c < cols and r below `rows`, or below *row_bound
+// when given (the live rows of a worst-case-sized grouped buffer, read on the device).
+// Makes the K-major operands of the backward GEMMs (the grouped GEMM takes K-major only).
+struct TransposeSpec {
+  int64_t rows = 0, cols = 0, batch = 1;
+  int64_t in_pitch = 0, in_batch_stride = 0;
+  int64_t out_pitch = 0, out_batch_stride = 0;
+  const int32_t* row_bound = nullptr;
+};
+void transpose(const bf16* in, bf16* out, const TransposeSpec& spec, cudaStream_t stream);
+
+// N(0, stddev) bf16 from a counter-based hash (benchmarks fill gigabytes; never zeros).
+void fill_normal_bf16(bf16* data, int64_t n, uint64_t seed, float stddev, cudaStream_t stream);
+
+}  // namespace moka::cuda

@@ -1,0 +1,364 @@
+// The CUDA layer (bf16) against the fp64 CPU reference on bf16-rounded inputs: fresh random
+// inputs per run, poisoned outputs, every output and gradient checked; determinism, CUDA-graph
+// replay and input errors.
+#include <gtest/gtest.h>
+
+#include <chrono>
+#include <random>
+
+#include "core/routing_gen.hpp"
+#include "cuda/cuda_backend.hpp"
+#include "cuda/device_tensors.hpp"
+#include "gpu_case.hpp"
+#include "moka/moka.hpp"
+
+using namespace moka;
+using gpu_test::GpuCase;
+
+namespace {
+
+uint64_t fresh_seed() {
+  const uint64_t s = std::random_device{}() ^ uint64_t(std::chrono::steady_clock::now().time_since_epoch().count());
+  std::printf("[ seed     ] %llu\n", static_cast<unsigned long long>(s));
+  return s;
+}
+
+void route(GpuCase& c, core::RoutingKind kind, uint64_t seed) {
+  const auto& s = c.ref.shape;
+  c.ref.topk_ids = core::sample_topk_ids({kind, 0.5, seed}, c.ref.tokens, s.top_k, s.num_experts);
+}
+
+void run_gpu(MoeLayer& layer, GpuCase& c) {
+  auto ctx = layer.forward(c.inputs(), c.weights(), c.out_view());
+  layer.backward(*ctx, c.d_out_view(), c.weights(), c.gradients());
+  MOKA_CUDA_CHECK(cudaDeviceSynchronize());
+}
+
+// bf16 outputs: ~3 roundings deep; max|diff| / max|ref| per tensor.
+void expect_close(const cpu::LayerBuffers<double>& got, const cpu::LayerBuffers<double>& ref, double tol) {
+  auto check = [&](const char* name, const std::vector<double>& a, const std::vector<double>& r) {
+    if (r.empty()) return;
+    const double e = cpu::max_rel_error(a, r);
+    EXPECT_LE(e, tol) << name << " relative error " << e;
+  };
+  check("out", got.out, ref.out);
+  check("d_x", got.d_x, ref.d_x);
+  check("d_topk_weights", got.d_topk_weights, ref.d_topk_weights);
+  check("d_w_gate", got.d_w_gate, ref.d_w_gate);
+  check("d_w_up", got.d_w_up, ref.d_w_up);
+  check("d_w_down", got.d_w_down, ref.d_w_down);
+  check("d_ws_gate", got.d_ws_gate, ref.d_ws_gate);
+  check("d_ws_up", got.d_ws_up, ref.d_ws_up);
+  check("d_ws_down", got.d_ws_down, ref.d_ws_down);
+}
+
+void reference(GpuCase& c) {
+  auto cpu = make_moe_layer(c.ref.shape, Backend::cpu);
+  auto ctx = cpu->forward(c.ref.inputs(), c.ref.weights(), c.ref.out_view());
+  cpu->backward(*ctx, c.ref.d_out_view(), c.ref.weights(), c.ref.gradients());
+}
+
+struct Case {
+  const char* name;
+  MoeShape shape;
+  int64_t tokens;
+  core::RoutingKind routing;
+};
+
+MoeShape shape(int64_t H, int64_t I, int64_t E, int64_t k, int64_t Is = 0, bool clamped = false) {
+  return MoeShape{H, I, E, k, Is, clamped ? Activation::swiglu_clamped : Activation::swiglu, 7.0f};
+}
+
+class CudaLayerVsReference : public ::testing::TestWithParam<Case> {};
+
+TEST_P(CudaLayerVsReference, ForwardAndEveryGradient) {
+  const Case& p = GetParam();
+  const uint64_t seed = fresh_seed();
+  GpuCase c(p.shape, p.tokens, seed);
+  route(c, p.routing, seed + 1);
+  c.upload();
+  auto layer = make_moe_layer(p.shape, Backend::cuda);
+  run_gpu(*layer, c);
+  const auto got = c.download();
+  reference(c);
+  expect_close(got, c.ref, 2e-2);
+}
+
+const auto U = core::RoutingKind::uniform;
+const auto Z = core::RoutingKind::zipf;
+const auto ONE = core::RoutingKind::one_expert;
+
+INSTANTIATE_TEST_SUITE_P(
+    Shapes, CudaLayerVsReference,
+    ::testing::Values(
+        Case{"tiny_T1", shape(256, 128, 16, 4, 128), 1, U},
+        Case{"tiny_T37", shape(256, 128, 16, 4, 128), 37, U},
+        Case{"tiny_T300_zipf", shape(256, 128, 16, 4, 128), 300, Z},
+        Case{"k1_all_on_one_expert", shape(256, 128, 16, 1), 200, ONE},  // 15 empty experts
+        Case{"k8", shape(256, 192, 16, 8), 129, U},
+        Case{"clamped", shape(512, 256, 8, 2, 0, true), 100, U},
+        Case{"qwen3_30b_dims", shape(2048, 768, 8, 8), 48, U},
+        Case{"qwen3_235b_dims", shape(4096, 1536, 4, 2), 40, U},
+        Case{"deepseek_v3_dims", shape(7168, 2048, 4, 2, 2048), 24, U},
+        Case{"gpt_oss_dims", shape(2880, 2880, 4, 2, 0, true), 40, U},
+        Case{"mixtral_dims", shape(4096, 14336, 2, 1), 20, U}),
+    [](const auto& info) { return std::string(info.param.name); });
+
+std::vector<double> download_bf16(const void* p, int64_t n) {
+  std::vector<__nv_bfloat16> b(n);
+  MOKA_CUDA_CHECK(cudaMemcpy(b.data(), p, n * 2, cudaMemcpyDeviceToHost));
+  return std::vector<double>(b.begin(), b.end());
+}
+
+// Full named shapes (every expert) at 512 tokens, device tensors only: forward+backward against
+// the per-expert cuBLAS baseline (an independent GEMM path) on every element of out, d_x,
+// d_topk_weights and the shared-expert gradients and on the routed weight gradients of three
+// sampled experts (the first, the last, and one in the middle: full routed gradients would be
+// tens of GB on the host); and against the fp64 reference on two sampled tokens: each alone
+// through the CPU layer with only its own k experts' weights (ids remapped to 0..k-1) and the
+// shared expert.
+TEST(CudaLayer, NamedShapesMatchBaselineAndSampledReference) {
+  for (const auto& ns : named_shapes()) {
+    if (ns.name == "tiny") continue;
+    SCOPED_TRACE(ns.name);
+    const MoeShape& sh = ns.shape;
+    const int64_t T = 512, H = sh.hidden, I = sh.intermediate, k = sh.top_k, Is = sh.shared_intermediate;
+    const int64_t E = sh.num_experts, per_expert = I * H;
+    const uint64_t seed = fresh_seed();
+    const auto ids = core::sample_topk_ids({U, 0.3, seed}, T, k, E);
+    cuda::DeviceLayerTensors t(sh, T);
+    t.randomize(seed, ids);
+    t.poison();
+    auto run = [&](MoeLayer& l) {
+      auto ctx = l.forward(t.inputs(), t.weights(), t.out_view());
+      l.backward(*ctx, t.d_out_view(), t.weights(), t.gradients());
+      MOKA_CUDA_CHECK(cudaDeviceSynchronize());
+    };
+    // What is compared: whole small outputs, sampled experts' slices of the routed gradients.
+    const std::vector<int64_t> experts = {0, E / 2, E - 1};
+    auto snapshot = [&] {
+      std::vector<std::vector<double>> v;
+      for (const cuda::DeviceMemory* m : {&t.out, &t.d_x, &t.dwsg, &t.dwsu, &t.dwsd})
+        v.push_back(download_bf16(m->p, int64_t(m->bytes / 2)));
+      for (const cuda::DeviceMemory* m : {&t.dwg, &t.dwu, &t.dwd})
+        for (int64_t e : experts) v.push_back(download_bf16(m->as<__nv_bfloat16>() + e * per_expert, per_expert));
+      std::vector<float> dw(T * k);
+      MOKA_CUDA_CHECK(cudaMemcpy(dw.data(), t.d_w.p, t.d_w.bytes, cudaMemcpyDeviceToHost));
+      v.emplace_back(dw.begin(), dw.end());
+      return v;
+    };
+    auto layer = make_moe_layer(sh, Backend::cuda);
+    run(*layer);
+    const auto got = snapshot();
+    layer.reset();  // frees its workspace before the baseline allocates its own
+    t.poison();
+    auto base = cuda::make_cuda_baseline_layer(sh, {});
+    run(*base);
+    const auto want = snapshot();
+    const char* names[] = {"out",      "d_x",      "d_ws_gate", "d_ws_up",  "d_ws_down", "d_w_gate[0]",
+                           "d_w_gate[E/2]", "d_w_gate[E-1]", "d_w_up[0]", "d_w_up[E/2]", "d_w_up[E-1]",
+                           "d_w_down[0]", "d_w_down[E/2]", "d_w_down[E-1]", "d_topk_weights"};
+    for (size_t i = 0; i < got.size(); ++i) {
+      if (!want[i].empty()) {
+        EXPECT_LE(cpu::max_rel_error(got[i], want[i]), 1e-2) << names[i] << " vs cuBLAS loop";
+      }
+    }
+    const std::vector<double>& dw_got = got.back();
+    for (int64_t tok : {int64_t(0), T - 1}) {
+      MoeShape one = sh;
+      one.num_experts = k;
+      cpu::LayerBuffers<double> r(one, 1, 1);
+      auto rows = [&](const cuda::DeviceMemory& m, int64_t row, int64_t width) {
+        return download_bf16(m.as<__nv_bfloat16>() + row * width, width);
+      };
+      r.x = rows(t.x, tok, H);
+      r.d_out = rows(t.d_out, tok, H);
+      std::vector<float> wt(k);
+      MOKA_CUDA_CHECK(cudaMemcpy(wt.data(), t.w.as<float>() + tok * k, k * 4, cudaMemcpyDeviceToHost));
+      r.topk_weights.assign(wt.begin(), wt.end());
+      r.w_gate.clear(), r.w_up.clear(), r.w_down.clear();
+      for (int64_t j = 0; j < k; ++j) {
+        const int64_t e = ids[tok * k + j];
+        r.topk_ids[j] = int32_t(j);
+        for (auto [dst, src, n] : {std::tuple{&r.w_gate, &t.wg, I * H}, std::tuple{&r.w_up, &t.wu, I * H},
+                                   std::tuple{&r.w_down, &t.wd, H * I}}) {
+          const auto v = rows(*src, e, n);
+          dst->insert(dst->end(), v.begin(), v.end());
+        }
+      }
+      if (sh.has_shared()) {
+        r.ws_gate = download_bf16(t.wsg.p, Is * H);
+        r.ws_up = download_bf16(t.wsu.p, Is * H);
+        r.ws_down = download_bf16(t.wsd.p, H * Is);
+      }
+      auto cpu = make_moe_layer(one, Backend::cpu);
+      auto ctx = cpu->forward(r.inputs(), r.weights(), r.out_view());
+      cpu->backward(*ctx, r.d_out_view(), r.weights(), r.gradients());
+      const std::vector<double> out_t(got[0].begin() + tok * H, got[0].begin() + (tok + 1) * H);
+      const std::vector<double> dx_t(got[1].begin() + tok * H, got[1].begin() + (tok + 1) * H);
+      const std::vector<double> dw_t(dw_got.begin() + tok * k, dw_got.begin() + (tok + 1) * k);
+      EXPECT_LE(cpu::max_rel_error(out_t, r.out), 2e-2) << "out of token " << tok;
+      EXPECT_LE(cpu::max_rel_error(dx_t, r.d_x), 2e-2) << "d_x of token " << tok;
+      EXPECT_LE(cpu::max_rel_error(dw_t, r.d_topk_weights), 2e-2) << "d_topk_weights of token " << tok;
+    }
+  }
+}
+
+TEST(CudaLayer, TenRunsGiveIdenticalBits) {
+  const MoeShape s = shape(1024, 512, 32, 8, 256);
+  GpuCase c(s, 1000, fresh_seed());
+  route(c, Z, 3);
+  c.upload();
+  auto layer = make_moe_layer(s, Backend::cuda);
+  run_gpu(*layer, c);
+  const auto first = c.output_bytes();
+  for (int i = 0; i < 9; ++i) {
+    c.poison();
+    run_gpu(*layer, c);
+    ASSERT_EQ(c.output_bytes(), first) << "run " << i + 2 << " differs";
+  }
+}
+
+TEST(CudaLayer, GraphCaptureReplaysForwardAndBackward) {
+  const MoeShape s = shape(1024, 512, 32, 4, 256);
+  GpuCase c(s, 700, fresh_seed());
+  route(c, U, 5);
+  c.upload();
+  auto layer = make_moe_layer(s, Backend::cuda);
+  run_gpu(*layer, c);  // allocates the workspace (allocation is not capturable)
+  const auto eager = c.output_bytes();
+  c.poison();
+  cudaStream_t stream;
+  MOKA_CUDA_CHECK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+  cuda::set_stream(stream);
+  cudaGraph_t graph;
+  MOKA_CUDA_CHECK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal));
+  {
+    auto ctx = layer->forward(c.inputs(), c.weights(), c.out_view());
+    layer->backward(*ctx, c.d_out_view(), c.weights(), c.gradients());
+  }
+  MOKA_CUDA_CHECK(cudaStreamEndCapture(stream, &graph));
+  cudaGraphExec_t exec;
+  MOKA_CUDA_CHECK(cudaGraphInstantiate(&exec, graph, 0));
+  for (int i = 0; i < 3; ++i) {
+    c.poison();
+    MOKA_CUDA_CHECK(cudaGraphLaunch(exec, stream));
+    MOKA_CUDA_CHECK(cudaStreamSynchronize(stream));
+    EXPECT_EQ(c.output_bytes(), eager) << "replay " << i;
+  }
+  cuda::set_stream(nullptr);
+  cudaGraphExecDestroy(exec);
+  cudaGraphDestroy(graph);
+  cudaStreamDestroy(stream);
+}
+
+TEST(CudaLayer, BadRoutingIsReportedNamingTheEntry) {
+  const MoeShape s = shape(256, 128, 16, 4);
+  GpuCase c(s, 10, 1);
+  route(c, U, 2);
+  c.ref.topk_ids[3 * 4 + 2] = 99;
+  c.upload();
+  auto layer = make_moe_layer(s, Backend::cuda);
+  auto ctx = layer->forward(c.inputs(), c.weights(), c.out_view());
+  MOKA_CUDA_CHECK(cudaDeviceSynchronize());
+  try {
+    layer->forward(c.inputs(), c.weights(), c.out_view());
+    FAIL() << "no error";
+  } catch (const Error& e) {
+    EXPECT_EQ(e.code(), ErrorCode::expert_out_of_range);
+    EXPECT_NE(std::string(e.what()).find("[3, 2]"), std::string::npos) << e.what();
+  }
+}
+
+TEST(CudaLayer, RejectsHostTensorsAndWrongDtypes) {
+  const MoeShape s = shape(256, 128, 16, 4);
+  GpuCase c(s, 10, 1);
+  route(c, U, 2);
+  c.upload();
+  auto layer = make_moe_layer(s, Backend::cuda);
+  auto in = c.inputs();
+  in.x.device = Device::cpu();
+  EXPECT_THROW(layer->forward(in, c.weights(), c.out_view()), Error);
+  in = c.inputs();
+  in.topk_weights.dtype = DType::bf16;
+  EXPECT_THROW(layer->forward(in, c.weights(), c.out_view()), Error);
+}
+
+// The router against the CPU router (fp64 on bf16-rounded inputs): same ids (where scores are
+// not near-tied), close weights, and close input/weight gradients.
+TEST(CudaRouter, MatchesReferenceForEveryNamedStyle) {
+  for (const auto& ns : named_shapes()) {
+    SCOPED_TRACE(ns.name);
+    RouterConfig rc = ns.router;
+    rc.hidden = 256;
+    rc.aux_loss_coef = 0.01;
+    rc.z_loss_coef = 0.001;
+    const int64_t T = 64, H = rc.hidden, E = rc.num_experts, k = rc.top_k;
+    std::mt19937_64 rng(fresh_seed());
+    std::normal_distribution<double> nd(0, 1);
+    std::vector<double> x(T * H), w(E * H), bias(E), dwt(T * k);
+    for (auto& v : x) v = nd(rng);
+    for (auto& v : w) v = nd(rng) / 16;
+    for (auto& v : bias) v = rc.use_selection_bias ? nd(rng) * 0.01 : 0.0;
+    for (auto& v : dwt) v = nd(rng);
+    gpu_test::round_bf16(x);
+    gpu_test::round_bf16(w);
+    for (auto& v : bias) v = static_cast<double>(static_cast<float>(v));
+    for (auto& v : dwt) v = static_cast<double>(static_cast<float>(v));
+    // Reference.
+    std::vector<int32_t> ids(T * k), counts(E);
+    std::vector<double> wt(T * k), dx(T * H), dw(E * H);
+    auto cpu = make_router(rc, Backend::cpu);
+    auto cctx = cpu->forward(TensorView(x.data(), DType::f64, {T, H}), TensorView(w.data(), DType::f64, {E, H}),
+                             rc.use_selection_bias ? TensorView(bias.data(), DType::f64, {E}) : TensorView(),
+                             {TensorView(ids.data(), DType::i32, {T, k}), TensorView(wt.data(), DType::f64, {T, k}),
+                              TensorView(counts.data(), DType::i32, {E})});
+    // The GPU uses the reference's own selection for its backward comparison to be meaningful.
+    gpu_test::DeviceTensor gx(T * H * 2), gw(E * H * 2), gb(E * 4), gids(T * k * 4), gwt(T * k * 4), gc(E * 4),
+        gdwt(T * k * 4), gdx(T * H * 2), gdw(E * H * 2);
+    const auto xb = gpu_test::to_bf16(x), wb = gpu_test::to_bf16(w);
+    MOKA_CUDA_CHECK(cudaMemcpy(gx.ptr, xb.data(), gx.bytes, cudaMemcpyHostToDevice));
+    MOKA_CUDA_CHECK(cudaMemcpy(gw.ptr, wb.data(), gw.bytes, cudaMemcpyHostToDevice));
+    const std::vector<float> bf(bias.begin(), bias.end()), dwf(dwt.begin(), dwt.end());
+    MOKA_CUDA_CHECK(cudaMemcpy(gb.ptr, bf.data(), gb.bytes, cudaMemcpyHostToDevice));
+    MOKA_CUDA_CHECK(cudaMemcpy(gdwt.ptr, dwf.data(), gdwt.bytes, cudaMemcpyHostToDevice));
+    const Device d = Device::cuda(0);
+    auto gpu = make_router(rc, Backend::cuda);
+    auto gctx = gpu->forward(TensorView(gx.ptr, DType::bf16, {T, H}, d), TensorView(gw.ptr, DType::bf16, {E, H}, d),
+                             rc.use_selection_bias ? TensorView(gb.ptr, DType::f32, {E}, d) : TensorView(),
+                             {TensorView(gids.ptr, DType::i32, {T, k}, d), TensorView(gwt.ptr, DType::f32, {T, k}, d),
+                              TensorView(gc.ptr, DType::i32, {E}, d)});
+    std::vector<int32_t> hid(T * k), hc(E);
+    std::vector<float> hw(T * k);
+    MOKA_CUDA_CHECK(cudaMemcpy(hid.data(), gids.ptr, gids.bytes, cudaMemcpyDeviceToHost));
+    MOKA_CUDA_CHECK(cudaMemcpy(hw.data(), gwt.ptr, gwt.bytes, cudaMemcpyDeviceToHost));
+    MOKA_CUDA_CHECK(cudaMemcpy(hc.data(), gc.ptr, gc.bytes, cudaMemcpyDeviceToHost));
+    int64_t same = 0;
+    for (int64_t i = 0; i < T * k; ++i) same += hid[i] == ids[i];
+    EXPECT_GE(double(same) / double(T * k), 0.97) << "top-k ids differ beyond near-ties";
+    int64_t total = 0;
+    for (int64_t e = 0; e < E; ++e) total += hc[e];
+    EXPECT_EQ(total, T * k);
+    if (same != T * k) continue;  // gradients compare only with identical selections
+    double werr = 0;
+    for (int64_t i = 0; i < T * k; ++i) werr = std::max(werr, std::abs(double(hw[i]) - wt[i]));
+    EXPECT_LE(werr, 1e-4 * rc.route_scale + 2e-3);
+    const auto gl = gctx->losses(), cl = cctx->losses();
+    EXPECT_NEAR(gl.aux_loss, cl.aux_loss, 1e-3 * std::abs(cl.aux_loss) + 1e-6);
+    EXPECT_NEAR(gl.z_loss, cl.z_loss, 1e-2 * std::abs(cl.z_loss) + 1e-6);
+    cpu->backward(*cctx, TensorView(dwt.data(), DType::f64, {T, k}), TensorView(dx.data(), DType::f64, {T, H}),
+                  TensorView(dw.data(), DType::f64, {E, H}));
+    gpu->backward(*gctx, TensorView(gdwt.ptr, DType::f32, {T, k}, d), TensorView(gdx.ptr, DType::bf16, {T, H}, d),
+                  TensorView(gdw.ptr, DType::bf16, {E, H}, d));
+    std::vector<__nv_bfloat16> hdx(T * H), hdw(E * H);
+    MOKA_CUDA_CHECK(cudaMemcpy(hdx.data(), gdx.ptr, gdx.bytes, cudaMemcpyDeviceToHost));
+    MOKA_CUDA_CHECK(cudaMemcpy(hdw.data(), gdw.ptr, gdw.bytes, cudaMemcpyDeviceToHost));
+    std::vector<double> ddx(hdx.size()), ddw(hdw.size());
+    for (size_t i = 0; i < hdx.size(); ++i) ddx[i] = __bfloat162float(hdx[i]);
+    for (size_t i = 0; i < hdw.size(); ++i) ddw[i] = __bfloat162float(hdw[i]);
+    EXPECT_LE(cpu::max_rel_error(ddx, dx), 3e-2);
+    EXPECT_LE(cpu::max_rel_error(ddw, dw), 3e-2);
+  }
+}
+
+}  // namespace

@@ -1,0 +1,255 @@
+#include "bench_cuda.hpp"
+
+#include <cmath>
+#include <cstdio>
+#include <fstream>
+#include <ostream>
+#include <nlohmann/json.hpp>
+#include <random>
+#include <sstream>
+
+#include "moka/error.hpp"
+
+#if MOKA_WITH_CUDA
+#include <cublas_v2.h>
+#include <cuda_bf16.h>
+#include <cuda_runtime.h>
+
+#include "core/routing_gen.hpp"
+#include "cuda/check.hpp"
+#include "cuda/cuda_backend.hpp"
+#include "cuda/device_tensors.hpp"
+#include "cuda/grouped_gemm.hpp"
+#include "cuda/layer_kernels.hpp"
+#include "moka/moka.hpp"
+#endif
+
+namespace moka::cli {
+
+#if MOKA_WITH_CUDA
+namespace {
+
+using Dev = cuda::DeviceMemory;
+using LayerTensors = cuda::DeviceLayerTensors;
+
+// Median milliseconds of `fn` over iters, timed with events after warmup runs.
+template <typename Fn>
+double time_ms(Fn&& fn, int warmup, int iters, cudaStream_t s) {
+  for (int i = 0; i < warmup; ++i) fn();
+  cudaEvent_t a, b;
+  MOKA_CUDA_CHECK(cudaEventCreate(&a));
+  MOKA_CUDA_CHECK(cudaEventCreate(&b));
+  std::vector<double> ms;
+  for (int i = 0; i < iters; ++i) {
+    MOKA_CUDA_CHECK(cudaEventRecord(a, s));
+    fn();
+    MOKA_CUDA_CHECK(cudaEventRecord(b, s));
+    MOKA_CUDA_CHECK(cudaEventSynchronize(b));
+    float t = 0;
+    MOKA_CUDA_CHECK(cudaEventElapsedTime(&t, a, b));
+    ms.push_back(t);
+  }
+  cudaEventDestroy(a);
+  cudaEventDestroy(b);
+  return median(ms);
+}
+
+// Dense bf16 cuBLAS peak of this GPU, now: 8192^3 on random data.
+double dense_peak_tflops(cudaStream_t s) {
+  static double cached = 0;
+  if (cached > 0) return cached;
+  const int n = 8192;
+  Dev a(size_t(n) * n * 2), b(size_t(n) * n * 2), c(size_t(n) * n * 2);
+  a.fill_normal(1.0, 1);
+  b.fill_normal(1.0, 2);
+  cublasHandle_t h;
+  MOKA_CUBLAS_CHECK(cublasCreate(&h));
+  MOKA_CUBLAS_CHECK(cublasSetStream(h, s));
+  const float one = 1, zero = 0;
+  const double ms = time_ms(
+      [&] {
+        MOKA_CUBLAS_CHECK(cublasGemmEx(h, CUBLAS_OP_T, CUBLAS_OP_N, n, n, n, &one, a.p, CUDA_R_16BF, n, b.p,
+                                       CUDA_R_16BF, n, &zero, c.p, CUDA_R_16BF, n, CUBLAS_COMPUTE_32F,
+                                       CUBLAS_GEMM_DEFAULT));
+      },
+      3, 20, s);
+  cublasDestroy(h);
+  cached = 2.0 * n * n * double(n) / (ms * 1e-3) / 1e12;
+  return cached;
+}
+
+struct Timing {
+  double fwd = 0, bwd = 0, total = 0;
+};
+
+Timing time_layer(MoeLayer& layer, const LayerTensors& t, const CudaBenchOptions& o, cudaStream_t s) {
+  Timing r;
+  std::unique_ptr<MoeContext> ctx;
+  r.fwd = time_ms([&] { ctx = layer.forward(t.inputs(), t.weights(), t.out_view()); }, o.warmup, o.iters, s);
+  r.bwd = time_ms([&] { layer.backward(*ctx, t.d_out_view(), t.weights(), t.gradients()); }, o.warmup, o.iters, s);
+  r.total = time_ms(
+      [&] {
+        auto c = layer.forward(t.inputs(), t.weights(), t.out_view());
+        layer.backward(*c, t.d_out_view(), t.weights(), t.gradients());
+      },
+      o.warmup, o.iters, s);
+  return r;
+}
+
+std::vector<__nv_bfloat16> read_bf16(const Dev& d) {
+  std::vector<__nv_bfloat16> h(d.bytes / 2);
+  MOKA_CUDA_CHECK(cudaMemcpy(h.data(), d.p, d.bytes, cudaMemcpyDeviceToHost));
+  return h;
+}
+
+// max |a - b| / max |b| over bf16 buffers.
+double rel_diff(const std::vector<__nv_bfloat16>& a, const std::vector<__nv_bfloat16>& b) {
+  double diff = 0, scale = 0;
+  for (size_t i = 0; i < a.size(); ++i) {
+    const double x = __bfloat162float(a[i]), y = __bfloat162float(b[i]);
+    if (!std::isfinite(x)) return INFINITY;
+    diff = std::max(diff, std::abs(x - y));
+    scale = std::max(scale, std::abs(y));
+  }
+  return scale > 0 ? diff / scale : diff;
+}
+
+// The forward gate/up grouped GEMM alone (2E groups, this routing's counts), as TFLOP/s.
+double grouped_gemm_tflops(const NamedShape& ns, const LayerTensors& t, const CudaBenchOptions& o, cudaStream_t s) {
+  const auto& sh = ns.shape;
+  const int64_t T = t.T, H = sh.hidden, I = sh.intermediate, E = sh.num_experts, k = sh.top_k;
+  const int64_t slots = T * k, rows = slots + E * (o.tile_rows - 1);
+  Dev chunk(cuda::schedule_chunks(slots) * E * 4), counts(E * 4), offsets((E + 1) * 4), map(slots * 4), err(8);
+  MOKA_CUDA_CHECK(cudaMemset(err.p, 0xFF, 8));
+  Dev xg(rows * H * 2), gate(rows * I * 2), up(rows * I * 2);
+  xg.fill_normal(1.0, o.seed + 11);
+  cuda::DeviceSchedule d;
+  d.slots = slots, d.num_experts = E, d.global_experts = E, d.tile_rows = o.tile_rows, d.top_k = k;
+  d.chunk_counts = static_cast<int32_t*>(chunk.p), d.counts = static_cast<int32_t*>(counts.p);
+  d.offsets = static_cast<int32_t*>(offsets.p), d.row_of_slot = static_cast<int32_t*>(map.p);
+  d.error = static_cast<unsigned long long*>(err.p);
+  cuda::build_schedule(d, static_cast<int32_t*>(t.ids.p), static_cast<float*>(t.w.p), s);
+  std::vector<cuda::GroupSpec> groups;
+  for (int e = 0; e < E; ++e) {
+    for (int which = 0; which < 2; ++which) {
+      cuda::GroupSpec g;
+      g.a = 0, g.a_step = H, g.lda = H;
+      g.b = 1 + which, g.b_off = e * I * H, g.ldb = H;
+      g.d = 3 + which, g.d_step = I, g.ldd = I;
+      g.n = int(I), g.k = int(H), g.expert = e, g.count_dim = cuda::CountDim::m;
+      groups.push_back(g);
+    }
+  }
+  cuda::GroupedGemm gemm(groups, 0);
+  cuda::BufferTable table;
+  table.ptr[0] = xg.p, table.ptr[1] = t.wg.p, table.ptr[2] = t.wu.p, table.ptr[3] = gate.p, table.ptr[4] = up.p;
+  const double ms = time_ms([&] { gemm.run(table, d.counts, d.offsets, s); }, o.warmup, o.iters, s);
+  return 2.0 * double(slots) * 2.0 * double(I) * double(H) / (ms * 1e-3) / 1e12;
+}
+
+// Looks up bench/torch_baseline.py's fwd+bwd ms for this shape and token count.
+double torch_ms(const std::string& path, const std::string& shape, int64_t tokens) {
+  if (path.empty()) return 0;
+  std::ifstream f(path);
+  require(f.good(), ErrorCode::io, "cannot read torch results " + path);
+  std::string line;
+  double ms = 0;
+  while (std::getline(f, line)) {
+    if (line.empty()) continue;
+    const auto j = nlohmann::json::parse(line);
+    if (j.value("shape", "") == shape && j.value("tokens_per_rank", int64_t(0)) == tokens)
+      ms = j.value("fwdbwd_ms", 0.0);
+  }
+  return ms;
+}
+
+}  // namespace
+
+void print_cuda_comparison(std::ostream& os, const std::vector<BenchRow>& rows) {
+  char line[256];
+  std::snprintf(line, sizeof(line), "%-16s %7s %9s %10s %8s %11s %10s %10s\n", "shape", "tokens", "peak_TF",
+                "gemm_TF", "gemm_%", "vs_cublas", "torch_ms", "vs_torch");
+  os << line;
+  for (const auto& r : rows) {
+    const auto j = nlohmann::json::parse("{" + r.extra_json + "}");
+    std::snprintf(line, sizeof(line), "%-16s %7lld %9.1f %10.1f %7.1f%% %10.2fx %10.2f %9.2fx\n", r.shape.c_str(),
+                  static_cast<long long>(r.tokens_per_rank), j.value("dense_peak_tflops", 0.0),
+                  j.value("grouped_gemm_tflops", 0.0), j.value("grouped_gemm_pct_peak", 0.0),
+                  j.value("speedup_vs_cublas_loop", 0.0), j.value("torch_fwdbwd_ms", 0.0),
+                  j.value("speedup_vs_torch", 0.0));
+    os << line;
+  }
+}
+
+BenchRow run_cuda_case(const NamedShape& ns, int64_t tokens, const CudaBenchOptions& o) {
+  require(cuda_backend_available(), ErrorCode::backend_unavailable,
+          "moka bench --backend cuda needs a GPU (none is visible)");
+  const MoeShape& sh = ns.shape;
+  cudaStream_t s;
+  MOKA_CUDA_CHECK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
+  cuda::set_stream(s);
+  const double peak = dense_peak_tflops(s);
+  LayerTensors t(sh, tokens);
+  // Uniform routing: torch_baseline.py routes uniformly at random too, so expert loads match in
+  // distribution (the draws themselves differ).
+  t.randomize(o.seed, core::sample_topk_ids({core::RoutingKind::uniform, 0.3, o.seed}, tokens, sh.top_k,
+                                            sh.num_experts));
+  const LayerOptions lo{o.tile_rows, 0};
+  auto layer = make_moe_layer(sh, Backend::cuda, nullptr, lo);
+  auto base = cuda::make_cuda_baseline_layer(sh, lo);
+  // Check first: moka against the cuBLAS-loop path on every output element.
+  {
+    auto c = layer->forward(t.inputs(), t.weights(), t.out_view());
+    layer->backward(*c, t.d_out_view(), t.weights(), t.gradients());
+  }
+  const auto out_m = read_bf16(t.out), dx_m = read_bf16(t.d_x), dwd_m = read_bf16(t.dwd);
+  {
+    auto c = base->forward(t.inputs(), t.weights(), t.out_view());
+    base->backward(*c, t.d_out_view(), t.weights(), t.gradients());
+  }
+  const double err = std::max({rel_diff(out_m, read_bf16(t.out)), rel_diff(dx_m, read_bf16(t.d_x)),
+                               rel_diff(dwd_m, read_bf16(t.dwd))});
+  const Timing m = time_layer(*layer, t, o, s);
+  const Timing b = time_layer(*base, t, o, s);
+  const double gemm = grouped_gemm_tflops(ns, t, o, s);
+  cuda::set_stream(nullptr);
+  MOKA_CUDA_CHECK(cudaStreamDestroy(s));
+
+  BenchRow row;
+  row.shape = ns.name;
+  row.backend = "cuda";
+  row.path = "grouped";
+  cudaDeviceProp prop;
+  MOKA_CUDA_CHECK(cudaGetDeviceProperties(&prop, 0));
+  row.device = prop.name;
+  row.dtype = "bf16";
+  row.routing = "uniform";
+  row.tokens_per_rank = tokens;
+  row.iters = o.iters;
+  row.fwd_ms = m.fwd;
+  row.bwd_ms = m.bwd;
+  row.fwdbwd_ms = m.total;
+  row.tflops = 3.0 * sh.forward_flops(tokens) / (m.total * 1e-3) / 1e12;
+  row.max_rel_error = err;
+  const double tms = torch_ms(o.torch_results, ns.name, tokens);
+  std::ostringstream extra;
+  extra << "\"dense_peak_tflops\": " << peak << ", \"grouped_gemm_tflops\": " << gemm
+        << ", \"grouped_gemm_pct_peak\": " << 100.0 * gemm / peak << ", \"baseline_fwd_ms\": " << b.fwd
+        << ", \"baseline_bwd_ms\": " << b.bwd << ", \"baseline_fwdbwd_ms\": " << b.total
+        << ", \"speedup_vs_cublas_loop\": " << b.total / m.total << ", \"error_vs\": \"cublas-loop\"";
+  if (tms > 0) extra << ", \"torch_fwdbwd_ms\": " << tms << ", \"speedup_vs_torch\": " << tms / m.total;
+  row.extra_json = extra.str();
+  return row;
+}
+
+#else
+
+void print_cuda_comparison(std::ostream&, const std::vector<BenchRow>&) {}
+
+BenchRow run_cuda_case(const NamedShape&, int64_t, const CudaBenchOptions&) {
+  throw Error(ErrorCode::backend_unavailable, "this build has no CUDA backend");
+}
+
+#endif
+
+}  // namespace moka::cli
