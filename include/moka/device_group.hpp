@@ -45,10 +45,24 @@ class DeviceGroup {
   virtual void check_device_errors() = 0;
 };
 
+// Host-memory collectives carried by the device communicator (each call stages through device
+// memory and synchronizes): the small control exchanges (validation, routing, counts) of a layer
+// that was given only a DeviceGroup, e.g. one wrapping PyTorch's communicator.
+std::unique_ptr<ProcessGroup> host_collectives(DeviceGroup& group);
+
 // Creates a communicator for this rank on `device`: rank 0's NCCL unique id travels through
 // `host` (e.g. the TCP group from rendezvous_from_env()).
 std::unique_ptr<DeviceGroup> make_nccl_group(ProcessGroup& host, int device);
 // Wraps a communicator the caller already has (PyTorch's, an MPI job's); not destroyed by moka.
 std::unique_ptr<DeviceGroup> wrap_nccl_comm(void* nccl_comm, int device);
+
+struct MoeShape;
+struct LayerOptions;
+class MoeLayer;
+// The CUDA layer with its experts split over `group` (which must outlive it): the
+// expert-parallel all-to-all path (NCCL all-to-all-v of token rows; split sizes go through
+// the host). make_moe_layer(shape, Backend::cuda, host_group) builds the same over a new
+// communicator.
+std::unique_ptr<MoeLayer> make_moe_layer(const MoeShape& shape, DeviceGroup& group, const LayerOptions& options);
 
 }  // namespace moka

@@ -7,13 +7,18 @@
 // transposes the weights (for dY W) and the routed activations (for dY^T X, where K is the
 // expert's rows): suffix T below, e.g. kXGT = x_g^T [H, rows].
 // The host never reads a routed count: every size reaches the GEMMs through device memory.
+// With experts split over a DeviceGroup (the expert-parallel all-to-all path), ExpertExchange
+// replaces the device schedule and the gathers at the edges: rows arrive from every rank over
+// NCCL and go back before the combine; split sizes pass through the host there.
 #include <algorithm>
+#include <functional>
 #include <sstream>
 
 #include "core/schedule.hpp"
 #include "core/validate.hpp"
 #include "cuda/check.hpp"
 #include "cuda/cuda_backend.hpp"
+#include "cuda/expert_exchange.hpp"
 #include "cuda/grouped_gemm.hpp"
 #include "cuda/layer_kernels.hpp"
 
@@ -46,11 +51,14 @@ struct DeviceBuffer {
   T* as() const { return static_cast<T*>(ptr); }
 };
 
-// Everything sized by the token count: allocated on the first call with that count.
+// Everything sized by the token count (and, across ranks, by the grouped rows received):
+// allocated on the first call that needs more.
 struct Workspace {
   int64_t tokens = 0, rows = 0;
   int64_t rows_pitch = 0, tokens_pitch = 0;  // of the transposed buffers: 16-byte multiples
   DeviceBuffer chunk_counts, counts, offsets, row_of_slot;
+  // Expert-parallel path only: rows back in send order (y, the two halves of d_x) and d_w.
+  DeviceBuffer returned_y, returned_dxa, returned_dxb, received_d_weight;
   DeviceBuffer bufs[kNumBufs];  // workspace-owned entries of the buffer table (others stay empty)
   std::unique_ptr<GroupedGemm> gate_up, down, data_grad_h, data_grad_x, weight_grad;
 };
@@ -63,13 +71,19 @@ struct CudaContext final : MoeContext {
   std::vector<int64_t> local_expert_rows() const override;
 };
 
+// The routed rows the row-wise kernels visit: entry i is grouped row rows[i] (or none if < 0).
+struct RowMap {
+  const int32_t* rows;
+  int64_t entries;
+};
+
 class CudaMoeLayer final : public MoeLayer {
  public:
-  CudaMoeLayer(const MoeShape& shape, ProcessGroup* group, const LayerOptions& options, GemmEngine engine)
-      : shape_(shape), options_(options), engine_(engine) {
-    require(group == nullptr || group->size() == 1, ErrorCode::invalid_argument,
-            "the CUDA backend runs one rank per layer for now (expert parallelism is a later issue)");
-    core::validate_shape(shape_, 1);
+  // `group` null: one rank. Otherwise the experts are split over it (it must outlive the layer).
+  CudaMoeLayer(const MoeShape& shape, DeviceGroup* group, const LayerOptions& options, GemmEngine engine)
+      : shape_(shape), options_(options), engine_(engine), world_(group ? group->size() : 1),
+        rank_(group ? group->rank() : 0), local_experts_(shape.num_experts / world_) {
+    core::validate_shape(shape_, world_);
     require(options_.tile_rows >= 1 && options_.tile_rows <= (1 << 16), ErrorCode::invalid_argument,
             "tile_rows must be in [1, 65536]");
     require(shape_.hidden % 8 == 0 && shape_.intermediate % 8 == 0 && shape_.shared_intermediate % 8 == 0,
@@ -82,24 +96,41 @@ class CudaMoeLayer final : public MoeLayer {
     MOKA_CUDA_CHECK(cudaGetDevice(&device_));
     MOKA_CUDA_CHECK(cudaHostAlloc(&error_, sizeof(unsigned long long), cudaHostAllocMapped));
     *error_ = ~0ull;
+    if (world_ > 1) {
+      require(engine_ == GemmEngine::cutlass, ErrorCode::invalid_argument, "the cuBLAS-loop baseline is single-rank");
+      control_ = host_collectives(*group);
+      exchange_ = std::make_unique<ExpertExchange>(*group, shape_, options_.tile_rows);
+    }
+  }
+  // A layer over a communicator it made itself (from a host group) keeps it alive.
+  CudaMoeLayer(const MoeShape& shape, std::unique_ptr<DeviceGroup> group, const LayerOptions& options)
+      : CudaMoeLayer(shape, group.get(), options, GemmEngine::cutlass) {
+    owned_group_ = std::move(group);
   }
   ~CudaMoeLayer() override { cudaFreeHost(error_); }
 
   const MoeShape& shape() const override { return shape_; }
-  int rank() const override { return 0; }
-  int world_size() const override { return 1; }
+  int rank() const override { return rank_; }
+  int world_size() const override { return world_; }
   const char* backend_name() const override { return engine_ == GemmEngine::cutlass ? "cuda" : "cuda-cublas-loop"; }
 
   std::unique_ptr<MoeContext> forward(const MoeInputs& in, const MoeWeights& w, const TensorView& out) override {
     report_device_errors();
     const Device dev = Device::cuda(device_);
-    core::validate_layer_tensors(shape_, 1, in, w, DType::bf16, dev);
-    const int64_t T = in.x.dim(0), H = shape_.hidden, I = shape_.intermediate, k = shape_.top_k;
-    const int64_t Is = shape_.shared_intermediate;
-    require(T >= 1, ErrorCode::invalid_argument, "the CUDA layer needs at least one token");
-    expect_tensor(out, "out", DType::bf16, dev, {T, H});
-    Workspace& ws = workspace(T);
+    const int64_t T = in.x.rank == 2 ? in.x.dim(0) : 0, H = shape_.hidden, I = shape_.intermediate;
+    const int64_t k = shape_.top_k, Is = shape_.shared_intermediate;
     const cudaStream_t s = g_stream;
+    auto check_tensors = [&] {
+      core::validate_layer_tensors(shape_, world_, in, w, DType::bf16, dev);
+      require(T >= 1, ErrorCode::invalid_argument, "the CUDA layer needs at least one token");
+      expect_tensor(out, "out", DType::bf16, dev, {T, H});
+    };
+    if (exchange_) {
+      plan_exchange(in, T, check_tensors, s);
+    } else {
+      check_tensors();
+    }
+    Workspace& ws = workspace(T, exchange_ ? exchange_->grouped_rows() : T * k + local_experts_ * (options_.tile_rows - 1));
     BufferTable table = buffer_table(ws);
     table.ptr[kX] = in.x.data;
     table.ptr[kWG] = w.w_gate.data;
@@ -109,17 +140,25 @@ class CudaMoeLayer final : public MoeLayer {
     table.ptr[kWSU] = w.ws_up.data;
     table.ptr[kWSD] = w.ws_down.data;
 
-    const DeviceSchedule sched = schedule(ws);
-    build_schedule(sched, in.topk_ids.as<int32_t>(), in.topk_weights.as<float>(), s);
-    const int32_t* map = ws.row_of_slot.as<int32_t>();
-    gather_rows(in.x.as<bf16>(), buf(ws, kXG), map, T * k, k, H, s);
+    if (exchange_) {
+      exchange_->upload_schedule(ws.counts.as<int32_t>(), ws.offsets.as<int32_t>());
+    } else {
+      build_schedule(schedule(ws), in.topk_ids.as<int32_t>(), in.topk_weights.as<float>(), s);
+    }
+    const RowMap map = routed_rows(ws);
+    dispatch(in.x.as<bf16>(), buf(ws, kXG), ws, s);
     ws.gate_up->run(table, ws.counts.as<int32_t>(), ws.offsets.as<int32_t>(), s);
     const ActParams act{shape_.activation == Activation::swiglu_clamped, shape_.clamp_limit};
-    swiglu_forward_rows(buf(ws, kGate), buf(ws, kUp), buf(ws, kHid), map, T * k, I, act, s);
+    swiglu_forward_rows(buf(ws, kGate), buf(ws, kUp), buf(ws, kHid), map.rows, map.entries, I, act, s);
     if (shape_.has_shared()) swiglu_forward_rows(buf(ws, kSG), buf(ws, kSU), buf(ws, kSH), nullptr, T, Is, act, s);
     ws.down->run(table, ws.counts.as<int32_t>(), ws.offsets.as<int32_t>(), s);
-    combine_tokens(buf(ws, kY), in.topk_weights.as<float>(), shape_.has_shared() ? buf(ws, kSY) : nullptr,
-                   out.as<bf16>(), map, T, k, H, s);
+    const bf16* y = buf(ws, kY);
+    if (exchange_) {
+      exchange_->combine(y, ws.returned_y.as<bf16>(), H, s);
+      y = ws.returned_y.as<bf16>();
+    }
+    combine_tokens(y, in.topk_weights.as<float>(), shape_.has_shared() ? buf(ws, kSY) : nullptr, out.as<bf16>(),
+                   slot_map(ws), T, k, H, s);
 
     auto ctx = std::make_unique<CudaContext>();
     ctx->layer = this;
@@ -140,10 +179,12 @@ class CudaMoeLayer final : public MoeLayer {
     report_device_errors();
     const Device dev = Device::cuda(device_);
     const int64_t T = ctx->tokens, H = shape_.hidden, I = shape_.intermediate, k = shape_.top_k;
-    const int64_t Is = shape_.shared_intermediate, E = shape_.num_experts;
-    expect_tensor(d_out, "d_out", DType::bf16, dev, {T, H});
-    core::validate_layer_gradients(shape_, 1, T, g, DType::bf16, dev);
-    core::validate_layer_tensors(shape_, 1, ctx->inputs, w, DType::bf16, dev);
+    const int64_t Is = shape_.shared_intermediate, E = local_experts_;
+    core::validate_collectively(control_.get(), signature(T), [&] {
+      expect_tensor(d_out, "d_out", DType::bf16, dev, {T, H});
+      core::validate_layer_gradients(shape_, world_, T, g, DType::bf16, dev);
+      core::validate_layer_tensors(shape_, world_, ctx->inputs, w, DType::bf16, dev);
+    });
     Workspace& ws = *ws_;
     const cudaStream_t s = g_stream;
     BufferTable table = buffer_table(ws);
@@ -162,7 +203,7 @@ class CudaMoeLayer final : public MoeLayer {
     table.ptr[kDWSU] = g.d_ws_up.data;
     table.ptr[kDWSD] = g.d_ws_down.data;
 
-    const int32_t* map = ws.row_of_slot.as<int32_t>();
+    const RowMap map = routed_rows(ws);
     const int32_t* counts = ws.counts.as<int32_t>();
     const int32_t* offsets = ws.offsets.as<int32_t>();
     const int32_t* live_rows = offsets + E;  // total padded rows this forward placed
@@ -185,17 +226,27 @@ class CudaMoeLayer final : public MoeLayer {
       tr(w.ws_up.data, kWSUT, Is, H, Is);
       tr(w.ws_down.data, kWSDT, H, Is, H);
     }
-    gather_rows(d_out.as<bf16>(), buf(ws, kDYG), map, T * k, k, H, s);
+    dispatch(d_out.as<bf16>(), buf(ws, kDYG), ws, s);
     ws.data_grad_h->run(table, counts, offsets, s);
-    swiglu_backward_rows(buf(ws, kGate), buf(ws, kUp), buf(ws, kHid), buf(ws, kDHU),
-                         ctx->inputs.topk_weights.as<float>(), g.d_topk_weights.as<float>(), buf(ws, kHS),
-                         buf(ws, kDG), buf(ws, kDU), map, T * k, I, act, s);
+    // Route weights and d_w per visited entry: per slot on one rank, per received route across ranks.
+    const float* route_w = exchange_ ? exchange_->received_weights() : ctx->inputs.topk_weights.as<float>();
+    float* route_dw = exchange_ ? ws.received_d_weight.as<float>() : g.d_topk_weights.as<float>();
+    swiglu_backward_rows(buf(ws, kGate), buf(ws, kUp), buf(ws, kHid), buf(ws, kDHU), route_w, route_dw,
+                         buf(ws, kHS), buf(ws, kDG), buf(ws, kDU), map.rows, map.entries, I, act, s);
     if (shared)
       swiglu_backward_rows(buf(ws, kSG), buf(ws, kSU), buf(ws, kSH), buf(ws, kDHS), nullptr, nullptr, nullptr,
                            buf(ws, kDGS), buf(ws, kDUS), nullptr, T, Is, act, s);
     ws.data_grad_x->run(table, counts, offsets, s);
-    reduce_input_grads(buf(ws, kDXA), buf(ws, kDXB), shared ? buf(ws, kDXSA) : nullptr,
-                       shared ? buf(ws, kDXSB) : nullptr, g.d_x.as<bf16>(), map, T, k, H, s);
+    const bf16 *dxa = buf(ws, kDXA), *dxb = buf(ws, kDXB);
+    if (exchange_) {
+      exchange_->combine(dxa, ws.returned_dxa.as<bf16>(), H, s);
+      exchange_->combine(dxb, ws.returned_dxb.as<bf16>(), H, s);
+      exchange_->combine_scalars(route_dw, g.d_topk_weights.as<float>(), s);
+      dxa = ws.returned_dxa.as<bf16>();
+      dxb = ws.returned_dxb.as<bf16>();
+    }
+    reduce_input_grads(dxa, dxb, shared ? buf(ws, kDXSA) : nullptr, shared ? buf(ws, kDXSB) : nullptr,
+                       g.d_x.as<bf16>(), slot_map(ws), T, k, H, s);
     // Activations as [features, rows] for the weight gradients (K = rows).
     tr(buf(ws, kXG), kXGT, ws.rows, H, Rp, 1, live_rows);
     tr(buf(ws, kDYG), kDYGT, ws.rows, H, Rp, 1, live_rows);
@@ -215,7 +266,7 @@ class CudaMoeLayer final : public MoeLayer {
 
   // Reads the routed row counts (a synchronization: for tests and statistics only).
   std::vector<int64_t> read_counts() const {
-    std::vector<int32_t> c(shape_.num_experts);
+    std::vector<int32_t> c(local_experts_);
     MOKA_CUDA_CHECK(cudaStreamSynchronize(g_stream));
     MOKA_CUDA_CHECK(cudaMemcpy(c.data(), ws_->counts.ptr, c.size() * sizeof(int32_t), cudaMemcpyDeviceToHost));
     return {c.begin(), c.end()};
@@ -223,6 +274,50 @@ class CudaMoeLayer final : public MoeLayer {
 
  private:
   static bf16* buf(const Workspace& ws, Buf b) { return ws.bufs[b].as<bf16>(); }
+
+  core::LayerSignature signature(int64_t tokens) const {
+    return {tokens, shape_.hidden, shape_.intermediate, shape_.num_experts, shape_.top_k,
+            shape_.shared_intermediate, static_cast<int32_t>(DType::bf16)};
+  }
+
+  // Across ranks: every rank's routing reaches the host (the synchronization this path allows),
+  // is validated there with the tensors on every rank at once, and gives this call's plan.
+  void plan_exchange(const MoeInputs& in, int64_t T, const std::function<void()>& check_tensors, cudaStream_t s) {
+    const int64_t slots = T * shape_.top_k;
+    std::vector<int32_t> ids(slots);
+    std::vector<float> weights(slots);
+    core::validate_collectively(control_.get(), signature(T), [&] {
+      check_tensors();
+      MOKA_CUDA_CHECK(cudaStreamSynchronize(s));
+      MOKA_CUDA_CHECK(cudaMemcpy(ids.data(), in.topk_ids.data, slots * sizeof(int32_t), cudaMemcpyDeviceToHost));
+      MOKA_CUDA_CHECK(cudaMemcpy(weights.data(), in.topk_weights.data, slots * sizeof(float), cudaMemcpyDeviceToHost));
+      core::validate_routing(ids.data(), weights.data(), T, shape_.top_k, shape_.num_experts);
+    });
+    std::vector<int32_t> all_ids(world_ * slots);
+    std::vector<float> all_weights(world_ * slots);
+    control_->all_gather(ids.data(), all_ids.data(), slots * sizeof(int32_t));
+    control_->all_gather(weights.data(), all_weights.data(), slots * sizeof(float));
+    exchange_->plan(all_ids, all_weights, T, s);
+  }
+
+  // Rows of x or d_out into the grouped buffer: a local gather, or the all-to-all dispatch.
+  void dispatch(const bf16* tokens, bf16* grouped, const Workspace& ws, cudaStream_t s) const {
+    if (exchange_) {
+      exchange_->dispatch(tokens, grouped, shape_.hidden, s);
+    } else {
+      gather_rows(tokens, grouped, ws.row_of_slot.as<int32_t>(), ws.tokens * shape_.top_k, shape_.top_k,
+                  shape_.hidden, s);
+    }
+  }
+
+  RowMap routed_rows(const Workspace& ws) const {
+    if (exchange_) return {exchange_->row_of_received(), exchange_->received_rows()};
+    return {ws.row_of_slot.as<int32_t>(), ws.tokens * shape_.top_k};
+  }
+  // Where slot token*k+j's routed row is read by the combine and the d_x reduction.
+  const int32_t* slot_map(const Workspace& ws) const {
+    return exchange_ ? exchange_->send_position_of_slot() : ws.row_of_slot.as<int32_t>();
+  }
 
   // A routing error found by the device check of an earlier call (the host reads mapped
   // memory; it never waits for the device here). Reported once, then cleared.
@@ -247,7 +342,7 @@ class CudaMoeLayer final : public MoeLayer {
   DeviceSchedule schedule(const Workspace& ws) const {
     DeviceSchedule d;
     d.slots = ws.tokens * shape_.top_k;
-    d.num_experts = shape_.num_experts;
+    d.num_experts = local_experts_;
     d.first_expert = 0;
     d.global_experts = shape_.num_experts;
     d.tile_rows = options_.tile_rows;
@@ -268,15 +363,22 @@ class CudaMoeLayer final : public MoeLayer {
     return t;
   }
 
-  Workspace& workspace(int64_t T) {
-    if (ws_ && ws_->tokens == T) return *ws_;
+  // `rows`: grouped rows needed. One rank sizes for its worst case (every segment rounds up by
+  // < tile); across ranks the received rows are known on the host and buffers grow by 25%.
+  Workspace& workspace(int64_t T, int64_t rows) {
+    if (ws_ && ws_->tokens == T && ws_->rows >= rows) return *ws_;
     ws_.reset();
     auto ws = std::make_unique<Workspace>();
-    const int64_t H = shape_.hidden, I = shape_.intermediate, k = shape_.top_k, E = shape_.num_experts;
-    const int64_t Is = shape_.shared_intermediate, tile = options_.tile_rows;
+    const int64_t H = shape_.hidden, I = shape_.intermediate, k = shape_.top_k, E = local_experts_;
+    const int64_t Is = shape_.shared_intermediate;
     ws->tokens = T;
-    // Worst case of the padded grouped buffer: every expert's segment rounds up by < tile.
-    ws->rows = T * k + E * (tile - 1);
+    ws->rows = exchange_ ? std::max<int64_t>(rows + rows / 4, 8) : rows;
+    if (exchange_) {
+      ws->returned_y = DeviceBuffer(T * k * H * sizeof(bf16));
+      ws->returned_dxa = DeviceBuffer(T * k * H * sizeof(bf16));
+      ws->returned_dxb = DeviceBuffer(T * k * H * sizeof(bf16));
+      ws->received_d_weight = DeviceBuffer(ws->rows * sizeof(float));
+    }
     require(ws->rows < (int64_t(1) << 31), ErrorCode::unsupported_size, "too many routed rows for int32 offsets");
     ws->chunk_counts = DeviceBuffer(schedule_chunks(T * k) * E * sizeof(int32_t));
     ws->counts = DeviceBuffer(E * sizeof(int32_t));
@@ -308,7 +410,7 @@ class CudaMoeLayer final : public MoeLayer {
   // shared expert's dense products as extra fixed-size groups, so they overlap with the routed
   // tiles in the same persistent launch). All are D = A B^T with row-major A [m, k], B [n, k].
   void build_gemms(Workspace& ws) const {
-    const int64_t H = shape_.hidden, I = shape_.intermediate, E = shape_.num_experts, T = ws.tokens;
+    const int64_t H = shape_.hidden, I = shape_.intermediate, E = local_experts_, T = ws.tokens;
     const int64_t Is = shape_.shared_intermediate, Rp = ws.rows_pitch, Tp = ws.tokens_pitch;
     const int Ti = static_cast<int>(T), Hi = static_cast<int>(H), Ii = static_cast<int>(I),
               Isi = static_cast<int>(Is);
@@ -374,6 +476,11 @@ class CudaMoeLayer final : public MoeLayer {
   MoeShape shape_;
   LayerOptions options_;
   GemmEngine engine_;
+  int world_, rank_;
+  int64_t local_experts_;
+  std::unique_ptr<DeviceGroup> owned_group_;
+  std::unique_ptr<ProcessGroup> control_;        // host collectives over the device group (ranks > 1)
+  std::unique_ptr<ExpertExchange> exchange_;     // null on one rank
   int device_ = 0;
   unsigned long long* error_ = nullptr;
   uint64_t generation_ = 0;
@@ -398,11 +505,21 @@ cudaStream_t current_stream() { return g_stream; }
 
 std::unique_ptr<MoeLayer> make_cuda_moe_layer(const MoeShape& shape, ProcessGroup* group,
                                               const LayerOptions& options) {
-  return std::make_unique<CudaMoeLayer>(shape, group, options, GemmEngine::cutlass);
+  if (group == nullptr || group->size() == 1)
+    return std::make_unique<CudaMoeLayer>(shape, static_cast<DeviceGroup*>(nullptr), options, GemmEngine::cutlass);
+  int device = 0;
+  MOKA_CUDA_CHECK(cudaGetDevice(&device));
+  return std::make_unique<CudaMoeLayer>(shape, make_nccl_group(*group, device), options);
 }
 
 std::unique_ptr<MoeLayer> make_cuda_baseline_layer(const MoeShape& shape, const LayerOptions& options) {
-  return std::make_unique<CudaMoeLayer>(shape, nullptr, options, GemmEngine::cublas_loop);
+  return std::make_unique<CudaMoeLayer>(shape, static_cast<DeviceGroup*>(nullptr), options, GemmEngine::cublas_loop);
 }
 
 }  // namespace moka::cuda
+
+namespace moka {
+std::unique_ptr<MoeLayer> make_moe_layer(const MoeShape& shape, DeviceGroup& group, const LayerOptions& options) {
+  return std::make_unique<cuda::CudaMoeLayer>(shape, &group, options, cuda::GemmEngine::cutlass);
+}
+}  // namespace moka

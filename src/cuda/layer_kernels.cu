@@ -126,6 +126,11 @@ __global__ void gather_rows_kernel(const bf16* src, bf16* dst, const int32_t* ro
   for (int64_t c = threadIdx.x; c < width / kVec; c += blockDim.x) d[c] = s[c];
 }
 
+__global__ void gather_scalars_kernel(const float* src, float* dst, const int32_t* index, int64_t n) {
+  const int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (i < n) dst[i] = src[index[i]];
+}
+
 __device__ __forceinline__ int64_t row_of(const int32_t* row_of_slot, int64_t i) {
   return row_of_slot ? row_of_slot[i] : i;
 }
@@ -321,6 +326,12 @@ void gather_rows(const bf16* src, bf16* dst, const int32_t* row_of_slot, int64_t
                  int64_t width, cudaStream_t stream) {
   if (slots == 0) return;
   gather_rows_kernel<<<grid_of(slots), kRowThreads, 0, stream>>>(src, dst, row_of_slot, top_k, width);
+  MOKA_CUDA_CHECK_LAUNCH();
+}
+
+void gather_scalars(const float* src, float* dst, const int32_t* index, int64_t n, cudaStream_t stream) {
+  if (n == 0) return;
+  gather_scalars_kernel<<<grid_of((n + 255) / 256), 256, 0, stream>>>(src, dst, index, n);
   MOKA_CUDA_CHECK_LAUNCH();
 }
 

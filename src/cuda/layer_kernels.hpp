@@ -38,6 +38,9 @@ void build_schedule(const DeviceSchedule& s, const int32_t* topk_ids, const floa
 void gather_rows(const bf16* src, bf16* dst, const int32_t* row_of_slot, int64_t slots, int64_t top_k,
                  int64_t width, cudaStream_t stream);
 
+// dst[i] = src[index[i]] for i < n (one float per route, e.g. d_topk_weights into slot order).
+void gather_scalars(const float* src, float* dst, const int32_t* index, int64_t n, cudaStream_t stream);
+
 // hidden = act(gate, up) for the rows named by row_of_slot (or rows 0..rows-1 when null).
 struct ActParams {
   bool clamped = false;

@@ -11,8 +11,11 @@
 #include <vector>
 
 #include "comm/cuda_check.hpp"
+#include "core/routing_gen.hpp"
+#include "gpu_case.hpp"
 #include "moka/device_group.hpp"
 #include "moka/distributed.hpp"
+#include "moka/moka.hpp"
 
 using namespace moka;
 
@@ -121,6 +124,65 @@ void barrier_replays_in_a_cuda_graph(DeviceGroup& g) {
   cudaStreamDestroy(s);
 }
 
+enum class Skew { uniform, zipf, all_to_rank0 };
+
+// Every rank's inputs, identical in every process (seeded), so each process can run the CPU
+// reference of the whole group and check its own rank's GPU results against it.
+std::vector<cpu::LayerBuffers<double>> group_inputs(const MoeShape& s, int world, int64_t T, uint64_t seed, Skew skew) {
+  std::vector<cpu::LayerBuffers<double>> ranks;
+  for (int r = 0; r < world; ++r) {
+    cpu::LayerBuffers<double> b(s, world, T);
+    b.randomize(seed * 131 + r);
+    const auto kind = skew == Skew::zipf ? core::RoutingKind::zipf : core::RoutingKind::uniform;
+    b.topk_ids = core::sample_topk_ids({kind, 0.35, seed}, T, s.top_k, s.num_experts, r);
+    if (skew == Skew::all_to_rank0)  // rank 0's experts get everything: the others receive nothing
+      for (auto& id : b.topk_ids) id %= s.num_experts / world;
+    ranks.push_back(std::move(gpu_test::GpuCase(std::move(b)).ref));  // bf16-rounded inputs
+  }
+  return ranks;
+}
+
+// The expert-parallel CUDA layer (NCCL all-to-all path) against the fp64 CPU reference of the
+// same group, forward and every gradient, with poisoned outputs; then 3 more runs bitwise equal.
+void layer_matches_reference(ProcessGroup& host, const MoeShape& s, int64_t T, Skew skew, const char* name) {
+  const int R = host.size(), me = host.rank();
+  auto ranks = group_inputs(s, R, T, 17 + T, skew);
+  auto ref = ranks;
+  run_emulated_ranks(R, [&](ProcessGroup& g) {
+    auto layer = make_moe_layer(s, Backend::cpu, &g, LayerOptions{128, 1});
+    auto& b = ref[g.rank()];
+    auto ctx = layer->forward(b.inputs(), b.weights(), b.out_view());
+    layer->backward(*ctx, b.d_out_view(), b.weights(), b.gradients());
+  });
+  gpu_test::GpuCase c(ranks[me]);
+  c.upload();
+  auto layer = make_moe_layer(s, Backend::cuda, &host, LayerOptions{128, 0});
+  auto run = [&] {
+    c.poison();
+    auto ctx = layer->forward(c.inputs(), c.weights(), c.out_view());
+    layer->backward(*ctx, c.d_out_view(), c.weights(), c.gradients());
+    MOKA_CUDA_CHECK(cudaDeviceSynchronize());
+  };
+  run();
+  const auto got = c.download();
+  const char* names[] = {"out", "d_x", "d_topk_weights", "d_w_gate", "d_w_up", "d_w_down", "d_ws_gate", "d_ws_up", "d_ws_down"};
+  const auto g_out = got.outputs();
+  const auto r_out = ref[me].outputs();
+  for (size_t i = 0; i < g_out.size(); ++i) {
+    if (r_out[i]->empty()) continue;
+    const double e = cpu::max_rel_error(*g_out[i], *r_out[i]);
+    check(e <= 2e-2, std::string(name) + ": " + names[i] + " relative error " + std::to_string(e), me);
+  }
+  const auto bits = c.output_bytes();
+  bool same = true;
+  for (int i = 0; i < 3; ++i) {
+    run();
+    same &= c.output_bytes() == bits;
+  }
+  check(same, std::string(name) + ": 3 more runs give identical bits", me);
+  host.barrier();
+}
+
 // Last: rank 1 never arrives; rank 0's barrier must time out and name rank 1.
 void missing_peer_times_out(DeviceGroup& g) {
   if (g.rank() != 0) return;
@@ -145,8 +207,15 @@ int main() {
     int devices = 0;
     MOKA_CUDA_CHECK(cudaGetDeviceCount(&devices));
     require(devices >= rv.world_size, ErrorCode::invalid_argument, "needs one GPU per rank");
+    MOKA_CUDA_CHECK(cudaSetDevice(rv.local_rank));
     auto g = make_nccl_group(*host, rv.local_rank);
     for (uint64_t seed = 1; seed <= 3; ++seed) all_to_all_v_matches(*g, *host, seed);
+    const MoeShape shaped{256, 128, 8, 2, 128, Activation::swiglu, 7.0f};
+    layer_matches_reference(*host, shaped, 300, Skew::uniform, "EP layer, uniform");
+    layer_matches_reference(*host, shaped, 300, Skew::zipf, "EP layer, zipf");
+    layer_matches_reference(*host, shaped, 77, Skew::all_to_rank0, "EP layer, a rank receiving nothing");
+    layer_matches_reference(*host, MoeShape{512, 256, 16, 8, 0, Activation::swiglu_clamped, 7.0f}, 1,
+                            Skew::uniform, "EP layer, T=1 k=8 clamped");
     symmetric_stores_are_visible_after_the_barrier(*g);
     barrier_replays_in_a_cuda_graph(*g);
     host->barrier();

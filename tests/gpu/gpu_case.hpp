@@ -38,17 +38,32 @@ struct DeviceTensor {
 };
 
 // A layer case: host reference buffers and device bf16 copies of inputs, weights and outputs.
+inline int current_device() {
+  int d = 0;
+  MOKA_CUDA_CHECK(cudaGetDevice(&d));
+  return d;
+}
+
 struct GpuCase {
   cpu::LayerBuffers<double> ref;
+  int device = current_device();  // the GPU the case's tensors live on
   DeviceTensor x, ids, w, out, d_out, d_x, d_w;
   DeviceTensor wg, wu, wd, wsg, wsu, wsd, dwg, dwu, dwd, dwsg, dwsu, dwsd;
 
-  GpuCase(const MoeShape& s, int64_t T, uint64_t seed) : ref(s, 1, T) {
-    ref.randomize(seed);
+  GpuCase(const MoeShape& s, int64_t T, uint64_t seed) : GpuCase(random_buffers(s, T, seed)) {}
+
+  // A case from given buffers (one rank's, for any world size), rounded to what the GPU stores.
+  explicit GpuCase(cpu::LayerBuffers<double> buffers) : ref(std::move(buffers)) {
     for (auto* v : {&ref.x, &ref.d_out, &ref.w_gate, &ref.w_up, &ref.w_down, &ref.ws_gate, &ref.ws_up,
                     &ref.ws_down})
       round_bf16(*v);
     for (auto& v : ref.topk_weights) v = static_cast<double>(static_cast<float>(v));
+  }
+
+  static cpu::LayerBuffers<double> random_buffers(const MoeShape& s, int64_t T, uint64_t seed) {
+    cpu::LayerBuffers<double> b(s, 1, T);
+    b.randomize(seed);
+    return b;
   }
 
   // Uploads inputs (after the caller set ref.topk_ids) and poisons every device output.
@@ -92,15 +107,16 @@ struct GpuCase {
 
   MoeInputs inputs() {
     const auto& s = ref.shape;
-    const Device d = Device::cuda(0);
+    const Device d = Device::cuda(device);
     return {TensorView(x.ptr, DType::bf16, {ref.tokens, s.hidden}, d),
             TensorView(ids.ptr, DType::i32, {ref.tokens, s.top_k}, d),
             TensorView(w.ptr, DType::f32, {ref.tokens, s.top_k}, d)};
   }
   MoeWeights weights() {
     const auto& s = ref.shape;
-    const Device d = Device::cuda(0);
-    const int64_t H = s.hidden, I = s.intermediate, E = s.num_experts, Is = s.shared_intermediate;
+    const Device d = Device::cuda(device);
+    const int64_t H = s.hidden, I = s.intermediate, E = s.num_experts / ref.world_size;
+    const int64_t Is = s.shared_intermediate;
     MoeWeights w_{TensorView(wg.ptr, DType::bf16, {E, I, H}, d), TensorView(wu.ptr, DType::bf16, {E, I, H}, d),
                   TensorView(wd.ptr, DType::bf16, {E, H, I}, d), {}, {}, {}};
     if (s.has_shared()) {
@@ -112,8 +128,9 @@ struct GpuCase {
   }
   MoeGradients gradients() {
     const auto& s = ref.shape;
-    const Device d = Device::cuda(0);
-    const int64_t H = s.hidden, I = s.intermediate, E = s.num_experts, Is = s.shared_intermediate, k = s.top_k;
+    const Device d = Device::cuda(device);
+    const int64_t H = s.hidden, I = s.intermediate, E = s.num_experts / ref.world_size;
+    const int64_t Is = s.shared_intermediate, k = s.top_k;
     MoeGradients g{TensorView(d_x.ptr, DType::bf16, {ref.tokens, H}, d),
                    TensorView(d_w.ptr, DType::f32, {ref.tokens, k}, d),
                    TensorView(dwg.ptr, DType::bf16, {E, I, H}, d),
@@ -127,9 +144,9 @@ struct GpuCase {
     }
     return g;
   }
-  TensorView out_view() { return TensorView(out.ptr, DType::bf16, {ref.tokens, ref.shape.hidden}, Device::cuda(0)); }
+  TensorView out_view() { return TensorView(out.ptr, DType::bf16, {ref.tokens, ref.shape.hidden}, Device::cuda(device)); }
   TensorView d_out_view() {
-    return TensorView(d_out.ptr, DType::bf16, {ref.tokens, ref.shape.hidden}, Device::cuda(0));
+    return TensorView(d_out.ptr, DType::bf16, {ref.tokens, ref.shape.hidden}, Device::cuda(device));
   }
 
   // Device outputs as LayerBuffers<double> (inputs copied from ref), for max_layer_error.

@@ -1,0 +1,22 @@
+#!/usr/bin/env bash
+# One device call that checks the GPU paths: the expert-parallel checks on two GPUs (device
+# group + EP layer vs the CPU reference), then the single-GPU test suites on GPU 0.
+# BIN: folder with moka, moka_gpu_tests, moka_ep_gpu_check and the scripts (scripts/stage_gpu.sh).
+set -uo pipefail
+BIN=$(cd "${1:-build}" && pwd)
+OUT=${OUT:-$PWD/gpu_out}
+mkdir -p "$OUT"
+export NCCL_NVLS_ENABLE=0
+# NCCL and cuBLAS come from the PyTorch environment's nvidia packages on the GPU machines.
+for pkg in nccl cublas; do
+  dir=$(python3 -c "import nvidia.$pkg as m, os; print(os.path.join(list(m.__path__)[0], 'lib'))" 2>/dev/null)
+  [ -n "$dir" ] && export LD_LIBRARY_PATH="$dir:${LD_LIBRARY_PATH:-}"
+done
+nvidia-smi --query-gpu=index,name,driver_version --format=csv | tee "$OUT/device.txt"
+rc=0
+if [ "$(nvidia-smi -L | wc -l)" -ge 2 ]; then
+  timeout 240 "$BIN/moka" launch -n 2 -- "$BIN/moka_ep_gpu_check" > "$OUT/ep_gpu_check.log" 2>&1 || rc=1
+  grep -E "passed|FAILED|error|rank" "$OUT/ep_gpu_check.log" | head -40
+fi
+OUT=$OUT MODE=tests SUITES=${SUITES:-} BIN=$BIN bash "$BIN/gpu_check.sh" || rc=1
+exit $rc
