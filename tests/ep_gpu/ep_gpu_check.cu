@@ -25,7 +25,7 @@ int passed = 0, failed = 0;
 
 void check(bool ok, const std::string& what, int rank) {
   (ok ? passed : failed)++;
-  if (!ok) std::fprintf(stderr, "rank %d: FAILED %s\n", rank, what.c_str());
+  std::fprintf(ok ? stdout : stderr, "rank %d: %s %s\n", rank, ok ? "ok" : "FAILED", what.c_str());
 }
 
 // Rank s sends count(s, d) int32 values s*1000 + d*10 + i%7 to rank d; sizes vary per call.
@@ -134,9 +134,9 @@ std::vector<cpu::LayerBuffers<double>> group_inputs(const MoeShape& s, int world
     cpu::LayerBuffers<double> b(s, world, T);
     b.randomize(seed * 131 + r);
     const auto kind = skew == Skew::zipf ? core::RoutingKind::zipf : core::RoutingKind::uniform;
-    b.topk_ids = core::sample_topk_ids({kind, 0.35, seed}, T, s.top_k, s.num_experts, r);
-    if (skew == Skew::all_to_rank0)  // rank 0's experts get everything: the others receive nothing
-      for (auto& id : b.topk_ids) id %= s.num_experts / world;
+    // all_to_rank0: ids drawn among rank 0's experts only, so the other ranks receive nothing.
+    const int64_t experts = skew == Skew::all_to_rank0 ? s.num_experts / world : s.num_experts;
+    b.topk_ids = core::sample_topk_ids({kind, 0.35, seed}, T, s.top_k, experts, r);
     ranks.push_back(std::move(gpu_test::GpuCase(std::move(b)).ref));  // bf16-rounded inputs
   }
   return ranks;
