@@ -1,16 +1,24 @@
 #!/usr/bin/env python3
-"""The MoE layer users would write in PyTorch, as moka's baseline on one GPU.
+"""The MoE layer users would write in PyTorch, as moka's baseline.
 
-argsort by expert, gather, torch._grouped_mm for fused gate|up and for down, SwiGLU (clamped
-for GPT-OSS), weighted sum, shared expert, autograd backward. bf16 weights and activations.
-Prints one JSON line per (shape, tokens): fwd, bwd and fwd+bwd median ms over --iters runs,
-timed with CUDA events after warm-up, and TFLOP/s with the same FLOP count as `moka bench`.
+One GPU: argsort by expert, gather, torch._grouped_mm for fused gate|up and for down, SwiGLU
+(clamped for GPT-OSS), weighted sum, shared expert, autograd backward. bf16 weights and
+activations. Under torchrun (or `moka launch -n N -- python3 bench/torch_baseline.py`) the
+experts are split over the ranks and rows move with NCCL all_to_all_single (the PyTorch + NCCL
+path): per-expert counts exchanged with all_to_all, split sizes read on the host, rows sent,
+regrouped by local expert, the grouped GEMMs, rows sent back, weighted sum.
+Prints one JSON line per (shape, tokens) (rank 0; times are the max over ranks of per-rank
+medians): fwd, bwd and fwd+bwd median ms over --iters runs, timed with CUDA events after
+warm-up, and TFLOP/s with the same FLOP count as `moka bench`.
 """
 import argparse
 import json
+import os
 import statistics
 
 import torch
+import torch.distributed as dist
+import torch.distributed.nn.functional as dist_fn
 import torch.nn.functional as F
 
 SHAPES = {  # hidden, intermediate, experts, top_k, shared, clamped (as src/core/shapes.cpp)
@@ -30,16 +38,42 @@ def act(g, u, clamped, limit=7.0):
     return g * torch.sigmoid(1.702 * g) * (u + 1)
 
 
-def moe(x, ids, w, w_gu, w_d, shared, clamped):
-    T, k = ids.shape
-    E = w_gu.shape[0]
-    flat = ids.flatten()
-    order = torch.argsort(flat, stable=True)
-    offs = torch.cumsum(torch.bincount(flat, minlength=E), 0).to(torch.int32)
-    xs = x[order // k]
+def experts(xs, counts, w_gu, w_d, clamped):
+    offs = torch.cumsum(counts, 0).to(torch.int32)
     gu = torch._grouped_mm(xs, w_gu.transpose(-2, -1), offs=offs)
     g, u = gu.chunk(2, dim=-1)
-    y = torch._grouped_mm(act(g, u, clamped), w_d.transpose(-2, -1), offs=offs)
+    return torch._grouped_mm(act(g, u, clamped), w_d.transpose(-2, -1), offs=offs)
+
+
+def expert_parallel(xs, counts, w_gu, w_d, clamped):
+    """Rows sorted by global expert go to their experts' ranks and come back in the same order."""
+    R = dist.get_world_size()
+    E_local = w_gu.shape[0]
+    recv_counts = torch.empty_like(counts)
+    dist.all_to_all_single(recv_counts, counts)  # [source rank][local expert]
+    send_splits = counts.view(R, E_local).sum(1).tolist()  # host synchronization
+    recv_splits = recv_counts.view(R, E_local).sum(1).tolist()
+    out = xs.new_empty(sum(recv_splits), xs.shape[1])
+    xr = dist_fn.all_to_all_single(out, xs, recv_splits, send_splits)
+    local_expert = torch.repeat_interleave(torch.arange(E_local, device=xs.device).repeat(R), recv_counts)
+    order = torch.argsort(local_expert, stable=True)
+    y = experts(xr[order], torch.bincount(local_expert, minlength=E_local), w_gu, w_d, clamped)
+    y_received = torch.empty_like(y).index_copy(0, order, y)
+    back = y.new_empty(xs.shape[0], y.shape[1])
+    return dist_fn.all_to_all_single(back, y_received, send_splits, recv_splits)
+
+
+def moe(x, ids, w, w_gu, w_d, shared, clamped):
+    T, k = ids.shape
+    E = w_gu.shape[0] * (dist.get_world_size() if dist.is_initialized() else 1)
+    flat = ids.flatten()
+    order = torch.argsort(flat, stable=True)
+    counts = torch.bincount(flat, minlength=E)
+    xs = x[order // k]
+    if dist.is_initialized():
+        y = expert_parallel(xs, counts, w_gu, w_d, clamped)
+    else:
+        y = experts(xs, counts, w_gu, w_d, clamped)
     y = y * w.flatten()[order].unsqueeze(1).to(y.dtype)
     out = torch.zeros_like(x).index_add_(0, order // k, y)
     if shared is not None:
@@ -65,11 +99,12 @@ def median_ms(fn, warmup, iters):
 
 def run(name, T, iters, warmup, seed):
     H, I, E, k, Is, clamped = SHAPES[name]
-    torch.manual_seed(seed)
+    R = dist.get_world_size() if dist.is_initialized() else 1
+    torch.manual_seed(seed * 1000 + (dist.get_rank() if R > 1 else 0))
     dev, bf = "cuda", torch.bfloat16
     x = torch.randn(T, H, device=dev, dtype=bf, requires_grad=True)
-    w_gu = (torch.randn(E, 2 * I, H, device=dev, dtype=bf) / H**0.5).requires_grad_()
-    w_d = (torch.randn(E, H, I, device=dev, dtype=bf) / I**0.5).requires_grad_()
+    w_gu = (torch.randn(E // R, 2 * I, H, device=dev, dtype=bf) / H**0.5).requires_grad_()
+    w_d = (torch.randn(E // R, H, I, device=dev, dtype=bf) / I**0.5).requires_grad_()
     shared = None
     if Is:
         shared = ((torch.randn(2 * Is, H, device=dev, dtype=bf) / H**0.5).requires_grad_(),
@@ -88,13 +123,23 @@ def run(name, T, iters, warmup, seed):
     def both():
         moe(x, ids, w, w_gu, w_d, shared, clamped).backward(d_out)
 
-    f = median_ms(fwd, warmup, iters)
-    b = median_ms(bwd, warmup, iters)
-    fb = median_ms(both, warmup, iters)
+    f = max_over_ranks(median_ms(fwd, warmup, iters))
+    b = max_over_ranks(median_ms(bwd, warmup, iters))
+    fb = max_over_ranks(median_ms(both, warmup, iters))
     flops = 6.0 * T * k * H * I + 6.0 * T * H * Is
-    return {"shape": name, "backend": "torch", "path": "torch._grouped_mm", "tokens_per_rank": T,
-            "device": torch.cuda.get_device_name(), "torch": torch.__version__, "iters": iters,
-            "fwd_ms": f, "bwd_ms": b, "fwdbwd_ms": fb, "tflops": 3.0 * flops / (fb * 1e-3) / 1e12}
+    return {"shape": name, "backend": "torch", "ep": R,
+            "path": "all_to_all_single + torch._grouped_mm" if R > 1 else "torch._grouped_mm",
+            "tokens_per_rank": T, "device": torch.cuda.get_device_name(), "torch": torch.__version__,
+            "iters": iters, "fwd_ms": f, "bwd_ms": b, "fwdbwd_ms": fb,
+            "tflops": 3.0 * flops / (fb * 1e-3) / 1e12}
+
+
+def max_over_ranks(value):
+    if not dist.is_initialized():
+        return value
+    t = torch.tensor([value], device="cuda")
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return t.item()
 
 
 def main():
@@ -106,6 +151,10 @@ def main():
     p.add_argument("--seed", type=int, default=1)
     p.add_argument("--out", default="")
     a = p.parse_args()
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        dist.init_process_group("nccl")
+    rank0 = not dist.is_initialized() or dist.get_rank() == 0
     for name in a.shapes.split(","):
         for T in (int(t) for t in a.tokens.split(",")):
             try:
@@ -114,10 +163,14 @@ def main():
                 row = {"shape": name, "tokens_per_rank": T, "error": repr(e)[:300]}
             torch.cuda.empty_cache()
             line = json.dumps(row)
+            if not rank0:
+                continue
             print(line, flush=True)
             if a.out:
                 with open(a.out, "a") as f:
                     f.write(line + "\n")
+    if dist.is_initialized():
+        dist.destroy_process_group()
 
 
 if __name__ == "__main__":

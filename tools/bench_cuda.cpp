@@ -9,6 +9,7 @@
 #include <sstream>
 
 #include "moka/error.hpp"
+#include "moka/process_group.hpp"
 
 #if MOKA_WITH_CUDA
 #include <cublas_v2.h>
@@ -21,6 +22,7 @@
 #include "cuda/device_tensors.hpp"
 #include "cuda/grouped_gemm.hpp"
 #include "cuda/layer_kernels.hpp"
+#include "moka/device_group.hpp"
 #include "moka/moka.hpp"
 #endif
 
@@ -148,7 +150,7 @@ double grouped_gemm_tflops(const NamedShape& ns, const LayerTensors& t, const Cu
 }
 
 // Looks up bench/torch_baseline.py's fwd+bwd ms for this shape and token count.
-double torch_ms(const std::string& path, const std::string& shape, int64_t tokens) {
+double torch_ms(const std::string& path, const std::string& shape, int64_t tokens, int ep = 1) {
   if (path.empty()) return 0;
   std::ifstream f(path);
   require(f.good(), ErrorCode::io, "cannot read torch results " + path);
@@ -157,7 +159,7 @@ double torch_ms(const std::string& path, const std::string& shape, int64_t token
   while (std::getline(f, line)) {
     if (line.empty()) continue;
     const auto j = nlohmann::json::parse(line);
-    if (j.value("shape", "") == shape && j.value("tokens_per_rank", int64_t(0)) == tokens)
+    if (j.value("shape", "") == shape && j.value("tokens_per_rank", int64_t(0)) == tokens && j.value("ep", 1) == ep)
       ms = j.value("fwdbwd_ms", 0.0);
   }
   return ms;
@@ -167,16 +169,16 @@ double torch_ms(const std::string& path, const std::string& shape, int64_t token
 
 void print_cuda_comparison(std::ostream& os, const std::vector<BenchRow>& rows) {
   char line[256];
-  std::snprintf(line, sizeof(line), "%-16s %7s %9s %10s %8s %11s %10s %10s\n", "shape", "tokens", "peak_TF",
-                "gemm_TF", "gemm_%", "vs_cublas", "torch_ms", "vs_torch");
+  std::snprintf(line, sizeof(line), "%-16s %7s %4s %9s %10s %8s %11s %10s %10s %10s %10s\n", "shape", "tokens", "ep",
+                "peak_TF", "gemm_TF", "gemm_%", "vs_cublas", "a2a_GB/s", "copy_GB/s", "torch_ms", "vs_torch");
   os << line;
   for (const auto& r : rows) {
     const auto j = nlohmann::json::parse("{" + r.extra_json + "}");
-    std::snprintf(line, sizeof(line), "%-16s %7lld %9.1f %10.1f %7.1f%% %10.2fx %10.2f %9.2fx\n", r.shape.c_str(),
-                  static_cast<long long>(r.tokens_per_rank), j.value("dense_peak_tflops", 0.0),
+    std::snprintf(line, sizeof(line), "%-16s %7lld %4d %9.1f %10.1f %7.1f%% %10.2fx %10.1f %10.1f %10.2f %9.2fx\n",
+                  r.shape.c_str(), static_cast<long long>(r.tokens_per_rank), r.ep, j.value("dense_peak_tflops", 0.0),
                   j.value("grouped_gemm_tflops", 0.0), j.value("grouped_gemm_pct_peak", 0.0),
-                  j.value("speedup_vs_cublas_loop", 0.0), j.value("torch_fwdbwd_ms", 0.0),
-                  j.value("speedup_vs_torch", 0.0));
+                  j.value("speedup_vs_cublas_loop", 0.0), j.value("nccl_all_to_all_gbs", 0.0),
+                  j.value("peer_copy_gbs", 0.0), j.value("torch_fwdbwd_ms", 0.0), j.value("speedup_vs_torch", 0.0));
     os << line;
   }
 }
@@ -242,7 +244,108 @@ BenchRow run_cuda_case(const NamedShape& ns, int64_t tokens, const CudaBenchOpti
   return row;
 }
 
+namespace {
+
+// Median ms of one NCCL all-to-all-v moving `bytes_per_peer` to every other rank, and of a
+// plain copy of the same bytes from the next rank's symmetric buffer (the NVLink ceiling).
+struct LinkTiming {
+  double all_to_all_ms = 0, peer_copy_ms = 0;
+  double bytes_per_rank = 0;  // sent to other ranks
+};
+
+LinkTiming time_links(DeviceGroup& g, size_t bytes_per_peer, const CudaBenchOptions& o, cudaStream_t s) {
+  const int R = g.size();
+  LinkTiming t;
+  t.bytes_per_rank = double(bytes_per_peer) * (R - 1);
+  Dev send(bytes_per_peer * R), recv(bytes_per_peer * R);
+  std::vector<size_t> counts(R, bytes_per_peer), offsets(R);
+  for (int p = 0; p < R; ++p) offsets[p] = p * bytes_per_peer;
+  t.all_to_all_ms = time_ms([&] { g.all_to_all_v(send.p, counts.data(), offsets.data(), recv.p, counts.data(), offsets.data(), s); },
+                            o.warmup, o.iters, s);
+  const SymmetricBuffer& peer = g.allocate_symmetric(bytes_per_peer * (R - 1));
+  const int next = (g.rank() + 1) % R;
+  g.device_barrier(s, 30.0);
+  t.peer_copy_ms = time_ms([&] {
+    MOKA_CUDA_CHECK(cudaMemcpyAsync(recv.p, peer.peers[next], bytes_per_peer * (R - 1), cudaMemcpyDeviceToDevice, s));
+  }, o.warmup, o.iters, s);
+  g.device_barrier(s, 30.0);
+  MOKA_CUDA_CHECK(cudaStreamSynchronize(s));
+  g.check_device_errors();
+  return t;
+}
+
+double max_over_ranks(ProcessGroup& g, double v) {
+  std::vector<double> all(g.size());
+  g.all_gather(&v, all.data(), sizeof(double));
+  return *std::max_element(all.begin(), all.end());
+}
+
+}  // namespace
+
+void select_worker_device(int local_rank) { MOKA_CUDA_CHECK(cudaSetDevice(local_rank)); }
+
+std::optional<BenchRow> run_cuda_ep_case(ProcessGroup& workers, const NamedShape& ns, int64_t tokens,
+                                         const CudaBenchOptions& o) {
+  const MoeShape& sh = ns.shape;
+  const int R = workers.size();
+  cudaStream_t s;
+  MOKA_CUDA_CHECK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
+  cuda::set_stream(s);
+  LayerTensors t(sh, tokens, R);
+  t.randomize(o.seed * 1000 + workers.rank(),
+              core::sample_topk_ids({core::RoutingKind::uniform, 0.3, o.seed}, tokens, sh.top_k, sh.num_experts,
+                                    static_cast<uint64_t>(workers.rank())));
+  auto group = make_nccl_group(workers, t.device);
+  auto layer = make_moe_layer(sh, *group, LayerOptions{o.tile_rows, 0});
+  const Timing m = time_layer(*layer, t, o, s);
+  // Uniform routing sends about T*k/R rows to each rank: time that much through NCCL and
+  // through a plain peer copy.
+  const size_t rows_per_peer = static_cast<size_t>(tokens * sh.top_k / R);
+  const LinkTiming link = time_links(*group, rows_per_peer * sh.hidden * 2, o, s);
+  layer.reset();
+  cuda::set_stream(nullptr);
+  MOKA_CUDA_CHECK(cudaStreamDestroy(s));
+  const double fwd = max_over_ranks(workers, m.fwd), bwd = max_over_ranks(workers, m.bwd);
+  const double total = max_over_ranks(workers, m.total);
+  const double a2a = max_over_ranks(workers, link.all_to_all_ms), copy = max_over_ranks(workers, link.peer_copy_ms);
+  if (workers.rank() != 0) return std::nullopt;
+
+  BenchRow row;
+  row.shape = ns.name;
+  row.backend = "cuda";
+  row.path = "all-to-all";
+  cudaDeviceProp prop;
+  MOKA_CUDA_CHECK(cudaGetDeviceProperties(&prop, t.device));
+  row.device = std::to_string(R) + "x " + prop.name;
+  row.dtype = "bf16";
+  row.routing = "uniform";
+  row.ep = R;
+  row.tokens_per_rank = tokens;
+  row.iters = o.iters;
+  row.fwd_ms = fwd;
+  row.bwd_ms = bwd;
+  row.fwdbwd_ms = total;
+  row.tflops = 3.0 * sh.forward_flops(tokens) / (total * 1e-3) / 1e12;
+  row.max_rel_error = -1;  // checked against the CPU reference by moka_ep_gpu_check, not here
+  const double gbs = [&](double ms) { return link.bytes_per_rank / (ms * 1e-3) / 1e9; }(a2a);
+  const double copy_gbs = link.bytes_per_rank / (copy * 1e-3) / 1e9;
+  const double tms = torch_ms(o.torch_results, ns.name, tokens, R);
+  std::ostringstream extra;
+  extra << "\"nccl_all_to_all_gbs\": " << gbs << ", \"peer_copy_gbs\": " << copy_gbs
+        << ", \"dispatch_bytes_per_rank\": " << link.bytes_per_rank
+        << ", \"times\": \"max over ranks of per-rank medians\"";
+  if (tms > 0) extra << ", \"torch_fwdbwd_ms\": " << tms << ", \"speedup_vs_torch\": " << tms / total;
+  row.extra_json = extra.str();
+  return row;
+}
+
 #else
+
+void select_worker_device(int) {}
+
+std::optional<BenchRow> run_cuda_ep_case(ProcessGroup&, const NamedShape&, int64_t, const CudaBenchOptions&) {
+  throw Error(ErrorCode::backend_unavailable, "this build has no CUDA backend");
+}
 
 void print_cuda_comparison(std::ostream&, const std::vector<BenchRow>&) {}
 

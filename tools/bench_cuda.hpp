@@ -1,11 +1,13 @@
 // `moka bench --backend cuda`: the bf16 layer on one GPU, timed with CUDA events, next to the
 // per-expert cuBLAS-loop baseline, the grouped GEMM alone and dense cuBLAS peak of the same run.
 #pragma once
+#include <optional>
 #include <string>
 #include <vector>
 
 #include "bench_report.hpp"
 #include "moka/config.hpp"
+#include "moka/process_group.hpp"
 
 namespace moka::cli {
 
@@ -19,6 +21,14 @@ struct CudaBenchOptions {
 
 // Available only in builds with the CUDA backend (throws backend_unavailable otherwise).
 BenchRow run_cuda_case(const NamedShape& ns, int64_t tokens, const CudaBenchOptions& o);
+
+// The same layer with its experts split over the worker processes (the expert-parallel
+// all-to-all path), next to NCCL all-to-all and peer-copy bandwidth of the dispatch volume.
+// Collective over `workers`; rank 0 returns the row (times are the max over ranks).
+std::optional<BenchRow> run_cuda_ep_case(ProcessGroup& workers, const NamedShape& ns, int64_t tokens,
+                                         const CudaBenchOptions& o);
+// A worker process uses the GPU of its local rank.
+void select_worker_device(int local_rank);
 
 // The CUDA rows' comparison columns (from their extra JSON): dense peak, grouped GEMM share of
 // it, and the speedups over the cuBLAS loop and over PyTorch.

@@ -210,7 +210,11 @@ void run_bench(BenchOptions o, const std::vector<std::string>& argv) {
   if (o.tokens.empty()) o.tokens = {512};
   // Worker processes (started by --gpus N or `moka launch`) form one group over TCP.
   std::unique_ptr<ProcessGroup> workers;
-  if (launched_as_worker()) workers = make_tcp_group(rendezvous_from_env());
+  if (launched_as_worker()) {
+    const Rendezvous rv = rendezvous_from_env();
+    if (backend == Backend::cuda) select_worker_device(rv.local_rank);
+    workers = make_tcp_group(rv);
+  }
   const bool root = !workers || workers->rank() == 0;
   require(!workers || o.ep == 1, ErrorCode::invalid_argument, "--ep (emulated ranks) cannot be combined with worker processes");
   Progress progress("moka bench");
@@ -218,10 +222,15 @@ void run_bench(BenchOptions o, const std::vector<std::string>& argv) {
   try {
     for (const auto& ns : shapes) {
       for (int64_t t : o.tokens) {
-        if (backend == Backend::cuda) {
-          require(!workers, ErrorCode::invalid_argument, "moka bench --backend cuda runs one GPU (no --gpus yet)");
+        const CudaBenchOptions co{o.iters, o.warmup, o.seed, o.tile_rows, o.torch_results};
+        if (backend == Backend::cuda && workers) {
+          if (root) progress.update(ns.name + " T=" + std::to_string(t), 1, 1);
+          auto row = run_cuda_ep_case(*workers, ns, t, co);
+          if (!row) continue;
+          rows.push_back(*row);
+        } else if (backend == Backend::cuda) {
           progress.update(ns.name + " T=" + std::to_string(t), 1, 1);
-          rows.push_back(run_cuda_case(ns, t, CudaBenchOptions{o.iters, o.warmup, o.seed, o.tile_rows, o.torch_results}));
+          rows.push_back(run_cuda_case(ns, t, co));
         } else {
           auto row = run_cpu_case(workers.get(), ns, t, o, progress);
           if (!row) continue;
@@ -236,7 +245,7 @@ void run_bench(BenchOptions o, const std::vector<std::string>& argv) {
   }
   progress.finish();
   if (!o.json && root) print_table(std::cout, rows);
-  if (!o.json && backend == Backend::cuda) print_cuda_comparison(std::cout, rows);
+  if (!o.json && root && backend == Backend::cuda) print_cuda_comparison(std::cout, rows);
 }
 
 }  // namespace

@@ -33,12 +33,15 @@ struct DeviceMemory {
 
 struct DeviceLayerTensors {
   MoeShape s;
-  int64_t T;
+  int64_t T, E;
+  int device;
   DeviceMemory x, ids, w, out, d_out, d_x, d_w, wg, wu, wd, wsg, wsu, wsd, dwg, dwu, dwd, dwsg, dwsu, dwsd;
 
-  DeviceLayerTensors(const MoeShape& sh, int64_t t)
-      : s(sh), T(t), x(t * sh.hidden * 2), ids(t * sh.top_k * 4), w(t * sh.top_k * 4), out(x.bytes),
-        d_out(x.bytes), d_x(x.bytes), d_w(w.bytes), wg(sh.num_experts * sh.intermediate * sh.hidden * 2),
+  // `world`: the experts are split over that many ranks; this rank holds E / world of them.
+  DeviceLayerTensors(const MoeShape& sh, int64_t t, int world = 1)
+      : s(sh), T(t), E(sh.num_experts / world), device(current_device()), x(t * sh.hidden * 2),
+        ids(t * sh.top_k * 4), w(t * sh.top_k * 4), out(x.bytes), d_out(x.bytes), d_x(x.bytes), d_w(w.bytes),
+        wg(E * sh.intermediate * sh.hidden * 2),
         wu(wg.bytes), wd(wg.bytes), wsg(sh.shared_intermediate * sh.hidden * 2), wsu(wsg.bytes), wsd(wsg.bytes),
         dwg(wg.bytes), dwu(wg.bytes), dwd(wg.bytes), dwsg(wsg.bytes), dwsu(wsg.bytes), dwsd(wsg.bytes) {}
 
@@ -74,7 +77,7 @@ struct DeviceLayerTensors {
             view(w, DType::f32, {T, s.top_k})};
   }
   MoeWeights weights() const {
-    const int64_t H = s.hidden, I = s.intermediate, E = s.num_experts, Is = s.shared_intermediate;
+    const int64_t H = s.hidden, I = s.intermediate, Is = s.shared_intermediate;
     MoeWeights r{view(wg, DType::bf16, {E, I, H}), view(wu, DType::bf16, {E, I, H}), view(wd, DType::bf16, {E, H, I}),
                  {}, {}, {}};
     if (s.has_shared()) {
@@ -85,7 +88,7 @@ struct DeviceLayerTensors {
     return r;
   }
   MoeGradients gradients() const {
-    const int64_t H = s.hidden, I = s.intermediate, E = s.num_experts, Is = s.shared_intermediate;
+    const int64_t H = s.hidden, I = s.intermediate, Is = s.shared_intermediate;
     MoeGradients g{view(d_x, DType::bf16, {T, H}), view(d_w, DType::f32, {T, s.top_k}),
                    view(dwg, DType::bf16, {E, I, H}), view(dwu, DType::bf16, {E, I, H}),
                    view(dwd, DType::bf16, {E, H, I}), {}, {}, {}};
@@ -99,8 +102,13 @@ struct DeviceLayerTensors {
   TensorView out_view() const { return view(out, DType::bf16, {T, s.hidden}); }
   TensorView d_out_view() const { return view(d_out, DType::bf16, {T, s.hidden}); }
 
-  static TensorView view(const DeviceMemory& m, DType t, std::initializer_list<int64_t> dims) {
-    return TensorView(m.p, t, dims, Device::cuda(0));
+  TensorView view(const DeviceMemory& m, DType t, std::initializer_list<int64_t> dims) const {
+    return TensorView(m.p, t, dims, Device::cuda(device));
+  }
+  static int current_device() {
+    int d = 0;
+    MOKA_CUDA_CHECK(cudaGetDevice(&d));
+    return d;
   }
 };
 
