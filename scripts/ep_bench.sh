@@ -16,10 +16,10 @@ for pkg in nccl cublas; do
   dir=$(python3 -c "import nvidia.$pkg as m, os; print(os.path.join(list(m.__path__)[0], 'lib'))" 2>/dev/null)
   [ -n "$dir" ] && export LD_LIBRARY_PATH="$dir:${LD_LIBRARY_PATH:-}"
 done
-PYTHONUNBUFFERED=1 timeout 240 "$BIN/moka" launch -n "$N" -- python3 "$BIN/torch_baseline.py" --shapes "$SHAPES" \
+PYTHONUNBUFFERED=1 timeout 200 "$BIN/moka" launch -n "$N" -- python3 "$BIN/torch_baseline.py" --shapes "$SHAPES" \
   --tokens "$TOKENS" --iters "$ITERS" --out "$OUT/torch_ep$N.jsonl" > "$OUT/torch_ep$N.log" 2>&1
 tail -3 "$OUT/torch_ep$N.log"
-timeout 300 "$BIN/moka" bench --gpus "$N" --backend cuda --shape "$SHAPES" --tokens "$TOKENS" --iters "$ITERS" \
+timeout 250 "$BIN/moka" bench --gpus "$N" --backend cuda --shape "$SHAPES" --tokens "$TOKENS" --iters "$ITERS" \
   --warmup 3 --torch-results "$OUT/torch_ep$N.jsonl" --json > "$OUT/bench_ep$N.jsonl" 2> "$OUT/bench_ep$N.log"
 rc=$?
 cat "$OUT/bench_ep$N.jsonl"; tail -5 "$OUT/bench_ep$N.log"
