@@ -198,18 +198,18 @@ TEST(Megakernel, StalledWorkerIsATimeoutNamingTheStage) {
   const auto s = shape();
   auto ranks = rank_inputs<double>(s, 2, 16, core::RoutingKind::uniform);
   auto o = options(1, 1, 2, 4, 8);
-  o.config.spin_timeout_seconds = 0.1;
+  o.config.spin_timeout_seconds = 0.25;
   // Rank 1's only comm worker stalls on its first dispatch block: gate|up tiles wait in vain.
   o.before_task = [](int rank, const core::Task& t) {
     if (rank == 1 && t.kind == core::TaskKind::dispatch && t.step == 0 && t.row_tile == 0)
-      std::this_thread::sleep_for(std::chrono::milliseconds(600));
+      std::this_thread::sleep_for(std::chrono::milliseconds(1200));
   };
   const auto start = std::chrono::steady_clock::now();
   try {
     run_megakernel(s, ranks, o);
     ADD_FAILURE() << "stall not reported";
   } catch (const Error& e) {
-    EXPECT_EQ(e.code(), ErrorCode::timeout);
+    EXPECT_EQ(e.code(), ErrorCode::timeout) << e.what();
     const std::string what = e.what();
     for (const char* part : {"rank 1", "gate_up", "rows_ready"})
       EXPECT_NE(what.find(part), std::string::npos) << "missing '" << part << "' in: " << what;

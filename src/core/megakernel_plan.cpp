@@ -1,6 +1,7 @@
 #include "core/megakernel_plan.hpp"
 
 #include <cmath>
+#include <sstream>
 
 #include "moka/error.hpp"
 
@@ -15,6 +16,20 @@ int64_t capacity_rows(const MegakernelConfig& c, const MegakernelDims& d) {
   const auto shares = static_cast<int64_t>(std::ceil(d.world_size * c.capacity_multiplier));
   const int64_t routed = d.tokens * d.top_k * min_i64(d.world_size, shares > 2 ? shares : 2);
   return routed + d.num_local_experts * (c.tile_m - 1);
+}
+
+// Shortest form of a double ("0.25", not "0.250000").
+std::string number(double v) {
+  std::ostringstream os;
+  os << v;
+  return os.str();
+}
+
+// "minibatch 3 (macrobatch 1)", or "shared expert" for minibatch -1.
+std::string where(int64_t minibatch, int64_t minibatches_per_macrobatch) {
+  if (minibatch < 0) return "shared expert";
+  return "minibatch " + std::to_string(minibatch) + " (macrobatch " +
+         std::to_string(minibatch / minibatches_per_macrobatch) + ")";
 }
 
 void add_tiles(std::vector<Task>& order, TaskKind kind, int64_t step, int64_t row_tiles, int64_t col_tiles) {
@@ -37,9 +52,9 @@ void validate_megakernel_config(const MegakernelConfig& c) {
                      ") must be a positive multiple of minibatch_size (" + std::to_string(c.minibatch_size) + ")");
   require_config(c.capacity_multiplier > 0 && c.capacity_multiplier <= 1,
                  "capacity_multiplier is the worst-case share of all routes landing on one rank and must be in "
-                 "(0, 1], got " + std::to_string(c.capacity_multiplier));
+                 "(0, 1], got " + number(c.capacity_multiplier));
   require_config(c.spin_timeout_seconds > 0, "spin_timeout_seconds must be > 0, got " +
-                                                 std::to_string(c.spin_timeout_seconds));
+                                                 number(c.spin_timeout_seconds));
 }
 
 void validate_megakernel_grid(const MegakernelConfig& c, int num_sms) {
@@ -111,17 +126,6 @@ const char* to_string(CounterKind kind) {
   return "?";
 }
 
-namespace {
-
-// "minibatch 3 (macrobatch 1)", or "shared expert" for minibatch -1.
-std::string where(int64_t minibatch, int64_t minibatches_per_macrobatch) {
-  if (minibatch < 0) return "shared expert";
-  return "minibatch " + std::to_string(minibatch) + " (macrobatch " +
-         std::to_string(minibatch / minibatches_per_macrobatch) + ")";
-}
-
-}  // namespace
-
 std::string describe(const MegakernelPlan& p, const Task& t) {
   const int64_t minibatch = t.step < 0 ? -1 : minibatch_of_step(p, t.step);
   return std::string(to_string(t.kind)) + " of " + where(minibatch, p.minibatches_per_macrobatch) + ", row tile " +
@@ -136,10 +140,10 @@ void throw_megakernel_status(const MegakernelStatus& s, const MegakernelConfig& 
       throw Error(ErrorCode::capacity_exceeded,
                   who + "receive schedule needs " + std::to_string(s.rows) + " rows but capacity is " +
                       std::to_string(s.capacity) + " (T*k*max(2, ceil(EP*capacity_multiplier)) + padding, " +
-                      "capacity_multiplier " + std::to_string(c.capacity_multiplier) + "); raise capacity_multiplier");
+                      "capacity_multiplier " + number(c.capacity_multiplier) + "); raise capacity_multiplier");
     case StatusCode::timeout:
       throw Error(ErrorCode::timeout,
-                  who + "stage " + to_string(s.stage) + " timed out after " + std::to_string(c.spin_timeout_seconds) +
+                  who + "stage " + to_string(s.stage) + " timed out after " + number(c.spin_timeout_seconds) +
                       " s in " + where(s.minibatch, c.macrobatch_size / c.minibatch_size) + ", row tile " +
                       std::to_string(s.row_tile) + ": waiting for " + to_string(s.counter) + " to reach " +
                       std::to_string(s.target) + ", saw " + std::to_string(s.observed));

@@ -20,8 +20,14 @@
 // where successor(s) is the next step to use s's ring slot. Compute CTAs take the compute
 // subsequence through one global atomic ticket (`compute_task`), communication CTAs the comm
 // subsequence through another (`comm_task`). Each task waits (acquire) on at most one counter
-// (`task_wait`) and releases at most one (`task_release`); every task it waits for comes earlier
-// in the global order, which is what makes progress unconditional (docs/MEGAKERNEL.md).
+// (`task_wait`) and releases at most one (`task_release`).
+//
+// Progress, for any routing and any split with >= 1 comm and >= 1 compute CTA, all resident:
+// every task a task waits for comes earlier in the global order, and a CTA holds one task at a
+// time, taking tickets in order. Let X be the earliest task that never finishes: the tasks of
+// its queue before X finish, so their CTAs come back and X's ticket is taken; everything X waits
+// for is earlier, hence finishes, so X runs and finishes - a contradiction. In particular a comm
+// CTA never waits for a task that cannot start (details in docs/MEGAKERNEL.md).
 #pragma once
 #include <cstdint>
 #include <string>
