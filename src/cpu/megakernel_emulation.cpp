@@ -108,19 +108,17 @@ class Megakernel {
     }
   }
 
-  // Relaxed polling, then an acquire fence (the GPU's ld.relaxed + fence.acq_rel pattern).
-  // Bounded: a timeout sets the status word, which stops every other worker too.
+  // Acquire polling (the GPU polls relaxed and fences once; ThreadSanitizer does not model
+  // fences, so the emulation acquires on every load). Bounded: a timeout sets the status word,
+  // which stops every other worker too.
   bool wait(const Task& task, const CounterRef& need) {
     if (need.kind == CounterKind::none) return true;
     const auto& counter = counters_[core::counter_index(plan_, need)];
     const auto deadline = std::chrono::steady_clock::now() +
                           std::chrono::duration<double>(options_.config.spin_timeout_seconds);
     for (;;) {
-      const int64_t seen = counter.load(std::memory_order_relaxed);
-      if (seen >= need.target) {
-        std::atomic_thread_fence(std::memory_order_acquire);
-        return true;
-      }
+      const int64_t seen = counter.load(std::memory_order_acquire);
+      if (seen >= need.target) return true;
       if (status_.failed()) return false;
       if (std::chrono::steady_clock::now() > deadline) {
         const int64_t minibatch = task.step < 0 ? -1 : core::minibatch_of_step(plan_, task.step);
