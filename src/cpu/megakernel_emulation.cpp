@@ -88,7 +88,6 @@ class Megakernel {
   }
 
   core::MegakernelStatus status() const { return status_.status(); }
-  bool failed() const { return status_.failed(); }
   std::vector<int64_t> counter_values() const {
     std::vector<int64_t> values;
     for (const auto& c : counters_) values.push_back(c.load(std::memory_order_relaxed));
