@@ -212,13 +212,7 @@ class CpuMoeLayer final : public MoeLayer {
     return {tokens, shape_.hidden, shape_.intermediate, shape_.num_experts, shape_.top_k,
             shape_.shared_intermediate, static_cast<int32_t>(dtype())};
   }
-  ExpertWeights<T> expert(const MoeWeights& w, int64_t e) const {
-    const int64_t H = shape_.hidden, I = shape_.intermediate;
-    return {w.w_gate.as<T>() + e * I * H, w.w_up.as<T>() + e * I * H, w.w_down.as<T>() + e * H * I, H, I};
-  }
-  ExpertWeights<T> shared_expert(const MoeWeights& w) const {
-    return {w.ws_gate.as<T>(), w.ws_up.as<T>(), w.ws_down.as<T>(), shape_.hidden, shape_.shared_intermediate};
-  }
+  ExpertWeights<T> expert(const MoeWeights& w, int64_t e) const { return routed_expert<T>(w, shape_, e); }
 
   // Routing exchange: every rank learns every rank's ids and weights (the GPU path writes them
   // into each peer's symmetric buffer).
@@ -308,7 +302,7 @@ class CpuMoeLayer final : public MoeLayer {
 
   std::vector<T> shared_forward(CpuContext<T>& ctx, const MoeWeights& w) const {
     const int64_t H = shape_.hidden, Is = shape_.shared_intermediate, T_ = ctx.tokens;
-    const auto sw = shared_expert(w);
+    const auto sw = shared_expert<T>(w, shape_);
     ctx.shared_gate.assign(T_ * Is, T(0));
     ctx.shared_up.assign(T_ * Is, T(0));
     ctx.shared_hidden.assign(T_ * Is, T(0));
@@ -326,7 +320,7 @@ class CpuMoeLayer final : public MoeLayer {
   std::vector<T> shared_backward(const CpuContext<T>& ctx, const MoeWeights& w, const T* d_out,
                                  const MoeGradients& g) const {
     const int64_t H = shape_.hidden, Is = shape_.shared_intermediate, T_ = ctx.tokens;
-    const auto sw = shared_expert(w);
+    const auto sw = shared_expert<T>(w, shape_);
     std::vector<T> dg(T_ * Is), du(T_ * Is), dx(T_ * H);
     parallel_for(T_, threads_, [&](int64_t b, int64_t e) {
       std::vector<T> dh(Is);
@@ -357,13 +351,9 @@ class CpuMoeLayer final : public MoeLayer {
                         const std::vector<T>& shared_out, T* out) const {
     const int64_t H = shape_.hidden, k = shape_.top_k;
     parallel_for(ctx.tokens, threads_, [&](int64_t b, int64_t e) {
-      for (int64_t t = b; t < e; ++t) {
-        for (int64_t c = 0; c < H; ++c) {
-          T acc = shared_out.empty() ? T(0) : shared_out[t * H + c];
-          for (int64_t j = 0; j < k; ++j) acc += weights[t * k + j] * combined[(t * k + j) * H + c];
-          out[t * H + c] = acc;
-        }
-      }
+      for (int64_t t = b; t < e; ++t)
+        weighted_sum_row(shared_out.empty() ? nullptr : &shared_out[t * H], weights + t * k, combined + t * k * H, k,
+                         H, out + t * H);
     });
   }
 

@@ -6,6 +6,7 @@
 
 #include "core/activation.hpp"
 #include "moka/config.hpp"
+#include "moka/layer.hpp"
 
 namespace moka::cpu {
 
@@ -17,6 +18,30 @@ struct ExpertWeights {
   const T* down;
   int64_t hidden, intermediate;
 };
+
+// Local expert e's weights out of the layer's [E_local, ...] weight tensors.
+template <typename T>
+ExpertWeights<T> routed_expert(const MoeWeights& w, const MoeShape& s, int64_t e) {
+  const int64_t H = s.hidden, I = s.intermediate;
+  return {w.w_gate.as<T>() + e * I * H, w.w_up.as<T>() + e * I * H, w.w_down.as<T>() + e * H * I, H, I};
+}
+
+template <typename T>
+ExpertWeights<T> shared_expert(const MoeWeights& w, const MoeShape& s) {
+  return {w.ws_gate.as<T>(), w.ws_up.as<T>(), w.ws_down.as<T>(), s.hidden, s.shared_intermediate};
+}
+
+// Column slices for tiled callers: gate_up_row on gate_up_columns(w, c0, c1) computes
+// g/u/h[c0, c1) (pass outputs offset by c0); down_row on down_columns(w, c0, c1) computes
+// y[c0, c1). Every element is the same dot product as in the whole-row call, bit for bit.
+template <typename T>
+ExpertWeights<T> gate_up_columns(const ExpertWeights<T>& w, int64_t c0, int64_t c1) {
+  return {w.gate + c0 * w.hidden, w.up + c0 * w.hidden, nullptr, w.hidden, c1 - c0};
+}
+template <typename T>
+ExpertWeights<T> down_columns(const ExpertWeights<T>& w, int64_t c0, int64_t c1) {
+  return {nullptr, nullptr, w.down + c0 * w.intermediate, c1 - c0, w.intermediate};
+}
 
 struct ActivationSpec {
   bool clamped = false;
@@ -47,6 +72,17 @@ void gate_up_row(const ExpertWeights<T>& w, ActivationSpec act, const T* x, T* g
 template <typename T>
 void down_row(const ExpertWeights<T>& w, const T* h, T* y) {
   for (int64_t o = 0; o < w.hidden; ++o) y[o] = dot(w.down + o * w.intermediate, h, w.intermediate);
+}
+
+// The combine epilogue of one token: out[c] = shared[c] + sum_j weights[j] * routed[j*H + c],
+// j in fixed order (`shared` may be null). `routed` holds the token's k slot rows.
+template <typename T>
+void weighted_sum_row(const T* shared, const T* weights, const T* routed, int64_t k, int64_t H, T* out) {
+  for (int64_t c = 0; c < H; ++c) {
+    T acc = shared ? shared[c] : T(0);
+    for (int64_t j = 0; j < k; ++j) acc += weights[j] * routed[j * H + c];
+    out[c] = acc;
+  }
 }
 
 // Backward of one routed row whose output was scaled by `route_weight`:

@@ -123,7 +123,7 @@ void run_emulated_ranks(int world_size, const std::function<void(ProcessGroup&)>
   require(world_size >= 1, ErrorCode::invalid_argument, "world size must be >= 1");
   SharedState state(world_size, options.timeout_seconds);
   std::vector<std::exception_ptr> errors(world_size);
-  std::vector<bool> is_peer_failure(world_size, false);
+  std::vector<char> is_peer_failure(world_size, 0);  // not vector<bool>: ranks write their own entry concurrently
   std::vector<std::thread> threads;
   for (int r = 0; r < world_size; ++r) {
     threads.emplace_back([&, r] {

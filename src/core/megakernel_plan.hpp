@@ -1,0 +1,331 @@
+// The plan the forward megakernel follows: its task space, the dependency counters between
+// tasks, and the macrobatch ring buffer. Plain C++ shared by the CUDA kernel and the CPU
+// emulation (src/cpu/megakernel_emulation.cpp), so both execute exactly the same schedule.
+//
+// Rows: the rank's expert-grouped receive buffer (core/schedule.hpp), `total_rows` rows, each
+// expert padded to `tile_m`. It is cut into minibatches of `minibatch_rows` (the unit of
+// compute/communication overlap) and macrobatches of `macrobatch_rows` (the ring buffer: every
+// routed activation buffer holds one macrobatch; row r lives at ring row r % macrobatch_rows).
+//
+// Steps: minibatches in processing order. Macrobatches run last to first (so macrobatch 0's
+// activations stay in the ring as the context backward reads); inside a macrobatch, minibatches
+// run first to last. Every per-minibatch counter is indexed by step, so each counter is written
+// by one minibatch only and rises monotonically to its target: no counter is ever reused.
+//
+// Tasks, in the one global topological order `plan_order` (see docs/MEGAKERNEL.md):
+//   shared-expert gate|up tiles, shared-expert down tiles            (compute)
+//   prologue: dispatch of every step that is the first to use its ring slot (comm)
+//   for each step s: gate|up tiles(s), down tiles(s)                  (compute)
+//                    combine blocks(s), dispatch blocks(successor(s)) (comm)
+// where successor(s) is the next step to use s's ring slot. Compute CTAs take the compute
+// subsequence through one global atomic ticket (`compute_task`), communication CTAs the comm
+// subsequence through another (`comm_task`). Each task waits (acquire) on at most one counter
+// (`task_wait`) and releases at most one (`task_release`).
+//
+// Progress, for any routing and any split with >= 1 comm and >= 1 compute CTA, all resident:
+// every task a task waits for comes earlier in the global order, and a CTA holds one task at a
+// time, taking tickets in order. Let X be the earliest task that never finishes: the tasks of
+// its queue before X finish, so their CTAs come back and X's ticket is taken; everything X waits
+// for is earlier, hence finishes, so X runs and finishes - a contradiction. In particular a comm
+// CTA never waits for a task that cannot start (details in docs/MEGAKERNEL.md).
+#pragma once
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "core/hd.hpp"
+
+namespace moka::core {
+
+// Host-side knobs of the forward megakernel.
+struct MegakernelConfig {
+  int num_comm_sms = 32;             // CTAs (one per SM) doing dispatch/combine; the rest compute
+  int64_t minibatch_size = 4096;     // rows; a multiple of tile_m
+  int64_t macrobatch_size = 131072;  // rows of the ring buffer; a multiple of minibatch_size
+  // Worst-case share of all EP*T*k routes landing on one rank; sizes the schedule tables:
+  // T*k*max(2, ceil(EP*capacity_multiplier)) routed rows (never more than EP*T*k) plus padding.
+  double capacity_multiplier = 0.5;
+  int64_t tile_m = 128;  // GEMM M tile = expert padding = dispatch/combine row-block
+  int64_t tile_n = 128;  // GEMM N tile (hidden columns per gate|up tile, output columns per down)
+  double spin_timeout_seconds = 30.0;  // bound of every in-kernel wait
+};
+
+// Sizes of one rank's layer call that the plan depends on.
+struct MegakernelDims {
+  int world_size = 1;
+  int64_t tokens = 0;  // T per rank
+  int64_t top_k = 0;
+  int64_t hidden = 0;
+  int64_t intermediate = 0;
+  int64_t shared_intermediate = 0;  // 0 = no shared expert
+  int64_t num_local_experts = 0;
+};
+
+// POD: sized for the worst case on the host (build_megakernel_plan), trimmed on the device to
+// the real row count (trim_to_rows) so the host never needs the counts.
+struct MegakernelPlan {
+  int64_t tile_m = 0, tile_n = 0, minibatch_rows = 0, macrobatch_rows = 0;
+  int64_t capacity_rows = 0;            // rows the schedule tables hold (padding included)
+  int64_t ring_rows = 0;                // rows allocated per ring buffer
+  int64_t row_tiles_per_minibatch = 0;  // also dispatch/combine blocks per minibatch
+  int64_t minibatches_per_macrobatch = 0;
+  int64_t gate_up_col_tiles = 0, down_col_tiles = 0;
+  int64_t tokens = 0, shared_row_tiles = 0, shared_gate_up_col_tiles = 0;  // 0 tiles: no shared expert
+  int64_t max_steps = 0;                // minibatches of a full-capacity schedule
+  // Run time.
+  int64_t total_rows = 0, num_steps = 0, num_macrobatches = 0;
+  int64_t first_macrobatch_steps = 0;  // minibatches of the last macrobatch, processed first
+};
+
+enum class TaskKind : int32_t { none, shared_gate_up, shared_down, dispatch, gate_up, down, combine };
+
+// One unit of work. Routed tasks: `step` in processing order, `row_tile` inside the minibatch
+// (an M tile, or a dispatch/combine row-block), `col_tile` an N tile. Shared-expert tasks:
+// step -1, `row_tile` over the rank's own tokens.
+struct Task {
+  TaskKind kind = TaskKind::none;
+  int64_t step = -1;
+  int64_t row_tile = 0;
+  int64_t col_tile = 0;
+};
+
+enum class CounterKind : int32_t {
+  none,
+  rows_ready,           // [step]: dispatch blocks landed in the ring
+  hidden_ready,         // [step, row tile]: gate|up column tiles of that row tile done
+  outputs_ready,        // [step]: down tiles done (y rows in the ring)
+  outputs_sent,         // [step]: combine blocks pushed (ring rows free for reuse)
+  shared_hidden_ready,  // [shared row tile]: shared gate|up column tiles done
+};
+
+// A counter and the value a waiting task needs (target) or a releasing task adds 1 to.
+struct CounterRef {
+  CounterKind kind = CounterKind::none;
+  int64_t step = -1;
+  int64_t tile = 0;
+  int64_t target = 0;
+};
+
+// ---- Ring buffer and steps -------------------------------------------------------------------
+
+MOKA_HD int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
+MOKA_HD int64_t min_i64(int64_t a, int64_t b) { return a < b ? a : b; }
+
+// The plan for a schedule of `total_rows` rows (callers first check fits_capacity).
+MOKA_HD MegakernelPlan trim_to_rows(MegakernelPlan p, int64_t total_rows) {
+  p.total_rows = total_rows;
+  p.num_steps = ceil_div(total_rows, p.minibatch_rows);
+  p.num_macrobatches = ceil_div(total_rows, p.macrobatch_rows);
+  p.first_macrobatch_steps =
+      p.num_macrobatches == 0 ? 0 : p.num_steps - (p.num_macrobatches - 1) * p.minibatches_per_macrobatch;
+  return p;
+}
+
+MOKA_HD bool fits_capacity(const MegakernelPlan& p, int64_t total_rows) { return total_rows <= p.capacity_rows; }
+
+// Index of the minibatch (in row order) that step `s` processes.
+MOKA_HD int64_t minibatch_of_step(const MegakernelPlan& p, int64_t s) {
+  const int64_t per_macro = p.minibatches_per_macrobatch;
+  if (s < p.first_macrobatch_steps) return (p.num_macrobatches - 1) * per_macro + s;
+  const int64_t later = s - p.first_macrobatch_steps;
+  const int64_t macrobatch = p.num_macrobatches - 2 - later / per_macro;
+  return macrobatch * per_macro + later % per_macro;
+}
+
+// Steps of macrobatch 0, the last processed; the ring slots they use are never reused.
+MOKA_HD int64_t final_macrobatch_steps(const MegakernelPlan& p) {
+  return p.num_macrobatches >= 2 ? p.minibatches_per_macrobatch : p.num_steps;
+}
+
+// The next step that reuses step s's ring slot (same minibatch of the previous macrobatch), or -1.
+MOKA_HD int64_t successor_step(const MegakernelPlan& p, int64_t s) {
+  if (s >= p.num_steps - final_macrobatch_steps(p)) return -1;
+  return s + (s < p.first_macrobatch_steps ? p.first_macrobatch_steps : p.minibatches_per_macrobatch);
+}
+
+// The step that used step s's ring slot before it, or -1 when s is the slot's first user. The
+// first macrobatch processed may be partial, so some slots are first used by the second.
+MOKA_HD int64_t predecessor_step(const MegakernelPlan& p, int64_t s) {
+  const int64_t first = p.first_macrobatch_steps, per_macro = p.minibatches_per_macrobatch;
+  if (s < first) return -1;
+  if (s < first + per_macro) return s - first < first ? s - first : -1;
+  return s - per_macro;
+}
+
+// Steps whose ring slot is fresh, dispatched in the prologue: one per ring slot used.
+MOKA_HD int64_t prologue_steps(const MegakernelPlan& p) { return min_i64(p.minibatches_per_macrobatch, p.num_steps); }
+
+// The i-th prologue step: the first macrobatch's steps, then the second macrobatch's steps
+// whose slots the (partial) first macrobatch left unused.
+MOKA_HD int64_t prologue_step(const MegakernelPlan& p, int64_t i) {
+  return i < p.first_macrobatch_steps ? i : p.first_macrobatch_steps + i;
+}
+
+// First row (of the grouped buffer) a routed task touches; its tile_m rows are all real rows
+// or padding when it is below total_rows, and all beyond the schedule otherwise.
+MOKA_HD int64_t task_first_row(const MegakernelPlan& p, const Task& t) {
+  return minibatch_of_step(p, t.step) * p.minibatch_rows + t.row_tile * p.tile_m;
+}
+MOKA_HD bool task_has_rows(const MegakernelPlan& p, const Task& t) { return task_first_row(p, t) < p.total_rows; }
+MOKA_HD int64_t ring_row(const MegakernelPlan& p, int64_t row) { return row % p.macrobatch_rows; }
+
+// ---- Counters --------------------------------------------------------------------------------
+
+MOKA_HD int64_t counter_target(const MegakernelPlan& p, CounterKind kind) {
+  switch (kind) {
+    case CounterKind::rows_ready: return p.row_tiles_per_minibatch;
+    case CounterKind::hidden_ready: return p.gate_up_col_tiles;
+    case CounterKind::outputs_ready: return p.row_tiles_per_minibatch * p.down_col_tiles;
+    case CounterKind::outputs_sent: return p.row_tiles_per_minibatch;
+    case CounterKind::shared_hidden_ready: return p.shared_gate_up_col_tiles;
+    case CounterKind::none: break;
+  }
+  return 0;
+}
+
+// Counters live in one zero-initialized array sized for the worst case.
+MOKA_HD int64_t counter_count(const MegakernelPlan& p) {
+  return p.max_steps * (4 + p.row_tiles_per_minibatch) + p.shared_row_tiles;
+}
+
+MOKA_HD int64_t counter_index(const MegakernelPlan& p, const CounterRef& c) {
+  const int64_t steps = p.max_steps, hidden = p.max_steps * p.row_tiles_per_minibatch;
+  switch (c.kind) {
+    case CounterKind::rows_ready: return c.step;
+    case CounterKind::hidden_ready: return steps + c.step * p.row_tiles_per_minibatch + c.tile;
+    case CounterKind::outputs_ready: return steps + hidden + c.step;
+    case CounterKind::outputs_sent: return 2 * steps + hidden + c.step;
+    case CounterKind::shared_hidden_ready: return 3 * steps + hidden + c.tile;
+    case CounterKind::none: break;
+  }
+  return -1;
+}
+
+MOKA_HD CounterRef counter_ref(const MegakernelPlan& p, CounterKind kind, int64_t step, int64_t tile) {
+  return {kind, step, tile, counter_target(p, kind)};
+}
+
+// The counter a task must see at its target before it starts (acquire), or kind none.
+MOKA_HD CounterRef task_wait(const MegakernelPlan& p, const Task& t) {
+  switch (t.kind) {
+    case TaskKind::shared_down: return counter_ref(p, CounterKind::shared_hidden_ready, -1, t.row_tile);
+    case TaskKind::dispatch: {
+      // Ring reuse: the rows being overwritten must have been sent by combine.
+      const int64_t previous = predecessor_step(p, t.step);
+      return previous < 0 ? CounterRef{} : counter_ref(p, CounterKind::outputs_sent, previous, 0);
+    }
+    case TaskKind::gate_up: return counter_ref(p, CounterKind::rows_ready, t.step, 0);
+    case TaskKind::down: return counter_ref(p, CounterKind::hidden_ready, t.step, t.row_tile);
+    case TaskKind::combine: return counter_ref(p, CounterKind::outputs_ready, t.step, 0);
+    case TaskKind::shared_gate_up:
+    case TaskKind::none: break;
+  }
+  return {};
+}
+
+// The counter a task adds 1 to (release) when done, or kind none. Tasks beyond the schedule's
+// rows release too, so targets are the same for every minibatch.
+MOKA_HD CounterRef task_release(const MegakernelPlan& p, const Task& t) {
+  switch (t.kind) {
+    case TaskKind::shared_gate_up: return counter_ref(p, CounterKind::shared_hidden_ready, -1, t.row_tile);
+    case TaskKind::dispatch: return counter_ref(p, CounterKind::rows_ready, t.step, 0);
+    case TaskKind::gate_up: return counter_ref(p, CounterKind::hidden_ready, t.step, t.row_tile);
+    case TaskKind::down: return counter_ref(p, CounterKind::outputs_ready, t.step, 0);
+    case TaskKind::combine: return counter_ref(p, CounterKind::outputs_sent, t.step, 0);
+    case TaskKind::shared_down:  // read by the epilogue kernel, after the closing barrier
+    case TaskKind::none: break;
+  }
+  return {};
+}
+
+// ---- Task decoders (ticket -> task) ----------------------------------------------------------
+
+MOKA_HD int64_t shared_task_count(const MegakernelPlan& p) {
+  return p.shared_row_tiles * (p.shared_gate_up_col_tiles + p.down_col_tiles);
+}
+MOKA_HD int64_t compute_tasks_per_step(const MegakernelPlan& p) {
+  return p.row_tiles_per_minibatch * (p.gate_up_col_tiles + p.down_col_tiles);
+}
+MOKA_HD int64_t compute_task_count(const MegakernelPlan& p) {
+  return shared_task_count(p) + p.num_steps * compute_tasks_per_step(p);
+}
+
+// Compute ticket -> task: shared gate|up, shared down, then per step its gate|up then down tiles,
+// row tile major. Tickets past the end give TaskKind::none (the CTA exits).
+MOKA_HD Task compute_task(const MegakernelPlan& p, int64_t ticket) {
+  const int64_t shared_gate_up = p.shared_row_tiles * p.shared_gate_up_col_tiles;
+  if (ticket < shared_gate_up)
+    return {TaskKind::shared_gate_up, -1, ticket / p.shared_gate_up_col_tiles, ticket % p.shared_gate_up_col_tiles};
+  ticket -= shared_gate_up;
+  const int64_t shared_down = p.shared_row_tiles * p.down_col_tiles;
+  if (ticket < shared_down) return {TaskKind::shared_down, -1, ticket / p.down_col_tiles, ticket % p.down_col_tiles};
+  ticket -= shared_down;
+  const int64_t step = ticket / compute_tasks_per_step(p);
+  if (step >= p.num_steps) return {};
+  int64_t i = ticket % compute_tasks_per_step(p);
+  const int64_t gate_up = p.row_tiles_per_minibatch * p.gate_up_col_tiles;
+  if (i < gate_up) return {TaskKind::gate_up, step, i / p.gate_up_col_tiles, i % p.gate_up_col_tiles};
+  i -= gate_up;
+  return {TaskKind::down, step, i / p.down_col_tiles, i % p.down_col_tiles};
+}
+
+MOKA_HD int64_t comm_task_count(const MegakernelPlan& p) {
+  // Every step is dispatched once and combined once.
+  return 2 * p.num_steps * p.row_tiles_per_minibatch;
+}
+
+// Comm ticket -> task: the prologue dispatches, then per step its combine blocks followed by the
+// dispatch blocks of the step that reuses its ring slot (steps of macrobatch 0 have none).
+MOKA_HD Task comm_task(const MegakernelPlan& p, int64_t ticket) {
+  const int64_t blocks = p.row_tiles_per_minibatch;
+  const int64_t prologue = prologue_steps(p) * blocks;
+  if (ticket < prologue) return {TaskKind::dispatch, prologue_step(p, ticket / blocks), ticket % blocks, 0};
+  ticket -= prologue;
+  const int64_t reusing_steps = p.num_steps - final_macrobatch_steps(p);
+  if (ticket < reusing_steps * 2 * blocks) {
+    const int64_t step = ticket / (2 * blocks), i = ticket % (2 * blocks);
+    if (i < blocks) return {TaskKind::combine, step, i, 0};
+    return {TaskKind::dispatch, successor_step(p, step), i - blocks, 0};
+  }
+  ticket -= reusing_steps * 2 * blocks;
+  const int64_t step = reusing_steps + ticket / blocks;
+  if (step >= p.num_steps) return {};
+  return {TaskKind::combine, step, ticket % blocks, 0};
+}
+
+// ---- Errors the kernel reports through a status word (never a trap) ----------------------------
+
+enum class StatusCode : int32_t { ok, capacity_exceeded, timeout };
+
+// Written once (first failure wins) by the schedule kernel or a megakernel CTA; every wait polls
+// `code` and gives up when it is set, so a failure ends the kernel instead of hanging it.
+struct MegakernelStatus {
+  StatusCode code = StatusCode::ok;
+  TaskKind stage = TaskKind::none;  // timeout: the task that waited, on what, for which rows
+  CounterKind counter = CounterKind::none;
+  int64_t minibatch = -1;           // in row order (not the step, which depends on the rank's rows)
+  int64_t row_tile = 0, target = 0, observed = 0;
+  int64_t rows = 0, capacity = 0;   // capacity_exceeded: schedule rows needed and held
+};
+
+// ---- Host only ---------------------------------------------------------------------------------
+
+// Validates the config (Error invalid_argument naming the field) and sizes the worst case.
+MegakernelPlan build_megakernel_plan(const MegakernelConfig& config, const MegakernelDims& dims);
+void validate_megakernel_config(const MegakernelConfig& config);
+// At least one compute CTA besides the communication CTAs.
+void validate_megakernel_grid(const MegakernelConfig& config, int num_sms);
+
+// Every task in the global topological order (comm and compute interleaved): the definition the
+// decoders' subsequences follow. For tests and documentation; kernels use the decoders.
+std::vector<Task> plan_order(const MegakernelPlan& p);
+
+const char* to_string(TaskKind kind);
+const char* to_string(CounterKind kind);
+std::string describe(const MegakernelPlan& p, const Task& t);
+
+// Throws the moka::Error a failed status stands for (capacity_exceeded or timeout), naming the
+// stage and the counter; callers report it collectively (validate_collectively adds the rank).
+void throw_megakernel_status(const MegakernelStatus& status, const MegakernelConfig& config);
+
+}  // namespace moka::core

@@ -1,0 +1,292 @@
+// The megakernel plan (src/core/megakernel_plan.hpp): the decoders follow the global order,
+// every dependency points to an earlier task, counters reach exactly their targets, every row
+// and tile is produced once, the counters order every pair of conflicting ring-buffer accesses,
+// and any number of workers finishes the plan.
+#include <gtest/gtest.h>
+
+#include <map>
+#include <set>
+
+#include "core/megakernel_plan.hpp"
+#include "moka/error.hpp"
+
+using namespace moka;
+using namespace moka::core;
+
+namespace {
+
+struct PlanCase {
+  int64_t tile_m, minibatch, macrobatch, total_rows;
+  friend std::ostream& operator<<(std::ostream& os, const PlanCase& c) {
+    return os << "tile_m " << c.tile_m << ", minibatch " << c.minibatch << ", macrobatch " << c.macrobatch
+              << ", rows " << c.total_rows;
+  }
+};
+
+// A plan sized so `total_rows` fits; shared expert over 5 tokens, I = 6, H = 8, tile_n = 4.
+MegakernelPlan make_plan(const PlanCase& c) {
+  MegakernelConfig config;
+  config.tile_m = c.tile_m;
+  config.tile_n = 4;
+  config.minibatch_size = c.minibatch;
+  config.macrobatch_size = c.macrobatch;
+  config.capacity_multiplier = 1.0;
+  const MegakernelDims dims{1, c.total_rows + 1, 1, 8, 6, 5, 1};
+  const auto plan = build_megakernel_plan(config, dims);
+  EXPECT_TRUE(fits_capacity(plan, c.total_rows));
+  return trim_to_rows(plan, c.total_rows);
+}
+
+bool same(const Task& a, const Task& b) {
+  return a.kind == b.kind && a.step == b.step && a.row_tile == b.row_tile && a.col_tile == b.col_tile;
+}
+
+bool is_comm(TaskKind k) { return k == TaskKind::dispatch || k == TaskKind::combine; }
+
+// Every counter released, with the positions (in plan order) of its releasers.
+std::map<int64_t, std::vector<size_t>> releasers(const MegakernelPlan& p, const std::vector<Task>& order) {
+  std::map<int64_t, std::vector<size_t>> by_counter;
+  for (size_t i = 0; i < order.size(); ++i) {
+    const CounterRef r = task_release(p, order[i]);
+    if (r.kind != CounterKind::none) by_counter[counter_index(p, r)].push_back(i);
+  }
+  return by_counter;
+}
+
+class MegakernelPlanInvariants : public ::testing::TestWithParam<PlanCase> {};
+
+TEST_P(MegakernelPlanInvariants, DecodersFollowTheGlobalOrder) {
+  const auto p = make_plan(GetParam());
+  const auto order = plan_order(p);
+  std::vector<Task> comm, compute;
+  for (const auto& t : order) (is_comm(t.kind) ? comm : compute).push_back(t);
+  ASSERT_EQ(static_cast<int64_t>(comm.size()), comm_task_count(p));
+  ASSERT_EQ(static_cast<int64_t>(compute.size()), compute_task_count(p));
+  for (size_t i = 0; i < comm.size(); ++i) EXPECT_TRUE(same(comm_task(p, i), comm[i])) << describe(p, comm[i]);
+  for (size_t i = 0; i < compute.size(); ++i) EXPECT_TRUE(same(compute_task(p, i), compute[i])) << describe(p, compute[i]);
+  EXPECT_EQ(comm_task(p, comm.size()).kind, TaskKind::none);
+  EXPECT_EQ(compute_task(p, compute.size()).kind, TaskKind::none);
+}
+
+TEST_P(MegakernelPlanInvariants, DependenciesPointEarlierAndCountersReachTargets) {
+  const auto p = make_plan(GetParam());
+  const auto order = plan_order(p);
+  const auto by_counter = releasers(p, order);
+  std::set<int64_t> indices;
+  for (size_t i = 0; i < order.size(); ++i) {
+    const CounterRef r = task_release(p, order[i]);
+    if (r.kind == CounterKind::none) continue;
+    const int64_t index = counter_index(p, r);
+    ASSERT_GE(index, 0);
+    ASSERT_LT(index, counter_count(p));
+    EXPECT_EQ(static_cast<int64_t>(by_counter.at(index).size()), r.target) << describe(p, order[i]);
+    indices.insert(index);
+  }
+  for (size_t i = 0; i < order.size(); ++i) {
+    const CounterRef w = task_wait(p, order[i]);
+    if (w.kind == CounterKind::none) continue;
+    const auto& who = by_counter.at(counter_index(p, w));
+    EXPECT_EQ(static_cast<int64_t>(who.size()), w.target) << describe(p, order[i]);
+    EXPECT_LT(who.back(), i) << describe(p, order[i]) << " waits for a later task";
+  }
+  // Distinct counters never share a slot: one slot per (kind, step, tile) released.
+  std::set<std::tuple<int, int64_t, int64_t>> refs;
+  for (const auto& t : order) {
+    const CounterRef r = task_release(p, t);
+    if (r.kind != CounterKind::none) refs.insert({static_cast<int>(r.kind), r.step, r.tile});
+  }
+  EXPECT_EQ(refs.size(), indices.size());
+}
+
+TEST_P(MegakernelPlanInvariants, EveryRowAndTileIsProducedOnce) {
+  const auto p = make_plan(GetParam());
+  std::map<std::tuple<TaskKind, int64_t, int64_t>, int> produced;  // (kind, first row, column tile)
+  for (const auto& t : plan_order(p)) {
+    if (t.step < 0) {
+      ++produced[{t.kind, t.row_tile * p.tile_m, t.col_tile}];
+    } else if (task_has_rows(p, t)) {
+      ++produced[{t.kind, task_first_row(p, t), t.col_tile}];
+    }
+  }
+  const std::map<TaskKind, int64_t> columns{{TaskKind::dispatch, 1},       {TaskKind::combine, 1},
+                                            {TaskKind::gate_up, p.gate_up_col_tiles},
+                                            {TaskKind::down, p.down_col_tiles}};
+  size_t expected = 0;
+  for (const auto& [kind, cols] : columns) {
+    for (int64_t row = 0; row < p.total_rows; row += p.tile_m)
+      for (int64_t c = 0; c < cols; ++c) EXPECT_EQ((produced[{kind, row, c}]), 1) << to_string(kind) << " row " << row;
+    expected += p.total_rows / p.tile_m * cols;
+  }
+  for (int64_t row = 0; row < p.tokens; row += p.tile_m) {
+    for (int64_t c = 0; c < p.shared_gate_up_col_tiles; ++c) EXPECT_EQ((produced[{TaskKind::shared_gate_up, row, c}]), 1);
+    for (int64_t c = 0; c < p.down_col_tiles; ++c) EXPECT_EQ((produced[{TaskKind::shared_down, row, c}]), 1);
+  }
+  expected += p.shared_row_tiles * (p.shared_gate_up_col_tiles + p.down_col_tiles);
+  EXPECT_EQ(produced.size(), expected);
+}
+
+// Ring-buffer accesses of one task: (buffer, ring row, column tile or -1 for all, writes).
+struct Access {
+  char buffer;
+  int64_t ring, col;
+  bool write;
+};
+
+std::vector<Access> accesses(const MegakernelPlan& p, const Task& t) {
+  if (t.step < 0) {  // shared expert: its hidden tile, per token row tile (not in the ring)
+    const int64_t row = -1 - t.row_tile;
+    if (t.kind == TaskKind::shared_gate_up) return {{'s', row, t.col_tile, true}};
+    return {{'s', row, -1, false}};
+  }
+  if (!task_has_rows(p, t)) return {};
+  const int64_t ring = ring_row(p, task_first_row(p, t));
+  switch (t.kind) {
+    case TaskKind::dispatch: return {{'x', ring, -1, true}};
+    case TaskKind::gate_up: return {{'x', ring, -1, false}, {'h', ring, t.col_tile, true}};
+    case TaskKind::down: return {{'h', ring, -1, false}, {'y', ring, t.col_tile, true}};
+    case TaskKind::combine: return {{'y', ring, -1, false}};
+    default: return {};
+  }
+}
+
+bool conflict(const Access& a, const Access& b) {
+  return a.buffer == b.buffer && a.ring == b.ring && (a.write || b.write) && (a.col < 0 || b.col < 0 || a.col == b.col);
+}
+
+// The counters alone (not the plan order) must order every pair of conflicting accesses:
+// B waits on a counter released by A, transitively. That is race freedom for any timing.
+TEST_P(MegakernelPlanInvariants, CountersOrderEveryConflictingRingAccess) {
+  const auto p = make_plan(GetParam());
+  const auto order = plan_order(p);
+  const auto by_counter = releasers(p, order);
+  const size_t n = order.size();
+  std::vector<std::vector<bool>> after(n, std::vector<bool>(n, false));  // after[b][a]: a happens before b
+  for (size_t b = 0; b < n; ++b) {
+    const CounterRef w = task_wait(p, order[b]);
+    if (w.kind == CounterKind::none) continue;
+    for (size_t a : by_counter.at(counter_index(p, w))) {
+      after[b][a] = true;
+      for (size_t x = 0; x < n; ++x)
+        if (after[a][x]) after[b][x] = true;
+    }
+  }
+  for (size_t b = 0; b < n; ++b)
+    for (size_t a = 0; a < b; ++a)
+      for (const auto& x : accesses(p, order[a]))
+        for (const auto& y : accesses(p, order[b]))
+          if (conflict(x, y)) EXPECT_TRUE(after[b][a]) << describe(p, order[b]) << " races with " << describe(p, order[a]);
+}
+
+TEST_P(MegakernelPlanInvariants, MacrobatchZeroStaysInTheRing) {
+  const auto p = make_plan(GetParam());
+  std::vector<int64_t> owner(p.ring_rows, -1);
+  for (const auto& t : plan_order(p))
+    if (t.kind == TaskKind::dispatch && task_has_rows(p, t)) {
+      const int64_t first = task_first_row(p, t);
+      for (int64_t r = first; r < first + p.tile_m; ++r) owner[ring_row(p, r)] = r;
+    }
+  for (int64_t r = 0; r < std::min(p.total_rows, p.ring_rows); ++r) EXPECT_EQ(owner[r], r);
+  if (p.total_rows > 0) EXPECT_EQ(minibatch_of_step(p, p.num_steps - 1) / p.minibatches_per_macrobatch, 0);
+}
+
+// Workers that each hold one task and take the next ticket when done, run in an adversarial
+// order (always the last worker that can proceed): the plan must finish for 1+1 workers and more.
+TEST_P(MegakernelPlanInvariants, AnyWorkerCountsFinish) {
+  const auto p = make_plan(GetParam());
+  for (const auto [num_comm, num_compute] : {std::pair{1, 1}, {2, 1}, {1, 3}, {3, 2}}) {
+    std::vector<int64_t> counters(counter_count(p), 0);
+    int64_t comm_ticket = 0, compute_ticket = 0, done = 0;
+    std::vector<std::pair<bool, Task>> workers;  // (comm?, held task)
+    auto next = [&](bool comm) { return comm ? comm_task(p, comm_ticket++) : compute_task(p, compute_ticket++); };
+    for (int i = 0; i < num_comm; ++i) workers.push_back({true, next(true)});
+    for (int i = 0; i < num_compute; ++i) workers.push_back({false, next(false)});
+    for (;;) {
+      int ready = -1;
+      bool busy = false;
+      for (int i = 0; i < static_cast<int>(workers.size()); ++i) {
+        const Task& t = workers[i].second;
+        if (t.kind == TaskKind::none) continue;
+        busy = true;
+        const CounterRef w = task_wait(p, t);
+        if (w.kind == CounterKind::none || counters[counter_index(p, w)] >= w.target) ready = i;
+      }
+      if (!busy) break;
+      ASSERT_GE(ready, 0) << "deadlock with " << num_comm << " comm and " << num_compute << " compute workers";
+      const CounterRef r = task_release(p, workers[ready].second);
+      if (r.kind != CounterKind::none) ++counters[counter_index(p, r)];
+      ++done;
+      workers[ready].second = next(workers[ready].first);
+    }
+    EXPECT_EQ(done, comm_task_count(p) + compute_task_count(p));
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    Shapes, MegakernelPlanInvariants,
+    ::testing::Values(PlanCase{2, 4, 16, 0},    // no routed rows
+                      PlanCase{2, 4, 16, 2},    // less than a minibatch
+                      PlanCase{2, 4, 16, 16},   // exactly one macrobatch
+                      PlanCase{2, 4, 16, 18},   // partial macrobatch of one partial minibatch
+                      PlanCase{2, 4, 16, 26},   // partial macrobatch of three minibatches
+                      PlanCase{2, 4, 16, 50},   // four macrobatches, the last partial
+                      PlanCase{2, 2, 2, 10},    // one minibatch per macrobatch: every step reuses
+                      PlanCase{3, 6, 12, 27},   // tile_m 3
+                      PlanCase{4, 4, 1024, 40}  // the ring holds everything
+                      ));
+
+TEST(MegakernelPlan, CapacityFollowsTheDesignFormula) {
+  MegakernelConfig c;
+  c.tile_m = 4;
+  c.minibatch_size = 4;
+  c.macrobatch_size = 8;
+  const int64_t T = 10, k = 2, local_experts = 3, padding = local_experts * (c.tile_m - 1);
+  auto capacity = [&](int world, double multiplier) {
+    c.capacity_multiplier = multiplier;
+    return build_megakernel_plan(c, {world, T, k, 8, 6, 0, local_experts}).capacity_rows;
+  };
+  EXPECT_EQ(capacity(4, 0.25), T * k * 2 + padding);   // max(2, ceil(1)) = 2
+  EXPECT_EQ(capacity(4, 0.75), T * k * 3 + padding);   // ceil(3)
+  EXPECT_EQ(capacity(4, 1.0), T * k * 4 + padding);    // every route of every rank
+  EXPECT_EQ(capacity(1, 0.5), T * k * 1 + padding);    // capped at EP*T*k
+  const auto p = build_megakernel_plan(c, {4, T, k, 8, 6, 0, local_experts});
+  EXPECT_TRUE(fits_capacity(p, p.capacity_rows));
+  EXPECT_FALSE(fits_capacity(p, p.capacity_rows + 1));
+  EXPECT_LE(p.ring_rows, c.macrobatch_size);
+}
+
+void expect_invalid(const MegakernelConfig& c, const std::string& field) {
+  try {
+    validate_megakernel_config(c);
+    ADD_FAILURE() << "accepted a bad " << field;
+  } catch (const Error& e) {
+    EXPECT_EQ(e.code(), ErrorCode::invalid_argument);
+    EXPECT_NE(std::string(e.what()).find(field), std::string::npos) << e.what();
+  }
+}
+
+TEST(MegakernelPlan, ConfigValidationNamesTheField) {
+  EXPECT_NO_THROW(validate_megakernel_config(MegakernelConfig{}));
+  auto with = [](auto change) {
+    MegakernelConfig c;
+    change(c);
+    return c;
+  };
+  expect_invalid(with([](auto& c) { c.num_comm_sms = 0; }), "num_comm_sms");
+  expect_invalid(with([](auto& c) { c.tile_n = 0; }), "tile_n");
+  expect_invalid(with([](auto& c) { c.minibatch_size = 4000; }), "minibatch_size");
+  expect_invalid(with([](auto& c) { c.minibatch_size = 64; }), "minibatch_size");
+  expect_invalid(with([](auto& c) { c.macrobatch_size = 4096 * 3 + 128; }), "macrobatch_size");
+  expect_invalid(with([](auto& c) { c.macrobatch_size = 2048; }), "macrobatch_size");
+  expect_invalid(with([](auto& c) { c.capacity_multiplier = 0; }), "capacity_multiplier");
+  expect_invalid(with([](auto& c) { c.capacity_multiplier = 1.5; }), "capacity_multiplier");
+  expect_invalid(with([](auto& c) { c.spin_timeout_seconds = 0; }), "spin_timeout_seconds");
+  EXPECT_NO_THROW(validate_megakernel_grid(MegakernelConfig{}, 132));
+  try {
+    validate_megakernel_grid(MegakernelConfig{}, 32);
+    ADD_FAILURE() << "no compute CTA left";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("no compute CTA"), std::string::npos);
+  }
+}
+
+}  // namespace
