@@ -27,7 +27,15 @@ class DeviceGroup {
   virtual int device() const = 0;
   virtual void* nccl_comm() const = 0;  // ncclComm_t
 
-  // Grouped ncclSend/ncclRecv of byte ranges (the expert-parallel all-to-all-v), on `stream`.
+  // One grouped batch of point-to-point transfers on `stream` (ncclGroupStart/End): sends and
+  // receives between a pair of ranks match in the order they are listed on each side.
+  struct Transfer {
+    int peer = 0;
+    void* data = nullptr;  // read for a send, written for a receive
+    size_t bytes = 0;
+  };
+  virtual void send_recv(const std::vector<Transfer>& sends, const std::vector<Transfer>& recvs, void* stream) = 0;
+  // The all-to-all-v of byte ranges: one send and one receive per peer, through send_recv.
   virtual void all_to_all_v(const void* send, const size_t* send_bytes, const size_t* send_offsets, void* recv,
                             const size_t* recv_bytes, const size_t* recv_offsets, void* stream) = 0;
   virtual void all_gather(const void* send, void* recv, size_t bytes, void* stream) = 0;

@@ -41,15 +41,24 @@ class NcclGroup final : public DeviceGroup {
   int device() const override { return device_; }
   void* nccl_comm() const override { return comm_; }
 
-  void all_to_all_v(const void* send, const size_t* send_bytes, const size_t* send_offsets, void* recv,
-                    const size_t* recv_bytes, const size_t* recv_offsets, void* stream) override {
+  void send_recv(const std::vector<Transfer>& sends, const std::vector<Transfer>& recvs, void* stream) override {
     auto s = static_cast<cudaStream_t>(stream);
     MOKA_NCCL_CHECK(ncclGroupStart());
-    for (int p = 0; p < size_; ++p) {
-      if (send_bytes[p]) MOKA_NCCL_CHECK(ncclSend(static_cast<const char*>(send) + send_offsets[p], send_bytes[p], ncclUint8, p, comm_, s));
-      if (recv_bytes[p]) MOKA_NCCL_CHECK(ncclRecv(static_cast<char*>(recv) + recv_offsets[p], recv_bytes[p], ncclUint8, p, comm_, s));
-    }
+    for (const Transfer& t : sends)
+      if (t.bytes) MOKA_NCCL_CHECK(ncclSend(t.data, t.bytes, ncclUint8, t.peer, comm_, s));
+    for (const Transfer& t : recvs)
+      if (t.bytes) MOKA_NCCL_CHECK(ncclRecv(t.data, t.bytes, ncclUint8, t.peer, comm_, s));
     MOKA_NCCL_CHECK(ncclGroupEnd());
+  }
+
+  void all_to_all_v(const void* send, const size_t* send_bytes, const size_t* send_offsets, void* recv,
+                    const size_t* recv_bytes, const size_t* recv_offsets, void* stream) override {
+    std::vector<Transfer> sends(size_), recvs(size_);
+    for (int p = 0; p < size_; ++p) {
+      sends[p] = {p, const_cast<char*>(static_cast<const char*>(send)) + send_offsets[p], send_bytes[p]};
+      recvs[p] = {p, static_cast<char*>(recv) + recv_offsets[p], recv_bytes[p]};
+    }
+    send_recv(sends, recvs, stream);
   }
 
   void all_gather(const void* send, void* recv, size_t bytes, void* stream) override {

@@ -57,8 +57,9 @@ struct Workspace {
   int64_t tokens = 0, rows = 0;
   int64_t rows_pitch = 0, tokens_pitch = 0;  // of the transposed buffers: 16-byte multiples
   DeviceBuffer chunk_counts, counts, offsets, row_of_slot;
-  // Expert-parallel path only: rows back in send order (y, the two halves of d_x) and d_w.
-  DeviceBuffer returned_y, returned_dxa, returned_dxb, received_d_weight;
+  // Expert-parallel path only: rows back in send order (y, the two halves of d_x), and the router
+  // weight and its gradient per grouped row.
+  DeviceBuffer returned_y, returned_dxa, returned_dxb, row_weight, row_d_weight;
   DeviceBuffer bufs[kNumBufs];  // workspace-owned entries of the buffer table (others stay empty)
   std::unique_ptr<GroupedGemm> gate_up, down, data_grad_h, data_grad_x, weight_grad;
 };
@@ -131,6 +132,7 @@ class CudaMoeLayer final : public MoeLayer {
       check_tensors();
     }
     Workspace& ws = workspace(T, exchange_ ? exchange_->grouped_rows() : T * k + local_experts_ * (options_.tile_rows - 1));
+    if (exchange_) exchange_->dispatch_scalars(in.topk_weights.as<float>(), ws.row_weight.as<float>(), s);
     BufferTable table = buffer_table(ws);
     table.ptr[kX] = in.x.data;
     table.ptr[kWG] = w.w_gate.data;
@@ -229,8 +231,8 @@ class CudaMoeLayer final : public MoeLayer {
     dispatch(d_out.as<bf16>(), buf(ws, kDYG), ws, s);
     ws.data_grad_h->run(table, counts, offsets, s);
     // Route weights and d_w per visited entry: per slot on one rank, per received route across ranks.
-    const float* route_w = exchange_ ? exchange_->received_weights() : ctx->inputs.topk_weights.as<float>();
-    float* route_dw = exchange_ ? ws.received_d_weight.as<float>() : g.d_topk_weights.as<float>();
+    const float* route_w = exchange_ ? ws.row_weight.as<float>() : ctx->inputs.topk_weights.as<float>();
+    float* route_dw = exchange_ ? ws.row_d_weight.as<float>() : g.d_topk_weights.as<float>();
     swiglu_backward_rows(buf(ws, kGate), buf(ws, kUp), buf(ws, kHid), buf(ws, kDHU), route_w, route_dw,
                          buf(ws, kHS), buf(ws, kDG), buf(ws, kDU), map.rows, map.entries, I, act, s);
     if (shared)
@@ -280,24 +282,16 @@ class CudaMoeLayer final : public MoeLayer {
             shape_.shared_intermediate, static_cast<int32_t>(DType::bf16)};
   }
 
-  // Across ranks: every rank's routing reaches the host (the synchronization this path allows),
-  // is validated there with the tensors on every rank at once, and gives this call's plan.
+  // Across ranks: the tensors are checked on every rank at once; then the exchange plans the
+  // call (its one synchronization), after which the device's routing check is known, and any
+  // rank's bad routing is raised on every rank.
   void plan_exchange(const MoeInputs& in, int64_t T, const std::function<void()>& check_tensors, cudaStream_t s) {
-    const int64_t slots = T * shape_.top_k;
-    std::vector<int32_t> ids(slots);
-    std::vector<float> weights(slots);
+    core::validate_collectively(control_.get(), signature(T), check_tensors);
+    exchange_->plan(in.topk_ids.as<int32_t>(), in.topk_weights.as<float>(), T, s);
     core::validate_collectively(control_.get(), signature(T), [&] {
-      check_tensors();
-      MOKA_CUDA_CHECK(cudaStreamSynchronize(s));
-      MOKA_CUDA_CHECK(cudaMemcpy(ids.data(), in.topk_ids.data, slots * sizeof(int32_t), cudaMemcpyDeviceToHost));
-      MOKA_CUDA_CHECK(cudaMemcpy(weights.data(), in.topk_weights.data, slots * sizeof(float), cudaMemcpyDeviceToHost));
-      core::validate_routing(ids.data(), weights.data(), T, shape_.top_k, shape_.num_experts);
+      const unsigned long long e = exchange_->routing_error();
+      if (e != kNoRoutingError) throw routing_error(e, shape_.top_k, shape_.num_experts, "");
     });
-    std::vector<int32_t> all_ids(world_ * slots);
-    std::vector<float> all_weights(world_ * slots);
-    control_->all_gather(ids.data(), all_ids.data(), slots * sizeof(int32_t));
-    control_->all_gather(weights.data(), all_weights.data(), slots * sizeof(float));
-    exchange_->plan(all_ids, all_weights, T, s);
   }
 
   // Rows of x or d_out into the grouped buffer: a local gather, or the all-to-all dispatch.
@@ -310,8 +304,10 @@ class CudaMoeLayer final : public MoeLayer {
     }
   }
 
+  // One rank: the slots (non-local ones map to -1). Across ranks: every grouped row, padding
+  // included (padding rows compute on garbage no product reads: the GEMMs take real rows only).
   RowMap routed_rows(const Workspace& ws) const {
-    if (exchange_) return {exchange_->row_of_received(), exchange_->received_rows()};
+    if (exchange_) return {nullptr, exchange_->grouped_rows()};
     return {ws.row_of_slot.as<int32_t>(), ws.tokens * shape_.top_k};
   }
   // Where slot token*k+j's routed row is read by the combine and the d_x reduction.
@@ -323,20 +319,10 @@ class CudaMoeLayer final : public MoeLayer {
   // memory; it never waits for the device here). Reported once, then cleared.
   void report_device_errors() {
     const unsigned long long e = *const_cast<volatile unsigned long long*>(error_);
-    if (e == ~0ull) return;
-    *error_ = ~0ull;
-    const int64_t slot = static_cast<int64_t>(e >> 2), t = slot / shape_.top_k, j = slot % shape_.top_k;
-    std::ostringstream os;
-    os << "an earlier call's routing was invalid at topk_ids/topk_weights[" << t << ", " << j << "]: ";
-    switch (e & 3) {
-      case 1: os << "expert id outside [0, " << shape_.num_experts << ")"; break;
-      case 2: os << "the same expert twice in one token's top-k"; break;
-      default: os << "non-finite weight"; break;
-    }
-    os << " (that call's outputs are invalid)";
-    throw Error((e & 3) == 1 ? ErrorCode::expert_out_of_range
-                             : ((e & 3) == 2 ? ErrorCode::duplicate_expert : ErrorCode::non_finite),
-                os.str());
+    if (e == kNoRoutingError) return;
+    *error_ = kNoRoutingError;
+    throw routing_error(e, shape_.top_k, shape_.num_experts,
+                        "an earlier call's routing was invalid (that call's outputs are invalid) at ");
   }
 
   DeviceSchedule schedule(const Workspace& ws) const {
@@ -377,7 +363,8 @@ class CudaMoeLayer final : public MoeLayer {
       ws->returned_y = DeviceBuffer(T * k * H * sizeof(bf16));
       ws->returned_dxa = DeviceBuffer(T * k * H * sizeof(bf16));
       ws->returned_dxb = DeviceBuffer(T * k * H * sizeof(bf16));
-      ws->received_d_weight = DeviceBuffer(ws->rows * sizeof(float));
+      ws->row_weight = DeviceBuffer(ws->rows * sizeof(float));
+      ws->row_d_weight = DeviceBuffer(ws->rows * sizeof(float));
     }
     require(ws->rows < (int64_t(1) << 31), ErrorCode::unsupported_size, "too many routed rows for int32 offsets");
     ws->chunk_counts = DeviceBuffer(schedule_chunks(T * k) * E * sizeof(int32_t));

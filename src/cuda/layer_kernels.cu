@@ -131,6 +131,11 @@ __global__ void gather_scalars_kernel(const float* src, float* dst, const int32_
   if (i < n) dst[i] = src[index[i]];
 }
 
+__global__ void scatter_scalars_kernel(const float* src, float* dst, const int32_t* index, int64_t n) {
+  const int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (i < n) dst[index[i]] = src[i];
+}
+
 __device__ __forceinline__ int64_t row_of(const int32_t* row_of_slot, int64_t i) {
   return row_of_slot ? row_of_slot[i] : i;
 }
@@ -333,6 +338,22 @@ void gather_scalars(const float* src, float* dst, const int32_t* index, int64_t 
   if (n == 0) return;
   gather_scalars_kernel<<<grid_of((n + 255) / 256), 256, 0, stream>>>(src, dst, index, n);
   MOKA_CUDA_CHECK_LAUNCH();
+}
+
+void scatter_scalars(const float* src, float* dst, const int32_t* index, int64_t n, cudaStream_t stream) {
+  if (n == 0) return;
+  scatter_scalars_kernel<<<grid_of((n + 255) / 256), 256, 0, stream>>>(src, dst, index, n);
+  MOKA_CUDA_CHECK_LAUNCH();
+}
+
+Error routing_error(unsigned long long code, int64_t top_k, int64_t num_experts, const std::string& context) {
+  const int64_t slot = static_cast<int64_t>(code >> 2), t = slot / top_k, j = slot % top_k;
+  const std::string what = context + "topk_ids/topk_weights[" + std::to_string(t) + ", " + std::to_string(j) + "]: ";
+  switch (code & 3) {
+    case 1: return Error(ErrorCode::expert_out_of_range, what + "expert id outside [0, " + std::to_string(num_experts) + ")");
+    case 2: return Error(ErrorCode::duplicate_expert, what + "the same expert twice in one token's top-k");
+    default: return Error(ErrorCode::non_finite, what + "non-finite weight");
+  }
 }
 
 void swiglu_forward_rows(const bf16* gate, const bf16* up, bf16* hidden, const int32_t* row_of_slot, int64_t rows,

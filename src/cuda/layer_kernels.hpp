@@ -7,6 +7,10 @@
 
 #include <cstdint>
 
+#include <string>
+
+#include "moka/error.hpp"
+
 namespace moka::cuda {
 
 using bf16 = __nv_bfloat16;
@@ -34,12 +38,18 @@ int64_t schedule_chunks(int64_t slots);
 void build_schedule(const DeviceSchedule& s, const int32_t* topk_ids, const float* topk_weights,
                     cudaStream_t stream);
 
+inline constexpr unsigned long long kNoRoutingError = ~0ull;
+// The error a DeviceSchedule::error code stands for, naming the entry [t, j] after `context`.
+Error routing_error(unsigned long long code, int64_t top_k, int64_t num_experts, const std::string& context);
+
 // dst[row_of_slot[s]] = src[s / k] for every local slot s (rows of `width` bf16).
 void gather_rows(const bf16* src, bf16* dst, const int32_t* row_of_slot, int64_t slots, int64_t top_k,
                  int64_t width, cudaStream_t stream);
 
 // dst[i] = src[index[i]] for i < n (one float per route, e.g. d_topk_weights into slot order).
 void gather_scalars(const float* src, float* dst, const int32_t* index, int64_t n, cudaStream_t stream);
+// dst[index[i]] = src[i] for i < n.
+void scatter_scalars(const float* src, float* dst, const int32_t* index, int64_t n, cudaStream_t stream);
 
 // hidden = act(gate, up) for the rows named by row_of_slot (or rows 0..rows-1 when null).
 struct ActParams {
