@@ -38,6 +38,7 @@ void ExpertExchange::plan(const int32_t* topk_ids, const float* topk_weights, in
     MOKA_CUDA_CHECK(cudaMalloc(&sort_.row_of_slot, slots * sizeof(int32_t)));
     slot_capacity_ = slots;
   }
+  *error_ = kNoRoutingError;  // the stream is idle here: the previous plan synchronized
   // Sorting by global expert with tile 1 is the single-rank schedule over all E experts.
   sort_.slots = slots;
   sort_.num_experts = E;

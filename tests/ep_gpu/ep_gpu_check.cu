@@ -183,6 +183,38 @@ void layer_matches_reference(ProcessGroup& host, const MoeShape& s, int64_t T, S
   host.barrier();
 }
 
+// A bad input on one rank (an expert id out of range on rank 1) stops the call on every rank
+// with the same error naming rank 1, before any rows move; the layer stays usable afterwards.
+void bad_routing_on_one_rank_is_reported_everywhere(ProcessGroup& host) {
+  const MoeShape s{256, 128, 8, 2, 0, Activation::swiglu, 7.0f};
+  const int me = host.rank();
+  auto ranks = group_inputs(s, host.size(), 64, 5, Skew::uniform);
+  if (me == 1) ranks[1].topk_ids[7] = 99;
+  gpu_test::GpuCase c(ranks[me]);
+  c.upload();
+  auto layer = make_moe_layer(s, Backend::cuda, &host, LayerOptions{128, 0});
+  std::string error;
+  try {
+    layer->forward(c.inputs(), c.weights(), c.out_view());
+  } catch (const Error& e) {
+    error = e.what();
+  }
+  check(error.find("expert id out of range") != std::string::npos && error.find("rank 1") != std::string::npos &&
+            error.find("[3, 1]") != std::string::npos,
+        "bad routing on rank 1 reported here: " + error, me);
+  gpu_test::GpuCase good(group_inputs(s, host.size(), 64, 6, Skew::uniform)[me]);
+  good.upload();
+  bool recovered = true;
+  try {
+    auto ctx = layer->forward(good.inputs(), good.weights(), good.out_view());
+    MOKA_CUDA_CHECK(cudaDeviceSynchronize());
+  } catch (const Error&) {
+    recovered = false;
+  }
+  check(recovered, "the layer runs again after the error", me);
+  host.barrier();
+}
+
 // Last: rank 1 never arrives; rank 0's barrier must time out and name rank 1.
 void missing_peer_times_out(DeviceGroup& g) {
   if (g.rank() != 0) return;
@@ -216,6 +248,7 @@ int main() {
     layer_matches_reference(*host, shaped, 77, Skew::all_to_rank0, "EP layer, a rank receiving nothing");
     layer_matches_reference(*host, MoeShape{512, 256, 16, 8, 0, Activation::swiglu_clamped, 7.0f}, 1,
                             Skew::uniform, "EP layer, T=1 k=8 clamped");
+    bad_routing_on_one_rank_is_reported_everywhere(*host);
     symmetric_stores_are_visible_after_the_barrier(*g);
     barrier_replays_in_a_cuda_graph(*g);
     host->barrier();
