@@ -6,12 +6,7 @@ set -uo pipefail
 BIN=$(cd "${1:-build}" && pwd)
 OUT=${OUT:-$PWD/gpu_out}
 mkdir -p "$OUT"
-export NCCL_NVLS_ENABLE=0
-# NCCL and cuBLAS come from the PyTorch environment's nvidia packages on the GPU machines.
-for pkg in nccl cublas; do
-  dir=$(python3 -c "import nvidia.$pkg as m, os; print(os.path.join(list(m.__path__)[0], 'lib'))" 2>/dev/null)
-  [ -n "$dir" ] && export LD_LIBRARY_PATH="$dir:${LD_LIBRARY_PATH:-}"
-done
+source "$(dirname "$0")/gpu_env.sh"
 nvidia-smi --query-gpu=index,name,driver_version --format=csv | tee "$OUT/device.txt"
 rc=0
 if [ "$(nvidia-smi -L | wc -l)" -ge 2 ]; then

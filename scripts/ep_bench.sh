@@ -11,11 +11,7 @@ SHAPES=${SHAPES:-qwen3-30b-a3b,qwen3-235b-a22b,deepseek-v3,gpt-oss-120b,mixtral-
 TOKENS=${TOKENS:-4096,16384}
 ITERS=${ITERS:-10}
 mkdir -p "$OUT"
-export NCCL_NVLS_ENABLE=0
-for pkg in nccl cublas; do
-  dir=$(python3 -c "import nvidia.$pkg as m, os; print(os.path.join(list(m.__path__)[0], 'lib'))" 2>/dev/null)
-  [ -n "$dir" ] && export LD_LIBRARY_PATH="$dir:${LD_LIBRARY_PATH:-}"
-done
+source "$(dirname "$0")/gpu_env.sh"
 PYTHONUNBUFFERED=1 timeout 200 "$BIN/moka" launch -n "$N" -- python3 "$BIN/torch_baseline.py" --shapes "$SHAPES" \
   --tokens "$TOKENS" --iters "$ITERS" --out "$OUT/torch_ep$N.jsonl" > "$OUT/torch_ep$N.log" 2>&1
 tail -3 "$OUT/torch_ep$N.log"

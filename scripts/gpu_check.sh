@@ -5,8 +5,8 @@
 #   MODE=tests|bench|all (default all); SUITES (gtest filters), SHAPES, TOKENS, ITERS override
 #   the default lists.
 set -uo pipefail
-export NCCL_NVLS_ENABLE=0
 HERE=$(cd "$(dirname "$0")" && pwd)
+source "$HERE/gpu_env.sh"
 BIN=${BIN:-$HERE}
 [[ -x $BIN/moka_gpu_tests ]] || BIN=$HERE/../build
 OUT=${OUT:-$PWD/gpu_out}
@@ -15,9 +15,6 @@ MODE=${MODE:-all}
 SHAPES=${SHAPES:-qwen3-30b-a3b,qwen3-235b-a22b,deepseek-v3,gpt-oss-120b,mixtral-8x7b}
 TOKENS=${TOKENS:-4096,16384}
 ITERS=${ITERS:-20}
-# cuBLAS from PyTorch's wheels when the system has no libcublas of this major version.
-CUBLAS_DIR=$(python3 -c 'import nvidia.cublas, os; print(os.path.join(list(nvidia.cublas.__path__)[0], "lib"))' 2>/dev/null)
-export LD_LIBRARY_PATH=${CUBLAS_DIR:+$CUBLAS_DIR:}${LD_LIBRARY_PATH:-}
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.max.sm,temperature.gpu --format=csv | tee "$OUT/device.txt"
 rc=0
 if [[ $MODE == tests || $MODE == all ]]; then

@@ -133,14 +133,7 @@ class CudaMoeLayer final : public MoeLayer {
     }
     Workspace& ws = workspace(T, exchange_ ? exchange_->grouped_rows() : T * k + local_experts_ * (options_.tile_rows - 1));
     if (exchange_) exchange_->dispatch_scalars(in.topk_weights.as<float>(), ws.row_weight.as<float>(), s);
-    BufferTable table = buffer_table(ws);
-    table.ptr[kX] = in.x.data;
-    table.ptr[kWG] = w.w_gate.data;
-    table.ptr[kWU] = w.w_up.data;
-    table.ptr[kWD] = w.w_down.data;
-    table.ptr[kWSG] = w.ws_gate.data;
-    table.ptr[kWSU] = w.ws_up.data;
-    table.ptr[kWSD] = w.ws_down.data;
+    const BufferTable table = buffer_table(ws, in.x, w);
 
     if (exchange_) {
       exchange_->upload_schedule(ws.counts.as<int32_t>(), ws.offsets.as<int32_t>());
@@ -189,14 +182,7 @@ class CudaMoeLayer final : public MoeLayer {
     });
     Workspace& ws = *ws_;
     const cudaStream_t s = g_stream;
-    BufferTable table = buffer_table(ws);
-    table.ptr[kX] = ctx->inputs.x.data;
-    table.ptr[kWG] = w.w_gate.data;
-    table.ptr[kWU] = w.w_up.data;
-    table.ptr[kWD] = w.w_down.data;
-    table.ptr[kWSG] = w.ws_gate.data;
-    table.ptr[kWSU] = w.ws_up.data;
-    table.ptr[kWSD] = w.ws_down.data;
+    BufferTable table = buffer_table(ws, ctx->inputs.x, w);
     table.ptr[kDOut] = d_out.data;
     table.ptr[kDWG] = g.d_w_gate.data;
     table.ptr[kDWU] = g.d_w_up.data;
@@ -343,9 +329,17 @@ class CudaMoeLayer final : public MoeLayer {
     return d;
   }
 
-  static BufferTable buffer_table(const Workspace& ws) {
+  // The workspace's buffers plus the caller's x and weights.
+  static BufferTable buffer_table(const Workspace& ws, const TensorView& x, const MoeWeights& w) {
     BufferTable t;
     for (int b = 0; b < kNumBufs; ++b) t.ptr[b] = ws.bufs[b].ptr;
+    t.ptr[kX] = x.data;
+    t.ptr[kWG] = w.w_gate.data;
+    t.ptr[kWU] = w.w_up.data;
+    t.ptr[kWD] = w.w_down.data;
+    t.ptr[kWSG] = w.ws_gate.data;
+    t.ptr[kWSU] = w.ws_up.data;
+    t.ptr[kWSD] = w.ws_down.data;
     return t;
   }
 
