@@ -14,7 +14,6 @@ ExpertExchange::ExpertExchange(DeviceGroup& group, const MoeShape& shape, int64_
   MOKA_CUDA_CHECK(cudaHostAlloc(&error_, sizeof(unsigned long long), cudaHostAllocMapped));
   *error_ = kNoRoutingError;
   MOKA_CUDA_CHECK(cudaHostGetDevicePointer(reinterpret_cast<void**>(&sort_.error), error_, 0));
-  expert_offset_.assign(1, 0);
 }
 
 ExpertExchange::~ExpertExchange() {
@@ -59,33 +58,13 @@ void ExpertExchange::plan(const int32_t* topk_ids, const float* topk_weights, in
                                   cudaMemcpyDeviceToHost, stream));
   MOKA_CUDA_CHECK(cudaStreamSynchronize(stream));
 
-  // Sends: this rank's send order holds expert after expert, so (owner, expert) blocks follow.
-  send_blocks_.clear();
-  int64_t first = 0;
-  for (int64_t e = 0; e < E; ++e) {
-    send_blocks_.push_back({static_cast<int>(e / El), first, host_counts_[e]});
-    first += host_counts_[e];
-  }
-  // Receives: expert by expert, each expert's rows from source 0, then 1, ..., padded to the tile.
-  const int32_t* received = host_counts_ + E;
-  recv_blocks_.clear();
-  expert_rows_.assign(El, 0);
-  expert_offset_.assign(El + 1, 0);
-  for (int64_t e = 0; e < El; ++e) {
-    int64_t row = expert_offset_[e];
-    for (int src = 0; src < R; ++src) {
-      recv_blocks_.push_back({src, row, received[src * El + e]});
-      row += received[src * El + e];
-    }
-    expert_rows_[e] = row - expert_offset_[e];
-    expert_offset_[e + 1] = expert_offset_[e] + (expert_rows_[e] + tile_rows_ - 1) / tile_rows_ * tile_rows_;
-  }
+  blocks_ = core::plan_exchange_blocks(host_counts_, host_counts_ + E, R, El, tile_rows_);
 }
 
 void ExpertExchange::upload_schedule(int32_t* counts, int32_t* offsets) const {
   // Blocking copies: plan() has already waited for the stream, so nothing reads these now.
-  const std::vector<int32_t> c(expert_rows_.begin(), expert_rows_.end());
-  const std::vector<int32_t> o(expert_offset_.begin(), expert_offset_.end());
+  const std::vector<int32_t> c(blocks_.expert_rows.begin(), blocks_.expert_rows.end());
+  const std::vector<int32_t> o(blocks_.expert_offset.begin(), blocks_.expert_offset.end());
   MOKA_CUDA_CHECK(cudaMemcpy(counts, c.data(), c.size() * sizeof(int32_t), cudaMemcpyHostToDevice));
   MOKA_CUDA_CHECK(cudaMemcpy(offsets, o.data(), o.size() * sizeof(int32_t), cudaMemcpyHostToDevice));
 }
@@ -102,12 +81,12 @@ T* ExpertExchange::staging(int which, size_t elems) {
   return static_cast<T*>(staging_[which]);
 }
 
-void ExpertExchange::move(const void* src, const std::vector<Block>& from_blocks, void* dst,
-                          const std::vector<Block>& to_blocks, size_t row_bytes, cudaStream_t stream) {
+void ExpertExchange::move(const void* src, const std::vector<core::TransferBlock>& from_blocks, void* dst,
+                          const std::vector<core::TransferBlock>& to_blocks, size_t row_bytes, cudaStream_t stream) {
   std::vector<DeviceGroup::Transfer> sends, recvs;
-  for (const Block& b : from_blocks)
+  for (const core::TransferBlock& b : from_blocks)
     if (b.rows) sends.push_back({b.peer, const_cast<char*>(static_cast<const char*>(src)) + b.first * row_bytes, b.rows * row_bytes});
-  for (const Block& b : to_blocks)
+  for (const core::TransferBlock& b : to_blocks)
     if (b.rows) recvs.push_back({b.peer, static_cast<char*>(dst) + b.first * row_bytes, b.rows * row_bytes});
   group_.send_recv(sends, recvs, stream);
 }
@@ -116,24 +95,24 @@ void ExpertExchange::dispatch(const bf16* tokens, bf16* grouped, int64_t width, 
   const int64_t slots = tokens_ * shape_.top_k;
   bf16* send = staging<bf16>(0, slots * width);
   gather_rows(tokens, send, send_position_, slots, shape_.top_k, width, stream);
-  move(send, send_blocks_, grouped, recv_blocks_, width * sizeof(bf16), stream);
+  move(send, blocks_.sends, grouped, blocks_.receives, width * sizeof(bf16), stream);
 }
 
 void ExpertExchange::dispatch_scalars(const float* per_slot, float* per_row, cudaStream_t stream) {
   const int64_t slots = tokens_ * shape_.top_k;
   float* send = staging<float>(1, slots);
   scatter_scalars(per_slot, send, send_position_, slots, stream);
-  move(send, send_blocks_, per_row, recv_blocks_, sizeof(float), stream);
+  move(send, blocks_.sends, per_row, blocks_.receives, sizeof(float), stream);
 }
 
 void ExpertExchange::combine(const bf16* grouped, bf16* by_send_position, int64_t width, cudaStream_t stream) {
-  move(grouped, recv_blocks_, by_send_position, send_blocks_, width * sizeof(bf16), stream);
+  move(grouped, blocks_.receives, by_send_position, blocks_.sends, width * sizeof(bf16), stream);
 }
 
 void ExpertExchange::combine_scalars(const float* per_row, float* per_slot, cudaStream_t stream) {
   const int64_t slots = tokens_ * shape_.top_k;
   float* back = staging<float>(1, slots);
-  move(per_row, recv_blocks_, back, send_blocks_, sizeof(float), stream);
+  move(per_row, blocks_.receives, back, blocks_.sends, sizeof(float), stream);
   gather_scalars(back, per_slot, send_position_, slots, stream);
 }
 

@@ -11,6 +11,7 @@
 #include <cstdint>
 #include <vector>
 
+#include "core/exchange_blocks.hpp"
 #include "cuda/layer_kernels.hpp"
 #include "moka/config.hpp"
 #include "moka/device_group.hpp"
@@ -31,7 +32,7 @@ class ExpertExchange {
 
   // Padded rows of this rank's grouped buffer, and its schedule for the grouped GEMMs:
   // counts [E_local] and offsets [E_local + 1].
-  int64_t grouped_rows() const { return expert_offset_.back(); }
+  int64_t grouped_rows() const { return blocks_.expert_offset.back(); }
   void upload_schedule(int32_t* counts, int32_t* offsets) const;
   // Position in the send order of slot token*k+j ([T*k]): where combined rows come back.
   const int32_t* send_position_of_slot() const { return send_position_; }
@@ -46,15 +47,10 @@ class ExpertExchange {
   void combine_scalars(const float* per_row, float* per_slot, cudaStream_t stream);
 
  private:
-  // A run of rows exchanged with one peer: rows [first, first + rows) of the local buffer.
-  struct Block {
-    int peer;
-    int64_t first, rows;
-  };
-  // Moves the rows of `from_blocks` of `src` into the `to_blocks` of `dst` (both sides list the
-  // blocks of a peer pair in the same expert order, so NCCL matches them one to one).
-  void move(const void* src, const std::vector<Block>& from_blocks, void* dst, const std::vector<Block>& to_blocks,
-            size_t row_bytes, cudaStream_t stream);
+  // Moves the rows of `from_blocks` of `src` into the `to_blocks` of `dst` (core/exchange_blocks.hpp
+  // says why NCCL pairs them one to one).
+  void move(const void* src, const std::vector<core::TransferBlock>& from_blocks, void* dst,
+            const std::vector<core::TransferBlock>& to_blocks, size_t row_bytes, cudaStream_t stream);
   template <typename T>
   T* staging(int which, size_t elems);
 
@@ -67,8 +63,7 @@ class ExpertExchange {
   int32_t* received_counts_ = nullptr;  // device [world][E_local]
   int32_t* host_counts_ = nullptr;      // pinned: [E] sent per expert, then [world][E_local] received
   unsigned long long* error_ = nullptr;  // mapped host memory the routing check writes
-  std::vector<int64_t> expert_rows_, expert_offset_;
-  std::vector<Block> send_blocks_, recv_blocks_;
+  core::ExchangeBlocks blocks_{{}, {}, {}, {0}};
   size_t slot_capacity_ = 0;
   void* staging_[2] = {};
   size_t staging_bytes_[2] = {};
