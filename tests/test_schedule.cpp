@@ -19,15 +19,16 @@ std::vector<int32_t> routing(int R, int64_t T, int64_t k, int64_t E, RoutingKind
 }
 }  // namespace
 
-class ScheduleInvariants : public ::testing::TestWithParam<std::tuple<int, int64_t, int64_t, RoutingKind>> {};
+class ScheduleInvariants
+    : public ::testing::TestWithParam<std::tuple<int, int64_t, int64_t, RoutingKind, moka::RowOrder>> {};
 
 TEST_P(ScheduleInvariants, EveryRoutePlacedOnceWithCorrectPadding) {
-  const auto [R, T, tile, kind] = GetParam();
+  const auto [R, T, tile, kind, row_order] = GetParam();
   const int64_t k = 3, E = 16;
   const auto all = routing(R, T, k, E, kind, 7);
   std::set<std::tuple<int, int64_t>> seen;
   for (int rank = 0; rank < R; ++rank) {
-    ScheduleDims d{R, T, k, E / R, rank * (E / R), tile};
+    ScheduleDims d{R, T, k, E / R, rank * (E / R), tile, row_order, rank};
     const auto s = build_receive_schedule(d, all.data());
     ASSERT_EQ(s.expert_offset.size(), size_t(E / R + 1));
     for (int64_t e = 0; e < E / R; ++e) {
@@ -53,7 +54,9 @@ INSTANTIATE_TEST_SUITE_P(Shapes, ScheduleInvariants,
                          ::testing::Combine(::testing::Values(1, 2, 4, 8), ::testing::Values<int64_t>(0, 1, 37, 256),
                                             ::testing::Values<int64_t>(1, 8, 128),
                                             ::testing::Values(RoutingKind::uniform, RoutingKind::zipf,
-                                                              RoutingKind::one_expert)));
+                                                              RoutingKind::one_expert),
+                                            ::testing::Values(moka::RowOrder::round_robin,
+                                                              moka::RowOrder::rate_based)));
 
 TEST(Schedule, InterleavesSourcesRoundRobinAndKeepsSlotOrder) {
   // 2 ranks, T=3, k=1, one expert: rank 0 routes tokens 0,1,2; rank 1 routes token 0 and 2.
@@ -84,16 +87,17 @@ TEST(Schedule, SendPlanMatchesReceiverOrder) {
   const int R = 4;
   const int64_t T = 50, k = 2, E = 8;
   const auto all = routing(R, T, k, E, RoutingKind::uniform, 5);
-  for (int dst = 0; dst < R; ++dst) {
-    ScheduleDims d{R, T, k, E / R, dst * (E / R), 8};
+  for (int dst = 0; dst < 2 * R; ++dst) {
+    const auto order = dst < R ? moka::RowOrder::round_robin : moka::RowOrder::rate_based;
+    ScheduleDims d{R, T, k, E / R, (dst % R) * (E / R), 8, order, dst % R};
     const auto s = build_receive_schedule(d, all.data());
     const auto by_src = rows_by_source(s);
     for (int src = 0; src < R; ++src) {
       const auto plan = build_send_plan(all.data() + src * T * k, T, k, E, R);
-      const int64_t n = plan.rank_offset[dst + 1] - plan.rank_offset[dst];
+      const int64_t n = plan.rank_offset[dst % R + 1] - plan.rank_offset[dst % R];
       ASSERT_EQ(n, int64_t(by_src[src].size()));
       for (int64_t i = 0; i < n; ++i)
-        EXPECT_EQ(s.row_slot[by_src[src][i]], plan.slots[plan.rank_offset[dst] + i]);
+        EXPECT_EQ(s.row_slot[by_src[src][i]], plan.slots[plan.rank_offset[dst % R] + i]);
     }
   }
 }

@@ -25,6 +25,16 @@ struct MoeShape {
   double forward_flops(int64_t tokens) const;
 };
 
+// Order of the rows inside each expert's segment of a rank's grouped buffer, which is the order
+// in which communication work pulls rows from (and pushes results to) the source ranks.
+//   round_robin: one row from every source in turn; sources that run out drop out, so the last
+//     blocks come from the heaviest sources only (a round-robin tail).
+//   rate_based: sources merged by virtual finish time (row i of a source with n rows is due at
+//     (i + 1) / n), ties in staggered order from the receiving rank: every block draws from each
+//     source in proportion to its rows, so every flow finishes together (src/sched's rate-based
+//     schedule, docs/SCHEDULING.md). Results are bitwise the same either way.
+enum class RowOrder : uint8_t { round_robin, rate_based };
+
 // Expert parallelism: experts are split in contiguous blocks of E / world_size over the ranks.
 struct ParallelConfig {
   int rank = 0;

@@ -44,6 +44,7 @@ struct MoeGradients {
 struct LayerOptions {
   int64_t tile_rows = 128;  // each expert's rows are padded to a multiple (the GEMM M tile)
   int num_threads = 0;      // CPU backend worker threads per rank; 0 = hardware concurrency
+  RowOrder row_order = RowOrder::rate_based;  // order of the rows from different sources
 };
 
 // State saved by forward for backward. Opaque; backend-specific.

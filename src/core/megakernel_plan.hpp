@@ -34,6 +34,7 @@
 #include <vector>
 
 #include "core/hd.hpp"
+#include "moka/config.hpp"
 
 namespace moka::core {
 
@@ -48,6 +49,10 @@ struct MegakernelConfig {
   int64_t tile_m = 128;  // GEMM M tile = expert padding = dispatch/combine row-block
   int64_t tile_n = 128;  // GEMM N tile (hidden columns per gate|up tile, output columns per down)
   double spin_timeout_seconds = 30.0;  // bound of every in-kernel wait
+  // Order of the sources' rows in each expert segment, which is the order dispatch pulls them
+  // and combine pushes them back (moka/config.hpp): rate-based keeps every peer's flow at its
+  // share of the bytes for the whole layer.
+  RowOrder row_order = RowOrder::rate_based;
 };
 
 // Sizes of one rank's layer call that the plan depends on.

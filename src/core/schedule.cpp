@@ -42,20 +42,20 @@ ReceiveSchedule build_receive_schedule(const ScheduleDims& dims, const int32_t* 
       const int64_t e = ids[slot] - dims.first_local_expert;
       if (e < 0 || e >= E) continue;
       const int64_t index = seen[e * R + src]++;
-      const int64_t row = s.expert_offset[e] + interleaved_position(&s.counts[e * R], R, src, index);
+      const int64_t row = s.expert_offset[e] + row_position(dims, &s.counts[e * R], src, index);
       s.row_source[row] = src;
       s.row_slot[row] = slot;
     }
   }
-  // Canonical (source, slot) order per expert for order-fixed reductions.
+  // Canonical (source, slot) order per expert for order-fixed reductions: source by source, the
+  // index-th route of a source sits where the row-order rule put it (no sort needed).
   s.canonical_rows.assign(E, {});
   for (int64_t e = 0; e < E; ++e) {
     auto& rows = s.canonical_rows[e];
-    for (int64_t r = s.expert_offset[e]; r < s.expert_offset[e] + s.expert_rows[e]; ++r) rows.push_back(r);
-    std::stable_sort(rows.begin(), rows.end(), [&](int64_t a, int64_t b) {
-      return s.row_source[a] != s.row_source[b] ? s.row_source[a] < s.row_source[b]
-                                                : s.row_slot[a] < s.row_slot[b];
-    });
+    rows.reserve(s.expert_rows[e]);
+    for (int src = 0; src < R; ++src)
+      for (int64_t index = 0; index < s.counts[e * R + src]; ++index)
+        rows.push_back(s.expert_offset[e] + row_position(dims, &s.counts[e * R], src, index));
   }
   return s;
 }

@@ -4,15 +4,17 @@
 //
 // Layout of one receiving rank's grouped buffer:
 //   local expert 0's rows, padded up to a multiple of tile_rows; then expert 1's; ...
-// Inside an expert's segment the rows from different source ranks are interleaved round-robin
-// (source 0's first route, source 1's first, ..., then every source's second, ...; sources that
-// run out are skipped), so one tile reads from many peers. A source's routes to one expert keep
-// their slot order (slot = token * k + j). Padding rows have slot -1.
+// Inside an expert's segment the rows from different source ranks are interleaved (RowOrder in
+// moka/config.hpp): round-robin (source 0's first route, source 1's first, ..., then every
+// source's second, ...; sources that run out are skipped) or rate-based (merged by virtual
+// finish time), so one tile reads from many peers. A source's routes to one expert keep their
+// slot order (slot = token * k + j). Padding rows have slot -1.
 #pragma once
 #include <cstdint>
 #include <vector>
 
 #include "core/hd.hpp"
+#include "moka/config.hpp"
 
 namespace moka::core {
 
@@ -23,6 +25,8 @@ struct ScheduleDims {
   int64_t num_local_experts = 0;
   int64_t first_local_expert = 0;  // global id of local expert 0
   int64_t tile_rows = 128;
+  RowOrder row_order = RowOrder::round_robin;
+  int rank = 0;  // the receiving rank (rate-based ties are staggered from it)
 };
 
 MOKA_HD int64_t round_up(int64_t v, int64_t m) { return (v + m - 1) / m * m; }
@@ -40,6 +44,34 @@ MOKA_HD int64_t interleaved_position(const int64_t* counts, int world_size, int 
     if (r < source && c > index) ++pos;
   }
   return pos;
+}
+
+// Position of the `index`-th route from `source` when the sources' routes are merged by virtual
+// finish time (index + 1) / counts[source], compared exactly as (i + 1) * c' vs (i' + 1) * c;
+// equal times go to sources in staggered order receiver+1, receiver+2, ... (as
+// sched::chunk_order's rate-based merge, which the tests compare it with).
+MOKA_HD int64_t rate_based_position(const int64_t* counts, int world_size, int receiver, int source,
+                                    int64_t index) {
+  const int64_t c = counts[source];
+  const int source_turn = (source - receiver - 1 + 2 * world_size) % world_size;
+  int64_t pos = 0;
+  for (int r = 0; r < world_size; ++r) {
+    const int64_t cr = counts[r];
+    if (cr == 0) continue;
+    const int64_t scaled = (index + 1) * cr;           // (i' + 1) * c < scaled: due earlier
+    const int64_t earlier = (scaled - 1) / c;            // number of i' + 1 values strictly below
+    pos += earlier < cr ? earlier : cr;
+    const int turn = (r - receiver - 1 + 2 * world_size) % world_size;
+    if (r != source && scaled % c == 0 && scaled / c <= cr && turn < source_turn) ++pos;  // tie
+  }
+  return pos;
+}
+
+// The position rule `dims.row_order` selects.
+MOKA_HD int64_t row_position(const ScheduleDims& dims, const int64_t* counts, int source, int64_t index) {
+  return dims.row_order == RowOrder::rate_based
+             ? rate_based_position(counts, dims.world_size, dims.rank, source, index)
+             : interleaved_position(counts, dims.world_size, source, index);
 }
 
 struct ReceiveSchedule {

@@ -231,7 +231,7 @@ class CpuMoeLayer final : public MoeLayer {
 
   void build_schedule(CpuContext<T>& ctx) const {
     core::ScheduleDims dims{world_size(), ctx.tokens, shape_.top_k, num_local_experts(),
-                            first_local_expert(), options_.tile_rows};
+                            first_local_expert(), options_.tile_rows, options_.row_order, rank()};
     ctx.schedule = core::build_receive_schedule(dims, ctx.all_ids.data());
     ctx.send_plan = core::build_send_plan(ctx.all_ids.data() + rank() * ctx.tokens * shape_.top_k,
                                           ctx.tokens, shape_.top_k, shape_.num_experts, world_size());

@@ -297,7 +297,8 @@ MegakernelForwardResult<T> megakernel_forward(ProcessGroup* group, const MoeShap
   MegakernelForwardResult<T> result;
   auto& saved = result.saved;
   saved.schedule = core::build_receive_schedule(
-      {world, tokens, k, local_experts, rank * local_experts, worst.tile_m}, ids_symmetric.data());
+      {world, tokens, k, local_experts, rank * local_experts, worst.tile_m, options.config.row_order, rank},
+      ids_symmetric.data());
   core::MegakernelStatus status;
   saved.plan = core::trim_to_rows(worst, saved.schedule.total_rows());
   std::vector<T> shared_out(shape.has_shared() ? tokens * H : 0);
