@@ -34,38 +34,53 @@ __device__ __forceinline__ void store8(bf16* p, const float (&v)[kVec]) {
 
 // --- schedule -------------------------------------------------------------------------------
 
-// Per-chunk expert histogram (integer shared-memory atomics: the result is exact).
-__global__ void count_chunks(DeviceSchedule s, const int32_t* ids) {
-  extern __shared__ int32_t hist[];
-  for (int64_t e = threadIdx.x; e < s.num_experts; e += blockDim.x) hist[e] = 0;
-  __syncthreads();
-  const int64_t slot = int64_t(blockIdx.x) * kScheduleChunk + threadIdx.x;
-  if (slot < s.slots) {
-    const int64_t e = int64_t(ids[slot]) - s.first_expert;
-    if (e >= 0 && e < s.num_experts) atomicAdd(&hist[e], 1);
-  }
-  __syncthreads();
-  for (int64_t e = threadIdx.x; e < s.num_experts; e += blockDim.x)
-    s.chunk_counts[blockIdx.x * s.num_experts + e] = hist[e];
+// Bin of a (source, slot) route: local expert * world_size + source; -1 when not local.
+__device__ __forceinline__ int64_t bin_of(const DeviceSchedule& s, int32_t id, int64_t global_slot) {
+  const int64_t e = int64_t(id) - s.first_expert;
+  if (e < 0 || e >= s.num_experts) return -1;
+  return e * s.world_size + global_slot / s.slots;
 }
 
-// Per expert: exclusive scan of its chunk counts (in place) and its total; then the padded
-// segment offsets, scanned in expert order by one thread (E is at most a few thousand).
+// Per-chunk histogram of bins (integer shared-memory atomics: the result is exact).
+__global__ void count_chunks(DeviceSchedule s, const int32_t* ids) {
+  extern __shared__ int32_t hist[];
+  const int64_t bins = s.num_experts * s.world_size;
+  for (int64_t b = threadIdx.x; b < bins; b += blockDim.x) hist[b] = 0;
+  __syncthreads();
+  const int64_t slot = int64_t(blockIdx.x) * kScheduleChunk + threadIdx.x;
+  if (slot < s.slots * s.world_size) {
+    const int64_t b = bin_of(s, ids[slot], slot);
+    if (b >= 0) atomicAdd(&hist[b], 1);
+  }
+  __syncthreads();
+  for (int64_t b = threadIdx.x; b < bins; b += blockDim.x) s.chunk_counts[blockIdx.x * bins + b] = hist[b];
+}
+
+// Per bin: exclusive scan of its chunk counts (in place) and its total; per expert the sum over
+// sources; then the padded segment offsets, scanned in expert order by one thread (E is at most
+// a few thousand).
 __global__ void scan_experts(DeviceSchedule s, int64_t chunks) {
-  for (int64_t e = threadIdx.x; e < s.num_experts; e += blockDim.x) {
+  const int64_t bins = s.num_experts * s.world_size;
+  int32_t* per_bin = s.source_counts ? s.source_counts : s.counts;  // one source: bins are experts
+  for (int64_t b = threadIdx.x; b < bins; b += blockDim.x) {
     int32_t run = 0;
     for (int64_t c = 0; c < chunks; ++c) {
-      int32_t* p = &s.chunk_counts[c * s.num_experts + e];
+      int32_t* p = &s.chunk_counts[c * bins + b];
       const int32_t v = *p;
       *p = run;
       run += v;
     }
-    s.counts[e] = run;
+    per_bin[b] = run;
   }
   __syncthreads();
   if (threadIdx.x == 0) {
     int64_t off = 0;
     for (int64_t e = 0; e < s.num_experts; ++e) {
+      if (s.source_counts) {
+        int32_t total = 0;
+        for (int r = 0; r < s.world_size; ++r) total += s.source_counts[e * s.world_size + r];
+        s.counts[e] = total;
+      }
       s.offsets[e] = static_cast<int32_t>(off);
       off += core::round_up(s.counts[e], s.tile_rows);
     }
@@ -73,25 +88,34 @@ __global__ void scan_experts(DeviceSchedule s, int64_t chunks) {
   }
 }
 
-// Row of every slot: a route's index among its expert's routes in slot order, placed by the
-// shared interleave rule (one source rank here).
+// Row of every route: its index among the routes of its (expert, source) in slot order, placed
+// by the shared row-order rule.
 __global__ void place_rows(DeviceSchedule s, const int32_t* ids) {
-  __shared__ int32_t chunk_ids[kScheduleChunk];
+  __shared__ int64_t chunk_bins[kScheduleChunk];
   const int64_t base = int64_t(blockIdx.x) * kScheduleChunk;
   const int64_t slot = base + threadIdx.x;
-  chunk_ids[threadIdx.x] = slot < s.slots ? ids[slot] : -1;
+  const int64_t all_slots = s.slots * s.world_size;
+  chunk_bins[threadIdx.x] = slot < all_slots ? bin_of(s, ids[slot], slot) : -1;
   __syncthreads();
-  if (slot >= s.slots) return;
-  const int32_t id = chunk_ids[threadIdx.x];
-  const int64_t e = int64_t(id) - s.first_expert;
-  if (e < 0 || e >= s.num_experts) {
+  if (slot >= all_slots) return;
+  const int64_t b = chunk_bins[threadIdx.x];
+  if (b < 0) {
     s.row_of_slot[slot] = -1;
     return;
   }
-  int64_t index = s.chunk_counts[blockIdx.x * s.num_experts + e];
-  for (int i = 0; i < int(threadIdx.x); ++i) index += chunk_ids[i] == id;
-  const int64_t count = s.counts[e];
-  s.row_of_slot[slot] = static_cast<int32_t>(s.offsets[e] + core::interleaved_position(&count, 1, 0, index));
+  const int64_t bins = s.num_experts * s.world_size;
+  int64_t index = s.chunk_counts[blockIdx.x * bins + b];
+  for (int i = 0; i < int(threadIdx.x); ++i) index += chunk_bins[i] == b;
+  const int64_t e = b / s.world_size;
+  const int source = static_cast<int>(b % s.world_size);
+  int64_t counts[kMaxScheduleSources];
+  const int32_t* per_source = s.source_counts ? s.source_counts + e * s.world_size : s.counts + e;
+  for (int r = 0; r < s.world_size; ++r) counts[r] = per_source[r];
+  core::ScheduleDims dims;
+  dims.world_size = s.world_size;
+  dims.row_order = s.row_order;
+  dims.rank = s.rank;
+  s.row_of_slot[slot] = static_cast<int32_t>(s.offsets[e] + core::row_position(dims, counts, source, index));
 }
 
 // Input checks on the device (the host never reads the routing): the lowest bad slot wins, so
@@ -312,16 +336,26 @@ int64_t schedule_chunks(int64_t slots) { return (slots + kScheduleChunk - 1) / k
 
 void build_schedule(const DeviceSchedule& s, const int32_t* topk_ids, const float* topk_weights,
                     cudaStream_t stream) {
-  const int64_t chunks = schedule_chunks(s.slots);
-  if (s.slots > 0) {
-    check_routing<<<grid_of((s.slots + 255) / 256), 256, 0, stream>>>(s, topk_ids, topk_weights);
-    MOKA_CUDA_CHECK_LAUNCH();
-    count_chunks<<<grid_of(chunks), kScheduleChunk, s.num_experts * sizeof(int32_t), stream>>>(s, topk_ids);
+  require(s.world_size >= 1 && s.world_size <= kMaxScheduleSources, ErrorCode::unsupported_size,
+          "the device schedule takes 1 to " + std::to_string(kMaxScheduleSources) + " source ranks");
+  require(s.world_size == 1 || s.source_counts != nullptr, ErrorCode::invalid_argument,
+          "a schedule over several source ranks needs source_counts");
+  const int64_t all_slots = s.slots * s.world_size;
+  const int64_t chunks = schedule_chunks(all_slots);
+  const size_t hist_bytes = s.num_experts * s.world_size * sizeof(int32_t);
+  require(hist_bytes <= 48 * 1024, ErrorCode::unsupported_size,
+          "the device schedule takes at most 12288 (local expert, source) pairs");
+  if (all_slots > 0) {
+    if (s.world_size == 1) {
+      check_routing<<<grid_of((s.slots + 255) / 256), 256, 0, stream>>>(s, topk_ids, topk_weights);
+      MOKA_CUDA_CHECK_LAUNCH();
+    }
+    count_chunks<<<grid_of(chunks), kScheduleChunk, hist_bytes, stream>>>(s, topk_ids);
     MOKA_CUDA_CHECK_LAUNCH();
   }
   scan_experts<<<1, 1024, 0, stream>>>(s, chunks);
   MOKA_CUDA_CHECK_LAUNCH();
-  if (s.slots > 0) {
+  if (all_slots > 0) {
     place_rows<<<grid_of(chunks), kScheduleChunk, 0, stream>>>(s, topk_ids);
     MOKA_CUDA_CHECK_LAUNCH();
   }

@@ -9,32 +9,42 @@
 
 #include <string>
 
+#include "moka/config.hpp"
 #include "moka/error.hpp"
 
 namespace moka::cuda {
 
 using bf16 = __nv_bfloat16;
 
-// Device schedule of one rank (expert-parallel size 1): the placement equals
-// core::build_receive_schedule's (same counts, padded offsets and interleave rule).
+// Device receive schedule of one rank: the placement equals core::build_receive_schedule's
+// (same counts, padded offsets and row-order rule). With world_size > 1 the ids are every
+// source rank's ([world_size][T*k], as the megakernel's routing exchange leaves them) and
+// routes are counted per (local expert, source).
 struct DeviceSchedule {
-  int64_t slots = 0;            // T * k
+  int64_t slots = 0;            // T * k per source rank
   int64_t num_experts = 0;      // local experts
   int64_t first_expert = 0;     // global id of local expert 0
   int64_t global_experts = 0;   // ids outside [0, global_experts) are invalid input
   int64_t tile_rows = 128;
   int64_t top_k = 1;
-  int32_t* chunk_counts = nullptr;  // [chunks][E] scratch
-  int32_t* counts = nullptr;        // [E] routed rows per expert
-  int32_t* offsets = nullptr;       // [E + 1] padded segment starts
-  int32_t* row_of_slot = nullptr;   // [T * k] grouped row of slot token*k+j; -1 if not local
+  int world_size = 1;           // source ranks in the ids
+  int rank = 0;                 // the receiving rank (rate-based ties are staggered from it)
+  RowOrder row_order = RowOrder::round_robin;
+  int32_t* chunk_counts = nullptr;   // [chunks][E * world_size] scratch
+  int32_t* counts = nullptr;         // [E] routed rows per expert
+  int32_t* source_counts = nullptr;  // [E][world_size] routes per (expert, source); may be null on one rank
+  int32_t* offsets = nullptr;        // [E + 1] padded segment starts
+  int32_t* row_of_slot = nullptr;    // [world_size * T * k] grouped row of each source slot; -1 if not local
   // First invalid routing entry, encoded (slot << 2 | code) with code 1 = id out of range,
   // 2 = duplicate id in a token, 3 = non-finite weight; ~0 when none. Device-visible host memory.
   unsigned long long* error = nullptr;
 };
 inline constexpr int kScheduleChunk = 256;  // slots per block of the counting passes
+inline constexpr int kMaxScheduleSources = 64;  // source ranks one device schedule takes
 int64_t schedule_chunks(int64_t slots);
 
+// Counts, offsets and rows; on one rank also the routing check (weights must then be given).
+// Across ranks each rank checks its own routing before the exchange, so nothing is checked here.
 void build_schedule(const DeviceSchedule& s, const int32_t* topk_ids, const float* topk_weights,
                     cudaStream_t stream);
 

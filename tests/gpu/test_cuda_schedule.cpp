@@ -60,3 +60,60 @@ INSTANTIATE_TEST_SUITE_P(Routing, DeviceSchedule,
                                             ::testing::Values<int64_t>(8, 128, 384), ::testing::Values<int64_t>(1, 128),
                                             ::testing::Values(core::RoutingKind::uniform, core::RoutingKind::zipf,
                                                               core::RoutingKind::one_expert)));
+
+// Across ranks: the receive schedule from every source's ids ([R][T*k], as the megakernel's
+// routing exchange leaves them) equals the CPU rule for either row order.
+class DeviceScheduleAcrossRanks
+    : public ::testing::TestWithParam<std::tuple<int, int64_t, core::RoutingKind, RowOrder>> {};
+
+TEST_P(DeviceScheduleAcrossRanks, EqualsTheCpuSchedule) {
+  const auto [R, T, kind, order] = GetParam();
+  const int64_t k = 4, El = 16, E = El * R, tile = 128, slots = T * k;
+  std::vector<int32_t> all;
+  for (int r = 0; r < R; ++r) {
+    const auto ids = core::sample_topk_ids({kind, 0.5, uint64_t(T + R)}, T, k, E, r);
+    all.insert(all.end(), ids.begin(), ids.end());
+  }
+  for (int rank : {0, R - 1}) {
+    const auto ref = core::build_receive_schedule({R, T, k, El, rank * El, tile, order, rank}, all.data());
+    gpu_test::DeviceTensor d_ids(R * slots * 4), chunk(cuda::schedule_chunks(R * slots) * El * R * 4),
+        counts(El * 4), source_counts(El * R * 4), offsets((El + 1) * 4), rows(R * slots * 4);
+    MOKA_CUDA_CHECK(cudaMemcpy(d_ids.ptr, all.data(), R * slots * 4, cudaMemcpyHostToDevice));
+    cuda::DeviceSchedule s;
+    s.slots = slots, s.num_experts = El, s.first_expert = rank * El, s.global_experts = E, s.tile_rows = tile;
+    s.top_k = k, s.world_size = R, s.rank = rank, s.row_order = order;
+    s.chunk_counts = static_cast<int32_t*>(chunk.ptr);
+    s.counts = static_cast<int32_t*>(counts.ptr);
+    s.source_counts = static_cast<int32_t*>(source_counts.ptr);
+    s.offsets = static_cast<int32_t*>(offsets.ptr);
+    s.row_of_slot = static_cast<int32_t*>(rows.ptr);
+    cuda::build_schedule(s, static_cast<int32_t*>(d_ids.ptr), nullptr, nullptr);
+    MOKA_CUDA_CHECK(cudaDeviceSynchronize());
+
+    std::vector<int32_t> hc(El), hs(El * R), ho(El + 1), hr(R * slots);
+    MOKA_CUDA_CHECK(cudaMemcpy(hc.data(), counts.ptr, El * 4, cudaMemcpyDeviceToHost));
+    MOKA_CUDA_CHECK(cudaMemcpy(hs.data(), source_counts.ptr, El * R * 4, cudaMemcpyDeviceToHost));
+    MOKA_CUDA_CHECK(cudaMemcpy(ho.data(), offsets.ptr, (El + 1) * 4, cudaMemcpyDeviceToHost));
+    MOKA_CUDA_CHECK(cudaMemcpy(hr.data(), rows.ptr, R * slots * 4, cudaMemcpyDeviceToHost));
+    for (int64_t e = 0; e < El; ++e) {
+      ASSERT_EQ(hc[e], ref.expert_rows[e]) << "expert " << e;
+      ASSERT_EQ(ho[e], ref.expert_offset[e]) << "expert " << e;
+      for (int r = 0; r < R; ++r) ASSERT_EQ(hs[e * R + r], ref.count(e, r)) << "expert " << e << " source " << r;
+    }
+    ASSERT_EQ(ho[El], ref.total_rows());
+    std::vector<int32_t> row_source(ref.total_rows(), -1);
+    std::vector<int64_t> row_slot(ref.total_rows(), -1);
+    for (int64_t g = 0; g < R * slots; ++g) {
+      if (hr[g] < 0) continue;
+      row_source.at(hr[g]) = static_cast<int32_t>(g / slots);
+      row_slot.at(hr[g]) = g % slots;
+    }
+    EXPECT_EQ(row_source, ref.row_source) << "rank " << rank;
+    EXPECT_EQ(row_slot, ref.row_slot) << "rank " << rank;
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(Ranks, DeviceScheduleAcrossRanks,
+                         ::testing::Combine(::testing::Values(2, 4, 8), ::testing::Values<int64_t>(37, 300),
+                                            ::testing::Values(core::RoutingKind::uniform, core::RoutingKind::zipf),
+                                            ::testing::Values(RowOrder::round_robin, RowOrder::rate_based)));
