@@ -11,12 +11,14 @@ namespace moka::cuda {
 
 int device_count();
 
-// The bf16 layer on the current device (expert-parallel size 1 for now). Inputs, weights and
-// gradients are device TensorViews: bf16, topk_weights/d_topk_weights f32.
+// The bf16 layer on the current device; with a group of several ranks its experts are split over
+// them (a new NCCL communicator; the all-to-all path). Inputs, weights and gradients are device
+// TensorViews: bf16, topk_weights/d_topk_weights f32.
 // One forward may be in flight per layer: its context refers to the layer's workspace, and
-// backward with an older context is an error. The first call with a token count allocates the
-// workspace (not capturable); later calls with that count only launch kernels on the current
-// stream and can be captured in a CUDA graph.
+// backward with an older context is an error. On one rank the first call with a token count
+// allocates the workspace (not capturable); later calls with that count only launch kernels on
+// the current stream and can be captured in a CUDA graph. Across ranks each call synchronizes once
+// (the exchanged count table), so it is not capturable.
 std::unique_ptr<MoeLayer> make_cuda_moe_layer(const MoeShape& shape, ProcessGroup* group,
                                               const LayerOptions& options);
 // The same layer with every grouped GEMM replaced by a per-expert cuBLAS loop that reads the
