@@ -100,7 +100,7 @@ TEST_P(MegakernelMatchesReference, Bitwise) {
 }
 
 INSTANTIATE_TEST_SUITE_P(Ranks, MegakernelMatchesReference,
-                         ::testing::Combine(::testing::Values(1, 2, 4),
+                         ::testing::Combine(::testing::Values(1, 2, 4, 8),
                                             ::testing::Values(core::RoutingKind::uniform, core::RoutingKind::zipf,
                                                               core::RoutingKind::one_expert)));
 
