@@ -149,8 +149,9 @@ double grouped_gemm_tflops(const NamedShape& ns, const LayerTensors& t, const Cu
   return 2.0 * double(slots) * 2.0 * double(I) * double(H) / (ms * 1e-3) / 1e12;
 }
 
-// Looks up bench/torch_baseline.py's fwd+bwd ms for this shape and token count.
-double torch_ms(const std::string& path, const std::string& shape, int64_t tokens, int ep = 1) {
+// Looks up bench/torch_baseline.py's `key` ms (fwdbwd_ms, fwd_ms) for this shape and token count.
+double torch_ms(const std::string& path, const std::string& shape, int64_t tokens, int ep = 1,
+                const char* key = "fwdbwd_ms") {
   if (path.empty()) return 0;
   std::ifstream f(path);
   require(f.good(), ErrorCode::io, "cannot read torch results " + path);
@@ -160,7 +161,7 @@ double torch_ms(const std::string& path, const std::string& shape, int64_t token
     if (line.empty()) continue;
     const auto j = nlohmann::json::parse(line);
     if (j.value("shape", "") == shape && j.value("tokens_per_rank", int64_t(0)) == tokens && j.value("ep", 1) == ep)
-      ms = j.value("fwdbwd_ms", 0.0);
+      ms = j.value(key, 0.0);
   }
   return ms;
 }
@@ -280,6 +281,72 @@ double max_over_ranks(ProcessGroup& g, double v) {
   return *std::max_element(all.begin(), all.end());
 }
 
+// Two functions timed alternately, iteration by iteration: the median of each and the median of
+// the per-iteration ratios b/a (side by side, so drifting clocks affect both alike).
+struct Paired {
+  double a_ms = 0, b_ms = 0, ratio = 0;
+};
+template <typename A, typename B>
+Paired time_paired(A&& a, B&& b, int warmup, int iters, cudaStream_t s) {
+  std::vector<double> ta, tb, ratio;
+  for (int i = 0; i < iters; ++i) {
+    ta.push_back(time_ms(a, i == 0 ? warmup : 0, 1, s));
+    tb.push_back(time_ms(b, i == 0 ? warmup : 0, 1, s));
+    ratio.push_back(tb.back() / ta.back());
+  }
+  return {median(ta), median(tb), median(ratio)};
+}
+
+void write_timeline(const std::string& path, const std::string& shape, int64_t tokens, int ep,
+                    const std::vector<MegakernelTaskSpan>& spans) {
+  std::ofstream f(path);
+  require(f.good(), ErrorCode::io, "cannot write timeline " + path);
+  int64_t t0 = spans.empty() ? 0 : spans.front().start_ns;
+  for (const auto& t : spans) t0 = std::min(t0, t.start_ns);
+  for (const auto& t : spans)
+    f << nlohmann::json{{"shape", shape}, {"tokens_per_rank", tokens}, {"ep", ep}, {"cta", t.cta},
+                        {"kind", t.kind}, {"step", t.step}, {"row_tile", t.row_tile},
+                        {"start_us", (t.start_ns - t0) / 1e3}, {"end_us", (t.end_ns - t0) / 1e3}}
+             .dump()
+      << "\n";
+}
+
+// The megakernel forward next to the all-to-all path's forward on the same tensors: paired
+// times, the largest relative difference of their outputs, and (first case only, if asked) the
+// megakernel's task timeline.
+struct MegakernelTiming {
+  Paired fwd;  // a: all-to-all path, b: megakernel
+  double max_rel_diff = 0;
+};
+MegakernelTiming time_megakernel(MoeLayer& layer, DeviceGroup* group, const NamedShape& ns, const LayerTensors& t,
+                                 const CudaBenchOptions& o, cudaStream_t s) {
+  auto mk = make_megakernel_forward(ns.shape, group, o.megakernel, t.T);
+  std::fprintf(stderr, "TRACE mk made\n");
+  MegakernelTiming r;
+  layer.forward(t.inputs(), t.weights(), t.out_view());
+  MOKA_CUDA_CHECK(cudaStreamSynchronize(s));
+  std::fprintf(stderr, "TRACE a2a fwd\n");
+  const auto want = read_bf16(t.out);
+  mk->forward(t.inputs(), t.weights(), t.out_view());
+  MOKA_CUDA_CHECK(cudaStreamSynchronize(s));
+  std::fprintf(stderr, "TRACE mk fwd\n");
+  mk->check_errors();
+  r.max_rel_diff = rel_diff(read_bf16(t.out), want);
+  r.fwd = time_paired([&] { layer.forward(t.inputs(), t.weights(), t.out_view()); },
+                      [&] { mk->forward(t.inputs(), t.weights(), t.out_view()); }, o.warmup, o.iters, s);
+  MOKA_CUDA_CHECK(cudaStreamSynchronize(s));
+  mk->check_errors();
+  if (!o.timeline.empty()) {
+    mk->record_timeline(true);
+    mk->forward(t.inputs(), t.weights(), t.out_view());
+    MOKA_CUDA_CHECK(cudaStreamSynchronize(s));
+    mk->check_errors();
+    const int rank = group ? group->rank() : 0;
+    if (rank == 0) write_timeline(o.timeline, ns.name, t.T, group ? group->size() : 1, mk->timeline());
+  }
+  return r;
+}
+
 }  // namespace
 
 void select_worker_device(int local_rank) { MOKA_CUDA_CHECK(cudaSetDevice(local_rank)); }
@@ -297,11 +364,16 @@ std::optional<BenchRow> run_cuda_ep_case(ProcessGroup& workers, const NamedShape
                                     static_cast<uint64_t>(workers.rank())));
   auto group = make_nccl_group(workers, t.device);
   auto layer = make_moe_layer(sh, *group, LayerOptions{o.tile_rows, 0});
+  std::fprintf(stderr, "TRACE rank %d layer made\n", workers.rank());
   const Timing m = time_layer(*layer, t, o, s);
+  std::fprintf(stderr, "TRACE rank %d layer timed\n", workers.rank());
+  const MegakernelTiming mk = time_megakernel(*layer, group.get(), ns, t, o, s);
+  std::fprintf(stderr, "TRACE rank %d megakernel timed\n", workers.rank());
   // Uniform routing sends about T*k/R rows to each rank: time that much through NCCL and
   // through a plain peer copy.
   const size_t rows_per_peer = static_cast<size_t>(tokens * sh.top_k / R);
   const LinkTiming link = time_links(*group, rows_per_peer * sh.hidden * 2, o, s);
+  const double peak = dense_peak_tflops(s);
   layer.reset();
   cuda::set_stream(nullptr);
   MOKA_CUDA_CHECK(cudaStreamDestroy(s));
@@ -335,13 +407,87 @@ std::optional<BenchRow> run_cuda_ep_case(ProcessGroup& workers, const NamedShape
         << ", \"dispatch_bytes_per_rank\": " << link.bytes_per_rank
         << ", \"times\": \"max over ranks of per-rank medians\"";
   if (tms > 0) extra << ", \"torch_fwdbwd_ms\": " << tms << ", \"speedup_vs_torch\": " << tms / total;
+  // The megakernel forward: its floor is the larger of the useful FLOPs at the dense peak and
+  // the bytes that must enter this rank over NVLink (dispatch pulls + combine pushes from the
+  // peers) at the measured peer-copy bandwidth, both measured in this run.
+  const double mk_fwd = max_over_ranks(workers, mk.fwd.b_ms);
+  const double flops_floor = sh.forward_flops(tokens) / (peak * 1e12) * 1e3;
+  const double bytes_floor = 2.0 * link.bytes_per_rank / (copy_gbs * 1e9) * 1e3;
+  const double floor = std::max(flops_floor, bytes_floor);
+  const double torch_fwd = torch_ms(o.torch_results, ns.name, tokens, R, "fwd_ms");
+  extra << ", \"megakernel_fwd_ms\": " << mk_fwd << ", \"all_to_all_fwd_ms_paired\": " << mk.fwd.a_ms
+        << ", \"megakernel_speedup_vs_all_to_all\": " << 1.0 / mk.fwd.ratio
+        << ", \"megakernel_max_rel_diff_vs_all_to_all\": " << mk.max_rel_diff << ", \"dense_peak_tflops\": " << peak
+        << ", \"floor_ms\": " << floor << ", \"floor_flops_ms\": " << flops_floor
+        << ", \"floor_bytes_ms\": " << bytes_floor << ", \"megakernel_vs_floor\": " << mk_fwd / floor
+        << ", \"megakernel_config\": \"comm_sms=" << o.megakernel.num_comm_sms
+        << " minibatch=" << o.megakernel.minibatch_size << " macrobatch=" << o.megakernel.macrobatch_size << "\"";
+  if (torch_fwd > 0)
+    extra << ", \"torch_fwd_ms\": " << torch_fwd << ", \"megakernel_speedup_vs_torch_fwd\": " << torch_fwd / mk_fwd;
   row.extra_json = extra.str();
   return row;
+}
+
+std::vector<BenchRow> run_megakernel_tune(ProcessGroup* workers, const NamedShape& ns, int64_t tokens,
+                                          const CudaBenchOptions& o, const std::vector<int>& comm_sms,
+                                          const std::vector<int64_t>& minibatches) {
+  const MoeShape& sh = ns.shape;
+  const int R = workers ? workers->size() : 1, rank = workers ? workers->rank() : 0;
+  cudaStream_t s;
+  MOKA_CUDA_CHECK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
+  cuda::set_stream(s);
+  LayerTensors t(sh, tokens, R);
+  t.randomize(o.seed * 1000 + rank,
+              core::sample_topk_ids({core::RoutingKind::uniform, 0.3, o.seed}, tokens, sh.top_k, sh.num_experts,
+                                    static_cast<uint64_t>(rank)));
+  std::unique_ptr<DeviceGroup> group;
+  if (workers) group = make_nccl_group(*workers, t.device);
+  cudaDeviceProp prop;
+  MOKA_CUDA_CHECK(cudaGetDeviceProperties(&prop, t.device));
+  std::vector<BenchRow> rows;
+  for (int comm : comm_sms) {
+    for (int64_t minibatch : minibatches) {
+      MegakernelConfig cfg = o.megakernel;
+      cfg.num_comm_sms = comm;
+      cfg.minibatch_size = minibatch;
+      cfg.macrobatch_size = std::max(cfg.macrobatch_size / minibatch, int64_t(1)) * minibatch;
+      auto mk = make_megakernel_forward(sh, group.get(), cfg, tokens);
+      double ms = time_ms([&] { mk->forward(t.inputs(), t.weights(), t.out_view()); }, o.warmup, o.iters, s);
+      MOKA_CUDA_CHECK(cudaStreamSynchronize(s));
+      mk->check_errors();
+      if (workers) ms = max_over_ranks(*workers, ms);
+      BenchRow row;
+      row.shape = ns.name;
+      row.backend = "cuda";
+      row.path = "megakernel comm_sms=" + std::to_string(comm) + " minibatch=" + std::to_string(minibatch);
+      row.device = std::to_string(R) + "x " + prop.name;
+      row.dtype = "bf16";
+      row.routing = "uniform";
+      row.ep = R;
+      row.tokens_per_rank = tokens;
+      row.iters = o.iters;
+      row.fwd_ms = ms;
+      row.tflops = sh.forward_flops(tokens) / (ms * 1e-3) / 1e12;
+      row.extra_json = "\"num_comm_sms\": " + std::to_string(comm) + ", \"minibatch_size\": " +
+                       std::to_string(minibatch) + ", \"tflops_note\": \"forward only\"";
+      rows.push_back(row);
+    }
+  }
+  group.reset();
+  cuda::set_stream(nullptr);
+  MOKA_CUDA_CHECK(cudaStreamDestroy(s));
+  if (rank != 0) rows.clear();
+  return rows;
 }
 
 #else
 
 void select_worker_device(int) {}
+
+std::vector<BenchRow> run_megakernel_tune(ProcessGroup*, const NamedShape&, int64_t, const CudaBenchOptions&,
+                                          const std::vector<int>&, const std::vector<int64_t>&) {
+  throw Error(ErrorCode::backend_unavailable, "moka tune needs the CUDA backend (this build has none)");
+}
 
 std::optional<BenchRow> run_cuda_ep_case(ProcessGroup&, const NamedShape&, int64_t, const CudaBenchOptions&) {
   throw Error(ErrorCode::backend_unavailable, "this build has no CUDA backend");

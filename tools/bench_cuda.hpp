@@ -7,6 +7,7 @@
 
 #include "bench_report.hpp"
 #include "moka/config.hpp"
+#include "moka/megakernel.hpp"
 #include "moka/process_group.hpp"
 
 namespace moka::cli {
@@ -17,6 +18,10 @@ struct CudaBenchOptions {
   uint64_t seed = 1;
   int64_t tile_rows = 128;
   std::string torch_results;  // JSON lines of bench/torch_baseline.py to print ratios against
+  // Expert-parallel runs also time the forward megakernel with this config, side by side with
+  // the all-to-all path's forward; `timeline` (a file) receives the first case's task spans.
+  MegakernelConfig megakernel;
+  std::string timeline;
 };
 
 // Available only in builds with the CUDA backend (throws backend_unavailable otherwise).
@@ -27,6 +32,11 @@ BenchRow run_cuda_case(const NamedShape& ns, int64_t tokens, const CudaBenchOpti
 // Collective over `workers`; rank 0 returns the row (times are the max over ranks).
 std::optional<BenchRow> run_cuda_ep_case(ProcessGroup& workers, const NamedShape& ns, int64_t tokens,
                                          const CudaBenchOptions& o);
+// `moka tune`: the megakernel forward for every num_comm_sms x minibatch_size pair (EP over the
+// workers, or one GPU without them); rank 0 returns one row per pair, the fastest marked.
+std::vector<BenchRow> run_megakernel_tune(ProcessGroup* workers, const NamedShape& ns, int64_t tokens,
+                                          const CudaBenchOptions& o, const std::vector<int>& comm_sms,
+                                          const std::vector<int64_t>& minibatches);
 // A worker process uses the GPU of its local rank.
 void select_worker_device(int local_rank);
 

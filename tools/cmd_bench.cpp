@@ -38,6 +38,8 @@ struct BenchOptions {
   int64_t hidden = 0, intermediate = 0, experts = 0, top_k = 0, shared = 0;
   int fail_rank = -1;
   std::string fail_mode = "bad-input";
+  MegakernelConfig megakernel;  // expert-parallel CUDA runs also time the megakernel forward
+  std::string timeline;
   int gpus = 1;
 };
 
@@ -222,7 +224,8 @@ void run_bench(BenchOptions o, const std::vector<std::string>& argv) {
   try {
     for (const auto& ns : shapes) {
       for (int64_t t : o.tokens) {
-        const CudaBenchOptions co{o.iters, o.warmup, o.seed, o.tile_rows, o.torch_results};
+        const CudaBenchOptions co{o.iters, o.warmup, o.seed, o.tile_rows, o.torch_results, o.megakernel,
+                                  rows.empty() ? o.timeline : std::string()};
         if (backend == Backend::cuda && workers) {
           if (root) progress.update(ns.name + " T=" + std::to_string(t), 1, 1);
           auto row = run_cuda_ep_case(*workers, ns, t, co);
@@ -278,6 +281,10 @@ void register_bench(CLI::App& app) {
   cmd->add_option("--fail-rank", o->fail_rank, "Make this rank fail with a bad input (to test error propagation)");
   cmd->add_option("--fail-mode", o->fail_mode, "bad-input | crash")->check(CLI::IsMember({"bad-input", "crash"}));
   cmd->add_option("--gpus", o->gpus, "Worker processes, one per GPU (started by moka itself)");
+  cmd->add_option("--comm-sms", o->megakernel.num_comm_sms, "Megakernel: communication CTAs (EP CUDA runs)");
+  cmd->add_option("--minibatch", o->megakernel.minibatch_size, "Megakernel: minibatch rows");
+  cmd->add_option("--macrobatch", o->megakernel.macrobatch_size, "Megakernel: ring-buffer rows");
+  cmd->add_option("--timeline", o->timeline, "Megakernel: write the first case's task timeline to FILE (JSON lines)");
   cmd->callback([o] { run_bench(*o, command_line()); });
 }
 

@@ -14,6 +14,7 @@ int main(int argc, char** argv) {
   moka::cli::register_train(app);
   moka::cli::register_coordcheck(app);
   moka::cli::register_lr_sweep(app);
+  moka::cli::register_tune(app);
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {

@@ -147,6 +147,16 @@ void throw_megakernel_status(const MegakernelStatus& s, const MegakernelConfig& 
                       " s in " + where(s.minibatch, c.macrobatch_size / c.minibatch_size) + ", row tile " +
                       std::to_string(s.row_tile) + ": waiting for " + to_string(s.counter) + " to reach " +
                       std::to_string(s.target) + ", saw " + std::to_string(s.observed));
+    case StatusCode::invalid_expert:
+      throw Error(ErrorCode::invalid_argument,
+                  who + "routing of rank " + std::to_string(s.source_rank) + ": expert id " +
+                      std::to_string(s.value) + " out of range [0, " + std::to_string(s.limit) + ") at token " +
+                      std::to_string(s.token) + ", choice " + std::to_string(s.choice));
+    case StatusCode::tokens_mismatch:
+      throw Error(ErrorCode::invalid_argument,
+                  who + "token counts disagree across ranks: rank " + std::to_string(s.source_rank) + " has " +
+                      std::to_string(s.value) + " tokens, this rank " + std::to_string(s.limit) +
+                      " (the megakernel needs the same count on every rank)");
   }
 }
 

@@ -35,25 +35,12 @@
 
 #include "core/hd.hpp"
 #include "moka/config.hpp"
+#include "moka/megakernel.hpp"
 
 namespace moka::core {
 
-// Host-side knobs of the forward megakernel.
-struct MegakernelConfig {
-  int num_comm_sms = 32;             // CTAs (one per SM) doing dispatch/combine; the rest compute
-  int64_t minibatch_size = 4096;     // rows; a multiple of tile_m
-  int64_t macrobatch_size = 131072;  // rows of the ring buffer; a multiple of minibatch_size
-  // Worst-case share of all EP*T*k routes landing on one rank; sizes the schedule tables:
-  // T*k*max(2, ceil(EP*capacity_multiplier)) routed rows (never more than EP*T*k) plus padding.
-  double capacity_multiplier = 0.5;
-  int64_t tile_m = 128;  // GEMM M tile = expert padding = dispatch/combine row-block
-  int64_t tile_n = 128;  // GEMM N tile (hidden columns per gate|up tile, output columns per down)
-  double spin_timeout_seconds = 30.0;  // bound of every in-kernel wait
-  // Order of the sources' rows in each expert segment, which is the order dispatch pulls them
-  // and combine pushes them back (moka/config.hpp): rate-based keeps every peer's flow at its
-  // share of the bytes for the whole layer.
-  RowOrder row_order = RowOrder::rate_based;
-};
+// The knobs (moka/megakernel.hpp), shared with the kernel's plan.
+using MegakernelConfig = moka::MegakernelConfig;
 
 // Sizes of one rank's layer call that the plan depends on.
 struct MegakernelDims {
@@ -300,7 +287,9 @@ MOKA_HD Task comm_task(const MegakernelPlan& p, int64_t ticket) {
 
 // ---- Errors the kernel reports through a status word (never a trap) ----------------------------
 
-enum class StatusCode : int32_t { ok, capacity_exceeded, timeout };
+// invalid_expert and tokens_mismatch are input errors found on the device (the GPU layer's
+// schedule kernels check every source rank's routing, so every rank reports the same error).
+enum class StatusCode : int32_t { ok, capacity_exceeded, timeout, invalid_expert, tokens_mismatch };
 
 // Written once (first failure wins) by the schedule kernel or a megakernel CTA; every wait polls
 // `code` and gives up when it is set, so a failure ends the kernel instead of hanging it.
@@ -311,6 +300,9 @@ struct MegakernelStatus {
   int64_t minibatch = -1;           // in row order (not the step, which depends on the rank's rows)
   int64_t row_tile = 0, target = 0, observed = 0;
   int64_t rows = 0, capacity = 0;   // capacity_exceeded: schedule rows needed and held
+  // invalid_expert: the source rank, the entry [token, choice], the id and the expert count;
+  // tokens_mismatch: the source rank and its token count, this rank's in `limit`.
+  int64_t source_rank = -1, token = 0, choice = 0, value = 0, limit = 0;
 };
 
 // ---- Host only ---------------------------------------------------------------------------------

@@ -229,7 +229,7 @@ __global__ void combine_kernel(const bf16* y, const float* weights, const bf16* 
     float acc[kVec] = {};
     if (shared) load8(shared + t * width + c, acc);
     for (int64_t j = 0; j < top_k; ++j) {
-      const int32_t row = row_of_slot[t * top_k + j];
+      const int64_t row = row_of(row_of_slot, t * top_k + j);
       if (row < 0) continue;
       const float w = weights[t * top_k + j];
       float v[kVec];

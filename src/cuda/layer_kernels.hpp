@@ -77,7 +77,8 @@ void swiglu_backward_rows(const bf16* gate, const bf16* up, const bf16* hidden, 
                           const int32_t* row_of_slot, int64_t rows, int64_t width, ActParams act,
                           cudaStream_t stream);
 
-// out[t] = shared[t] + sum_j w[t, j] * y[row_of_slot[t*k + j]], fp32, j in order. shared may be null.
+// out[t] = shared[t] + sum_j w[t, j] * y[row_of_slot[t*k + j]], fp32, j in order. shared may be
+// null; a null row_of_slot reads y[t*k + j] (the megakernel's combine buffer).
 void combine_tokens(const bf16* y, const float* weights, const bf16* shared, bf16* out,
                     const int32_t* row_of_slot, int64_t tokens, int64_t top_k, int64_t width,
                     cudaStream_t stream);

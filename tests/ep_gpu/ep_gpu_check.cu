@@ -12,9 +12,11 @@
 
 #include "comm/cuda_check.hpp"
 #include "core/routing_gen.hpp"
+#include "cuda/cuda_backend.hpp"
 #include "gpu_case.hpp"
 #include "moka/device_group.hpp"
 #include "moka/distributed.hpp"
+#include "moka/megakernel.hpp"
 #include "moka/moka.hpp"
 
 using namespace moka;
@@ -215,6 +217,138 @@ void bad_routing_on_one_rank_is_reported_everywhere(ProcessGroup& host) {
   host.barrier();
 }
 
+MegakernelConfig mk_config(int comm, int64_t minibatch, int64_t macrobatch) {
+  MegakernelConfig c;
+  c.num_comm_sms = comm;
+  c.minibatch_size = minibatch;
+  c.macrobatch_size = macrobatch;
+  c.spin_timeout_seconds = 10;
+  return c;
+}
+
+std::vector<uint8_t> bytes_of(const gpu_test::DeviceTensor& t) {
+  std::vector<uint8_t> b(t.bytes);
+  MOKA_CUDA_CHECK(cudaMemcpy(b.data(), t.ptr, b.size(), cudaMemcpyDeviceToHost));
+  return b;
+}
+
+// The forward megakernel across the group against the fp64 CPU reference of the same group
+// (poisoned output), then bitwise equal across 3 more runs, other SM splits, minibatch and
+// macrobatch sizes (a ring smaller than the routed rows included) and a CUDA-graph replay.
+void megakernel_matches_reference(ProcessGroup& host, DeviceGroup& g, const MoeShape& s, int64_t T, Skew skew,
+                                  const char* name) {
+  const int R = host.size(), me = host.rank();
+  auto ranks = group_inputs(s, R, T, 29 + T, skew);
+  auto ref = ranks;
+  run_emulated_ranks(R, [&](ProcessGroup& pg) {
+    auto layer = make_moe_layer(s, Backend::cpu, &pg, LayerOptions{128, 1});
+    auto& b = ref[pg.rank()];
+    layer->forward(b.inputs(), b.weights(), b.out_view());
+  });
+  gpu_test::GpuCase c(ranks[me]);
+  c.upload();
+  auto run = [&](MegakernelForward& mk) {
+    c.poison();
+    mk.forward(c.inputs(), c.weights(), c.out_view());
+    MOKA_CUDA_CHECK(cudaDeviceSynchronize());
+    mk.check_errors();
+    return bytes_of(c.out);
+  };
+  auto mk = make_megakernel_forward(s, &g, mk_config(32, 4096, 131072), T);
+  const auto bits = run(*mk);
+  const double e = cpu::max_rel_error(c.download().out, ref[me].out);
+  check(e <= 2e-2, std::string(name) + ": megakernel out relative error " + std::to_string(e), me);
+  bool same = true;
+  for (int i = 0; i < 3; ++i) same &= run(*mk) == bits;
+  for (const auto& cfg : {mk_config(1, 128, 128), mk_config(8, 256, 512), mk_config(64, 1024, 2048)}) {
+    auto other = make_megakernel_forward(s, &g, cfg, T);
+    same &= run(*other) == bits;
+  }
+  check(same, std::string(name) + ": megakernel bits equal over runs, SM splits and batch sizes", me);
+
+  cudaStream_t stream;
+  MOKA_CUDA_CHECK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+  cuda::set_stream(stream);
+  cudaGraph_t graph;
+  MOKA_CUDA_CHECK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal));
+  mk->forward(c.inputs(), c.weights(), c.out_view());
+  MOKA_CUDA_CHECK(cudaStreamEndCapture(stream, &graph));
+  cudaGraphExec_t exec;
+  MOKA_CUDA_CHECK(cudaGraphInstantiate(&exec, graph, 0));
+  bool replayed = true;
+  for (int i = 0; i < 3; ++i) {
+    c.poison();
+    MOKA_CUDA_CHECK(cudaGraphLaunch(exec, stream));
+    MOKA_CUDA_CHECK(cudaStreamSynchronize(stream));
+    mk->check_errors();
+    replayed &= bytes_of(c.out) == bits;
+  }
+  cuda::set_stream(nullptr);
+  cudaGraphExecDestroy(exec);
+  cudaGraphDestroy(graph);
+  cudaStreamDestroy(stream);
+  check(replayed, std::string(name) + ": megakernel CUDA-graph replay gives the same bits", me);
+  host.barrier();
+}
+
+// Input errors found on the device are reported on every rank, naming the rank whose input is
+// bad: an expert id out of range on rank 1, then token counts that disagree. At EP >= 4, a
+// routing that sends everything to rank 0 overflows a small capacity and is reported as such.
+void megakernel_input_errors_are_reported_everywhere(ProcessGroup& host, DeviceGroup& g) {
+  const MoeShape s{256, 128, 4 * int64_t(host.size()), 2, 0, Activation::swiglu, 7.0f};
+  const int me = host.rank();
+  auto ranks = group_inputs(s, host.size(), 64, 5, Skew::uniform);
+  if (me == 1) ranks[1].topk_ids[7] = 99;
+  gpu_test::GpuCase c(ranks[me]);
+  c.upload();
+  auto mk = make_megakernel_forward(s, &g, mk_config(8, 256, 512), 64);
+  auto error_of = [&](const std::function<void()>& call) {
+    std::string error;
+    try {
+      call();
+      MOKA_CUDA_CHECK(cudaDeviceSynchronize());
+      mk->check_errors();
+    } catch (const Error& e) {
+      error = e.what();
+    }
+    return error;
+  };
+  std::string error = error_of([&] { mk->forward(c.inputs(), c.weights(), c.out_view()); });
+  check(error.find("routing of rank 1") != std::string::npos && error.find("token 3, choice 1") != std::string::npos,
+        "megakernel: bad expert id on rank 1 reported here: " + error, me);
+  gpu_test::GpuCase good(group_inputs(s, host.size(), 64, 6, Skew::uniform)[me]);
+  good.upload();
+  auto inputs = good.inputs();
+  auto out = good.out_view();
+  if (me == 1) {  // rank 1 passes its first 63 tokens only
+    for (TensorView* v : {&inputs.x, &inputs.topk_ids, &inputs.topk_weights}) v->shape[0] = 63;
+    out.shape[0] = 63;
+  }
+  error = error_of([&] { mk->forward(inputs, good.weights(), out); });
+  check(error.find("token counts disagree") != std::string::npos && error.find("rank 1 has 63") != std::string::npos,
+        "megakernel: token counts that disagree are reported here: " + error, me);
+  error = error_of([&] { mk->forward(good.inputs(), good.weights(), good.out_view()); });
+  check(error.empty(), "megakernel runs again after the errors: " + error, me);
+  if (host.size() >= 4) {
+    gpu_test::GpuCase skewed(group_inputs(s, host.size(), 64, 7, Skew::all_to_rank0)[me]);
+    skewed.upload();
+    MegakernelConfig small = mk_config(8, 256, 512);
+    small.capacity_multiplier = 0.25;
+    auto tight = make_megakernel_forward(s, &g, small, 64);
+    std::string overflow;
+    try {
+      tight->forward(skewed.inputs(), skewed.weights(), skewed.out_view());
+      MOKA_CUDA_CHECK(cudaDeviceSynchronize());
+      tight->check_errors();
+    } catch (const Error& e) {
+      overflow = e.what();
+    }
+    check(overflow.find("rank 0") != std::string::npos && overflow.find("capacity") != std::string::npos,
+          "megakernel: capacity overflow on rank 0 reported here: " + overflow, me);
+  }
+  host.barrier();
+}
+
 // Last: only rank 0 enters the barrier; it must time out and name a missing rank.
 void missing_peer_times_out(DeviceGroup& g) {
   if (g.rank() != 0) return;
@@ -253,6 +387,15 @@ int main() {
     layer_matches_reference(*host, MoeShape{512, 256, 8 * int64_t(rv.world_size), 8, 0, Activation::swiglu_clamped, 7.0f}, 1,
                             Skew::uniform, "EP layer, T=1 k=8 clamped");
     bad_routing_on_one_rank_is_reported_everywhere(*host);
+    megakernel_matches_reference(*host, *g, shaped, 300, Skew::uniform, "megakernel, uniform");
+    megakernel_matches_reference(*host, *g, shaped, 300, Skew::zipf, "megakernel, zipf");
+    megakernel_matches_reference(*host, *g, shaped, 77, Skew::all_to_rank0, "megakernel, a rank receiving nothing");
+    megakernel_matches_reference(*host, *g, MoeShape{512, 256, 8 * int64_t(rv.world_size), 8, 0,
+                                                     Activation::swiglu_clamped, 7.0f},
+                                 1, Skew::uniform, "megakernel, T=1 k=8 clamped");
+    megakernel_matches_reference(*host, *g, MoeShape{2048, 768, 8 * int64_t(rv.world_size), 8, 0, Activation::swiglu, 7.0f},
+                                 1000, Skew::zipf, "megakernel, qwen3-30b dims zipf");
+    megakernel_input_errors_are_reported_everywhere(*host, *g);
     symmetric_stores_are_visible_after_the_barrier(*g);
     barrier_replays_in_a_cuda_graph(*g);
     host->barrier();

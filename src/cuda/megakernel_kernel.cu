@@ -1,0 +1,76 @@
+// The persistent forward megakernel: grid = one CTA per SM; CTAs [0, num_comm_ctas) run the
+// communication role (mk_comm.cuh), the others the compute role (mk_compute.cuh). Each role
+// takes tasks in the plan's global order through its own atomic ticket (core/megakernel_plan.hpp)
+// and waits only on counters that earlier tasks release, so it finishes for any routing.
+#include "cuda/check.hpp"
+#include "cuda/megakernel_launch.hpp"
+#include "cuda/mk_comm.cuh"
+#include "cuda/mk_compute.cuh"
+#include "cuda/mk_sync.cuh"
+
+namespace moka::cuda {
+namespace {
+
+struct KernelParams {
+  MegakernelLaunch launch;
+  mk::Operands ops;
+};
+
+__global__ void __launch_bounds__(mk::kThreads, 1) megakernel(const __grid_constant__ KernelParams params) {
+  const MegakernelLaunch& p = params.launch;
+  if (mk::failed(p.control)) return;  // the schedule already failed (capacity, bad routing)
+  const core::MegakernelPlan plan = core::trim_to_rows(p.plan, p.offsets[p.local_experts]);
+  if (int(blockIdx.x) < p.num_comm_ctas) {
+    mk::task_loop(p, plan, &p.control->comm_ticket, core::comm_task_count(plan), p.timeline_comm, core::comm_task,
+                  [&](const core::Task& t) { mk::run_comm_task(p, plan, t); });
+    return;
+  }
+  extern __shared__ char smem_raw[];
+  // The swizzled operand tiles need 1024-byte alignment.
+  auto* smem = reinterpret_cast<mk::TileSmem*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t(1023));
+  mk::init_tile_pipeline(*smem);
+  mk::ComputeState state{*smem};
+  mk::task_loop(p, plan, &p.control->compute_ticket, core::compute_task_count(plan), p.timeline_compute,
+                core::compute_task, [&](const core::Task& t) { mk::run_compute_task(state, p, params.ops, plan, t); });
+}
+
+mk::Operands make_operands(const MegakernelLaunch& p) {
+  const int64_t H = p.hidden, I = p.intermediate, Is = p.shared_intermediate, E = p.local_experts;
+  const int64_t ring = p.plan.ring_rows;
+  mk::Operands ops;
+  ops.x_local = mk::make_operand(p.x_local, p.tokens, H, 1);
+  ops.ring_x = mk::make_operand(p.ring_x, ring, H, 1);
+  ops.ring_hidden = mk::make_operand(p.ring_hidden, ring, I, 1);
+  ops.w_gate = mk::make_operand(p.w_gate, I, H, E);
+  ops.w_up = mk::make_operand(p.w_up, I, H, E);
+  ops.w_down = mk::make_operand(p.w_down, H, I, E);
+  if (Is > 0) {
+    ops.shared_hidden = mk::make_operand(p.shared_hidden, p.tokens, Is, 1);
+    ops.ws_gate = mk::make_operand(p.ws_gate, Is, H, 1);
+    ops.ws_up = mk::make_operand(p.ws_up, Is, H, 1);
+    ops.ws_down = mk::make_operand(p.ws_down, H, Is, 1);
+  }
+  return ops;
+}
+
+}  // namespace
+
+size_t megakernel_smem_bytes() { return sizeof(mk::TileSmem) + 1024; }
+
+int megakernel_ctas_per_sm() {
+  const int smem = int(megakernel_smem_bytes());
+  MOKA_CUDA_CHECK(cudaFuncSetAttribute(megakernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
+  int ctas = 0;
+  MOKA_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&ctas, megakernel, mk::kThreads, smem));
+  return ctas;
+}
+
+void launch_megakernel(const MegakernelLaunch& launch, cudaStream_t stream) {
+  // CUDA 12.1+ takes up to 32764 bytes of kernel parameters on Hopper.
+  static_assert(sizeof(KernelParams) <= 32764, "kernel parameters must fit the 32 KiB limit");
+  const KernelParams params{launch, make_operands(launch)};
+  megakernel<<<launch.num_ctas, mk::kThreads, megakernel_smem_bytes(), stream>>>(params);
+  MOKA_CUDA_CHECK_LAUNCH();
+}
+
+}  // namespace moka::cuda

@@ -1,0 +1,115 @@
+// What one launch of the forward megakernel reads and writes (plain pointers and sizes; the
+// TMA descriptors are made from them in megakernel_kernel.cu, the only file that sees CuTe).
+// The host side (megakernel_layer.cu) owns the buffers; docs/MEGAKERNEL.md has the design.
+#pragma once
+#include <cuda_bf16.h>
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+#include "core/megakernel_plan.hpp"
+#include "cuda/layer_kernels.hpp"
+
+namespace moka::cuda {
+
+// Per-launch control words, zeroed before the schedule kernels: the two task tickets, the
+// first-failure claim and the status the host reads after the closing barrier.
+struct MegakernelControl {
+  unsigned long long compute_ticket;
+  unsigned long long comm_ticket;
+  int32_t claim;
+  core::MegakernelStatus status;
+  unsigned long long bad_route;  // ~(source * T*k + slot) of the lowest invalid id, 0 = none
+};
+
+// One timeline record per task (only when the caller asked for a timeline).
+struct TimelineRecord {
+  int64_t start_ns, end_ns;
+  int32_t cta, kind;  // kind: core::TaskKind
+  int64_t step, row_tile;
+};
+
+struct MegakernelLaunch {
+  core::MegakernelPlan plan;  // worst case; every CTA trims it to offsets[E] rows
+  int num_ctas = 0, num_comm_ctas = 0;
+  int world_size = 1;
+  int64_t tokens = 0, top_k = 0, hidden = 0, intermediate = 0, shared_intermediate = 0, local_experts = 0;
+  ActParams act;
+  uint64_t timeout_ns = 0;
+
+  const int32_t* offsets = nullptr;      // [E + 1] padded expert segments of the receive schedule
+  const int32_t* slot_of_row = nullptr;  // [capacity_rows] source * T*k + token*k + j, -1 = padding
+
+  bf16* const* x_peers = nullptr;        // [world] symmetric x of every rank ([T, H])
+  bf16* const* combine_peers = nullptr;  // [world] symmetric combine buffer of every rank ([T*k, H])
+  const bf16* x_local = nullptr;         // this rank's symmetric x (shared-expert input)
+
+  const bf16 *w_gate = nullptr, *w_up = nullptr, *w_down = nullptr;     // [E, I, H], [E, I, H], [E, H, I]
+  const bf16 *ws_gate = nullptr, *ws_up = nullptr, *ws_down = nullptr;  // [Is, H], [Is, H], [H, Is]
+
+  bf16 *ring_x = nullptr, *ring_gate = nullptr, *ring_up = nullptr, *ring_hidden = nullptr, *ring_y = nullptr;
+  bf16 *shared_gate = nullptr, *shared_up = nullptr, *shared_hidden = nullptr, *shared_out = nullptr;
+
+  int64_t* counters = nullptr;  // core::counter_count(plan), zeroed per launch
+  MegakernelControl* control = nullptr;
+  TimelineRecord* timeline_compute = nullptr;  // [compute_task_count(worst plan)] or null
+  TimelineRecord* timeline_comm = nullptr;     // [comm_task_count(worst plan)] or null
+};
+
+// Bytes of dynamic shared memory per CTA (one CTA per SM).
+size_t megakernel_smem_bytes();
+// Enqueues the persistent kernel on `stream` (grid = launch.num_ctas, one CTA per SM).
+void launch_megakernel(const MegakernelLaunch& launch, cudaStream_t stream);
+
+}  // namespace moka::cuda
+
+namespace moka::cuda {
+
+// Sets the kernel's shared-memory attribute and returns how many CTAs fit on one SM (must be
+// >= 1: the grid is one CTA per SM, all resident, which the progress argument needs).
+int megakernel_ctas_per_sm();
+
+// ---- Routing exchange and schedule checks (megakernel_schedule.cu) ---------------------------
+
+// Each rank's region of every peer's symmetric routing buffer: a header (its token count) and
+// its T*k expert ids, at [rank * routing_region_ints(max_tokens, k)].
+MOKA_HD int64_t routing_region_ints(int64_t max_tokens, int64_t top_k) { return 4 + max_tokens * top_k; }
+
+struct RoutingExchange {
+  int32_t* const* peers = nullptr;  // [world] every rank's symmetric routing buffer
+  int world_size = 1, rank = 0;
+  int64_t tokens = 0, top_k = 0, max_tokens = 0;
+};
+// Writes this rank's header and ids into every peer's buffer (stores over NVLink).
+void exchange_routing(const RoutingExchange& x, const int32_t* topk_ids, cudaStream_t stream);
+
+// The device tables the kernel reads, made from the local routing buffer after the barrier.
+struct ScheduleCheck {
+  const int32_t* routing = nullptr;  // this rank's symmetric routing buffer (every source's region)
+  int world_size = 1;
+  int64_t tokens = 0, top_k = 0, max_tokens = 0, global_experts = 0, local_experts = 0;
+  int64_t capacity_rows = 0;
+  const int32_t* offsets = nullptr;      // [E + 1] from build_schedule
+  const int32_t* row_of_slot = nullptr;  // [world * T*k]
+  int32_t* slot_of_row = nullptr;        // [capacity_rows], written here
+  MegakernelControl* control = nullptr;
+};
+// Copies every source's ids into `ids` ([world][T*k], contiguous, for build_schedule), inverts
+// row_of_slot into slot_of_row, and writes the status word when a source's token count differs,
+// an id is out of range (the lowest (source, slot) is reported) or the rows exceed capacity.
+void gather_source_ids(const ScheduleCheck& c, int32_t* ids, cudaStream_t stream);
+void finish_schedule(const ScheduleCheck& c, cudaStream_t stream);
+
+// The first failure of any rank, as every rank reports it.
+struct MergedStatus {
+  int32_t rank = -1;  // -1: no rank failed
+  core::MegakernelStatus status;
+};
+// After the megakernel: this rank's status into its slot of the symmetric status buffer.
+void publish_status(const MegakernelControl* control, core::MegakernelStatus* own_slot, cudaStream_t stream);
+// After the closing barrier: the lowest failing rank's status of all slots, into `merged`
+// (mapped host memory).
+void merge_status(core::MegakernelStatus* const* peer_slots, int world_size, MergedStatus* merged,
+                  cudaStream_t stream);
+
+}  // namespace moka::cuda

@@ -1,0 +1,328 @@
+// Host side of the forward megakernel: buffers, the per-call launch sequence and error reports.
+// The sequence (stream-ordered, no host synchronization; docs/MEGAKERNEL.md):
+//   zero counters/control -> x into the symmetric x buffer -> routing ids (+ token count) into
+//   every peer's routing buffer -> device barrier (pull sources frozen) -> receive schedule over
+//   every source's ids (build_schedule) and its checks (status word) -> megakernel -> publish
+//   status -> device barrier (every push landed) -> epilogue out = shared + sum_j w_j combine[t*k+j]
+//   -> merged status of all ranks into mapped host memory.
+// With one GPU and no group the "symmetric" buffers are plain allocations and there are no
+// barriers: dispatch pulls from this GPU's own x.
+#include <algorithm>
+#include <cstring>
+
+#include "core/megakernel_plan.hpp"
+#include "core/validate.hpp"
+#include "cuda/check.hpp"
+#include "cuda/cuda_backend.hpp"
+#include "cuda/device_tensors.hpp"
+#include "cuda/megakernel_launch.hpp"
+#include "moka/device_group.hpp"
+#include "moka/megakernel.hpp"
+
+namespace moka::cuda {
+namespace {
+
+// A buffer every rank of the group can address (or a plain one on a single GPU).
+class Shared {
+ public:
+  Shared(DeviceGroup* group, size_t bytes) {
+    if (group) {
+      buffer_ = &group->allocate_symmetric(bytes);
+      return;
+    }
+    local_ = std::make_unique<DeviceMemory>(bytes);
+    table_ = std::make_unique<DeviceMemory>(sizeof(void*));
+    MOKA_CUDA_CHECK(cudaMemcpy(table_->p, &local_->p, sizeof(void*), cudaMemcpyHostToDevice));
+  }
+  template <typename T>
+  T* local() const { return static_cast<T*>(buffer_ ? buffer_->local : local_->p); }
+  template <typename T>
+  T* const* peers() const { return reinterpret_cast<T* const*>(buffer_ ? buffer_->peers_device : table_->p); }
+
+ private:
+  const SymmetricBuffer* buffer_ = nullptr;
+  std::unique_ptr<DeviceMemory> local_, table_;
+};
+
+template <typename T>
+struct PinnedWord {
+  T* host = nullptr;
+  T* device = nullptr;
+  PinnedWord() {
+    MOKA_CUDA_CHECK(cudaHostAlloc(&host, sizeof(T), cudaHostAllocMapped));
+    MOKA_CUDA_CHECK(cudaHostGetDevicePointer(reinterpret_cast<void**>(&device), host, 0));
+    *host = T{};
+  }
+  ~PinnedWord() { cudaFreeHost(host); }
+  PinnedWord(const PinnedWord&) = delete;
+  PinnedWord& operator=(const PinnedWord&) = delete;
+};
+
+core::MegakernelDims dims_of(const MoeShape& s, int world, int64_t tokens) {
+  return {world, tokens, s.top_k, s.hidden, s.intermediate, s.shared_intermediate, s.num_experts / world};
+}
+
+class CudaMegakernelForward final : public MegakernelForward {
+ public:
+  CudaMegakernelForward(const MoeShape& shape, DeviceGroup* group, const MegakernelConfig& config, int64_t max_tokens)
+      : shape_(shape), config_(config), group_(group), world_(group ? group->size() : 1),
+        rank_(group ? group->rank() : 0), experts_(shape.num_experts / world_), max_tokens_(max_tokens),
+        worst_(validated_plan(shape, config, world_, max_tokens)),
+        x_(group, max_tokens * shape.hidden * sizeof(bf16)),
+        routing_(group, world_ * routing_region_ints(max_tokens, shape.top_k) * sizeof(int32_t)),
+        combine_(group, max_tokens * shape.top_k * shape.hidden * sizeof(bf16)),
+        status_(group, sizeof(core::MegakernelStatus)),
+        ids_(world_ * max_tokens * shape.top_k * sizeof(int32_t)),
+        chunk_counts_(schedule_chunks(world_ * max_tokens * shape.top_k) * experts_ * world_ * sizeof(int32_t)),
+        counts_(experts_ * sizeof(int32_t)), source_counts_(experts_ * world_ * sizeof(int32_t)),
+        offsets_((experts_ + 1) * sizeof(int32_t)), row_of_slot_(world_ * max_tokens * shape.top_k * sizeof(int32_t)),
+        slot_of_row_(worst_.capacity_rows * sizeof(int32_t)),
+        ring_x_(worst_.ring_rows * shape.hidden * sizeof(bf16)),
+        ring_gate_(worst_.ring_rows * shape.intermediate * sizeof(bf16)),
+        ring_up_(worst_.ring_rows * shape.intermediate * sizeof(bf16)),
+        ring_hidden_(worst_.ring_rows * shape.intermediate * sizeof(bf16)),
+        ring_y_(worst_.ring_rows * shape.hidden * sizeof(bf16)),
+        shared_gate_(max_tokens * shape.shared_intermediate * sizeof(bf16)),
+        shared_up_(max_tokens * shape.shared_intermediate * sizeof(bf16)),
+        shared_hidden_(max_tokens * shape.shared_intermediate * sizeof(bf16)),
+        shared_out_(max_tokens * shape.hidden * sizeof(bf16)),
+        counters_(core::counter_count(worst_) * sizeof(int64_t)), control_(sizeof(MegakernelControl)) {
+    MOKA_CUDA_CHECK(cudaGetDevice(&device_));
+    MOKA_CUDA_CHECK(cudaDeviceGetAttribute(&num_sms_, cudaDevAttrMultiProcessorCount, device_));
+    core::validate_megakernel_grid(config_, num_sms_);
+    require(megakernel_ctas_per_sm() >= 1, ErrorCode::cuda, "the megakernel's CTA does not fit on an SM");
+    MOKA_CUDA_CHECK(cudaEventCreateWithFlags(&done_, cudaEventDisableTiming));
+    *routing_error_.host = kNoRoutingError;
+  }
+  ~CudaMegakernelForward() override { cudaEventDestroy(done_); }
+
+  const MegakernelConfig& config() const override { return config_; }
+
+  void forward(const MoeInputs& in, const MoeWeights& w, const TensorView& out) override {
+    raise_finished_errors();
+    const int64_t T = in.x.rank == 2 ? in.x.dim(0) : 0, H = shape_.hidden, k = shape_.top_k;
+    check_inputs(in, w, out, T);
+    const cudaStream_t s = current_stream();
+    const core::MegakernelPlan plan = core::build_megakernel_plan(config_, dims_of(shape_, world_, T));
+    last_tokens_ = T;
+
+    MOKA_CUDA_CHECK(cudaMemsetAsync(control_.p, 0, sizeof(MegakernelControl), s));
+    MOKA_CUDA_CHECK(cudaMemsetAsync(counters_.p, 0, core::counter_count(plan) * sizeof(int64_t), s));
+    MOKA_CUDA_CHECK(cudaMemcpyAsync(x_.local<bf16>(), in.x.data, T * H * sizeof(bf16), cudaMemcpyDeviceToDevice, s));
+    exchange_routing({routing_.peers<int32_t>(), world_, rank_, T, k, max_tokens_}, in.topk_ids.as<int32_t>(), s);
+    barrier(s);
+
+    const ScheduleCheck check{routing_.local<int32_t>(), world_, T, k, max_tokens_, shape_.num_experts, experts_,
+                              plan.capacity_rows, offsets_.as<int32_t>(), row_of_slot_.as<int32_t>(),
+                              slot_of_row_.as<int32_t>(), control_.as<MegakernelControl>()};
+    gather_source_ids(check, ids_.as<int32_t>(), s);
+    build_schedule(device_schedule(T), ids_.as<int32_t>(), world_ == 1 ? in.topk_weights.as<float>() : nullptr, s);
+    finish_schedule(check, s);
+
+    launch_megakernel(launch(plan, T, w), s);
+    publish_status(control_.as<MegakernelControl>(), status_.local<core::MegakernelStatus>(), s);
+    barrier(s);
+    combine_tokens(combine_.local<bf16>(), in.topk_weights.as<float>(),
+                   shape_.has_shared() ? shared_out_.as<bf16>() : nullptr, out.as<bf16>(), nullptr, T, k, H, s);
+    merge_status(status_.peers<core::MegakernelStatus>(), world_, merged_.device, s);
+    MOKA_CUDA_CHECK(cudaEventRecord(done_, s));
+    pending_ = true;
+  }
+
+  void check_errors() override {
+    if (group_) group_->check_device_errors();
+    pending_ = false;
+    raise(*merged_.host, *routing_error_.host);
+  }
+
+  void record_timeline(bool on) override {
+    if (on && !timeline_compute_) {
+      // One record per ticket of the largest schedule the tables hold.
+      const core::MegakernelPlan full = core::trim_to_rows(worst_, worst_.capacity_rows);
+      timeline_compute_ = std::make_unique<DeviceMemory>(core::compute_task_count(full) * sizeof(TimelineRecord));
+      timeline_comm_ = std::make_unique<DeviceMemory>(core::comm_task_count(full) * sizeof(TimelineRecord));
+    }
+    timeline_on_ = on;
+  }
+
+  std::vector<MegakernelTaskSpan> timeline() override {
+    std::vector<MegakernelTaskSpan> spans;
+    if (!timeline_on_ || last_tokens_ == 0) return spans;
+    const core::MegakernelPlan plan = trimmed_last_plan();
+    append_spans(*timeline_comm_, core::comm_task_count(plan), spans);
+    append_spans(*timeline_compute_, core::compute_task_count(plan), spans);
+    return spans;
+  }
+
+  std::vector<int64_t> local_expert_rows() override {
+    std::vector<int32_t> counts(experts_);
+    MOKA_CUDA_CHECK(cudaStreamSynchronize(current_stream()));
+    MOKA_CUDA_CHECK(cudaMemcpy(counts.data(), counts_.p, experts_ * sizeof(int32_t), cudaMemcpyDeviceToHost));
+    return {counts.begin(), counts.end()};
+  }
+
+ private:
+  static core::MegakernelPlan validated_plan(const MoeShape& s, const MegakernelConfig& c, int world, int64_t max_tokens) {
+    core::validate_shape(s, world);
+    core::validate_megakernel_config(c);
+    require(max_tokens >= 1, ErrorCode::invalid_argument, "megakernel max_tokens must be >= 1");
+    require(c.tile_m == 128 && c.tile_n == 128, ErrorCode::unsupported_size,
+            "the GPU megakernel's GEMM tile is 128 x 128: tile_m and tile_n must be 128");
+    require(s.hidden % 8 == 0 && s.intermediate % 8 == 0 && s.shared_intermediate % 8 == 0,
+            ErrorCode::unsupported_size,
+            "the megakernel needs hidden, intermediate and shared sizes that are multiples of 8 (16-byte rows)");
+    require(world <= kMaxScheduleSources, ErrorCode::unsupported_size,
+            "the megakernel takes at most " + std::to_string(kMaxScheduleSources) + " ranks");
+    return core::build_megakernel_plan(c, dims_of(s, world, max_tokens));
+  }
+
+  void check_inputs(const MoeInputs& in, const MoeWeights& w, const TensorView& out, int64_t T) const {
+    const Device dev = Device::cuda(device_);
+    core::validate_layer_tensors(shape_, world_, in, w, DType::bf16, dev);
+    require(T >= 1, ErrorCode::invalid_argument, "the megakernel needs at least one token");
+    require(T <= max_tokens_, ErrorCode::capacity_exceeded,
+            "megakernel call has " + std::to_string(T) + " tokens but was built for at most " +
+                std::to_string(max_tokens_) + " (make_megakernel_forward's max_tokens)");
+    expect_tensor(out, "out", DType::bf16, dev, {T, shape_.hidden});
+  }
+
+  DeviceSchedule device_schedule(int64_t T) const {
+    DeviceSchedule d;
+    d.slots = T * shape_.top_k;
+    d.num_experts = experts_;
+    d.first_expert = rank_ * experts_;
+    d.global_experts = shape_.num_experts;
+    d.tile_rows = config_.tile_m;
+    d.top_k = shape_.top_k;
+    d.world_size = world_;
+    d.rank = rank_;
+    d.row_order = config_.row_order;
+    d.chunk_counts = chunk_counts_.as<int32_t>();
+    d.counts = counts_.as<int32_t>();
+    d.source_counts = source_counts_.as<int32_t>();
+    d.offsets = offsets_.as<int32_t>();
+    d.row_of_slot = row_of_slot_.as<int32_t>();
+    d.error = routing_error_.device;
+    return d;
+  }
+
+  MegakernelLaunch launch(const core::MegakernelPlan& plan, int64_t T, const MoeWeights& w) const {
+    MegakernelLaunch l;
+    l.plan = plan;
+    l.num_ctas = num_sms_;
+    l.num_comm_ctas = config_.num_comm_sms;
+    l.world_size = world_;
+    l.tokens = T;
+    l.top_k = shape_.top_k;
+    l.hidden = shape_.hidden;
+    l.intermediate = shape_.intermediate;
+    l.shared_intermediate = shape_.shared_intermediate;
+    l.local_experts = experts_;
+    l.act = {shape_.activation == Activation::swiglu_clamped, shape_.clamp_limit};
+    l.timeout_ns = static_cast<uint64_t>(config_.spin_timeout_seconds * 1e9);
+    l.offsets = offsets_.as<int32_t>();
+    l.slot_of_row = slot_of_row_.as<int32_t>();
+    l.x_peers = x_.peers<bf16>();
+    l.combine_peers = combine_.peers<bf16>();
+    l.x_local = x_.local<bf16>();
+    l.w_gate = w.w_gate.as<bf16>();
+    l.w_up = w.w_up.as<bf16>();
+    l.w_down = w.w_down.as<bf16>();
+    if (shape_.has_shared()) {
+      l.ws_gate = w.ws_gate.as<bf16>();
+      l.ws_up = w.ws_up.as<bf16>();
+      l.ws_down = w.ws_down.as<bf16>();
+    }
+    l.ring_x = ring_x_.as<bf16>();
+    l.ring_gate = ring_gate_.as<bf16>();
+    l.ring_up = ring_up_.as<bf16>();
+    l.ring_hidden = ring_hidden_.as<bf16>();
+    l.ring_y = ring_y_.as<bf16>();
+    l.shared_gate = shared_gate_.as<bf16>();
+    l.shared_up = shared_up_.as<bf16>();
+    l.shared_hidden = shared_hidden_.as<bf16>();
+    l.shared_out = shared_out_.as<bf16>();
+    l.counters = counters_.as<int64_t>();
+    l.control = control_.as<MegakernelControl>();
+    if (timeline_on_) {
+      l.timeline_compute = timeline_compute_->as<TimelineRecord>();
+      l.timeline_comm = timeline_comm_->as<TimelineRecord>();
+    }
+    return l;
+  }
+
+  void barrier(cudaStream_t s) {
+    if (group_) group_->device_barrier(s, config_.spin_timeout_seconds);
+  }
+
+  // Errors of an earlier call whose work has finished (no waiting: the layer never synchronizes).
+  void raise_finished_errors() {
+    if (!pending_ || cudaEventQuery(done_) != cudaSuccess) return;
+    check_errors();
+  }
+
+  void raise(const MergedStatus& merged, unsigned long long routing_code) {
+    if (routing_code != kNoRoutingError) {
+      *routing_error_.host = kNoRoutingError;
+      throw routing_error(routing_code, shape_.top_k, shape_.num_experts, "megakernel routing");
+    }
+    if (merged.rank < 0) return;
+    const MergedStatus failure = merged;
+    *merged_.host = MergedStatus{};
+    // Input errors name the rank whose input is bad and are found by every rank alike.
+    const auto code = failure.status.code;
+    if (code == core::StatusCode::invalid_expert || code == core::StatusCode::tokens_mismatch)
+      core::throw_megakernel_status(failure.status, config_);
+    try {
+      core::throw_megakernel_status(failure.status, config_);
+    } catch (const Error& e) {
+      throw Error(e.code(), "rank " + std::to_string(failure.rank) + ": " + e.what());
+    }
+  }
+
+  core::MegakernelPlan trimmed_last_plan() const {
+    std::vector<int32_t> offsets(experts_ + 1);
+    MOKA_CUDA_CHECK(cudaMemcpy(offsets.data(), offsets_.p, offsets.size() * sizeof(int32_t), cudaMemcpyDeviceToHost));
+    return core::trim_to_rows(core::build_megakernel_plan(config_, dims_of(shape_, world_, last_tokens_)),
+                              offsets.back());
+  }
+
+  static void append_spans(const DeviceMemory& records, int64_t count, std::vector<MegakernelTaskSpan>& spans) {
+    std::vector<TimelineRecord> host(count);
+    MOKA_CUDA_CHECK(cudaMemcpy(host.data(), records.p, count * sizeof(TimelineRecord), cudaMemcpyDeviceToHost));
+    for (const TimelineRecord& r : host)
+      spans.push_back({r.start_ns, r.end_ns, r.cta, core::to_string(static_cast<core::TaskKind>(r.kind)), r.step,
+                       r.row_tile});
+  }
+
+  const MoeShape shape_;
+  const MegakernelConfig config_;
+  DeviceGroup* group_;
+  const int world_, rank_;
+  const int64_t experts_, max_tokens_;
+  const core::MegakernelPlan worst_;
+  int device_ = 0, num_sms_ = 0;
+  Shared x_, routing_, combine_, status_;
+  DeviceMemory ids_, chunk_counts_, counts_, source_counts_, offsets_, row_of_slot_, slot_of_row_;
+  DeviceMemory ring_x_, ring_gate_, ring_up_, ring_hidden_, ring_y_;
+  DeviceMemory shared_gate_, shared_up_, shared_hidden_, shared_out_;
+  DeviceMemory counters_, control_;
+  PinnedWord<MergedStatus> merged_;
+  PinnedWord<unsigned long long> routing_error_;
+  std::unique_ptr<DeviceMemory> timeline_compute_, timeline_comm_;
+  bool timeline_on_ = false, pending_ = false;
+  int64_t last_tokens_ = 0;
+  cudaEvent_t done_ = nullptr;
+};
+
+}  // namespace
+}  // namespace moka::cuda
+
+namespace moka {
+
+std::unique_ptr<MegakernelForward> make_megakernel_forward(const MoeShape& shape, DeviceGroup* group,
+                                                           const MegakernelConfig& config, int64_t max_tokens) {
+  return std::make_unique<cuda::CudaMegakernelForward>(shape, group, config, max_tokens);
+}
+
+}  // namespace moka

@@ -1,0 +1,125 @@
+// Synchronization of the megakernel's CTAs: task tickets, dependency counters (release adds,
+// bounded acquire waits), the first-failure status word and the task timeline. Every counter
+// is GPU-local; the only cross-GPU traffic inside the kernel is data (docs/MEGAKERNEL.md).
+#pragma once
+#include <cstdint>
+
+#include "core/megakernel_plan.hpp"
+#include "cuda/megakernel_launch.hpp"
+
+namespace moka::cuda::mk {
+
+__device__ inline uint64_t global_ns() {
+  uint64_t t;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+  return t;
+}
+
+__device__ inline int64_t load_relaxed(const int64_t* p) {
+  int64_t v;
+  asm volatile("ld.relaxed.gpu.global.s64 %0, [%1];" : "=l"(v) : "l"(p) : "memory");
+  return v;
+}
+
+// Release: every store this CTA made before the preceding __syncthreads is visible to a thread
+// that acquires the counter (bar.sync orders the CTA's stores before thread 0's release).
+__device__ inline void release_add(int64_t* p) {
+  asm volatile("red.release.gpu.global.add.u64 [%0], 1;" ::"l"(p) : "memory");
+}
+
+__device__ inline bool failed(const MegakernelControl* control) {
+  return *reinterpret_cast<const volatile int32_t*>(&control->status.code) !=
+         static_cast<int32_t>(core::StatusCode::ok);
+}
+
+// First failure wins; the code is published last so a reader of a non-ok code sees the fields.
+__device__ inline void report(MegakernelControl* control, core::MegakernelStatus status) {
+  if (atomicCAS(&control->claim, 0, 1) != 0) return;
+  const core::StatusCode code = status.code;
+  status.code = core::StatusCode::ok;
+  control->status = status;
+  __threadfence();
+  *reinterpret_cast<volatile int32_t*>(&control->status.code) = static_cast<int32_t>(code);
+}
+
+// Thread 0: waits until the task's counter reaches its target (relaxed polling with backoff,
+// then one acquire fence), at most timeout_ns. False when this or another CTA failed.
+__device__ inline bool wait_for(const MegakernelLaunch& p, const core::MegakernelPlan& plan, const core::Task& task) {
+  const core::CounterRef need = core::task_wait(plan, task);
+  if (need.kind == core::CounterKind::none) return !failed(p.control);
+  const int64_t* counter = p.counters + core::counter_index(plan, need);
+  uint64_t start = 0;
+  unsigned sleep_ns = 32;
+  for (;;) {
+    const int64_t seen = load_relaxed(counter);
+    if (seen >= need.target) {
+      asm volatile("fence.acq_rel.gpu;" ::: "memory");
+      // This thread issues the task's TMA loads (async proxy) of rows other CTAs stored.
+      asm volatile("fence.proxy.async.global;" ::: "memory");
+      return true;
+    }
+    if (failed(p.control)) return false;
+    const uint64_t now = global_ns();
+    if (start == 0) {
+      start = now;
+    } else if (now - start > p.timeout_ns) {
+      const int64_t minibatch = task.step < 0 ? -1 : core::minibatch_of_step(plan, task.step);
+      core::MegakernelStatus s;
+      s.code = core::StatusCode::timeout;
+      s.stage = task.kind;
+      s.counter = need.kind;
+      s.minibatch = minibatch;
+      s.row_tile = task.row_tile;
+      s.target = need.target;
+      s.observed = seen;
+      report(p.control, s);
+      return false;
+    }
+    __nanosleep(sleep_ns);
+    if (sleep_ns < 1024) sleep_ns *= 2;
+  }
+}
+
+// Thread 0, after the CTA's __syncthreads that ends the task.
+__device__ inline void release_done(const MegakernelLaunch& p, const core::MegakernelPlan& plan, const core::Task& task) {
+  const core::CounterRef done = core::task_release(plan, task);
+  if (done.kind != core::CounterKind::none) release_add(p.counters + core::counter_index(plan, done));
+}
+
+__device__ inline void record(TimelineRecord* timeline, uint64_t ticket, uint64_t start, const core::Task& task) {
+  if (!timeline) return;
+  timeline[ticket] = {int64_t(start), int64_t(global_ns()), int32_t(blockIdx.x), int32_t(task.kind), task.step,
+                      task.row_tile};
+}
+
+// The task loop every CTA of one role runs: thread 0 takes a ticket and waits for the task's
+// counter; the CTA runs it; thread 0 releases. Tasks past the schedule's rows run as no-ops
+// that still release, so counter targets never depend on the routing.
+template <class Decode, class Run>
+__device__ void task_loop(const MegakernelLaunch& p, const core::MegakernelPlan& plan, unsigned long long* ticket_word,
+                          uint64_t task_count, TimelineRecord* timeline, Decode decode, Run run) {
+  __shared__ core::Task shared_task;
+  __shared__ uint64_t shared_ticket;
+  __shared__ bool proceed;
+  for (;;) {
+    uint64_t start = 0;
+    if (threadIdx.x == 0) {
+      const uint64_t t = atomicAdd(ticket_word, 1ull);
+      shared_ticket = t;
+      shared_task = t < task_count ? decode(plan, int64_t(t)) : core::Task{};
+      start = global_ns();
+      proceed = shared_task.kind != core::TaskKind::none && wait_for(p, plan, shared_task);
+    }
+    __syncthreads();
+    if (!proceed) return;
+    const core::Task task = shared_task;
+    if (task.step < 0 || core::task_has_rows(plan, task)) run(task);
+    __syncthreads();
+    if (threadIdx.x == 0) {
+      release_done(p, plan, task);
+      record(timeline, shared_ticket, start, task);
+    }
+  }
+}
+
+}  // namespace moka::cuda::mk
