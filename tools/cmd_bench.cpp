@@ -39,6 +39,7 @@ struct BenchOptions {
   int fail_rank = -1;
   std::string fail_mode = "bad-input";
   int gpus = 1;
+  bool paired_steps = false;
 };
 
 NamedShape custom_shape(const BenchOptions& o) {
@@ -208,6 +209,13 @@ void run_bench(BenchOptions o, const std::vector<std::string>& argv) {
     for (const auto& name : o.shapes) shapes.push_back(named_shape(name));
   }
   if (o.tokens.empty()) o.tokens = {512};
+  if (o.paired_steps) {
+    require(backend == Backend::cuda && shapes.size() == 1 && o.tokens.size() == 1 && o.gpus == 1 && o.ep == 1,
+            ErrorCode::invalid_argument, "--paired-steps takes --backend cuda and one shape and token count");
+    serve_cuda_steps(shapes[0], o.tokens[0], CudaBenchOptions{o.iters, o.warmup, o.seed, o.tile_rows, ""}, std::cin,
+                     std::cout);
+    return;
+  }
   // Worker processes (started by --gpus N or `moka launch`) form one group over TCP.
   std::unique_ptr<ProcessGroup> workers;
   if (launched_as_worker()) {
@@ -278,6 +286,9 @@ void register_bench(CLI::App& app) {
   cmd->add_option("--fail-rank", o->fail_rank, "Make this rank fail with a bad input (to test error propagation)");
   cmd->add_option("--fail-mode", o->fail_mode, "bad-input | crash")->check(CLI::IsMember({"bad-input", "crash"}));
   cmd->add_option("--gpus", o->gpus, "Worker processes, one per GPU (started by moka itself)");
+  cmd->add_flag("--paired-steps", o->paired_steps,
+                "Hold one CUDA case and time one forward+backward per 'step' line on stdin (driven by "
+                "bench/torch_baseline.py --paired-with)");
   cmd->callback([o] { run_bench(*o, command_line()); });
 }
 
