@@ -10,11 +10,20 @@ regrouped by local expert, the grouped GEMMs, rows sent back, weighted sum.
 Prints one JSON line per (shape, tokens) (rank 0; times are the max over ranks of per-rank
 medians): fwd, bwd and fwd+bwd median ms over --iters runs, timed with CUDA events after
 warm-up, and TFLOP/s with the same FLOP count as `moka bench`.
+
+With --paired-with MOKA (one GPU), each case then also starts `MOKA bench --paired-steps` on
+the same shape, which holds its own copy of the case on the GPU, and alternates one moka
+fwd+bwd with one torch fwd+bwd --iters times (moka first on even runs, torch first on odd
+ones, so neither always runs on a GPU the other just warmed). "paired" in the JSON line holds
+every run's time and the median of the per-run ratios torch / moka: two runs made moments apart
+share the clocks and temperature of that moment, which a ratio of two medians taken minutes
+apart does not.
 """
 import argparse
 import json
 import os
 import statistics
+import subprocess
 
 import torch
 import torch.distributed as dist
@@ -83,7 +92,8 @@ def moe(x, ids, w, w_gu, w_d, shared, clamped):
     return out
 
 
-def median_ms(fn, warmup, iters):
+def run_times(fn, warmup, iters):
+    """Milliseconds of each of `iters` runs of fn after `warmup` untimed ones (CUDA events)."""
     for _ in range(warmup):
         fn()
     times = []
@@ -94,10 +104,47 @@ def median_ms(fn, warmup, iters):
         b.record()
         b.synchronize()
         times.append(a.elapsed_time(b))
-    return statistics.median(times)
+    return times
 
 
-def run(name, T, iters, warmup, seed):
+def median_ms(fn, warmup, iters):
+    return statistics.median(run_times(fn, warmup, iters))
+
+
+def paired_runs(moka, name, T, iters, warmup, seed, torch_step):
+    """Alternates moka's fwd+bwd (a `moka bench --paired-steps` process) with torch_step."""
+    cmd = [moka, "bench", "--backend", "cuda", "--shape", name, "--tokens", str(T), "--warmup", str(warmup),
+           "--seed", str(seed), "--paired-steps"]
+    proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, bufsize=1)
+    try:
+        ready = proc.stdout.readline().strip()
+        if ready != "ready":
+            raise RuntimeError(f"moka --paired-steps did not start (said {ready!r}, exit code {proc.poll()})")
+
+        def moka_step():
+            proc.stdin.write("step\n")
+            proc.stdin.flush()
+            return float(proc.stdout.readline())
+
+        moka_ms, torch_ms = [], []
+        for i in range(iters):
+            for who in ("moka", "torch") if i % 2 == 0 else ("torch", "moka"):
+                if who == "moka":
+                    moka_ms.append(moka_step())
+                else:
+                    torch_ms.append(run_times(torch_step, 0, 1)[0])
+        proc.stdin.close()
+        proc.wait(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    ratios = [t / m for t, m in zip(torch_ms, moka_ms)]
+    return {"runs": iters, "order": "alternating, moka first on even runs", "moka_fwdbwd_ms": moka_ms,
+            "torch_fwdbwd_ms": torch_ms, "moka_median_ms": statistics.median(moka_ms),
+            "torch_median_ms": statistics.median(torch_ms), "median_ratio": statistics.median(ratios)}
+
+
+def run(name, T, iters, warmup, seed, paired_with=""):
     H, I, E, k, Is, clamped = SHAPES[name]
     R = dist.get_world_size() if dist.is_initialized() else 1
     torch.manual_seed(seed * 1000 + (dist.get_rank() if R > 1 else 0))
@@ -127,11 +174,16 @@ def run(name, T, iters, warmup, seed):
     b = max_over_ranks(median_ms(bwd, warmup, iters))
     fb = max_over_ranks(median_ms(both, warmup, iters))
     flops = 6.0 * T * k * H * I + 6.0 * T * H * Is
-    return {"shape": name, "backend": "torch", "ep": R,
-            "path": "all_to_all_single + torch._grouped_mm" if R > 1 else "torch._grouped_mm",
-            "tokens_per_rank": T, "device": torch.cuda.get_device_name(), "torch": torch.__version__,
-            "iters": iters, "fwd_ms": f, "bwd_ms": b, "fwdbwd_ms": fb,
-            "tflops": 3.0 * flops / (fb * 1e-3) / 1e12}
+    row = {"shape": name, "backend": "torch", "ep": R,
+           "path": "all_to_all_single + torch._grouped_mm" if R > 1 else "torch._grouped_mm",
+           "tokens_per_rank": T, "device": torch.cuda.get_device_name(), "torch": torch.__version__,
+           "iters": iters, "fwd_ms": f, "bwd_ms": b, "fwdbwd_ms": fb,
+           "tflops": 3.0 * flops / (fb * 1e-3) / 1e12}
+    if paired_with:
+        state.clear()  # the retained graph: moka's process needs the memory
+        torch.cuda.empty_cache()
+        row["paired"] = paired_runs(paired_with, name, T, iters, warmup, seed, both)
+    return row
 
 
 def max_over_ranks(value):
@@ -150,7 +202,11 @@ def main():
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--seed", type=int, default=1)
     p.add_argument("--out", default="")
+    p.add_argument("--paired-with", default="", metavar="MOKA",
+                   help="moka binary to alternate runs with (one GPU): adds the median of per-run ratios")
     a = p.parse_args()
+    if a.paired_with and int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        p.error("--paired-with runs on one GPU")
     if int(os.environ.get("WORLD_SIZE", "1")) > 1:
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
         dist.init_process_group("nccl")
@@ -158,7 +214,7 @@ def main():
     for name in a.shapes.split(","):
         for T in (int(t) for t in a.tokens.split(",")):
             try:
-                row = run(name, T, a.iters, a.warmup, a.seed)
+                row = run(name, T, a.iters, a.warmup, a.seed, a.paired_with)
             except Exception as e:  # report and continue: one shape's failure must not hide the rest
                 row = {"shape": name, "tokens_per_rank": T, "error": repr(e)[:300]}
             torch.cuda.empty_cache()

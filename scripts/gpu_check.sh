@@ -4,6 +4,9 @@
 # copies them) or under build/; writes logs and JSON lines to $OUT (or ./gpu_out).
 #   MODE=tests|bench|all (default all); SUITES (gtest filters), SHAPES, TOKENS, ITERS override
 #   the default lists.
+# The benchmark first runs torch_baseline.py --paired-with moka: torch's own medians, then ITERS
+# runs alternating one moka and one torch fwd+bwd (the median of per-run ratios, vs_torch_paired),
+# then `moka bench`, which checks every output against the cuBLAS loop and times fwd and bwd.
 set -uo pipefail
 HERE=$(cd "$(dirname "$0")" && pwd)
 source "$HERE/gpu_env.sh"
@@ -20,7 +23,7 @@ rc=0
 if [[ $MODE == tests || $MODE == all ]]; then
   # One process per suite: a device fault in one suite cannot hide the others' results.
   : > "$OUT/gpu_tests.log"
-  SUITES=${SUITES:-All/GroupedGemmCounts.* Routing/DeviceSchedule.* Shapes/CudaLayerVsReference.* CudaLayer.* CudaRouter.*}
+  SUITES=${SUITES:-Layouts/GroupedGemmLayouts.*:GroupedGemmChecks.* Routing/DeviceSchedule.* Shapes/CudaLayerVsReference.* CudaLayer.* CudaRouter.*}
   set -f  # the suite filters are gtest patterns, not file globs
   for suite in $SUITES; do
     timeout 300 "$BIN/moka_gpu_tests" --gtest_color=no --gtest_filter="$suite" >> "$OUT/gpu_tests.log" 2>&1
@@ -32,7 +35,7 @@ if [[ $MODE == tests || $MODE == all ]]; then
 fi
 if [[ $MODE == bench || $MODE == all ]]; then
   PYTHONUNBUFFERED=1 timeout 300 python3 "$HERE/torch_baseline.py" --shapes "$SHAPES" --tokens "$TOKENS" \
-    --iters "$ITERS" --out "$OUT/torch.jsonl" 2>&1 | tail -20
+    --iters "$ITERS" --paired-with "$BIN/moka" --out "$OUT/torch.jsonl" 2>&1 | cut -c1-400 | tail -20
   timeout 400 "$BIN/moka" bench --backend cuda --shape "$SHAPES" --tokens "$TOKENS" --iters "$ITERS" --warmup 3 \
     --torch-results "$OUT/torch.jsonl" 2>&1 | tee "$OUT/bench.txt"
   timeout 100 "$BIN/moka" bench --backend cuda --shape qwen3-30b-a3b --tokens 4096 --iters 5 --json \

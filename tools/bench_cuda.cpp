@@ -3,6 +3,8 @@
 #include <cmath>
 #include <cstdio>
 #include <fstream>
+#include <iomanip>
+#include <istream>
 #include <ostream>
 #include <nlohmann/json.hpp>
 #include <random>
@@ -142,61 +144,93 @@ double grouped_gemm_tflops(const NamedShape& ns, const LayerTensors& t, const Cu
       groups.push_back(g);
     }
   }
-  cuda::GroupedGemm gemm(groups, 0);
+  cuda::GroupedGemm gemm(groups, cuda::GemmLayout{}, 0);
   cuda::BufferTable table;
   table.ptr[0] = xg.p, table.ptr[1] = t.wg.p, table.ptr[2] = t.wu.p, table.ptr[3] = gate.p, table.ptr[4] = up.p;
   const double ms = time_ms([&] { gemm.run(table, d.counts, d.offsets, s); }, o.warmup, o.iters, s);
   return 2.0 * double(slots) * 2.0 * double(I) * double(H) / (ms * 1e-3) / 1e12;
 }
 
-// Looks up bench/torch_baseline.py's `key` ms (fwdbwd_ms, fwd_ms) for this shape and token count.
-double torch_ms(const std::string& path, const std::string& shape, int64_t tokens, int ep = 1,
-                const char* key = "fwdbwd_ms") {
-  if (path.empty()) return 0;
+// bench/torch_baseline.py's result for one shape and token count: its own fwd+bwd median and,
+// when it ran with --paired-with, the median of the per-run ratios torch / moka from runs that
+// alternated with moka's (`moka bench --paired-steps`) in the same device call.
+struct TorchResult {
+  double fwdbwd_ms = 0, fwd_ms = 0;
+  double paired_ratio = 0, paired_moka_ms = 0;
+  int paired_runs = 0;
+};
+
+TorchResult torch_result(const std::string& path, const std::string& shape, int64_t tokens, int ep = 1) {
+  TorchResult r;
+  if (path.empty()) return r;
   std::ifstream f(path);
   require(f.good(), ErrorCode::io, "cannot read torch results " + path);
   std::string line;
-  double ms = 0;
   while (std::getline(f, line)) {
     if (line.empty()) continue;
     const auto j = nlohmann::json::parse(line);
-    if (j.value("shape", "") == shape && j.value("tokens_per_rank", int64_t(0)) == tokens && j.value("ep", 1) == ep)
-      ms = j.value(key, 0.0);
+    if (j.value("shape", "") != shape || j.value("tokens_per_rank", int64_t(0)) != tokens || j.value("ep", 1) != ep)
+      continue;
+    r = TorchResult{j.value("fwdbwd_ms", 0.0), j.value("fwd_ms", 0.0)};
+    if (j.contains("paired")) {
+      const auto& p = j["paired"];
+      r.paired_ratio = p.value("median_ratio", 0.0);
+      r.paired_moka_ms = p.value("moka_median_ms", 0.0);
+      r.paired_runs = p.value("runs", 0);
+    }
   }
-  return ms;
+  return r;
+}
+
+// The stream one single-GPU case runs on, set as the layer's for the case's lifetime.
+struct CaseStream {
+  cudaStream_t s = nullptr;
+  explicit CaseStream(const std::string& command) {
+    require(cuda_backend_available(), ErrorCode::backend_unavailable, command + " needs a GPU (none is visible)");
+    MOKA_CUDA_CHECK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
+    cuda::set_stream(s);
+  }
+  ~CaseStream() {
+    cuda::set_stream(nullptr);
+    cudaStreamDestroy(s);
+  }
+};
+
+// Random tensors and uniform routing: torch_baseline.py routes uniformly at random too, so
+// expert loads match in distribution (the draws themselves differ).
+void randomize_uniform(LayerTensors& t, const MoeShape& sh, int64_t tokens, uint64_t seed) {
+  t.randomize(seed, core::sample_topk_ids({core::RoutingKind::uniform, 0.3, seed}, tokens, sh.top_k, sh.num_experts));
 }
 
 }  // namespace
 
 void print_cuda_comparison(std::ostream& os, const std::vector<BenchRow>& rows) {
-  char line[256];
-  std::snprintf(line, sizeof(line), "%-16s %7s %4s %9s %10s %8s %11s %10s %10s %10s %10s\n", "shape", "tokens", "ep",
-                "peak_TF", "gemm_TF", "gemm_%", "vs_cublas", "a2a_GB/s", "copy_GB/s", "torch_ms", "vs_torch");
+  // vs_torch: ratio of the two medians; vs_torch_paired: median of per-run ratios (see TorchResult).
+  char line[320];
+  std::snprintf(line, sizeof(line), "%-16s %7s %4s %9s %10s %8s %11s %10s %10s %10s %10s %16s\n", "shape", "tokens",
+                "ep", "peak_TF", "gemm_TF", "gemm_%", "vs_cublas", "a2a_GB/s", "copy_GB/s", "torch_ms", "vs_torch",
+                "vs_torch_paired");
   os << line;
   for (const auto& r : rows) {
     const auto j = nlohmann::json::parse("{" + r.extra_json + "}");
-    std::snprintf(line, sizeof(line), "%-16s %7lld %4d %9.1f %10.1f %7.1f%% %10.2fx %10.1f %10.1f %10.2f %9.2fx\n",
+    std::snprintf(line, sizeof(line),
+                  "%-16s %7lld %4d %9.1f %10.1f %7.1f%% %10.2fx %10.1f %10.1f %10.2f %9.2fx %9.2fx (n=%d)\n",
                   r.shape.c_str(), static_cast<long long>(r.tokens_per_rank), r.ep, j.value("dense_peak_tflops", 0.0),
                   j.value("grouped_gemm_tflops", 0.0), j.value("grouped_gemm_pct_peak", 0.0),
                   j.value("speedup_vs_cublas_loop", 0.0), j.value("nccl_all_to_all_gbs", 0.0),
-                  j.value("peer_copy_gbs", 0.0), j.value("torch_fwdbwd_ms", 0.0), j.value("speedup_vs_torch", 0.0));
+                  j.value("peer_copy_gbs", 0.0), j.value("torch_fwdbwd_ms", 0.0), j.value("speedup_vs_torch", 0.0),
+                  j.value("speedup_vs_torch_paired", 0.0), j.value("paired_runs", 0));
     os << line;
   }
 }
 
 BenchRow run_cuda_case(const NamedShape& ns, int64_t tokens, const CudaBenchOptions& o) {
-  require(cuda_backend_available(), ErrorCode::backend_unavailable,
-          "moka bench --backend cuda needs a GPU (none is visible)");
+  const CaseStream stream("moka bench --backend cuda");
+  const cudaStream_t s = stream.s;
   const MoeShape& sh = ns.shape;
-  cudaStream_t s;
-  MOKA_CUDA_CHECK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
-  cuda::set_stream(s);
   const double peak = dense_peak_tflops(s);
   LayerTensors t(sh, tokens);
-  // Uniform routing: torch_baseline.py routes uniformly at random too, so expert loads match in
-  // distribution (the draws themselves differ).
-  t.randomize(o.seed, core::sample_topk_ids({core::RoutingKind::uniform, 0.3, o.seed}, tokens, sh.top_k,
-                                            sh.num_experts));
+  randomize_uniform(t, sh, tokens, o.seed);
   const LayerOptions lo{o.tile_rows, 0};
   auto layer = make_moe_layer(sh, Backend::cuda, nullptr, lo);
   auto base = cuda::make_cuda_baseline_layer(sh, lo);
@@ -215,8 +249,6 @@ BenchRow run_cuda_case(const NamedShape& ns, int64_t tokens, const CudaBenchOpti
   const Timing m = time_layer(*layer, t, o, s);
   const Timing b = time_layer(*base, t, o, s);
   const double gemm = grouped_gemm_tflops(ns, t, o, s);
-  cuda::set_stream(nullptr);
-  MOKA_CUDA_CHECK(cudaStreamDestroy(s));
 
   BenchRow row;
   row.shape = ns.name;
@@ -234,15 +266,38 @@ BenchRow run_cuda_case(const NamedShape& ns, int64_t tokens, const CudaBenchOpti
   row.fwdbwd_ms = m.total;
   row.tflops = 3.0 * sh.forward_flops(tokens) / (m.total * 1e-3) / 1e12;
   row.max_rel_error = err;
-  const double tms = torch_ms(o.torch_results, ns.name, tokens);
+  const TorchResult torch = torch_result(o.torch_results, ns.name, tokens);
   std::ostringstream extra;
   extra << "\"dense_peak_tflops\": " << peak << ", \"grouped_gemm_tflops\": " << gemm
         << ", \"grouped_gemm_pct_peak\": " << 100.0 * gemm / peak << ", \"baseline_fwd_ms\": " << b.fwd
         << ", \"baseline_bwd_ms\": " << b.bwd << ", \"baseline_fwdbwd_ms\": " << b.total
         << ", \"speedup_vs_cublas_loop\": " << b.total / m.total << ", \"error_vs\": \"cublas-loop\"";
-  if (tms > 0) extra << ", \"torch_fwdbwd_ms\": " << tms << ", \"speedup_vs_torch\": " << tms / m.total;
+  if (torch.fwdbwd_ms > 0)
+    extra << ", \"torch_fwdbwd_ms\": " << torch.fwdbwd_ms << ", \"speedup_vs_torch\": " << torch.fwdbwd_ms / m.total;
+  if (torch.paired_runs > 0)
+    extra << ", \"speedup_vs_torch_paired\": " << torch.paired_ratio << ", \"paired_runs\": " << torch.paired_runs
+          << ", \"paired_moka_fwdbwd_ms\": " << torch.paired_moka_ms;
   row.extra_json = extra.str();
   return row;
+}
+
+void serve_cuda_steps(const NamedShape& ns, int64_t tokens, const CudaBenchOptions& o, std::istream& in,
+                      std::ostream& out) {
+  const CaseStream stream("moka bench --paired-steps");
+  const MoeShape& sh = ns.shape;
+  LayerTensors t(sh, tokens);
+  randomize_uniform(t, sh, tokens, o.seed);
+  auto layer = make_moe_layer(sh, Backend::cuda, nullptr, LayerOptions{o.tile_rows, 0});
+  auto step = [&] {
+    auto c = layer->forward(t.inputs(), t.weights(), t.out_view());
+    layer->backward(*c, t.d_out_view(), t.weights(), t.gradients());
+  };
+  for (int i = 0; i < o.warmup; ++i) step();
+  MOKA_CUDA_CHECK(cudaStreamSynchronize(stream.s));
+  out << "ready" << std::endl;
+  std::string line;
+  while (std::getline(in, line) && line == "step")
+    out << std::setprecision(9) << time_ms(step, 0, 1, stream.s) << std::endl;
 }
 
 namespace {
@@ -401,7 +456,7 @@ std::optional<BenchRow> run_cuda_ep_case(ProcessGroup& workers, const NamedShape
   row.max_rel_error = -1;  // checked against the CPU reference by moka_ep_gpu_check, not here
   const double gbs = [&](double ms) { return link.bytes_per_rank / (ms * 1e-3) / 1e9; }(a2a);
   const double copy_gbs = link.bytes_per_rank / (copy * 1e-3) / 1e9;
-  const double tms = torch_ms(o.torch_results, ns.name, tokens, R);
+  const double tms = torch_result(o.torch_results, ns.name, tokens, R).fwdbwd_ms;
   std::ostringstream extra;
   extra << "\"nccl_all_to_all_gbs\": " << gbs << ", \"peer_copy_gbs\": " << copy_gbs
         << ", \"dispatch_bytes_per_rank\": " << link.bytes_per_rank
@@ -414,7 +469,7 @@ std::optional<BenchRow> run_cuda_ep_case(ProcessGroup& workers, const NamedShape
   const double flops_floor = sh.forward_flops(tokens) / (peak * 1e12) * 1e3;
   const double bytes_floor = 2.0 * link.bytes_per_rank / (copy_gbs * 1e9) * 1e3;
   const double floor = std::max(flops_floor, bytes_floor);
-  const double torch_fwd = torch_ms(o.torch_results, ns.name, tokens, R, "fwd_ms");
+  const double torch_fwd = torch_result(o.torch_results, ns.name, tokens, R).fwd_ms;
   extra << ", \"megakernel_fwd_ms\": " << mk_fwd << ", \"all_to_all_fwd_ms_paired\": " << mk.fwd.a_ms
         << ", \"megakernel_speedup_vs_all_to_all\": " << 1.0 / mk.fwd.ratio
         << ", \"megakernel_max_rel_diff_vs_all_to_all\": " << mk.max_rel_diff << ", \"dense_peak_tflops\": " << peak
@@ -496,6 +551,10 @@ std::optional<BenchRow> run_cuda_ep_case(ProcessGroup&, const NamedShape&, int64
 void print_cuda_comparison(std::ostream&, const std::vector<BenchRow>&) {}
 
 BenchRow run_cuda_case(const NamedShape&, int64_t, const CudaBenchOptions&) {
+  throw Error(ErrorCode::backend_unavailable, "this build has no CUDA backend");
+}
+
+void serve_cuda_steps(const NamedShape&, int64_t, const CudaBenchOptions&, std::istream&, std::ostream&) {
   throw Error(ErrorCode::backend_unavailable, "this build has no CUDA backend");
 }
 

@@ -1,6 +1,7 @@
 // `moka bench --backend cuda`: the bf16 layer on one GPU, timed with CUDA events, next to the
 // per-expert cuBLAS-loop baseline, the grouped GEMM alone and dense cuBLAS peak of the same run.
 #pragma once
+#include <iosfwd>
 #include <optional>
 #include <string>
 #include <vector>
@@ -26,6 +27,14 @@ struct CudaBenchOptions {
 
 // Available only in builds with the CUDA backend (throws backend_unavailable otherwise).
 BenchRow run_cuda_case(const NamedShape& ns, int64_t tokens, const CudaBenchOptions& o);
+
+// `moka bench --paired-steps`: holds one case on the GPU (the same tensors and routing as
+// run_cuda_case), prints "ready" after the warm-up, then times one forward+backward for every
+// "step" line read from `in` and prints its milliseconds. bench/torch_baseline.py --paired-with
+// drives it, alternating these runs with its own, so that each moka/torch ratio compares two
+// runs made moments apart on the same GPU.
+void serve_cuda_steps(const NamedShape& ns, int64_t tokens, const CudaBenchOptions& o, std::istream& in,
+                      std::ostream& out);
 
 // The same layer with its experts split over the worker processes (the expert-parallel
 // all-to-all path), next to NCCL all-to-all and peer-copy bandwidth of the dispatch volume.

@@ -41,6 +41,7 @@ struct BenchOptions {
   MegakernelConfig megakernel;  // expert-parallel CUDA runs also time the megakernel forward
   std::string timeline;
   int gpus = 1;
+  bool paired_steps = false;
 };
 
 NamedShape custom_shape(const BenchOptions& o) {
@@ -210,6 +211,13 @@ void run_bench(BenchOptions o, const std::vector<std::string>& argv) {
     for (const auto& name : o.shapes) shapes.push_back(named_shape(name));
   }
   if (o.tokens.empty()) o.tokens = {512};
+  if (o.paired_steps) {
+    require(backend == Backend::cuda && shapes.size() == 1 && o.tokens.size() == 1 && o.gpus == 1 && o.ep == 1,
+            ErrorCode::invalid_argument, "--paired-steps takes --backend cuda and one shape and token count");
+    serve_cuda_steps(shapes[0], o.tokens[0], CudaBenchOptions{o.iters, o.warmup, o.seed, o.tile_rows, ""}, std::cin,
+                     std::cout);
+    return;
+  }
   // Worker processes (started by --gpus N or `moka launch`) form one group over TCP.
   std::unique_ptr<ProcessGroup> workers;
   if (launched_as_worker()) {
@@ -285,6 +293,9 @@ void register_bench(CLI::App& app) {
   cmd->add_option("--minibatch", o->megakernel.minibatch_size, "Megakernel: minibatch rows");
   cmd->add_option("--macrobatch", o->megakernel.macrobatch_size, "Megakernel: ring-buffer rows");
   cmd->add_option("--timeline", o->timeline, "Megakernel: write the first case's task timeline to FILE (JSON lines)");
+  cmd->add_flag("--paired-steps", o->paired_steps,
+                "Hold one CUDA case and time one forward+backward per 'step' line on stdin (driven by "
+                "bench/torch_baseline.py --paired-with)");
   cmd->callback([o] { run_bench(*o, command_line()); });
 }
 

@@ -3,9 +3,8 @@
 //   -> SwiGLU -> grouped down GEMM -> combine (shared + sum_j w_j y_j, fp32, fixed j order).
 // Backward: gather d_out -> grouped dY W_down -> SwiGLU backward (+ d_w = <dh_u, h>) ->
 //   grouped dG W_gate, dU W_up -> fixed-order token sum; weight gradients dY^T X per expert.
-// The grouped GEMM takes K-major operands only (see gemm_cutlass.cu), so backward first
-// transposes the weights (for dY W) and the routed activations (for dY^T X, where K is the
-// expert's rows): suffix T below, e.g. kXGT = x_g^T [H, rows].
+// Backward reads the weights and the routed activations where they are: dY W takes W as an
+// MN-major B, and dY^T X both activations as MN-major operands with K = the expert's rows.
 // The host never reads a routed count: every size reaches the GEMMs through device memory.
 // With experts split over a DeviceGroup (the expert-parallel all-to-all path), ExpertExchange
 // replaces the device schedule and the gathers at the edges: rows arrive from every rank over
@@ -32,7 +31,6 @@ enum Buf : int {
   kX, kXG, kWG, kWU, kWD, kGate, kUp, kHid, kY, kWSG, kWSU, kWSD, kSG, kSU, kSH, kSY,
   kDOut, kDYG, kDHU, kDG, kDU, kHS, kDXA, kDXB, kDHS, kDGS, kDUS, kDXSA, kDXSB,
   kDWG, kDWU, kDWD, kDWSG, kDWSU, kDWSD,
-  kXGT, kDYGT, kDGT, kDUT, kHST, kWGT, kWUT, kWDT, kXT, kDOutT, kDGST, kDUST, kSHT, kWSGT, kWSUT, kWSDT,
   kNumBufs
 };
 static_assert(kNumBufs <= kMaxGemmBuffers);
@@ -55,7 +53,6 @@ struct DeviceBuffer {
 // allocated on the first call that needs more.
 struct Workspace {
   int64_t tokens = 0, rows = 0;
-  int64_t rows_pitch = 0, tokens_pitch = 0;  // of the transposed buffers: 16-byte multiples
   DeviceBuffer chunk_counts, counts, offsets, row_of_slot;
   // Expert-parallel path only: rows back in send order (y, the two halves of d_x), and the router
   // weight and its gradient per grouped row.
@@ -194,26 +191,8 @@ class CudaMoeLayer final : public MoeLayer {
     const RowMap map = routed_rows(ws);
     const int32_t* counts = ws.counts.as<int32_t>();
     const int32_t* offsets = ws.offsets.as<int32_t>();
-    const int32_t* live_rows = offsets + E;  // total padded rows this forward placed
     const ActParams act{shape_.activation == Activation::swiglu_clamped, shape_.clamp_limit};
     const bool shared = shape_.has_shared();
-    const int64_t Rp = ws.rows_pitch, Tp = ws.tokens_pitch;
-    auto tr = [&](const void* in, Buf out, int64_t rows, int64_t cols, int64_t out_pitch, int64_t batch = 1,
-                  const int32_t* bound = nullptr) {
-      TransposeSpec t;
-      t.rows = rows, t.cols = cols, t.batch = batch, t.in_pitch = cols, t.in_batch_stride = rows * cols;
-      t.out_pitch = out_pitch, t.out_batch_stride = rows * cols, t.row_bound = bound;
-      transpose(static_cast<const bf16*>(in), buf(ws, out), t, s);
-    };
-    // Weights as [E, in, out] for the data gradients dY W.
-    tr(w.w_gate.data, kWGT, I, H, I, E);
-    tr(w.w_up.data, kWUT, I, H, I, E);
-    tr(w.w_down.data, kWDT, H, I, H, E);
-    if (shared) {
-      tr(w.ws_gate.data, kWSGT, Is, H, Is);
-      tr(w.ws_up.data, kWSUT, Is, H, Is);
-      tr(w.ws_down.data, kWSDT, H, Is, H);
-    }
     dispatch(d_out.as<bf16>(), buf(ws, kDYG), ws, s);
     ws.data_grad_h->run(table, counts, offsets, s);
     // Route weights and d_w per visited entry: per slot on one rank, per received route across ranks.
@@ -235,19 +214,6 @@ class CudaMoeLayer final : public MoeLayer {
     }
     reduce_input_grads(dxa, dxb, shared ? buf(ws, kDXSA) : nullptr, shared ? buf(ws, kDXSB) : nullptr,
                        g.d_x.as<bf16>(), slot_map(ws), T, k, H, s);
-    // Activations as [features, rows] for the weight gradients (K = rows).
-    tr(buf(ws, kXG), kXGT, ws.rows, H, Rp, 1, live_rows);
-    tr(buf(ws, kDYG), kDYGT, ws.rows, H, Rp, 1, live_rows);
-    tr(buf(ws, kDG), kDGT, ws.rows, I, Rp, 1, live_rows);
-    tr(buf(ws, kDU), kDUT, ws.rows, I, Rp, 1, live_rows);
-    tr(buf(ws, kHS), kHST, ws.rows, I, Rp, 1, live_rows);
-    if (shared) {
-      tr(ctx->inputs.x.data, kXT, T, H, Tp);
-      tr(d_out.data, kDOutT, T, H, Tp);
-      tr(buf(ws, kDGS), kDGST, T, Is, Tp);
-      tr(buf(ws, kDUS), kDUST, T, Is, Tp);
-      tr(buf(ws, kSH), kSHT, T, Is, Tp);
-    }
     zero_empty_experts(counts, E, g.d_w_gate.as<bf16>(), g.d_w_up.as<bf16>(), g.d_w_down.as<bf16>(), I * H, s);
     ws.weight_grad->run(table, counts, offsets, s);
   }
@@ -369,18 +335,9 @@ class CudaMoeLayer final : public MoeLayer {
     auto alloc = [&](Buf b, int64_t elems) { ws->bufs[b] = DeviceBuffer(elems * sizeof(bf16)); };
     for (Buf b : {kXG, kY, kDYG, kDXA, kDXB}) alloc(b, R * H);
     for (Buf b : {kGate, kUp, kHid, kDHU, kDG, kDU, kHS}) alloc(b, R * I);
-    ws->rows_pitch = core::round_up(R, 8);
-    ws->tokens_pitch = core::round_up(T, 8);
-    const int64_t Rp = ws->rows_pitch, Tp = ws->tokens_pitch;
-    for (Buf b : {kXGT, kDYGT}) alloc(b, H * Rp);
-    for (Buf b : {kDGT, kDUT, kHST}) alloc(b, I * Rp);
-    for (Buf b : {kWGT, kWUT, kWDT}) alloc(b, E * I * H);
     if (shape_.has_shared()) {
       for (Buf b : {kSG, kSU, kSH, kDHS, kDGS, kDUS}) alloc(b, T * Is);
       for (Buf b : {kSY, kDXSA, kDXSB}) alloc(b, T * H);
-      for (Buf b : {kXT, kDOutT}) alloc(b, H * Tp);
-      for (Buf b : {kDGST, kDUST, kSHT}) alloc(b, Is * Tp);
-      for (Buf b : {kWSGT, kWSUT, kWSDT}) alloc(b, Is * H);
     }
     build_gemms(*ws);
     ws_ = std::move(ws);
@@ -389,13 +346,15 @@ class CudaMoeLayer final : public MoeLayer {
 
   // The five grouped GEMMs of a layer, each with one group per expert and operand (plus the
   // shared expert's dense products as extra fixed-size groups, so they overlap with the routed
-  // tiles in the same persistent launch). All are D = A B^T with row-major A [m, k], B [n, k].
+  // tiles in the same persistent launch). Forward is D = A B^T with both operands K-major;
+  // backward reads the same tensors as MN-major operands (GemmLayout), so nothing is transposed.
   void build_gemms(Workspace& ws) const {
     const int64_t H = shape_.hidden, I = shape_.intermediate, E = local_experts_, T = ws.tokens;
-    const int64_t Is = shape_.shared_intermediate, Rp = ws.rows_pitch, Tp = ws.tokens_pitch;
+    const int64_t Is = shape_.shared_intermediate;
     const int Ti = static_cast<int>(T), Hi = static_cast<int>(H), Ii = static_cast<int>(I),
               Isi = static_cast<int>(Is);
-    // A product over a routed expert's rows: m = the expert's row count.
+    // A product over a routed expert's rows: m = the expert's row count, A = its segment of a
+    // grouped buffer [rows, k], B = its weights at b_off with stored row pitch ldb.
     auto rows_of = [](int e, int a, int64_t lda, int b, int64_t b_off, int64_t ldb, int d, int64_t ldd, int n,
                       int k) {
       GroupSpec g;
@@ -405,12 +364,13 @@ class CudaMoeLayer final : public MoeLayer {
       g.n = n, g.k = k, g.expert = e, g.count_dim = CountDim::m;
       return g;
     };
-    // A weight gradient summed over a routed expert's rows: k = the expert's row count; A and B
-    // are transposed activations [features, rows_pitch], advanced by the segment's first row.
-    auto sum_over_rows = [&](int e, int a, int b, int d, int64_t d_off, int m, int n) {
+    // A weight gradient D[m, n] = sum over a routed expert's rows r of A[r, m] B[r, n]: k = the
+    // expert's row count, A and B are the grouped buffers [rows, m] and [rows, n] read as
+    // MN-major operands from the segment's first row (padding rows lie past k: never read).
+    auto sum_over_rows = [](int e, int a, int b, int d, int64_t d_off, int m, int n) {
       GroupSpec g;
-      g.a = a, g.a_step = 1, g.lda = Rp;
-      g.b = b, g.b_step = 1, g.ldb = Rp;
+      g.a = a, g.a_step = m, g.lda = m;
+      g.b = b, g.b_step = n, g.ldb = n;
       g.d = d, g.d_off = d_off, g.ldd = n;
       g.m = m, g.n = n, g.expert = e, g.count_dim = CountDim::k;
       return g;
@@ -423,35 +383,37 @@ class CudaMoeLayer final : public MoeLayer {
     };
     std::vector<GroupSpec> gate_up, down, dh, dx, wgrad;
     for (int e = 0; e < E; ++e) {
-      // Forward: x_g W_gate^T, x_g W_up^T, hidden W_down^T.
+      // Forward: x_g W_gate^T, x_g W_up^T, hidden W_down^T (W [out, in] = [n, k]: K-major).
       gate_up.push_back(rows_of(e, kXG, H, kWG, e * I * H, H, kGate, I, Ii, Hi));
       gate_up.push_back(rows_of(e, kXG, H, kWU, e * I * H, H, kUp, I, Ii, Hi));
       down.push_back(rows_of(e, kHid, I, kWD, e * H * I, I, kY, H, Hi, Ii));
-      // Backward data gradients: dY_g W_down, dG W_gate, dU W_up (B = the transposed weights).
-      dh.push_back(rows_of(e, kDYG, H, kWDT, e * I * H, H, kDHU, I, Ii, Hi));
-      dx.push_back(rows_of(e, kDG, I, kWGT, e * H * I, I, kDXA, H, Hi, Ii));
-      dx.push_back(rows_of(e, kDU, I, kWUT, e * H * I, I, kDXB, H, Hi, Ii));
+      // Data gradients: dY_g W_down, dG W_gate, dU W_up (W [out, in] = [k, n]: MN-major).
+      dh.push_back(rows_of(e, kDYG, H, kWD, e * H * I, I, kDHU, I, Ii, Hi));
+      dx.push_back(rows_of(e, kDG, I, kWG, e * I * H, H, kDXA, H, Hi, Ii));
+      dx.push_back(rows_of(e, kDU, I, kWU, e * I * H, H, kDXB, H, Hi, Ii));
       // Weight gradients: dG^T x_g, dU^T x_g, dY_g^T (w * hidden).
-      wgrad.push_back(sum_over_rows(e, kDGT, kXGT, kDWG, e * I * H, Ii, Hi));
-      wgrad.push_back(sum_over_rows(e, kDUT, kXGT, kDWU, e * I * H, Ii, Hi));
-      wgrad.push_back(sum_over_rows(e, kDYGT, kHST, kDWD, e * H * I, Hi, Ii));
+      wgrad.push_back(sum_over_rows(e, kDG, kXG, kDWG, e * I * H, Ii, Hi));
+      wgrad.push_back(sum_over_rows(e, kDU, kXG, kDWU, e * I * H, Ii, Hi));
+      wgrad.push_back(sum_over_rows(e, kDYG, kHS, kDWD, e * H * I, Hi, Ii));
     }
     if (shape_.has_shared()) {
       gate_up.push_back(fixed(kX, H, kWSG, H, kSG, Is, Ti, Isi, Hi));
       gate_up.push_back(fixed(kX, H, kWSU, H, kSU, Is, Ti, Isi, Hi));
       down.push_back(fixed(kSH, Is, kWSD, Is, kSY, H, Ti, Hi, Isi));
-      dh.push_back(fixed(kDOut, H, kWSDT, H, kDHS, Is, Ti, Isi, Hi));
-      dx.push_back(fixed(kDGS, Is, kWSGT, Is, kDXSA, H, Ti, Hi, Isi));
-      dx.push_back(fixed(kDUS, Is, kWSUT, Is, kDXSB, H, Ti, Hi, Isi));
-      wgrad.push_back(fixed(kDGST, Tp, kXT, Tp, kDWSG, H, Isi, Hi, Ti));
-      wgrad.push_back(fixed(kDUST, Tp, kXT, Tp, kDWSU, H, Isi, Hi, Ti));
-      wgrad.push_back(fixed(kDOutT, Tp, kSHT, Tp, kDWSD, Is, Hi, Isi, Ti));
+      dh.push_back(fixed(kDOut, H, kWSD, Is, kDHS, Is, Ti, Isi, Hi));
+      dx.push_back(fixed(kDGS, Is, kWSG, H, kDXSA, H, Ti, Hi, Isi));
+      dx.push_back(fixed(kDUS, Is, kWSU, H, kDXSB, H, Ti, Hi, Isi));
+      // k = T: the token-major tensors [T, features] are the MN-major operands.
+      wgrad.push_back(fixed(kDGS, Is, kX, H, kDWSG, H, Isi, Hi, Ti));
+      wgrad.push_back(fixed(kDUS, Is, kX, H, kDWSU, H, Isi, Hi, Ti));
+      wgrad.push_back(fixed(kDOut, H, kSH, Is, kDWSD, Is, Hi, Isi, Ti));
     }
-    ws.gate_up = std::make_unique<GroupedGemm>(gate_up, device_, engine_);
-    ws.down = std::make_unique<GroupedGemm>(down, device_, engine_);
-    ws.data_grad_h = std::make_unique<GroupedGemm>(dh, device_, engine_);
-    ws.data_grad_x = std::make_unique<GroupedGemm>(dx, device_, engine_);
-    ws.weight_grad = std::make_unique<GroupedGemm>(wgrad, device_, engine_);
+    const GemmLayout forward{Major::k, Major::k}, data_grad{Major::k, Major::mn}, weight_grad{Major::mn, Major::mn};
+    ws.gate_up = std::make_unique<GroupedGemm>(gate_up, forward, device_, engine_);
+    ws.down = std::make_unique<GroupedGemm>(down, forward, device_, engine_);
+    ws.data_grad_h = std::make_unique<GroupedGemm>(dh, data_grad, device_, engine_);
+    ws.data_grad_x = std::make_unique<GroupedGemm>(dx, data_grad, device_, engine_);
+    ws.weight_grad = std::make_unique<GroupedGemm>(wgrad, weight_grad, device_, engine_);
   }
 
   MoeShape shape_;

@@ -1,5 +1,5 @@
-// The CUTLASS sm90 grouped GEMM (pointer-array, device-side problem sizes), both operands
-// K-major: D[m, n] = A[m, k] B[n, k]^T with A, B and D row-major.
+// The CUTLASS sm90 grouped GEMM (pointer-array, device-side problem sizes): D[m, n] =
+// A(m, k) B(n, k) with row-major D and K-major or MN-major operands (GemmLayout).
 //
 // Kernel: warp-specialized cooperative persistent kernel (one TMA producer warp, two consumer
 // warpgroups sharing a 128x256 tile, 64-deep K blocks, as many pipeline stages as shared
@@ -27,60 +27,49 @@ using namespace cute;
 
 namespace moka::cuda {
 
-// Only K-major operands: on CUTLASS 4.2 the grouped (device-sized) kernel with an MN-major
-// operand gave wrong results on the H200 (tests/gpu/test_grouped_gemm.cpp found it), so
-// the layer transposes where a product needs one (docs/ARCHITECTURE.md, CUDA backend).
-// A plain (non-template) config: nvcc's host pass failed to re-emit the epilogue builder's
-// decltype arguments when they were instantiated inside a class template.
-struct GroupedGemmConfig {
-  using LayoutA = cutlass::layout::RowMajor;
-  using LayoutB = cutlass::layout::ColumnMajor;
-  using Element = cutlass::bfloat16_t;
-  using LayoutD = cutlass::layout::RowMajor;
-  static constexpr int kAlign = 8;  // 16 bytes of bf16: TMA's alignment
-  using ProblemShape = cutlass::gemm::GroupProblemShape<cute::Shape<int, int, int>>;
-  using TileShape = cute::Shape<cute::_128, cute::_256, cute::_64>;
-  using ClusterShape = cute::Shape<cute::_1, cute::_1, cute::_1>;
-  using KernelSchedule = cutlass::gemm::KernelPtrArrayTmaWarpSpecializedCooperative;
-  using EpilogueSchedule = cutlass::epilogue::PtrArrayTmaWarpSpecializedCooperative;
+// Everything here has internal linkage. The first MN-major attempt compiled one copy of this
+// file per layout, each defining the same non-template moka::cuda::GroupedGemmConfig with other
+// operand layouts, so CutlassGemmRunner<GroupedGemmConfig> had one mangled name for three
+// different classes: an ODR violation. Its inline members and vtable are COMDAT, the linker
+// kept the first object's (K-major) copies, and the "MN-major" runners ran the K-major kernel,
+// which matched cuBLAS for K-major operands only. Here each layout's kernel is a distinct
+// type (GemmKK, GemmKMN, GemmMNMN), in an unnamed namespace, so each has its own symbols.
+namespace {
 
-  using EpilogueOp = typename cutlass::epilogue::collective::CollectiveBuilder<
-      cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, TileShape, ClusterShape,
-      cutlass::epilogue::collective::EpilogueTileAuto, float, float, void, LayoutD*, kAlign, Element, LayoutD*,
-      kAlign, EpilogueSchedule, cutlass::epilogue::fusion::LinearCombination<Element, float>>::CollectiveOp;
+// The operands in CUTLASS's terms, where A is (m, k) and B is (n, k) and a layout tag names
+// which mode is contiguous: RowMajor A / ColumnMajor B are K-major, the other two MN-major.
+template <Major kA>
+using LayoutATag = cute::conditional_t<kA == Major::k, cutlass::layout::RowMajor, cutlass::layout::ColumnMajor>;
+template <Major kB>
+using LayoutBTag = cute::conditional_t<kB == Major::k, cutlass::layout::ColumnMajor, cutlass::layout::RowMajor>;
 
-  using MainloopOp = typename cutlass::gemm::collective::CollectiveBuilder<
-      cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, Element, LayoutA*, kAlign, Element, LayoutB*, kAlign,
-      float, TileShape, ClusterShape,
-      cutlass::gemm::collective::StageCountAutoCarveout<static_cast<int>(
-          sizeof(typename EpilogueOp::SharedStorage))>,
-      KernelSchedule>::CollectiveOp;
-
-  using GemmKernel = cutlass::gemm::kernel::GemmUniversal<ProblemShape, MainloopOp, EpilogueOp>;
-  using Gemm = cutlass::gemm::device::GemmUniversalAdapter<GemmKernel>;
-};
-
-// A stride with one dynamic pitch (the other mode is the static unit stride, the batch mode 0).
+// A group's stride: the stored row pitch in the one dynamic mode; the contiguous mode is the
+// static unit stride and the batch mode the static 0 (groups are separate pointers). K-major A
+// (M, K) = (pitch, 1); MN-major A (M, K) = (1, pitch); likewise B with N; D (M, N) = (pitch, 1).
+// The kernel patches each group's TMA descriptor from exactly these strides and its (m, n, k).
 template <class Stride>
 Stride pitched(int64_t pitch) {
+  static_assert(cute::is_static<cute::remove_cvref_t<decltype(cute::get<2>(Stride{}))>>::value,
+                "grouped strides have a static batch mode");
   Stride s{};
   if constexpr (cute::is_same_v<cute::remove_cvref_t<decltype(cute::get<0>(s))>, int64_t>) {
+    static_assert(cute::is_static<cute::remove_cvref_t<decltype(cute::get<1>(s))>>::value);
     cute::get<0>(s) = pitch;
   } else {
+    static_assert(cute::is_same_v<cute::remove_cvref_t<decltype(cute::get<1>(s))>, int64_t>);
     cute::get<1>(s) = pitch;
   }
   return s;
 }
 
-template <class Config>
+template <class Gemm>
 class CutlassGemmRunner final : public GemmRunner {
-  using Gemm = typename Config::Gemm;
   using Kernel = typename Gemm::GemmKernel;
   using StrideA = typename Kernel::InternalStrideA;
   using StrideB = typename Kernel::InternalStrideB;
   using StrideD = typename Kernel::InternalStrideD;
-  using Element = typename Config::Element;
-  using Shape3 = typename Config::ProblemShape::UnderlyingProblemShape;
+  using Element = typename Kernel::ElementA;
+  using Shape3 = typename Kernel::ProblemShape::UnderlyingProblemShape;
 
  public:
   CutlassGemmRunner(const GroupArrays& arrays, const std::vector<GroupSpec>& specs, int device) {
@@ -152,9 +141,53 @@ class CutlassGemmRunner final : public GemmRunner {
   void* workspace_ = nullptr;
 };
 
+// What every layout shares. The epilogue is named outside any template: spelled inside a class
+// or function template, nvcc's host pass re-emitted its builder's decltype arguments in a form
+// g++ rejects.
+struct KernelParts {
+  using Element = cutlass::bfloat16_t;
+  using LayoutD = cutlass::layout::RowMajor;
+  static constexpr int kAlign = 8;  // 16 bytes of bf16: TMA's alignment
+  using ProblemShape = cutlass::gemm::GroupProblemShape<cute::Shape<int, int, int>>;
+  using TileShape = cute::Shape<cute::_128, cute::_256, cute::_64>;
+  using ClusterShape = cute::Shape<cute::_1, cute::_1, cute::_1>;
+  using KernelSchedule = cutlass::gemm::KernelPtrArrayTmaWarpSpecializedCooperative;
+  using EpilogueSchedule = cutlass::epilogue::PtrArrayTmaWarpSpecializedCooperative;
+
+  using EpilogueOp = typename cutlass::epilogue::collective::CollectiveBuilder<
+      cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, TileShape, ClusterShape,
+      cutlass::epilogue::collective::EpilogueTileAuto, float, float, void, LayoutD*, kAlign, Element, LayoutD*,
+      kAlign, EpilogueSchedule, cutlass::epilogue::fusion::LinearCombination<Element, float>>::CollectiveOp;
+  static constexpr int kEpilogueSmem = static_cast<int>(sizeof(typename EpilogueOp::SharedStorage));
+};
+
+// The mainloop of one operand layout: the only part that depends on it.
+template <Major kA, Major kB>
+struct Mainloop {
+  using P = KernelParts;
+  using type = typename cutlass::gemm::collective::CollectiveBuilder<
+      cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, P::Element, LayoutATag<kA>*, P::kAlign, P::Element,
+      LayoutBTag<kB>*, P::kAlign, float, P::TileShape, P::ClusterShape,
+      cutlass::gemm::collective::StageCountAutoCarveout<P::kEpilogueSmem>, P::KernelSchedule>::CollectiveOp;
+};
+
+// The three kernels (the layouts of GemmLayout), spelled outside templates (see KernelParts).
+template <class MainloopOp>
+using KernelOf = cutlass::gemm::kernel::GemmUniversal<KernelParts::ProblemShape, MainloopOp, KernelParts::EpilogueOp>;
+using GemmKK = cutlass::gemm::device::GemmUniversalAdapter<KernelOf<Mainloop<Major::k, Major::k>::type>>;
+using GemmKMN = cutlass::gemm::device::GemmUniversalAdapter<KernelOf<Mainloop<Major::k, Major::mn>::type>>;
+using GemmMNMN = cutlass::gemm::device::GemmUniversalAdapter<KernelOf<Mainloop<Major::mn, Major::mn>::type>>;
+
+}  // namespace
+
 std::unique_ptr<GemmRunner> make_gemm_runner(const GroupArrays& arrays, const std::vector<GroupSpec>& specs,
-                                             int device) {
-  return std::make_unique<CutlassGemmRunner<GroupedGemmConfig>>(arrays, specs, device);
+                                             GemmLayout layout, int device) {
+  if (layout.a == Major::k && layout.b == Major::k) return std::make_unique<CutlassGemmRunner<GemmKK>>(arrays, specs, device);
+  if (layout.a == Major::k && layout.b == Major::mn)
+    return std::make_unique<CutlassGemmRunner<GemmKMN>>(arrays, specs, device);
+  if (layout.a == Major::mn && layout.b == Major::mn)
+    return std::make_unique<CutlassGemmRunner<GemmMNMN>>(arrays, specs, device);
+  throw Error(ErrorCode::unsupported_size, "no grouped GEMM kernel is built for an MN-major A with a K-major B");
 }
 
 }  // namespace moka::cuda

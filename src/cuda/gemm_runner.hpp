@@ -24,6 +24,8 @@ class GemmRunner {
   virtual void run(cudaStream_t stream) = 0;
 };
 
-std::unique_ptr<GemmRunner> make_gemm_runner(const GroupArrays&, const std::vector<GroupSpec>&, int device);
+// Throws unsupported_size for a layout with no compiled kernel (see GemmLayout).
+std::unique_ptr<GemmRunner> make_gemm_runner(const GroupArrays&, const std::vector<GroupSpec>&, GemmLayout layout,
+                                             int device);
 
 }  // namespace moka::cuda

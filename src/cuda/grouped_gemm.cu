@@ -35,6 +35,7 @@ __global__ void setup_groups(const GroupSpec* specs, int groups, const BufferTab
 }  // namespace
 
 struct GroupedGemm::Impl {
+  GemmLayout layout;
   GroupSpec* specs = nullptr;
   GroupArrays arrays;
   std::unique_ptr<GemmRunner> runner;
@@ -57,9 +58,10 @@ struct GroupedGemm::Impl {
   }
 };
 
-GroupedGemm::GroupedGemm(const std::vector<GroupSpec>& groups, int device, GemmEngine engine)
+GroupedGemm::GroupedGemm(const std::vector<GroupSpec>& groups, GemmLayout layout, int device, GemmEngine engine)
     : impl_(std::make_unique<Impl>()), groups_(groups.size()) {
   require(!groups.empty(), ErrorCode::internal, "grouped GEMM with no groups");
+  impl_->layout = layout;
   for (const auto& g : groups) {
     require(g.a >= 0 && g.a < kMaxGemmBuffers && g.b >= 0 && g.b < kMaxGemmBuffers && g.d >= 0 &&
                 g.d < kMaxGemmBuffers,
@@ -69,6 +71,10 @@ GroupedGemm::GroupedGemm(const std::vector<GroupSpec>& groups, int device, GemmE
             "the CUDA backend needs hidden and intermediate sizes that are multiples of 8, got a GEMM with n=" +
                 std::to_string(g.n) + " and row pitches " + std::to_string(g.lda) + "/" + std::to_string(g.ldb) +
                 "/" + std::to_string(g.ldd));
+    // An MN-major operand is read in 16-byte runs along m or n, so that extent must be fixed
+    // (never the routed count: its tiles' pointers step along k only) and a multiple of 8.
+    require(layout.a == Major::k || (g.count_dim != CountDim::m && g.m % 8 == 0), ErrorCode::unsupported_size,
+            "an MN-major A needs a fixed m that is a multiple of 8, got m=" + std::to_string(g.m));
   }
   const size_t G = groups.size();
   if (engine == GemmEngine::cublas_loop) {
@@ -84,7 +90,7 @@ GroupedGemm::GroupedGemm(const std::vector<GroupSpec>& groups, int device, GemmE
   MOKA_CUDA_CHECK(cudaMalloc(&impl_->arrays.a, G * sizeof(void*)));
   MOKA_CUDA_CHECK(cudaMalloc(&impl_->arrays.b, G * sizeof(void*)));
   MOKA_CUDA_CHECK(cudaMalloc(&impl_->arrays.d, G * sizeof(void*)));
-  impl_->runner = make_gemm_runner(impl_->arrays, groups, device);
+  impl_->runner = make_gemm_runner(impl_->arrays, groups, layout, device);
 }
 
 GroupedGemm::~GroupedGemm() = default;
@@ -113,8 +119,12 @@ void GroupedGemm::Impl::run_cublas_loop(const BufferTable& buffers, const int32_
     const auto* a = static_cast<const bf*>(buffers.ptr[s.a]) + s.a_off + row * s.a_step;
     const auto* b = static_cast<const bf*>(buffers.ptr[s.b]) + s.b_off + row * s.b_step;
     auto* d = const_cast<bf*>(static_cast<const bf*>(buffers.ptr[s.d])) + s.d_off + row * s.d_step;
-    // Row-major D[m, n] is column-major D^T[n, m] = B A^T with B, A column-major [k, n], [k, m].
-    MOKA_CUBLAS_CHECK(cublasGemmEx(cublas, CUBLAS_OP_T, CUBLAS_OP_N, dims[1], dims[0], dims[2], &one, b, CUDA_R_16BF,
+    // Row-major D[m, n] is column-major D^T[n, m] = B' A'^T, where B' = [n, k] and A'^T = [k, m]
+    // column-major: a K-major B (stored [n, k] row-major = [k, n] column-major) is transposed,
+    // an MN-major one ([k, n] row-major = [n, k] column-major) is not; the reverse for A.
+    const cublasOperation_t op_b = layout.b == Major::k ? CUBLAS_OP_T : CUBLAS_OP_N;
+    const cublasOperation_t op_a = layout.a == Major::k ? CUBLAS_OP_N : CUBLAS_OP_T;
+    MOKA_CUBLAS_CHECK(cublasGemmEx(cublas, op_b, op_a, dims[1], dims[0], dims[2], &one, b, CUDA_R_16BF,
                                    static_cast<int>(s.ldb), a, CUDA_R_16BF, static_cast<int>(s.lda), &zero, d,
                                    CUDA_R_16BF, static_cast<int>(s.ldd), CUBLAS_COMPUTE_32F,
                                    CUBLAS_GEMM_DEFAULT));

@@ -4,8 +4,9 @@
 // pointers, then the persistent GEMM walks the groups. Both launches are stream-ordered and
 // capturable in a CUDA graph.
 //
-// Every GEMM is D[m, n] = sum_k A[m, k] B[n, k] (A, B, D row-major, i.e. both operands
-// K-major), fp32 accumulation, bf16 D.
+// Every GEMM is D[m, n] = sum_k A(m, k) B(n, k), fp32 accumulation, bf16 row-major D. Each
+// operand is K-major or MN-major (GemmLayout), so the backward products dY W and dY^T X read
+// the weights and the routed activations where they are, without transposed copies.
 #pragma once
 #include <cuda_runtime.h>
 
@@ -14,6 +15,16 @@
 #include <vector>
 
 namespace moka::cuda {
+
+// How an operand is stored, always as a row-major matrix with row pitch lda / ldb:
+//   Major::k:  A as [m, k], B as [n, k] (the reduced dimension contiguous), e.g. x W^T;
+//   Major::mn: A as [k, m], B as [k, n] (m or n contiguous), e.g. W in dY W, both in dY^T X.
+enum class Major : int8_t { k, mn };
+// The operand majorness of one GroupedGemm (all its groups). Supported: {k, k} (forward),
+// {k, mn} (data gradients dY W), {mn, mn} (weight gradients dY^T X).
+struct GemmLayout {
+  Major a = Major::k, b = Major::k;
+};
 
 // Which dimension of a group takes its expert's routed row count.
 enum class CountDim : int8_t { none = -1, m = 0, k = 2 };
@@ -34,7 +45,7 @@ struct GroupSpec {
   int a = 0, b = 0, d = 0;                      // BufferTable indices
   int64_t a_off = 0, b_off = 0, d_off = 0;      // elements
   int64_t a_step = 0, b_step = 0, d_step = 0;   // elements per grouped row; 0 = fixed
-  int64_t lda = 0, ldb = 0, ldd = 0;           // row pitch (elements) of each row-major operand
+  int64_t lda = 0, ldb = 0, ldd = 0;           // row pitch (elements) of each stored operand
   int m = 0, n = 0, k = 0;
   int expert = -1;
   CountDim count_dim = CountDim::none;
@@ -47,7 +58,8 @@ enum class GemmEngine { cutlass, cublas_loop };
 
 class GroupedGemm {
  public:
-  GroupedGemm(const std::vector<GroupSpec>& groups, int device, GemmEngine engine = GemmEngine::cutlass);
+  GroupedGemm(const std::vector<GroupSpec>& groups, GemmLayout layout, int device,
+              GemmEngine engine = GemmEngine::cutlass);
   ~GroupedGemm();
   GroupedGemm(const GroupedGemm&) = delete;
   GroupedGemm& operator=(const GroupedGemm&) = delete;

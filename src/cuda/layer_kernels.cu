@@ -278,28 +278,6 @@ __global__ void zero_empty_kernel(const int32_t* counts, bf16* a, bf16* b, bf16*
   }
 }
 
-constexpr int kTile = 64;
-
-// 64x64 tiles through shared memory (padded rows: no bank conflicts on the column reads).
-__global__ void __launch_bounds__(256) transpose_kernel(const bf16* in, bf16* out, TransposeSpec t) {
-  __shared__ bf16 tile[kTile][kTile + 2];
-  const int64_t rows = t.row_bound ? *t.row_bound : t.rows;
-  const int64_t r0 = int64_t(blockIdx.y) * kTile, c0 = int64_t(blockIdx.x) * kTile;
-  if (r0 >= rows) return;
-  const bf16* src = in + blockIdx.z * t.in_batch_stride;
-  bf16* dst = out + blockIdx.z * t.out_batch_stride;
-  const int tx = threadIdx.x % kTile, ty = threadIdx.x / kTile;  // 64 x 4 threads
-  for (int i = ty; i < kTile; i += 4) {
-    const int64_t r = r0 + i, c = c0 + tx;
-    if (r < rows && c < t.cols) tile[i][tx] = src[r * t.in_pitch + c];
-  }
-  __syncthreads();
-  for (int i = ty; i < kTile; i += 4) {
-    const int64_t c = c0 + i, r = r0 + tx;
-    if (r < rows && c < t.cols) dst[c * t.out_pitch + r] = tile[tx][i];
-  }
-}
-
 __device__ __forceinline__ uint64_t mix64(uint64_t z) {  // splitmix64 finalizer
   z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
   z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
@@ -317,14 +295,6 @@ __global__ void fill_normal_kernel(bf16* data, int64_t n, uint64_t seed, float s
 unsigned grid_of(int64_t blocks) { return static_cast<unsigned>(blocks); }
 
 }  // namespace
-
-void transpose(const bf16* in, bf16* out, const TransposeSpec& t, cudaStream_t stream) {
-  if (t.rows == 0 || t.cols == 0 || t.batch == 0) return;
-  const dim3 grid(static_cast<unsigned>((t.cols + kTile - 1) / kTile), static_cast<unsigned>((t.rows + kTile - 1) / kTile),
-                  static_cast<unsigned>(t.batch));
-  transpose_kernel<<<grid, 256, 0, stream>>>(in, out, t);
-  MOKA_CUDA_CHECK_LAUNCH();
-}
 
 void fill_normal_bf16(bf16* data, int64_t n, uint64_t seed, float stddev, cudaStream_t stream) {
   if (n == 0) return;

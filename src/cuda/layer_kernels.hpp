@@ -94,17 +94,6 @@ void reduce_input_grads(const bf16* ra, const bf16* rb, const bf16* sa, const bf
 void zero_empty_experts(const int32_t* counts, int64_t experts, bf16* a, bf16* b, bf16* c, int64_t per_expert,
                         cudaStream_t stream);
 
-// out[b][c][r] = in[b][r][c] for b < batch, c < cols and r below `rows`, or below *row_bound
-// when given (the live rows of a worst-case-sized grouped buffer, read on the device).
-// Makes the K-major operands of the backward GEMMs (the grouped GEMM takes K-major only).
-struct TransposeSpec {
-  int64_t rows = 0, cols = 0, batch = 1;
-  int64_t in_pitch = 0, in_batch_stride = 0;
-  int64_t out_pitch = 0, out_batch_stride = 0;
-  const int32_t* row_bound = nullptr;
-};
-void transpose(const bf16* in, bf16* out, const TransposeSpec& spec, cudaStream_t stream);
-
 // N(0, stddev) bf16 from a counter-based hash (benchmarks fill gigabytes; never zeros).
 void fill_normal_bf16(bf16* data, int64_t n, uint64_t seed, float stddev, cudaStream_t stream);
 
