@@ -62,7 +62,7 @@ void run(TrainCommand& c) {
 
 void register_train(CLI::App& app) {
   auto c = std::make_shared<TrainCommand>();
-  auto* cmd = app.add_subcommand("train", "Train the MoE language model on the fortunes text (CPU backend)");
+  auto* cmd = app.add_subcommand("train", "Train the MoE language model on the fortunes text");
   add_train_options(cmd, c->options);
   cmd->add_option("--width-mult", c->width_mult, "train the base model widened this many times")
       ->capture_default_str();

@@ -7,7 +7,13 @@
 #include <limits>
 #include <map>
 #include <mutex>
+#include <string>
 #include <thread>
+
+#include <poll.h>
+#include <sys/mman.h>
+#include <sys/wait.h>
+#include <unistd.h>
 
 namespace moka::train {
 
@@ -136,41 +142,144 @@ std::vector<WidthOptimum> find_optima(const std::vector<SweepPoint>& points) {
   return out;
 }
 
+namespace {
+
+// Runs job(i) for every i < count in `workers` forked processes that take the next index from a
+// shared counter, and reports each result to on_result in the parent as it arrives. CUDA runs
+// go here: every process has its own CUDA context, so one model's host-side gaps (launches,
+// the per-step synchronization, the moka router's per-call cudaMalloc/cudaFree, which waits
+// for the whole device) are filled by the others' kernels; threads of one process would all
+// wait on those device-wide synchronizations. The parent must not have touched CUDA.
+void run_in_processes(size_t count, int workers, const std::function<double(size_t)>& job,
+                      const std::function<void(size_t, double)>& on_result) {
+  void* shared = mmap(nullptr, sizeof(std::atomic<size_t>), PROT_READ | PROT_WRITE, MAP_SHARED | MAP_ANONYMOUS, -1, 0);
+  require(shared != MAP_FAILED, ErrorCode::io, "lr-sweep: cannot map the shared work counter");
+  auto* next = new (shared) std::atomic<size_t>(0);
+  std::vector<pid_t> pids;
+  std::vector<int> fds;
+  for (int w = 0; w < workers; ++w) {
+    int p[2];
+    require(pipe(p) == 0, ErrorCode::io, "lr-sweep: pipe failed");
+    const pid_t pid = fork();
+    require(pid >= 0, ErrorCode::io, "lr-sweep: fork failed");
+    if (pid == 0) {
+      close(p[0]);
+      auto say = [&](const std::string& line) { (void)!write(p[1], line.data(), line.size()); };
+      int rc = 0;
+      try {
+        for (size_t i; (i = next->fetch_add(1)) < count;) {
+          char line[64];
+          std::snprintf(line, sizeof line, "R %zu %.17g\n", i, job(i));
+          say(line);
+        }
+      } catch (const std::exception& e) {
+        std::string msg = e.what();
+        std::replace(msg.begin(), msg.end(), '\n', ' ');
+        say("E " + msg + "\n");
+        next->store(count);  // the others stop after their current run
+        rc = 1;
+      }
+      close(p[1]);
+      _exit(rc);
+    }
+    close(p[1]);
+    pids.push_back(pid);
+    fds.push_back(p[0]);
+  }
+  std::vector<std::string> pending(fds.size());
+  std::string error;
+  for (size_t open = fds.size(); open > 0;) {
+    std::vector<pollfd> polled;
+    for (int fd : fds)
+      if (fd >= 0) polled.push_back({fd, POLLIN, 0});
+    if (poll(polled.data(), polled.size(), -1) < 0) continue;
+    for (const auto& pf : polled) {
+      if (!(pf.revents & (POLLIN | POLLHUP | POLLERR))) continue;
+      const size_t w = std::find(fds.begin(), fds.end(), pf.fd) - fds.begin();
+      char buf[4096];
+      const ssize_t n = read(pf.fd, buf, sizeof buf);
+      if (n <= 0) {
+        close(fds[w]);
+        fds[w] = -1;
+        --open;
+        continue;
+      }
+      pending[w].append(buf, size_t(n));
+      for (size_t nl; (nl = pending[w].find('\n')) != std::string::npos;) {
+        const std::string line = pending[w].substr(0, nl);
+        pending[w].erase(0, nl + 1);
+        if (line.rfind("E ", 0) == 0) {
+          if (error.empty()) error = "worker " + std::to_string(w) + ": " + line.substr(2);
+          continue;
+        }
+        size_t index = 0;
+        char value[48] = {0};
+        if (std::sscanf(line.c_str(), "R %zu %47s", &index, value) == 2 && index < count)
+          on_result(index, std::strtod(value, nullptr));
+      }
+    }
+  }
+  for (size_t w = 0; w < pids.size(); ++w) {
+    int status = 0;
+    waitpid(pids[w], &status, 0);
+    if (error.empty() && !(WIFEXITED(status) && WEXITSTATUS(status) == 0))
+      error = "worker " + std::to_string(w) + " died (status " + std::to_string(status) + ")";
+  }
+  munmap(shared, sizeof(std::atomic<size_t>));
+  require(error.empty(), ErrorCode::peer_failure, "lr-sweep: " + error);
+}
+
+}  // namespace
+
 LrSweepResult lr_sweep(const LrSweepConfig& config, const TextSplit& text,
                        const std::function<void(const SweepPoint&, int, int)>& on_point) {
   require(!config.lrs.empty() && !config.multipliers.empty(), ErrorCode::invalid_argument, "empty sweep grid");
+  // Widest first, so the longest runs start early and the short ones fill in at the end.
+  std::vector<int64_t> widest_first = config.multipliers;
+  std::sort(widest_first.rbegin(), widest_first.rend());
   std::vector<std::pair<int64_t, double>> grid;
-  for (int64_t m : config.multipliers)
+  for (int64_t m : widest_first)
     for (double lr : config.lrs) grid.emplace_back(m, lr);
+  auto run = [&](size_t i) {
+    TrainConfig c = at_width(config.train, grid[i].first);
+    c.adam.lr = grid[i].second;
+    c.threads = 1;
+    return SweepPoint{c.model.d_model, c.adam.lr, train_and_evaluate(c, text, config.eval_batches)};
+  };
   LrSweepResult result;
   result.points.resize(grid.size());
-  std::atomic<size_t> next{0};
   std::mutex report;
   int done = 0;
-  std::exception_ptr error;
-  auto worker = [&] {
-    for (size_t i; (i = next.fetch_add(1)) < grid.size();) {
-      TrainConfig c = at_width(config.train, grid[i].first);
-      c.adam.lr = grid[i].second;
-      c.threads = 1;
-      SweepPoint point{c.model.d_model, c.adam.lr, 0.0};
-      try {
-        point.loss = train_and_evaluate(c, text, config.eval_batches);
-      } catch (...) {
-        std::lock_guard lock(report);
-        if (!error) error = std::current_exception();
-        next = grid.size();  // stop the other workers too
-        return;
-      }
-      std::lock_guard lock(report);
-      result.points[i] = point;
-      if (on_point) on_point(point, ++done, int(grid.size()));
-    }
+  auto record = [&](size_t i, const SweepPoint& point) {
+    std::lock_guard lock(report);
+    result.points[i] = point;
+    if (on_point) on_point(point, ++done, int(grid.size()));
   };
-  std::vector<std::thread> pool;
-  for (int w = 0; w < std::max(1, config.workers); ++w) pool.emplace_back(worker);
-  for (auto& t : pool) t.join();
-  if (error) std::rethrow_exception(error);
+  if (config.train.backend == Backend::cuda && config.workers > 1) {
+    run_in_processes(grid.size(), config.workers, [&](size_t i) { return run(i).loss; }, [&](size_t i, double loss) {
+      const TrainConfig c = at_width(config.train, grid[i].first);
+      record(i, {c.model.d_model, grid[i].second, loss});
+    });
+  } else {
+    std::atomic<size_t> next{0};
+    std::exception_ptr error;
+    auto worker = [&] {
+      for (size_t i; (i = next.fetch_add(1)) < grid.size();) {
+        try {
+          record(i, run(i));
+        } catch (...) {
+          std::lock_guard lock(report);
+          if (!error) error = std::current_exception();
+          next = grid.size();  // stop the other workers too
+          return;
+        }
+      }
+    };
+    std::vector<std::thread> pool;
+    for (int w = 0; w < std::max(1, config.workers); ++w) pool.emplace_back(worker);
+    for (auto& t : pool) t.join();
+    if (error) std::rethrow_exception(error);
+  }
   result.optima = find_optima(result.points);
   result.drift_log2 = std::log2(result.optima.back().eta_star / result.optima.front().eta_star);
   return result;

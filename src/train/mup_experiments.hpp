@@ -46,7 +46,7 @@ struct LrSweepConfig {
   std::vector<int64_t> multipliers{1, 2, 4, 8};
   std::vector<double> lrs;
   int eval_batches = 8;
-  int workers = 1;      // runs trained at once (each single-threaded)
+  int workers = 1;      // runs trained at once: threads on the CPU, processes on the GPU
 };
 
 struct SweepPoint {
