@@ -47,7 +47,12 @@ TrainConfig at_width(const TrainConfig& t, int64_t multiplier) {
 double train_and_evaluate(const TrainConfig& c, const TextSplit& text, int eval_batches) {
   try {
     Trainer trainer(c, text);
-    for (int64_t s = 0; s < c.schedule.total_steps; ++s) trainer.step();
+    for (int64_t s = 0; s < c.schedule.total_steps; ++s) {
+      // Stop at the first non-finite loss or gradient: later steps would feed NaN to the routers,
+      // whose top-k is then meaningless (the GPU layer reports such routes as errors).
+      const auto r = trainer.step();
+      if (!std::isfinite(r.loss) || !std::isfinite(r.grad_norm)) return std::numeric_limits<double>::infinity();
+    }
     const double loss = trainer.evaluate(eval_batches);
     return std::isfinite(loss) ? loss : std::numeric_limits<double>::infinity();
   } catch (const Error& e) {
