@@ -4,6 +4,7 @@
 #include <cuda_runtime.h>
 
 #include <algorithm>
+#include <array>
 #include <cmath>
 #include <cstring>
 #include <utility>
@@ -69,12 +70,6 @@ struct DeviceParam {
   bool bf16_path() const { return bool(shadow); }
   const void* grad_data() const { return bf16_path() ? static_cast<const void*>(grad16.get()) : grad.get(); }
   float fwd() const { return float(rule.forward_multiplier); }
-  TensorView weight_view(std::initializer_list<int64_t> dims, int device) const {
-    return TensorView(shadow.get(), DType::bf16, dims, Device::cuda(device));
-  }
-  TensorView grad_view(std::initializer_list<int64_t> dims, int device) const {
-    return TensorView(grad16.get(), DType::bf16, dims, Device::cuda(device));
-  }
 };
 
 float bf16_to_float(bf16 b) {
@@ -311,17 +306,19 @@ struct CudaEngine::Impl {
     return out;
   }
 
+  // The FFN's gate, up, down and shared gate, up, down as bf16 device views of the weights
+  // (`grads` false) or of the gradients; the shared ones empty without a shared expert.
+  std::array<TensorView, 6> ffn_views(const Layer& L, bool grads) const {
+    const int64_t H = c.d_model, E = L.experts, I = L.intermediate, Is = c.shared_intermediate;
+    auto view = [&](const DeviceParam* p, std::initializer_list<int64_t> dims) {
+      return p ? dev_view(grads ? p->grad16.get() : p->shadow.get(), DType::bf16, dims) : TensorView();
+    };
+    return {view(L.gate, {E, I, H}),          view(L.up, {E, I, H}),          view(L.down, {E, H, I}),
+            view(L.shared_gate, {Is, H}), view(L.shared_up, {Is, H}), view(L.shared_down, {H, Is})};
+  }
   MoeWeights ffn_weights(const Layer& L) const {
-    const int64_t H = c.d_model, E = L.experts, I = L.intermediate;
-    MoeWeights w{L.gate->weight_view({E, I, H}, device), L.up->weight_view({E, I, H}, device),
-                 L.down->weight_view({E, H, I}, device), {}, {}, {}};
-    if (L.shared_gate) {
-      const int64_t Is = c.shared_intermediate;
-      w.ws_gate = L.shared_gate->weight_view({Is, H}, device);
-      w.ws_up = L.shared_up->weight_view({Is, H}, device);
-      w.ws_down = L.shared_down->weight_view({H, Is}, device);
-    }
-    return w;
+    const auto v = ffn_views(L, false);
+    return {v[0], v[1], v[2], v[3], v[4], v[5]};
   }
 
   TensorView dev_view(void* p, DType t, std::initializer_list<int64_t> dims) const {
@@ -405,7 +402,7 @@ struct CudaEngine::Impl {
       const RouterOutputs out{dev_view(L.topk_ids.get(), DType::i32, {N, k}),
                               dev_view(L.topk_weights.get(), DType::f32, {N, k}),
                               dev_view(L.counts.get(), DType::i32, {E})};
-      L.router_ctx = L.router_op->forward(dev_view(L.ffn_x.get(), DType::bf16, {N, H}), L.router->weight_view({E, H}, device),
+      L.router_ctx = L.router_op->forward(dev_view(L.ffn_x.get(), DType::bf16, {N, H}), dev_view(L.router->shadow.get(), DType::bf16, {E, H}),
                                           dev_view(L.bias.get(), DType::f32, {E}), out);
       if (stats) {
         // The CPU reference's router logits: the fp32 normed input times the fp32 router.
@@ -425,25 +422,19 @@ struct CudaEngine::Impl {
   // d_res holds the gradient of the FFN branch output; adds the gradient of the FFN's RMSNorm
   // input into d_res.
   void ffn_backward(Layer& L) {
-    const int64_t H = c.d_model, k = L.top_k, E = L.experts, I = L.intermediate;
+    const int64_t H = c.d_model, k = L.top_k, E = L.experts;
     cuda::to_bf16(d_res.get(), N * H, d_out16.get(), stream);
     MOKA_CUDA_CHECK_LAUNCH();
-    MoeGradients g{dev_view(dx16.get(), DType::bf16, {N, H}), dev_view(d_topk_weights.get(), DType::f32, {N, k}),
-                   L.gate->grad_view({E, I, H}, device), L.up->grad_view({E, I, H}, device),
-                   L.down->grad_view({E, H, I}, device), {}, {}, {}};
-    if (L.shared_gate) {
-      const int64_t Is = c.shared_intermediate;
-      g.d_ws_gate = L.shared_gate->grad_view({Is, H}, device);
-      g.d_ws_up = L.shared_up->grad_view({Is, H}, device);
-      g.d_ws_down = L.shared_down->grad_view({H, Is}, device);
-    }
+    const auto d = ffn_views(L, true);
+    const MoeGradients g{dev_view(dx16.get(), DType::bf16, {N, H}), dev_view(d_topk_weights.get(), DType::f32, {N, k}),
+                         d[0], d[1], d[2], d[3], d[4], d[5]};
     L.ffn->backward(*L.ffn_ctx, dev_view(d_out16.get(), DType::bf16, {N, H}), ffn_weights(L), g);
     // d_tmp = dx (+ the router's dx), summed in fp32 in that order as on the CPU.
     MOKA_CUDA_CHECK(cudaMemsetAsync(d_tmp.get(), 0, N * H * sizeof(float), stream));
     cuda::add_bf16(dx16.get(), N * H, d_tmp.get(), stream);
     if (L.is_moe) {
       L.router_op->backward(*L.router_ctx, dev_view(d_topk_weights.get(), DType::f32, {N, k}),
-                            dev_view(dx_router16.get(), DType::bf16, {N, H}), L.router->grad_view({E, H}, device));
+                            dev_view(dx_router16.get(), DType::bf16, {N, H}), dev_view(L.router->grad16.get(), DType::bf16, {E, H}));
       cuda::add_bf16(dx_router16.get(), N * H, d_tmp.get(), stream);
     }
     cuda::rmsnorm_backward(L.ffn_in.get(), L.ffn_norm->value.get(), L.ffn_inv_rms.get(), d_tmp.get(), N, H, true,
@@ -481,12 +472,7 @@ struct CudaEngine::Impl {
     cuda::reduce_finish(partials.get(), cuda::kReduceBlocks, 1.0 / double(N), scalars.get(), stream);
     MOKA_CUDA_CHECK_LAUNCH();
     if (stats) {
-      const double nl = double(c.num_layers), moe_layers = double(c.num_layers - 1);
-      stats->attention /= nl;
-      if (moe_layers > 0) {
-        stats->router_logits /= moe_layers;
-        stats->moe_output /= moe_layers;
-      }
+      stats->average_over_layers(c.num_layers);
       stats->residual = mean_abs(h.get(), false, N * H);
       stats->logits = mean_abs(logits.get(), false, N * V);
     }

@@ -6,8 +6,6 @@
 #include <gtest/gtest.h>
 
 #include <cmath>
-#include <cstring>
-#include <filesystem>
 #include <random>
 
 #include "train/cuda_engine.hpp"
@@ -259,22 +257,8 @@ TEST(TrainGpuLoop, LossDecreases) {
   auto config = moka::train::testing::tiny_train_config(Parameterization::mup, 1e-2);
   config.backend = moka::Backend::cuda;
   config.seed = fresh_seed();
-  config.schedule = {ScheduleKind::wsd, 5, 60, 0.2, 0.1};
-  Trainer trainer(config, *text);
-  const double before = trainer.evaluate(4);
-  for (int s = 0; s < 60; ++s) trainer.step();
-  const double after = trainer.evaluate(4);
-  std::cout << "[ result   ] validation loss " << before << " -> " << after << std::endl;
-  EXPECT_LT(after, before - 1.0);
+  moka::train::testing::expect_loss_decreases(config, *text);
 }
-
-namespace {
-std::vector<float> all_values(const Trainer& t) {
-  std::vector<float> out;
-  for (const auto& v : t.state().values) out.insert(out.end(), v.begin(), v.end());
-  return out;
-}
-}  // namespace
 
 TEST(TrainGpuLoop, CheckpointResumeIsBitwiseIdentical) {
   const TextSplit* text = moka::train::testing::corpus_slice();
@@ -282,31 +266,5 @@ TEST(TrainGpuLoop, CheckpointResumeIsBitwiseIdentical) {
   auto config = moka::train::testing::tiny_train_config(Parameterization::mup, 3e-3);
   config.backend = moka::Backend::cuda;
   config.seed = fresh_seed();
-  config.schedule = {ScheduleKind::cosine, 2, 8, 0.0, 0.1};
-  config.ema_decay = 0.9;
-  config.adam.clip_norm = 0.5;
-  config.model.shared_intermediate = config.base.shared_intermediate = 8;
-  const auto path = (std::filesystem::temp_directory_path() / "moka_gpu_resume_test.safetensors").string();
-
-  Trainer straight(config, *text);
-  for (int s = 0; s < 8; ++s) straight.step();
-  Trainer first(config, *text);
-  for (int s = 0; s < 4; ++s) first.step();
-  first.save(path);
-  Trainer resumed(config, *text);
-  resumed.load(path);
-  EXPECT_EQ(resumed.steps_done(), 4);
-  for (int s = 0; s < 4; ++s) resumed.step();
-  std::filesystem::remove(path);
-
-  const auto a = all_values(straight), b = all_values(resumed);
-  ASSERT_EQ(a.size(), b.size());
-  EXPECT_EQ(std::memcmp(a.data(), b.data(), a.size() * sizeof(float)), 0);
-  EXPECT_EQ(straight.state().selection_biases, resumed.state().selection_biases);
-  EXPECT_EQ(straight.state().adam_v, resumed.state().adam_v);
-  EXPECT_EQ(straight.evaluate(2, true), resumed.evaluate(2, true));  // EMA weights too
-  Trainer fresh(config, *text);
-  for (int s = 0; s < 4; ++s) fresh.step();
-  const auto c = all_values(fresh);
-  EXPECT_NE(std::memcmp(a.data(), c.data(), a.size() * sizeof(float)), 0);
+  moka::train::testing::expect_resume_is_bitwise(config, *text, "moka_gpu_resume_test.safetensors");
 }
