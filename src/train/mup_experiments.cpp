@@ -147,22 +147,27 @@ std::vector<WidthOptimum> find_optima(const std::vector<SweepPoint>& points) {
   return out;
 }
 
-namespace {
-
 // Runs job(i) for every i < count in `workers` forked processes that take the next index from a
 // shared counter, and reports each result to on_result in the parent as it arrives. CUDA runs
 // go here: every process has its own CUDA context, so one model's host-side gaps (launches,
 // the per-step synchronization, the moka router's per-call cudaMalloc/cudaFree, which waits
 // for the whole device) are filled by the others' kernels; threads of one process would all
-// wait on those device-wide synchronizations. The parent must not have touched CUDA.
+// wait on those device-wide synchronizations. A run that throws is reported as infinity (with
+// its message on stderr) and its process is replaced, since a CUDA error can leave the context
+// unusable. The parent must not have touched CUDA.
 void run_in_processes(size_t count, int workers, const std::function<double(size_t)>& job,
                       const std::function<void(size_t, double)>& on_result) {
   void* shared = mmap(nullptr, sizeof(std::atomic<size_t>), PROT_READ | PROT_WRITE, MAP_SHARED | MAP_ANONYMOUS, -1, 0);
   require(shared != MAP_FAILED, ErrorCode::io, "lr-sweep: cannot map the shared work counter");
   auto* next = new (shared) std::atomic<size_t>(0);
-  std::vector<pid_t> pids;
-  std::vector<int> fds;
-  for (int w = 0; w < workers; ++w) {
+  struct Worker {
+    pid_t pid;
+    int fd;
+    std::string pending;
+    size_t current = SIZE_MAX;  // the run it started and has not reported
+  };
+  std::vector<Worker> live;
+  auto spawn = [&] {
     int p[2];
     require(pipe(p) == 0, ErrorCode::io, "lr-sweep: pipe failed");
     const pid_t pid = fork();
@@ -170,71 +175,75 @@ void run_in_processes(size_t count, int workers, const std::function<double(size
     if (pid == 0) {
       close(p[0]);
       auto say = [&](const std::string& line) { (void)!write(p[1], line.data(), line.size()); };
-      int rc = 0;
-      try {
-        for (size_t i; (i = next->fetch_add(1)) < count;) {
+      for (size_t i; (i = next->fetch_add(1)) < count;) {
+        try {
+          say("S " + std::to_string(i) + "\n");
           char line[64];
           std::snprintf(line, sizeof line, "R %zu %.17g\n", i, job(i));
           say(line);
+        } catch (const std::exception& e) {
+          std::string msg = e.what();
+          std::replace(msg.begin(), msg.end(), '\n', ' ');
+          say("F " + std::to_string(i) + " " + msg + "\n");
+          close(p[1]);
+          _exit(2);
         }
-      } catch (const std::exception& e) {
-        std::string msg = e.what();
-        std::replace(msg.begin(), msg.end(), '\n', ' ');
-        say("E " + msg + "\n");
-        next->store(count);  // the others stop after their current run
-        rc = 1;
       }
       close(p[1]);
-      _exit(rc);
+      _exit(0);
     }
     close(p[1]);
-    pids.push_back(pid);
-    fds.push_back(p[0]);
-  }
-  std::vector<std::string> pending(fds.size());
-  std::string error;
-  for (size_t open = fds.size(); open > 0;) {
+    live.push_back({pid, p[0], {}, SIZE_MAX});
+  };
+  for (int w = 0; w < workers; ++w) spawn();
+  int lost = 0;
+  while (!live.empty()) {
     std::vector<pollfd> polled;
-    for (int fd : fds)
-      if (fd >= 0) polled.push_back({fd, POLLIN, 0});
+    for (const auto& w : live) polled.push_back({w.fd, POLLIN, 0});
     if (poll(polled.data(), polled.size(), -1) < 0) continue;
-    for (const auto& pf : polled) {
-      if (!(pf.revents & (POLLIN | POLLHUP | POLLERR))) continue;
-      const size_t w = std::find(fds.begin(), fds.end(), pf.fd) - fds.begin();
+    for (size_t k = polled.size(); k-- > 0;) {
+      if (!(polled[k].revents & (POLLIN | POLLHUP | POLLERR))) continue;
+      Worker& w = live[k];
       char buf[4096];
-      const ssize_t n = read(pf.fd, buf, sizeof buf);
-      if (n <= 0) {
-        close(fds[w]);
-        fds[w] = -1;
-        --open;
+      const ssize_t n = read(w.fd, buf, sizeof buf);
+      if (n > 0) {
+        w.pending.append(buf, size_t(n));
+        for (size_t nl; (nl = w.pending.find('\n')) != std::string::npos;) {
+          const std::string line = w.pending.substr(0, nl);
+          w.pending.erase(0, nl + 1);
+          size_t index = 0;
+          char value[48] = {0};
+          if (std::sscanf(line.c_str(), "S %zu", &index) == 1) {
+            w.current = index;
+          } else if (std::sscanf(line.c_str(), "R %zu %47s", &index, value) == 2 && index < count) {
+            w.current = SIZE_MAX;
+            on_result(index, std::strtod(value, nullptr));
+          } else if (std::sscanf(line.c_str(), "F %zu", &index) == 1 && index < count) {
+            w.current = SIZE_MAX;
+            std::fprintf(stderr, "lr-sweep: run %zu failed, counted as diverged: %s\n", index, line.c_str());
+            on_result(index, std::numeric_limits<double>::infinity());
+          }
+        }
         continue;
       }
-      pending[w].append(buf, size_t(n));
-      for (size_t nl; (nl = pending[w].find('\n')) != std::string::npos;) {
-        const std::string line = pending[w].substr(0, nl);
-        pending[w].erase(0, nl + 1);
-        if (line.rfind("E ", 0) == 0) {
-          if (error.empty()) error = "worker " + std::to_string(w) + ": " + line.substr(2);
-          continue;
-        }
-        size_t index = 0;
-        char value[48] = {0};
-        if (std::sscanf(line.c_str(), "R %zu %47s", &index, value) == 2 && index < count)
-          on_result(index, std::strtod(value, nullptr));
+      close(w.fd);
+      int status = 0;
+      waitpid(w.pid, &status, 0);
+      const bool clean = WIFEXITED(status) && WEXITSTATUS(status) == 0;
+      if (w.current != SIZE_MAX) {  // killed mid-run (a signal): that run counts as diverged
+        std::fprintf(stderr, "lr-sweep: run %zu ended its process (status %d), counted as diverged\n", w.current,
+                     status);
+        on_result(w.current, std::numeric_limits<double>::infinity());
       }
+      live.erase(live.begin() + std::ptrdiff_t(k));
+      if (!clean && ++lost > int(count)) break;  // every run failing: stop respawning
+      if (!clean && next->load() < count) spawn();
     }
   }
-  for (size_t w = 0; w < pids.size(); ++w) {
-    int status = 0;
-    waitpid(pids[w], &status, 0);
-    if (error.empty() && !(WIFEXITED(status) && WEXITSTATUS(status) == 0))
-      error = "worker " + std::to_string(w) + " died (status " + std::to_string(status) + ")";
-  }
+  const bool unfinished = next->load() < count;
   munmap(shared, sizeof(std::atomic<size_t>));
-  require(error.empty(), ErrorCode::peer_failure, "lr-sweep: " + error);
+  require(!unfinished, ErrorCode::peer_failure, "lr-sweep: worker processes kept failing; see the messages above");
 }
-
-}  // namespace
 
 LrSweepResult lr_sweep(const LrSweepConfig& config, const TextSplit& text,
                        const std::function<void(const SweepPoint&, int, int)>& on_point) {
