@@ -1,12 +1,22 @@
 #!/usr/bin/env bash
-# Copies what scripts/gpu_check.sh needs on the GPU machine (binaries and scripts, no sources)
-# into DEST (default: .dev/cuda of this checkout), for the device tool's `carry`.
+# Copies what the GPU scripts need on a bare GPU machine (binaries, scripts and the training
+# text, no sources) into DEST (default: .dev/cuda of this checkout), for the device tool's
+# `carry`: scripts/gpu_check.sh, device_check.sh, ep_bench.sh and train_gpu.sh run from there.
 set -euo pipefail
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
 DEST=${1:-$ROOT/.dev/cuda}
 mkdir -p "$DEST"
-cp "$ROOT/build/tests/gpu/moka_gpu_tests" "$ROOT/build/tools/moka" "$DEST/"
+cp "$ROOT/build/tests/gpu/moka_gpu_tests" "$ROOT/build/tests/train_gpu/moka_train_gpu_tests" "$ROOT/build/tools/moka" "$DEST/"
 [ -x "$ROOT/build/tests/moka_ep_gpu_check" ] && cp "$ROOT/build/tests/moka_ep_gpu_check" "$DEST/"
-cp "$ROOT/scripts/gpu_check.sh" "$ROOT/scripts/device_check.sh" "$ROOT/scripts/ep_bench.sh" "$ROOT/scripts/gpu_env.sh" "$ROOT/bench/torch_baseline.py" "$DEST/"
+cp "$ROOT/scripts/gpu_check.sh" "$ROOT/scripts/device_check.sh" "$ROOT/scripts/ep_bench.sh" "$ROOT/scripts/train_gpu.sh" \
+  "$ROOT/scripts/gpu_env.sh" "$ROOT/bench/torch_baseline.py" "$ROOT/bench/torch_train_baseline.py" "$DEST/"
+# The fortunes text (scripts/fetch_data.sh) for the trainer: the GPU machine has no network.
+TEXT=${MOKA_TEXT_DIR:-/usr/share/games/fortunes}
+if [ -d "$TEXT" ]; then
+  rm -rf "$DEST/fortunes"
+  cp -a "$TEXT" "$DEST/fortunes"
+else
+  echo "stage_gpu: no training text at $TEXT (run scripts/fetch_data.sh): train_gpu.sh will fail" >&2
+fi
 strip "$DEST"/moka* 2>/dev/null || true
 du -sh "$DEST"

@@ -67,3 +67,21 @@ TEST(CoordCheck, SpGrowsResidualAndLogitsWithWidth) {
   EXPECT_GT(last[residual], 0.4);
   EXPECT_GT(last[logits], 0.4);
 }
+
+TEST(MupMath, ProcessRunnerCountsFailedAndCrashedRunsAsDiverged) {
+  std::vector<double> got(12, -1.0);
+  run_in_processes(
+      got.size(), 3,
+      [](size_t i) -> double {
+        if (i == 3) throw moka::Error(moka::ErrorCode::cuda, "an illegal address");
+        if (i == 5) std::abort();
+        return double(i) * 0.5;
+      },
+      [&](size_t i, double v) { got[i] = v; });
+  for (size_t i = 0; i < got.size(); ++i) {
+    if (i == 3 || i == 5)
+      EXPECT_TRUE(std::isinf(got[i])) << i;
+    else
+      EXPECT_EQ(got[i], double(i) * 0.5) << i;
+  }
+}

@@ -47,7 +47,9 @@ void run(LrSweepCommand& c) {
   config.multipliers = parse_multipliers(c.multipliers);
   config.lrs = log_grid(c.lr_min, c.lr_max, c.lr_points);
   config.eval_batches = c.eval_batches;
-  config.workers = c.workers > 0 ? c.workers : int(std::max(1u, std::thread::hardware_concurrency()));
+  config.workers = c.workers > 0                           ? c.workers
+                   : config.train.backend == Backend::cuda ? 4
+                                                           : int(std::max(1u, std::thread::hardware_concurrency()));
   const auto text = c.options.load_text();
   const auto result = train::lr_sweep(config, text, [](const train::SweepPoint& p, int done, int total) {
     std::fprintf(stderr, "[%d/%d] width %lld lr %.3e: validation loss %.4f\n", done, total, (long long)p.width, p.lr,
@@ -73,7 +75,7 @@ void register_lr_sweep(CLI::App& app) {
   cmd->add_option("--lr-min", c->lr_min, "smallest LR of the log grid")->capture_default_str();
   cmd->add_option("--lr-max", c->lr_max, "largest LR of the log grid")->capture_default_str();
   cmd->add_option("--lr-points", c->lr_points, "LRs in the grid")->capture_default_str();
-  cmd->add_option("--workers", c->workers, "runs at once (0 = one per hardware thread)")->capture_default_str();
+  cmd->add_option("--workers", c->workers, "runs at once: CPU threads, or GPU processes with --backend cuda (0 = one per hardware thread on the CPU, 4 on the GPU)")->capture_default_str();
   cmd->add_option("--eval-batches", c->eval_batches, "validation batches per run")->capture_default_str();
   cmd->add_option("--csv", c->csv, "CSV output")->capture_default_str();
   cmd->add_option("--plot", c->plot, "plot image ('' = none)")->capture_default_str();

@@ -35,23 +35,38 @@ void run(TrainCommand& c) {
             << to_string(config.parameterization) << ", " << text.train.size() << " train / " << text.validation.size()
             << " validation bytes\n";
   Progress progress("train");
-  const auto start = std::chrono::steady_clock::now();
-  int64_t tokens = 0;
+  using clock = std::chrono::steady_clock;
+  const auto start = clock::now();
+  // Throughput counts from the end of step kWarmupSteps: the first steps allocate workspaces.
+  constexpr int64_t kWarmupSteps = 5;
+  auto steady_start = start;
+  int64_t tokens = 0, steady_tokens = 0;
+  double eval_seconds = 0;
   const int64_t total = config.schedule.total_steps;
   while (trainer.steps_done() < total) {
     const auto r = trainer.step();
     tokens += r.tokens;
-    const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+    if (r.step + 1 == kWarmupSteps) steady_start = clock::now();
+    if (r.step + 1 > kWarmupSteps) steady_tokens += r.tokens;
+    const double seconds = std::chrono::duration<double>(clock::now() - start).count();
     progress.update(progress_text(r, double(tokens) / seconds), int(r.step + 1), int(total));
     if (c.eval_every > 0 && ((r.step + 1) % c.eval_every == 0 || r.step + 1 == total)) {
       progress.finish();
+      const auto eval_start = clock::now();
       std::cout << "step " << r.step + 1 << ": train loss " << r.cross_entropy << ", validation loss "
                 << trainer.evaluate(c.eval_batches);
       if (config.ema_decay > 0) std::cout << ", EMA validation loss " << trainer.evaluate(c.eval_batches, true);
       std::cout << std::endl;
+      if (r.step + 1 > kWarmupSteps) eval_seconds += std::chrono::duration<double>(clock::now() - eval_start).count();
     }
   }
   progress.finish();
+  if (steady_tokens > 0) {
+    const double seconds = std::chrono::duration<double>(clock::now() - steady_start).count() - eval_seconds;
+    std::printf("throughput: %.0f tokens/s (steps %lld-%lld, %s backend, validation excluded)\n",
+                double(steady_tokens) / seconds, (long long)kWarmupSteps + 1, (long long)total,
+                to_string(config.backend));
+  }
   if (!c.save.empty()) {
     trainer.save(c.save);
     std::cout << "saved " << c.save << "\n";
@@ -62,7 +77,7 @@ void run(TrainCommand& c) {
 
 void register_train(CLI::App& app) {
   auto c = std::make_shared<TrainCommand>();
-  auto* cmd = app.add_subcommand("train", "Train the MoE language model on the fortunes text (CPU backend)");
+  auto* cmd = app.add_subcommand("train", "Train the MoE language model on the fortunes text");
   add_train_options(cmd, c->options);
   cmd->add_option("--width-mult", c->width_mult, "train the base model widened this many times")
       ->capture_default_str();

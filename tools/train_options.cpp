@@ -52,7 +52,7 @@ void add_train_options(CLI::App* cmd, TrainCliOptions& o) {
 train::TrainConfig TrainCliOptions::resolve(int64_t multiplier) {
   train::TrainConfig t = train;
   t.backend = parse_backend(backend);
-  train::require_training_backend(t.backend);
+  require(t.backend != Backend::automatic, ErrorCode::invalid_argument, "--backend is cpu or cuda");
   require(attention == "mla" || attention == "mha", ErrorCode::invalid_argument, "--attention is mla or mha");
   t.base = base;
   t.base.attention = attention == "mla" ? train::AttentionKind::mla : train::AttentionKind::mha;

@@ -16,6 +16,14 @@ double ActivationStats::value(int i) const {
   return values[i];
 }
 
+void ActivationStats::average_over_layers(int64_t num_layers) {
+  attention /= double(num_layers);
+  if (num_layers > 1) {
+    router_logits /= double(num_layers - 1);
+    moe_output /= double(num_layers - 1);
+  }
+}
+
 template <typename T>
 struct Model<T>::Layer {
   bool is_moe = false;
@@ -278,12 +286,7 @@ double Model<T>::forward(const Batch& batch, ActivationStats* stats) {
   c.d_logits.resize(Tn * V);
   cross_entropy_ = dense::cross_entropy(c.logits.data(), batch.targets.data(), Tn, V, c.d_logits.data());
   if (stats) {
-    const double layers = double(config_.num_layers), moe_layers = double(config_.num_layers - 1);
-    stats->attention /= layers;
-    if (moe_layers > 0) {
-      stats->router_logits /= moe_layers;
-      stats->moe_output /= moe_layers;
-    }
+    stats->average_over_layers(config_.num_layers);
     stats->residual = dense::mean_abs(c.residual);
     stats->logits = dense::mean_abs(c.logits);
   }

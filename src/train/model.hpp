@@ -31,6 +31,9 @@ struct ActivationStats {
   static constexpr int kCount = 6;
   static const char* name(int i);
   double value(int i) const;
+  // Turns the per-layer sums of attention, router logits and MoE output into means (layer 0
+  // has no router or MoE).
+  void average_over_layers(int64_t num_layers);
 };
 
 struct ModelOptions {

@@ -7,7 +7,13 @@
 #include <limits>
 #include <map>
 #include <mutex>
+#include <string>
 #include <thread>
+
+#include <poll.h>
+#include <sys/mman.h>
+#include <sys/wait.h>
+#include <unistd.h>
 
 namespace moka::train {
 
@@ -41,7 +47,12 @@ TrainConfig at_width(const TrainConfig& t, int64_t multiplier) {
 double train_and_evaluate(const TrainConfig& c, const TextSplit& text, int eval_batches) {
   try {
     Trainer trainer(c, text);
-    for (int64_t s = 0; s < c.schedule.total_steps; ++s) trainer.step();
+    for (int64_t s = 0; s < c.schedule.total_steps; ++s) {
+      // Stop at the first non-finite loss or gradient: later steps would feed NaN to the routers,
+      // whose top-k is then meaningless (the GPU layer reports such routes as errors).
+      const auto r = trainer.step();
+      if (!std::isfinite(r.loss) || !std::isfinite(r.grad_norm)) return std::numeric_limits<double>::infinity();
+    }
     const double loss = trainer.evaluate(eval_batches);
     return std::isfinite(loss) ? loss : std::numeric_limits<double>::infinity();
   } catch (const Error& e) {
@@ -136,41 +147,153 @@ std::vector<WidthOptimum> find_optima(const std::vector<SweepPoint>& points) {
   return out;
 }
 
+// Runs job(i) for every i < count in `workers` forked processes that take the next index from a
+// shared counter, and reports each result to on_result in the parent as it arrives. CUDA runs
+// go here: every process has its own CUDA context, so one model's host-side gaps (launches,
+// the per-step synchronization, the moka router's per-call cudaMalloc/cudaFree, which waits
+// for the whole device) are filled by the others' kernels; threads of one process would all
+// wait on those device-wide synchronizations. A run that throws is reported as infinity (with
+// its message on stderr) and its process is replaced, since a CUDA error can leave the context
+// unusable. The parent must not have touched CUDA.
+void run_in_processes(size_t count, int workers, const std::function<double(size_t)>& job,
+                      const std::function<void(size_t, double)>& on_result) {
+  void* shared = mmap(nullptr, sizeof(std::atomic<size_t>), PROT_READ | PROT_WRITE, MAP_SHARED | MAP_ANONYMOUS, -1, 0);
+  require(shared != MAP_FAILED, ErrorCode::io, "lr-sweep: cannot map the shared work counter");
+  auto* next = new (shared) std::atomic<size_t>(0);
+  struct Worker {
+    pid_t pid;
+    int fd;
+    std::string pending;
+    size_t current = SIZE_MAX;  // the run it started and has not reported
+  };
+  std::vector<Worker> live;
+  auto spawn = [&] {
+    int p[2];
+    require(pipe(p) == 0, ErrorCode::io, "lr-sweep: pipe failed");
+    const pid_t pid = fork();
+    require(pid >= 0, ErrorCode::io, "lr-sweep: fork failed");
+    if (pid == 0) {
+      close(p[0]);
+      auto say = [&](const std::string& line) { (void)!write(p[1], line.data(), line.size()); };
+      for (size_t i; (i = next->fetch_add(1)) < count;) {
+        try {
+          say("S " + std::to_string(i) + "\n");
+          char line[64];
+          std::snprintf(line, sizeof line, "R %zu %.17g\n", i, job(i));
+          say(line);
+        } catch (const std::exception& e) {
+          std::string msg = e.what();
+          std::replace(msg.begin(), msg.end(), '\n', ' ');
+          say("F " + std::to_string(i) + " " + msg + "\n");
+          close(p[1]);
+          _exit(2);
+        }
+      }
+      close(p[1]);
+      _exit(0);
+    }
+    close(p[1]);
+    live.push_back({pid, p[0], {}, SIZE_MAX});
+  };
+  for (int w = 0; w < workers; ++w) spawn();
+  int lost = 0;
+  while (!live.empty()) {
+    std::vector<pollfd> polled;
+    for (const auto& w : live) polled.push_back({w.fd, POLLIN, 0});
+    if (poll(polled.data(), polled.size(), -1) < 0) continue;
+    for (size_t k = polled.size(); k-- > 0;) {
+      if (!(polled[k].revents & (POLLIN | POLLHUP | POLLERR))) continue;
+      Worker& w = live[k];
+      char buf[4096];
+      const ssize_t n = read(w.fd, buf, sizeof buf);
+      if (n > 0) {
+        w.pending.append(buf, size_t(n));
+        for (size_t nl; (nl = w.pending.find('\n')) != std::string::npos;) {
+          const std::string line = w.pending.substr(0, nl);
+          w.pending.erase(0, nl + 1);
+          size_t index = 0;
+          char value[48] = {0};
+          if (std::sscanf(line.c_str(), "S %zu", &index) == 1) {
+            w.current = index;
+          } else if (std::sscanf(line.c_str(), "R %zu %47s", &index, value) == 2 && index < count) {
+            w.current = SIZE_MAX;
+            on_result(index, std::strtod(value, nullptr));
+          } else if (std::sscanf(line.c_str(), "F %zu", &index) == 1 && index < count) {
+            w.current = SIZE_MAX;
+            std::fprintf(stderr, "lr-sweep: run %zu failed, counted as diverged: %s\n", index, line.c_str());
+            on_result(index, std::numeric_limits<double>::infinity());
+          }
+        }
+        continue;
+      }
+      close(w.fd);
+      int status = 0;
+      waitpid(w.pid, &status, 0);
+      const bool clean = WIFEXITED(status) && WEXITSTATUS(status) == 0;
+      if (w.current != SIZE_MAX) {  // killed mid-run (a signal): that run counts as diverged
+        std::fprintf(stderr, "lr-sweep: run %zu ended its process (status %d), counted as diverged\n", w.current,
+                     status);
+        on_result(w.current, std::numeric_limits<double>::infinity());
+      }
+      live.erase(live.begin() + std::ptrdiff_t(k));
+      if (!clean && ++lost > int(count)) break;  // every run failing: stop respawning
+      if (!clean && next->load() < count) spawn();
+    }
+  }
+  const bool unfinished = next->load() < count;
+  munmap(shared, sizeof(std::atomic<size_t>));
+  require(!unfinished, ErrorCode::peer_failure, "lr-sweep: worker processes kept failing; see the messages above");
+}
+
 LrSweepResult lr_sweep(const LrSweepConfig& config, const TextSplit& text,
                        const std::function<void(const SweepPoint&, int, int)>& on_point) {
   require(!config.lrs.empty() && !config.multipliers.empty(), ErrorCode::invalid_argument, "empty sweep grid");
+  // Widest first, so the longest runs start early and the short ones fill in at the end.
+  std::vector<int64_t> widest_first = config.multipliers;
+  std::sort(widest_first.rbegin(), widest_first.rend());
   std::vector<std::pair<int64_t, double>> grid;
-  for (int64_t m : config.multipliers)
+  for (int64_t m : widest_first)
     for (double lr : config.lrs) grid.emplace_back(m, lr);
+  auto run = [&](size_t i) {
+    TrainConfig c = at_width(config.train, grid[i].first);
+    c.adam.lr = grid[i].second;
+    c.threads = 1;
+    return SweepPoint{c.model.d_model, c.adam.lr, train_and_evaluate(c, text, config.eval_batches)};
+  };
   LrSweepResult result;
   result.points.resize(grid.size());
-  std::atomic<size_t> next{0};
   std::mutex report;
   int done = 0;
-  std::exception_ptr error;
-  auto worker = [&] {
-    for (size_t i; (i = next.fetch_add(1)) < grid.size();) {
-      TrainConfig c = at_width(config.train, grid[i].first);
-      c.adam.lr = grid[i].second;
-      c.threads = 1;
-      SweepPoint point{c.model.d_model, c.adam.lr, 0.0};
-      try {
-        point.loss = train_and_evaluate(c, text, config.eval_batches);
-      } catch (...) {
-        std::lock_guard lock(report);
-        if (!error) error = std::current_exception();
-        next = grid.size();  // stop the other workers too
-        return;
-      }
-      std::lock_guard lock(report);
-      result.points[i] = point;
-      if (on_point) on_point(point, ++done, int(grid.size()));
-    }
+  auto record = [&](size_t i, const SweepPoint& point) {
+    std::lock_guard lock(report);
+    result.points[i] = point;
+    if (on_point) on_point(point, ++done, int(grid.size()));
   };
-  std::vector<std::thread> pool;
-  for (int w = 0; w < std::max(1, config.workers); ++w) pool.emplace_back(worker);
-  for (auto& t : pool) t.join();
-  if (error) std::rethrow_exception(error);
+  if (config.train.backend == Backend::cuda && config.workers > 1) {
+    run_in_processes(grid.size(), config.workers, [&](size_t i) { return run(i).loss; }, [&](size_t i, double loss) {
+      const TrainConfig c = at_width(config.train, grid[i].first);
+      record(i, {c.model.d_model, grid[i].second, loss});
+    });
+  } else {
+    std::atomic<size_t> next{0};
+    std::exception_ptr error;
+    auto worker = [&] {
+      for (size_t i; (i = next.fetch_add(1)) < grid.size();) {
+        try {
+          record(i, run(i));
+        } catch (...) {
+          std::lock_guard lock(report);
+          if (!error) error = std::current_exception();
+          next = grid.size();  // stop the other workers too
+          return;
+        }
+      }
+    };
+    std::vector<std::thread> pool;
+    for (int w = 0; w < std::max(1, config.workers); ++w) pool.emplace_back(worker);
+    for (auto& t : pool) t.join();
+    if (error) std::rethrow_exception(error);
+  }
   result.optima = find_optima(result.points);
   result.drift_log2 = std::log2(result.optima.back().eta_star / result.optima.front().eta_star);
   return result;

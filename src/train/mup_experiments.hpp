@@ -46,7 +46,7 @@ struct LrSweepConfig {
   std::vector<int64_t> multipliers{1, 2, 4, 8};
   std::vector<double> lrs;
   int eval_batches = 8;
-  int workers = 1;      // runs trained at once (each single-threaded)
+  int workers = 1;      // runs trained at once: threads on the CPU, processes on the GPU
 };
 
 struct SweepPoint {
@@ -71,6 +71,12 @@ struct LrSweepResult {
   std::vector<WidthOptimum> optima;
   double drift_log2 = 0;  // log2(eta*_widest / eta*_base)
 };
+
+// Runs job(i) for i < count in `workers` forked processes (a shared counter hands out the next
+// i) and gives each result to on_result in the parent. A run that throws, or kills its process,
+// counts as infinity (diverged) and its process is replaced. The CUDA sweep's runner.
+void run_in_processes(size_t count, int workers, const std::function<double(size_t)>& job,
+                      const std::function<void(size_t, double)>& on_result);
 
 LrSweepResult lr_sweep(const LrSweepConfig& config, const TextSplit& text,
                        const std::function<void(const SweepPoint&, int done, int total)>& on_point = {});

@@ -1,10 +1,10 @@
 // The training loop: batches from the text, forward/backward, AdamW under an LR schedule,
 // aux-loss-free router balancing, EMA of the weights, validation, and checkpoints that resume
 // bit-exactly (weights, optimizer moments, EMA, router biases and the step are all saved; the
-// data order depends only on the seed and the step).
+// data order depends only on the seed and the step). The model and optimizer run on an engine:
+// the CPU one (`Model<float>` + `AdamW`, the reference) or the CUDA one (cuda_engine.cu).
 #pragma once
 #include <memory>
-#include <optional>
 #include <string>
 
 #include "train/model.hpp"
@@ -34,10 +34,38 @@ struct StepReport {
   int64_t tokens = 0;
 };
 
+// Everything a checkpoint holds, as host copies in tensor_layout order: the engine-independent
+// form, so a run saved on one backend resumes on the other.
+struct TrainState {
+  std::vector<std::vector<float>> values, adam_m, adam_v, ema;  // ema empty without EMA
+  std::vector<std::vector<double>> selection_biases;            // per MoE layer [E]
+  int64_t steps = 0;
+};
+
+// One backend's model, AdamW state and EMA.
+class TrainEngine {
+ public:
+  virtual ~TrainEngine() = default;
+  // Forward, backward, AdamW with peak LR x lr_factor, then the router-bias and EMA updates.
+  // Fills loss, cross_entropy, grad_norm and load_max_over_mean; `stats` records this step's
+  // forward (before the update).
+  virtual void step(const Batch& batch, double lr_factor, ActivationStats* stats, StepReport& report) = 0;
+  // Mean cross-entropy over the batches, with the EMA weights when asked.
+  virtual double evaluate(const std::vector<Batch>& batches, bool use_ema) = 0;
+  virtual TrainState state() const = 0;
+  virtual void set_state(const TrainState& state) = 0;
+};
+
+// The CUDA engine; throws backend_unavailable when moka was built without CUDA or no GPU is
+// visible. `rules` come from parameterize(); weights start from ParamStore::initialize(seed),
+// the same values the CPU engine starts from.
+std::unique_ptr<TrainEngine> make_cuda_engine(const TrainConfig& config, const std::vector<TensorRule>& rules);
+
 class Trainer {
  public:
   // `text` must outlive the trainer.
   Trainer(const TrainConfig& config, const TextSplit& text);
+  ~Trainer();
 
   // One optimizer step. With `stats`, records the activations of this step's forward (before
   // the update), as the coordinate check needs.
@@ -48,19 +76,17 @@ class Trainer {
   void save(const std::string& path) const;
   void load(const std::string& path);
 
-  int64_t steps_done() const { return adam_.steps_taken; }
-  Model<float>& model() { return model_; }
+  int64_t steps_done() const { return steps_; }
+  TrainState state() const { return engine_->state(); }
   const TrainConfig& config() const { return config_; }
+  const std::vector<TensorRule>& rules() const { return rules_; }
 
  private:
   TrainConfig config_;
   const TextSplit& text_;
-  Model<float> model_;
-  AdamW adam_;
-  std::optional<WeightEma> ema_;
+  std::vector<TensorRule> rules_;
+  std::unique_ptr<TrainEngine> engine_;
+  int64_t steps_ = 0;
 };
-
-// Refuses backends the trainer cannot use yet (the dense parts are CPU code for now).
-void require_training_backend(Backend backend);
 
 }  // namespace moka::train

@@ -1,0 +1,156 @@
+#!/usr/bin/env python3
+"""`moka train --backend cuda`'s language model in PyTorch eager, for its tokens/s.
+
+The same model as src/train (model.hpp): byte embedding, per layer RMSNorm -> MLA attention
+(q = W_q_up W_q_down x, k/v = W_k_up/W_v_up (W_kv_down x); `--attention mha` for plain q/k/v;
+causal, no positional encoding, scale 1/sqrt(head_dim)) and RMSNorm -> FFN (layer 0 a dense
+SwiGLU, the others MoE: sigmoid router, top-k over score + selection bias, weights renormalized,
+SwiGLU experts; aux-loss-free bias update after each step), final RMSNorm, LM head,
+cross-entropy; AdamW (fused) on fp32 master weights. Precision as moka's engine: dense matmuls
+and attention fp32 with TF32 tensor cores, experts bf16 through torch._grouped_mm (the MoE of
+bench/torch_baseline.py). Tokens are random bytes (throughput only). Prints one JSON line.
+"""
+import argparse
+import json
+import math
+import os
+import sys
+import time
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from torch_baseline import moe  # noqa: E402  (the grouped-GEMM MoE layer users would write)
+
+
+def rmsnorm(x, g, eps=1e-6):
+    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * g
+
+
+class Model(torch.nn.Module):
+    def __init__(s, a):
+        super().__init__()
+        d, W = a.d_model, a.heads * a.head_dim
+        P = lambda *shape, std: torch.nn.Parameter(torch.randn(*shape) * std)
+        s.a = a
+        s.embed = P(256, d, std=1.0)
+        s.layers = torch.nn.ModuleList()
+        for l in range(a.layers):
+            L = torch.nn.Module()
+            L.attn_norm, L.ffn_norm = torch.nn.Parameter(torch.ones(d)), torch.nn.Parameter(torch.ones(d))
+            if a.attention == "mla":
+                L.q_down, L.q_up = P(a.q_rank, d, std=d**-0.5), P(W, a.q_rank, std=a.q_rank**-0.5)
+                L.kv_down = P(a.kv_rank, d, std=d**-0.5)
+                L.k_up, L.v_up = P(W, a.kv_rank, std=a.kv_rank**-0.5), P(W, a.kv_rank, std=a.kv_rank**-0.5)
+            else:
+                L.q, L.k, L.v = (P(W, d, std=d**-0.5) for _ in range(3))
+            L.out = P(d, W, std=W**-0.5)
+            E, I = (a.experts, a.expert_intermediate) if l > 0 else (1, a.dense_intermediate)
+            L.w_gu = P(E, 2 * I, d, std=d**-0.5)  # gate and up stacked, as torch_baseline.moe takes them
+            L.w_d = P(E, d, I, std=I**-0.5)
+            if l > 0:
+                L.router = P(E, d, std=d**-0.5)
+                L.register_buffer("bias", torch.zeros(E))
+            s.layers.append(L)
+        s.final_norm = torch.nn.Parameter(torch.ones(d))
+        s.head = P(256, d, std=d**-0.5)
+
+    def attention(s, L, x, B, S):
+        a = s.a
+        if a.attention == "mla":
+            q = (x @ L.q_down.t()) @ L.q_up.t()
+            c = x @ L.kv_down.t()
+            k, v = c @ L.k_up.t(), c @ L.v_up.t()
+        else:
+            q, k, v = x @ L.q.t(), x @ L.k.t(), x @ L.v.t()
+        split = lambda t: t.view(B, S, a.heads, a.head_dim).transpose(1, 2)
+        o = F.scaled_dot_product_attention(split(q), split(k), split(v), is_causal=True)
+        return o.transpose(1, 2).reshape(B * S, -1) @ L.out.t()
+
+    def ffn(s, L, x, counts_out):
+        bf = torch.bfloat16
+        if not hasattr(L, "router"):
+            ids = torch.zeros(x.shape[0], 1, dtype=torch.int32, device=x.device)
+            w = torch.ones(x.shape[0], 1, device=x.device)
+        else:
+            scores = torch.sigmoid(x @ L.router.t())
+            ids = torch.topk(scores.detach() + L.bias, s.a.top_k, dim=-1).indices
+            w = scores.gather(1, ids)
+            w = w / w.sum(-1, keepdim=True)
+            counts_out.append((L, torch.bincount(ids.flatten(), minlength=L.router.shape[0])))
+            ids = ids.to(torch.int32)
+        return moe(x.to(bf), ids, w, L.w_gu.to(bf), L.w_d.to(bf), None, False).float()
+
+    def forward(s, tokens, targets):
+        B, S = tokens.shape
+        h = s.embed[tokens.flatten()]
+        counts = []
+        for L in s.layers:
+            h = h + s.attention(L, rmsnorm(h, L.attn_norm), B, S)
+            h = h + s.ffn(L, rmsnorm(h, L.ffn_norm), counts)
+        logits = rmsnorm(h, s.final_norm) @ s.head.t()
+        return F.cross_entropy(logits, targets.flatten()), counts
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--d-model", type=int, default=512)
+    p.add_argument("--heads", type=int, default=16)
+    p.add_argument("--head-dim", type=int, default=32)
+    p.add_argument("--attention", default="mla", choices=["mla", "mha"])
+    p.add_argument("--q-rank", type=int, default=64)
+    p.add_argument("--kv-rank", type=int, default=64)
+    p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--dense-intermediate", type=int, default=512)
+    p.add_argument("--experts", type=int, default=32)
+    p.add_argument("--top-k", type=int, default=2)
+    p.add_argument("--expert-intermediate", type=int, default=128)
+    p.add_argument("--batch", type=int, default=64)
+    p.add_argument("--seq", type=int, default=128)
+    p.add_argument("--steps", type=int, default=30, help="timed steps, after --warmup-steps")
+    p.add_argument("--warmup-steps", type=int, default=5)
+    p.add_argument("--lr", type=float, default=2**-7)
+    p.add_argument("--bias-rate", type=float, default=1e-3)
+    p.add_argument("--out", help="append the JSON line to this file too")
+    a = p.parse_args()
+    torch.backends.cuda.matmul.allow_tf32 = True
+    torch.backends.cudnn.allow_tf32 = True
+    torch.manual_seed(1)
+    dev = "cuda"
+    model = Model(a).to(dev)
+    opt = torch.optim.AdamW(model.parameters(), lr=a.lr, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1, fused=True)
+
+    def step():
+        tokens = torch.randint(0, 256, (a.batch, a.seq + 1), device=dev)
+        loss, counts = model(tokens[:, :-1], tokens[:, 1:])
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+        with torch.no_grad():  # aux-loss-free balancing, as update_selection_bias
+            for L, c in counts:
+                L.bias += a.bias_rate * torch.sign(c.float().mean() - c.float())
+        return loss
+
+    for _ in range(a.warmup_steps):
+        step()
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(a.steps):
+        loss = step()
+    torch.cuda.synchronize()
+    seconds = time.perf_counter() - t0
+    result = {"backend": "torch-eager", "d_model": a.d_model, "experts": a.experts, "layers": a.layers,
+              "batch": a.batch, "seq": a.seq, "steps": a.steps, "seconds": seconds,
+              "tokens_per_s": a.steps * a.batch * a.seq / seconds, "final_loss": float(loss),
+              "device": torch.cuda.get_device_name(), "torch": torch.__version__,
+              "precision": "fp32 master, TF32 dense + fp32 SDPA, bf16 experts (torch._grouped_mm)"}
+    line = json.dumps(result)
+    print(line)
+    if a.out:
+        with open(a.out, "a") as f:
+            f.write(line + "\n")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,39 @@
+// The CUDA training engine: the model of model.hpp on one GPU. fp32 master weights, gradients,
+// AdamW moments and EMA live on the device. Dense GEMMs (projections, LM head) are cuBLAS TF32
+// with fp32 accumulation; attention, RMSNorm, embedding, cross-entropy and AdamW are the kernels
+// of cuda_kernels.cuh; the FFNs and routers are moka's CUDA MoE layer and router (bf16 in and out,
+// fed from bf16 copies of the master weights that the AdamW kernel refreshes). Everything runs on
+// the legacy default stream, where the moka layers launch; each step synchronizes once, to read
+// the loss, the gradient norm and the expert counts the router-bias update needs.
+#pragma once
+#include <memory>
+#include <vector>
+
+#include "train/trainer.hpp"
+
+namespace moka::train {
+
+class CudaEngine final : public TrainEngine {
+ public:
+  CudaEngine(const TrainConfig& config, const std::vector<TensorRule>& rules);
+  ~CudaEngine() override;
+
+  void step(const Batch& batch, double lr_factor, ActivationStats* stats, StepReport& report) override;
+  double evaluate(const std::vector<Batch>& batches, bool use_ema) override;
+  TrainState state() const override;
+  void set_state(const TrainState& state) override;
+
+  // For the GPU tests: forward and backward only (no update); returns the loss (cross-entropy
+  // plus router losses) and writes the cross-entropy.
+  double forward_backward(const Batch& batch, double* cross_entropy);
+  // Host f32 copies of every gradient, in tensor_layout order.
+  std::vector<std::vector<float>> gradients() const;
+  // NaN into every gradient buffer, so a backward that misses an element shows.
+  void poison_gradients();
+
+ private:
+  struct Impl;
+  std::unique_ptr<Impl> impl_;
+};
+
+}  // namespace moka::train

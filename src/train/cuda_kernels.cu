@@ -1,0 +1,310 @@
+#include <cfloat>
+#include <cmath>
+
+#include "train/cuda_kernels.cuh"
+
+namespace moka::train::cuda {
+namespace {
+
+constexpr int kThreads = 256;
+constexpr int kWarps = kThreads / 32;
+
+unsigned blocks_for(int64_t n, int per_block = kThreads) { return unsigned((n + per_block - 1) / per_block); }
+
+// Warp butterflies: every lane ends with the same value, combined in a fixed pattern.
+__device__ float warp_sum(float v) {
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+  return v;
+}
+__device__ float warp_max(float v) {
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
+  return v;
+}
+// Block sum in a fixed order (lanes, then warps in order); every thread gets the result.
+__device__ double block_sum(double v) {
+  __shared__ double part[kWarps];
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+  if ((threadIdx.x & 31) == 0) part[threadIdx.x / 32] = v;
+  __syncthreads();
+  double r = 0;
+  for (int w = 0; w < kWarps; ++w) r += part[w];
+  __syncthreads();
+  return r;
+}
+
+__global__ void embed_forward_kernel(const int32_t* tokens, const float* table, float scale, int64_t rows, int64_t d,
+                                     float* h) {
+  const int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (i >= rows * d) return;
+  h[i] = scale * table[int64_t(tokens[i / d]) * d + i % d];
+}
+
+__global__ void embed_backward_kernel(const int32_t* offsets, const int32_t* positions, const float* d_h, float scale,
+                                      int64_t vocab, int64_t d, float* grad) {
+  const int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (i >= vocab * d) return;
+  const int64_t tok = i / d, c = i % d;
+  float acc = 0;
+  for (int32_t p = offsets[tok]; p < offsets[tok + 1]; ++p) acc += scale * d_h[int64_t(positions[p]) * d + c];
+  grad[i] = acc;
+}
+
+// One warp per row.
+__global__ void rmsnorm_forward_kernel(const float* x, const float* gain, int64_t rows, int64_t d, float eps, float* y,
+                                       bf16* yb, float* inv_rms) {
+  const int64_t r = int64_t(blockIdx.x) * kWarps + threadIdx.x / 32;
+  const int lane = threadIdx.x & 31;
+  if (r >= rows) return;
+  const float* xr = x + r * d;
+  float ss = 0;
+  for (int64_t i = lane; i < d; i += 32) ss += xr[i] * xr[i];
+  const float inv = 1.0f / sqrtf(warp_sum(ss) / float(d) + eps);
+  if (lane == 0) inv_rms[r] = inv;
+  for (int64_t i = lane; i < d; i += 32) {
+    const float v = xr[i] * inv * gain[i];
+    if (y) y[r * d + i] = v;
+    if (yb) yb[r * d + i] = __float2bfloat16(v);
+  }
+}
+
+__global__ void rmsnorm_backward_rows(const float* x, const float* gain, const float* inv_rms, const float* dy,
+                                      int64_t rows, int64_t d, bool accumulate, float* dx) {
+  const int64_t r = int64_t(blockIdx.x) * kWarps + threadIdx.x / 32;
+  const int lane = threadIdx.x & 31;
+  if (r >= rows) return;
+  const float inv = inv_rms[r];
+  const float *xr = x + r * d, *dyr = dy + r * d;
+  float dot = 0;
+  for (int64_t i = lane; i < d; i += 32) dot += gain[i] * dyr[i] * xr[i] * inv;
+  const float mean = warp_sum(dot) / float(d);
+  for (int64_t i = lane; i < d; i += 32) {
+    const float v = inv * (gain[i] * dyr[i] - xr[i] * inv * mean);
+    dx[r * d + i] = accumulate ? dx[r * d + i] + v : v;
+  }
+}
+
+// One thread per column, rows in order.
+__global__ void rmsnorm_gain_grad(const float* x, const float* inv_rms, const float* dy, int64_t rows, int64_t d,
+                                  float* d_gain) {
+  const int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (i >= d) return;
+  float acc = 0;
+  for (int64_t r = 0; r < rows; ++r) acc += dy[r * d + i] * x[r * d + i] * inv_rms[r];
+  d_gain[i] = acc;
+}
+
+struct AttnDims {
+  int64_t batch, seq, heads, hd;
+  __device__ int64_t width() const { return heads * hd; }
+  // Row i of sequence b, head h.
+  __device__ int64_t at(int64_t b, int64_t h, int64_t i) const { return (b * seq + i) * width() + h * hd; }
+};
+
+__device__ float dot(const float* a, const float* b, int64_t n) {
+  float s = 0;
+  for (int64_t c = 0; c < n; ++c) s += a[c] * b[c];
+  return s;
+}
+
+// Block per (sequence, head); warp per query row. Lanes split the keys for scores and softmax,
+// then the head dims for the weighted sum of values.
+__global__ void attention_forward_kernel(AttnDims a, const float* q, const float* k, const float* v, float* probs,
+                                         float* out) {
+  const int64_t bh = blockIdx.x, b = bh / a.heads, h = bh % a.heads, S = a.seq;
+  const int lane = threadIdx.x & 31;
+  const float scale = 1.0f / sqrtf(float(a.hd));
+  for (int64_t i = threadIdx.x / 32; i < S; i += kWarps) {
+    float* P = probs + (bh * S + i) * S;
+    const float* qi = q + a.at(b, h, i);
+    float mx = -FLT_MAX;
+    for (int64_t j = lane; j <= i; j += 32) {
+      const float s = dot(qi, k + a.at(b, h, j), a.hd) * scale;
+      P[j] = s;
+      mx = fmaxf(mx, s);
+    }
+    mx = warp_max(mx);
+    float sum = 0;
+    for (int64_t j = lane; j <= i; j += 32) sum += (P[j] = expf(P[j] - mx));
+    sum = warp_sum(sum);
+    for (int64_t j = lane; j < S; j += 32) P[j] = j <= i ? P[j] / sum : 0.0f;
+    __syncwarp();
+    for (int64_t c = lane; c < a.hd; c += 32) {
+      float o = 0;
+      for (int64_t j = 0; j <= i; ++j) o += P[j] * v[a.at(b, h, j) + c];
+      out[a.at(b, h, i) + c] = o;
+    }
+  }
+}
+
+// Block per (sequence, head). Phase 1, warp per query row i: dS[i, j] = P (dP - <dP, P>) scale
+// with dP = dO_i . v_j, and dq_i = sum_j dS[i, j] k_j. Phase 2, warp per key row j:
+// dk_j = sum_i dS[i, j] q_i and dv_j = sum_i P[i, j] dO_i over i >= j, in order.
+__global__ void attention_backward_kernel(AttnDims a, const float* q, const float* k, const float* v,
+                                          const float* probs, const float* d_out, float* d_scores, float* dq, float* dk,
+                                          float* dv) {
+  const int64_t bh = blockIdx.x, b = bh / a.heads, h = bh % a.heads, S = a.seq;
+  const int lane = threadIdx.x & 31;
+  const float scale = 1.0f / sqrtf(float(a.hd));
+  const float* P = probs + bh * S * S;
+  float* dS = d_scores + bh * S * S;
+  for (int64_t i = threadIdx.x / 32; i < S; i += kWarps) {
+    const float* doi = d_out + a.at(b, h, i);
+    float row_dot = 0;
+    for (int64_t j = lane; j <= i; j += 32) {
+      const float dp = dot(doi, v + a.at(b, h, j), a.hd);
+      dS[i * S + j] = dp;
+      row_dot += dp * P[i * S + j];
+    }
+    row_dot = warp_sum(row_dot);
+    for (int64_t j = lane; j <= i; j += 32) dS[i * S + j] = P[i * S + j] * (dS[i * S + j] - row_dot) * scale;
+    __syncwarp();
+    for (int64_t c = lane; c < a.hd; c += 32) {
+      float acc = 0;
+      for (int64_t j = 0; j <= i; ++j) acc += dS[i * S + j] * k[a.at(b, h, j) + c];
+      dq[a.at(b, h, i) + c] = acc;
+    }
+  }
+  __syncthreads();
+  for (int64_t j = threadIdx.x / 32; j < S; j += kWarps) {
+    for (int64_t c = lane; c < a.hd; c += 32) {
+      float acc_k = 0, acc_v = 0;
+      for (int64_t i = j; i < S; ++i) {
+        acc_k += dS[i * S + j] * q[a.at(b, h, i) + c];
+        acc_v += P[i * S + j] * d_out[a.at(b, h, i) + c];
+      }
+      dk[a.at(b, h, j) + c] = acc_k;
+      dv[a.at(b, h, j) + c] = acc_v;
+    }
+  }
+}
+
+__global__ void cross_entropy_kernel(const float* logits, const int32_t* targets, int64_t rows, int64_t vocab,
+                                     float* row_loss, float* d_logits) {
+  const int64_t r = int64_t(blockIdx.x) * kWarps + threadIdx.x / 32;
+  const int lane = threadIdx.x & 31;
+  if (r >= rows) return;
+  const float* l = logits + r * vocab;
+  float mx = -FLT_MAX;
+  for (int64_t v = lane; v < vocab; v += 32) mx = fmaxf(mx, l[v]);
+  mx = warp_max(mx);
+  float sum = 0;
+  for (int64_t v = lane; v < vocab; v += 32) sum += expf(l[v] - mx);
+  const float lse = mx + logf(warp_sum(sum));
+  const int32_t t = targets[r];
+  if (lane == 0) row_loss[r] = lse - l[t];
+  for (int64_t v = lane; v < vocab; v += 32)
+    d_logits[r * vocab + v] = (expf(l[v] - lse) - (v == t ? 1.0f : 0.0f)) / float(rows);
+}
+
+__global__ void reduce_partials_kernel(ReduceOp op, const void* x, bool is_bf16, int64_t n, double* partials) {
+  double acc = 0;
+  for (int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < n; i += int64_t(gridDim.x) * blockDim.x) {
+    const double v = is_bf16 ? double(__bfloat162float(static_cast<const bf16*>(x)[i])) : double(static_cast<const float*>(x)[i]);
+    acc += op == ReduceOp::sum ? v : op == ReduceOp::abs ? fabs(v) : v * v;
+  }
+  acc = block_sum(acc);
+  if (threadIdx.x == 0) partials[blockIdx.x] = acc;
+}
+
+__global__ void reduce_finish_kernel(const double* partials, int64_t count, double scale, double* out) {
+  double acc = 0;
+  for (int64_t i = threadIdx.x; i < count; i += blockDim.x) acc += partials[i];
+  acc = block_sum(acc);
+  if (threadIdx.x == 0) *out = scale * acc;
+}
+
+__global__ void add_bf16_kernel(const bf16* src, int64_t n, float* dst) {
+  const int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (i < n) dst[i] += __bfloat162float(src[i]);
+}
+
+__global__ void to_bf16_kernel(const float* src, int64_t n, bf16* dst) {
+  const int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (i < n) dst[i] = __float2bfloat16(src[i]);
+}
+
+__global__ void adamw_kernel(AdamWArgs a, const double* grad_sum_squares, const void* grad, bool grad_bf16, int64_t n,
+                             float* value, float* m, float* v, float* ema, bf16* shadow) {
+  const int64_t j = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (j >= n) return;
+  const double norm = sqrt(*grad_sum_squares);
+  const float clip = float(a.clip_norm > 0 && norm > a.clip_norm ? a.clip_norm / norm : 1.0);
+  const float step_size = float(a.lr * a.lr_multiplier);
+  const float decay = float(1.0 - a.lr * a.weight_decay * a.weight_decay_multiplier);
+  const float raw = grad_bf16 ? __bfloat162float(static_cast<const bf16*>(grad)[j]) : static_cast<const float*>(grad)[j];
+  const float g = clip * raw;
+  m[j] = a.beta1 * m[j] + (1 - a.beta1) * g;
+  v[j] = a.beta2 * v[j] + (1 - a.beta2) * g * g;
+  const float m_hat = m[j] / a.bias_correction1, v_hat = v[j] / a.bias_correction2;
+  const float p = value[j] * decay - step_size * m_hat / (sqrtf(v_hat) + a.eps);
+  value[j] = p;
+  if (ema) ema[j] = a.ema_decay * ema[j] + (1 - a.ema_decay) * p;
+  if (shadow) shadow[j] = __float2bfloat16(p);
+}
+
+}  // namespace
+
+void embed_forward(const int32_t* tokens, const float* table, float scale, int64_t rows, int64_t d, float* h,
+                   cudaStream_t s) {
+  embed_forward_kernel<<<blocks_for(rows * d), kThreads, 0, s>>>(tokens, table, scale, rows, d, h);
+}
+
+void embed_backward(const int32_t* offsets, const int32_t* positions, const float* d_h, float scale, int64_t vocab,
+                    int64_t d, float* grad, cudaStream_t s) {
+  embed_backward_kernel<<<blocks_for(vocab * d), kThreads, 0, s>>>(offsets, positions, d_h, scale, vocab, d, grad);
+}
+
+void rmsnorm_forward(const float* x, const float* gain, int64_t rows, int64_t d, float eps, float* y, bf16* yb,
+                     float* inv_rms, cudaStream_t s) {
+  rmsnorm_forward_kernel<<<blocks_for(rows, kWarps), kThreads, 0, s>>>(x, gain, rows, d, eps, y, yb, inv_rms);
+}
+
+void rmsnorm_backward(const float* x, const float* gain, const float* inv_rms, const float* dy, int64_t rows,
+                      int64_t d, bool accumulate, float* dx, float* d_gain, cudaStream_t s) {
+  rmsnorm_backward_rows<<<blocks_for(rows, kWarps), kThreads, 0, s>>>(x, gain, inv_rms, dy, rows, d, accumulate, dx);
+  rmsnorm_gain_grad<<<blocks_for(d), kThreads, 0, s>>>(x, inv_rms, dy, rows, d, d_gain);
+}
+
+void attention_forward(const float* q, const float* k, const float* v, int64_t batch, int64_t seq, int64_t heads,
+                       int64_t head_dim, float* probs, float* out, cudaStream_t s) {
+  attention_forward_kernel<<<unsigned(batch * heads), kThreads, 0, s>>>({batch, seq, heads, head_dim}, q, k, v, probs,
+                                                                         out);
+}
+
+void attention_backward(const float* q, const float* k, const float* v, const float* probs, const float* d_out,
+                        int64_t batch, int64_t seq, int64_t heads, int64_t head_dim, float* d_scores, float* dq,
+                        float* dk, float* dv, cudaStream_t s) {
+  attention_backward_kernel<<<unsigned(batch * heads), kThreads, 0, s>>>({batch, seq, heads, head_dim}, q, k, v, probs,
+                                                                          d_out, d_scores, dq, dk, dv);
+}
+
+void cross_entropy(const float* logits, const int32_t* targets, int64_t rows, int64_t vocab, float* row_loss,
+                   float* d_logits, cudaStream_t s) {
+  cross_entropy_kernel<<<blocks_for(rows, kWarps), kThreads, 0, s>>>(logits, targets, rows, vocab, row_loss, d_logits);
+}
+
+void reduce_partials(ReduceOp op, const void* x, bool is_bf16, int64_t n, double* partials, cudaStream_t s) {
+  reduce_partials_kernel<<<kReduceBlocks, kThreads, 0, s>>>(op, x, is_bf16, n, partials);
+}
+
+void reduce_finish(const double* partials, int64_t count, double scale, double* out, cudaStream_t s) {
+  reduce_finish_kernel<<<1, kThreads, 0, s>>>(partials, count, scale, out);
+}
+
+void add_bf16(const bf16* src, int64_t n, float* dst, cudaStream_t s) {
+  add_bf16_kernel<<<blocks_for(n), kThreads, 0, s>>>(src, n, dst);
+}
+
+void to_bf16(const float* src, int64_t n, bf16* dst, cudaStream_t s) {
+  to_bf16_kernel<<<blocks_for(n), kThreads, 0, s>>>(src, n, dst);
+}
+
+void adamw_update(const AdamWArgs& a, const double* grad_sum_squares, const void* grad, bool grad_bf16, int64_t n,
+                  float* value, float* m, float* v, float* ema, bf16* shadow, cudaStream_t s) {
+  adamw_kernel<<<blocks_for(n), kThreads, 0, s>>>(a, grad_sum_squares, grad, grad_bf16, n, value, m, v, ema, shadow);
+}
+
+}  // namespace moka::train::cuda
