@@ -376,15 +376,12 @@ struct MegakernelTiming {
 MegakernelTiming time_megakernel(MoeLayer& layer, DeviceGroup* group, const NamedShape& ns, const LayerTensors& t,
                                  const CudaBenchOptions& o, cudaStream_t s) {
   auto mk = make_megakernel_forward(ns.shape, group, o.megakernel, t.T);
-  std::fprintf(stderr, "TRACE mk made\n");
   MegakernelTiming r;
   layer.forward(t.inputs(), t.weights(), t.out_view());
   MOKA_CUDA_CHECK(cudaStreamSynchronize(s));
-  std::fprintf(stderr, "TRACE a2a fwd\n");
   const auto want = read_bf16(t.out);
   mk->forward(t.inputs(), t.weights(), t.out_view());
   MOKA_CUDA_CHECK(cudaStreamSynchronize(s));
-  std::fprintf(stderr, "TRACE mk fwd\n");
   mk->check_errors();
   r.max_rel_diff = rel_diff(read_bf16(t.out), want);
   r.fwd = time_paired([&] { layer.forward(t.inputs(), t.weights(), t.out_view()); },
@@ -419,22 +416,20 @@ std::optional<BenchRow> run_cuda_ep_case(ProcessGroup& workers, const NamedShape
                                     static_cast<uint64_t>(workers.rank())));
   auto group = make_nccl_group(workers, t.device);
   auto layer = make_moe_layer(sh, *group, LayerOptions{o.tile_rows, 0});
-  std::fprintf(stderr, "TRACE rank %d layer made\n", workers.rank());
   const Timing m = time_layer(*layer, t, o, s);
-  std::fprintf(stderr, "TRACE rank %d layer timed\n", workers.rank());
-  const MegakernelTiming mk = time_megakernel(*layer, group.get(), ns, t, o, s);
-  std::fprintf(stderr, "TRACE rank %d megakernel timed\n", workers.rank());
   // Uniform routing sends about T*k/R rows to each rank: time that much through NCCL and
   // through a plain peer copy.
   const size_t rows_per_peer = static_cast<size_t>(tokens * sh.top_k / R);
   const LinkTiming link = time_links(*group, rows_per_peer * sh.hidden * 2, o, s);
   const double peak = dense_peak_tflops(s);
+  const MegakernelTiming mk = time_megakernel(*layer, group.get(), ns, t, o, s);
   layer.reset();
   cuda::set_stream(nullptr);
   MOKA_CUDA_CHECK(cudaStreamDestroy(s));
   const double fwd = max_over_ranks(workers, m.fwd), bwd = max_over_ranks(workers, m.bwd);
   const double total = max_over_ranks(workers, m.total);
   const double a2a = max_over_ranks(workers, link.all_to_all_ms), copy = max_over_ranks(workers, link.peer_copy_ms);
+  const double mk_fwd = max_over_ranks(workers, mk.fwd.b_ms);
   if (workers.rank() != 0) return std::nullopt;
 
   BenchRow row;
@@ -465,7 +460,6 @@ std::optional<BenchRow> run_cuda_ep_case(ProcessGroup& workers, const NamedShape
   // The megakernel forward: its floor is the larger of the useful FLOPs at the dense peak and
   // the bytes that must enter this rank over NVLink (dispatch pulls + combine pushes from the
   // peers) at the measured peer-copy bandwidth, both measured in this run.
-  const double mk_fwd = max_over_ranks(workers, mk.fwd.b_ms);
   const double flops_floor = sh.forward_flops(tokens) / (peak * 1e12) * 1e3;
   const double bytes_floor = 2.0 * link.bytes_per_rank / (copy_gbs * 1e9) * 1e3;
   const double floor = std::max(flops_floor, bytes_floor);
