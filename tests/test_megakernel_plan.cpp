@@ -282,11 +282,44 @@ TEST(MegakernelPlan, ConfigValidationNamesTheField) {
   expect_invalid(with([](auto& c) { c.spin_timeout_seconds = 0; }), "spin_timeout_seconds");
   EXPECT_NO_THROW(validate_megakernel_grid(MegakernelConfig{}, 132));
   try {
-    validate_megakernel_grid(MegakernelConfig{}, 32);
+    validate_megakernel_grid(MegakernelConfig{}, MegakernelConfig{}.num_comm_sms);
     ADD_FAILURE() << "no compute CTA left";
   } catch (const Error& e) {
     EXPECT_NE(std::string(e.what()).find("no compute CTA"), std::string::npos);
   }
+}
+
+// The GPU's device-side input errors become errors naming the rank whose input is bad.
+TEST(MegakernelPlan, DeviceInputErrorsNameTheRankAndEntry) {
+  auto message = [](const MegakernelStatus& s) -> std::string {
+    try {
+      throw_megakernel_status(s, MegakernelConfig{});
+    } catch (const Error& e) {
+      EXPECT_EQ(e.code(), ErrorCode::invalid_argument);
+      return e.what();
+    }
+    ADD_FAILURE() << "no error";
+    return "";
+  };
+  MegakernelStatus bad_id;
+  bad_id.code = StatusCode::invalid_expert;
+  bad_id.source_rank = 1;
+  bad_id.token = 3;
+  bad_id.choice = 1;
+  bad_id.value = 99;
+  bad_id.limit = 8;
+  const std::string id_message = message(bad_id);
+  EXPECT_NE(id_message.find("routing of rank 1: expert id 99 out of range [0, 8) at token 3, choice 1"),
+            std::string::npos)
+      << id_message;
+  MegakernelStatus tokens;
+  tokens.code = StatusCode::tokens_mismatch;
+  tokens.source_rank = 2;
+  tokens.value = 63;
+  tokens.limit = 64;
+  const std::string tokens_message = message(tokens);
+  EXPECT_NE(tokens_message.find("rank 2 has 63 tokens, this rank 64"), std::string::npos) << tokens_message;
+  EXPECT_NO_THROW(throw_megakernel_status(MegakernelStatus{}, MegakernelConfig{}));
 }
 
 }  // namespace

@@ -336,6 +336,23 @@ double max_over_ranks(ProcessGroup& g, double v) {
   return *std::max_element(all.begin(), all.end());
 }
 
+// The fields every expert-parallel CUDA row shares (bf16, uniform routing, "<R>x <GPU name>").
+BenchRow ep_row(const NamedShape& ns, const std::string& path, int device, int ranks, int64_t tokens, int iters) {
+  cudaDeviceProp prop;
+  MOKA_CUDA_CHECK(cudaGetDeviceProperties(&prop, device));
+  BenchRow row;
+  row.shape = ns.name;
+  row.backend = "cuda";
+  row.path = path;
+  row.device = std::to_string(ranks) + "x " + prop.name;
+  row.dtype = "bf16";
+  row.routing = "uniform";
+  row.ep = ranks;
+  row.tokens_per_rank = tokens;
+  row.iters = iters;
+  return row;
+}
+
 // Two functions timed alternately, iteration by iteration: the median of each and the median of
 // the per-iteration ratios b/a (side by side, so drifting clocks affect both alike).
 struct Paired {
@@ -432,18 +449,7 @@ std::optional<BenchRow> run_cuda_ep_case(ProcessGroup& workers, const NamedShape
   const double mk_fwd = max_over_ranks(workers, mk.fwd.b_ms);
   if (workers.rank() != 0) return std::nullopt;
 
-  BenchRow row;
-  row.shape = ns.name;
-  row.backend = "cuda";
-  row.path = "all-to-all";
-  cudaDeviceProp prop;
-  MOKA_CUDA_CHECK(cudaGetDeviceProperties(&prop, t.device));
-  row.device = std::to_string(R) + "x " + prop.name;
-  row.dtype = "bf16";
-  row.routing = "uniform";
-  row.ep = R;
-  row.tokens_per_rank = tokens;
-  row.iters = o.iters;
+  BenchRow row = ep_row(ns, "all-to-all", t.device, R, tokens, o.iters);
   row.fwd_ms = fwd;
   row.bwd_ms = bwd;
   row.fwdbwd_ms = total;
@@ -491,8 +497,6 @@ std::vector<BenchRow> run_megakernel_tune(ProcessGroup* workers, const NamedShap
                                     static_cast<uint64_t>(rank)));
   std::unique_ptr<DeviceGroup> group;
   if (workers) group = make_nccl_group(*workers, t.device);
-  cudaDeviceProp prop;
-  MOKA_CUDA_CHECK(cudaGetDeviceProperties(&prop, t.device));
   std::vector<BenchRow> rows;
   for (int comm : comm_sms) {
     for (int64_t minibatch : minibatches) {
@@ -505,16 +509,8 @@ std::vector<BenchRow> run_megakernel_tune(ProcessGroup* workers, const NamedShap
       MOKA_CUDA_CHECK(cudaStreamSynchronize(s));
       mk->check_errors();
       if (workers) ms = max_over_ranks(*workers, ms);
-      BenchRow row;
-      row.shape = ns.name;
-      row.backend = "cuda";
-      row.path = "megakernel comm_sms=" + std::to_string(comm) + " minibatch=" + std::to_string(minibatch);
-      row.device = std::to_string(R) + "x " + prop.name;
-      row.dtype = "bf16";
-      row.routing = "uniform";
-      row.ep = R;
-      row.tokens_per_rank = tokens;
-      row.iters = o.iters;
+      BenchRow row = ep_row(ns, "megakernel comm_sms=" + std::to_string(comm) + " minibatch=" + std::to_string(minibatch),
+                            t.device, R, tokens, o.iters);
       row.fwd_ms = ms;
       row.tflops = sh.forward_flops(tokens) / (ms * 1e-3) / 1e12;
       row.extra_json = "\"num_comm_sms\": " + std::to_string(comm) + ", \"minibatch_size\": " +

@@ -13,7 +13,7 @@ namespace moka {
 
 // Knobs of the megakernel (validated: Error invalid_argument naming the field).
 struct MegakernelConfig {
-  int num_comm_sms = 32;             // CTAs (one per SM) doing dispatch/combine; the rest compute
+  int num_comm_sms = 16;             // CTAs (one per SM) doing dispatch/combine; the rest compute (moka tune)
   int64_t minibatch_size = 4096;     // rows; a multiple of tile_m; the unit of overlap
   int64_t macrobatch_size = 131072;  // rows of the ring buffer; a multiple of minibatch_size
   // Worst-case share of all EP*T*k routes landing on one rank; sizes the schedule tables:

@@ -87,7 +87,10 @@ __global__ void __launch_bounds__(kThreads) route_tokens(RouterParams P, const f
       bool taken = false;
       for (int64_t i = 0; i < j; ++i) taken |= chosen[i] == e;
       if (taken) continue;
-      const float kv = sc[e] + (bias ? bias[e] : 0.0f);
+      // A NaN score ranks lowest, so a valid id is always chosen; its NaN weight is then
+      // reported by the layer's routing check instead of indexing past the experts.
+      const float raw = sc[e] + (bias ? bias[e] : 0.0f);
+      const float kv = isnan(raw) ? -FLT_MAX : raw;
       if (kv > key || (kv == key && e < id)) key = kv, id = static_cast<int>(e);
     }
     float bk;

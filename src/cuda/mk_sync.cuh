@@ -107,8 +107,8 @@ __device__ void task_loop(const MegakernelLaunch& p, const core::MegakernelPlan&
       const uint64_t t = atomicAdd(ticket_word, 1ull);
       shared_ticket = t;
       shared_task = t < task_count ? decode(plan, int64_t(t)) : core::Task{};
-      start = global_ns();
       proceed = shared_task.kind != core::TaskKind::none && wait_for(p, plan, shared_task);
+      start = global_ns();  // the timeline shows work, not waits
     }
     __syncthreads();
     if (!proceed) return;

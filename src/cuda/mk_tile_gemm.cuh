@@ -9,7 +9,7 @@
 //
 // Pipeline: thread 0 is also the producer. It issues the first kStages k-blocks of a tile; each
 // consumed stage is refilled with the k-block kStages ahead once all 256 threads have arrived on
-// the stage's `empty` barrier. Stage and phase follow one running k-block count that persists
+// the stage's `empty` barrier; one k-block of MMAs stays in flight while the next is issued. Stage and phase follow one running k-block count that persists
 // across tiles, so the barriers are initialized once per CTA. Out-of-range rows, columns and K
 // (TMA boxes past the tensor's end) are zero-filled by the TMA unit.
 #pragma once
@@ -103,17 +103,29 @@ __device__ inline void issue_tma(const TileCoord& c, Element* smem, uint64_t& ba
 
 // acc0 = A B0^T (and acc1 = A B1^T when b1 is given: the gate and up halves share A), over the
 // operands' common K. `kblocks_done` is the CTA's running k-block count (same in every thread).
+// One k-block of MMAs stays in flight: after issuing block kb the warpgroups wait only for block
+// kb-1, release its stage, and thread 0 refills that stage with block kb-1+kStages.
 __device__ inline void mma_tile(TileSmem& sm, uint32_t& kblocks_done, const TileCoord& a, const TileCoord& b0,
                                 const TileCoord* b1, Accumulator& acc0, Accumulator& acc1) {
   const int k = a.op->k;
   const int kblocks = (k + kTileK - 1) / kTileK;
   const uint32_t bytes = kTileM * kTileK * sizeof(Element) * (b1 ? 3 : 2);
+  auto stage_of = [&](int kb) { return int((kblocks_done + kb) % kStages); };
+  auto phase_of = [&](int kb) { return uint32_t(((kblocks_done + kb) / kStages) & 1); };
   auto load = [&](int kb) {
-    const int stage = (kblocks_done + kb) % kStages;
+    const int stage = stage_of(kb);
     FullBarrier::arrive_and_expect_tx(&sm.full[stage], bytes);
     issue_tma(a, sm.a, sm.full[stage], kb, stage);
     issue_tma(b0, sm.b0, sm.full[stage], kb, stage);
     if (b1) issue_tma(*b1, sm.b1, sm.full[stage], kb, stage);
+  };
+  // Stage of block kb is consumed: every thread arrives; thread 0 refills it kStages ahead.
+  auto release = [&](int kb) {
+    EmptyBarrier::arrive(&sm.empty[stage_of(kb)]);
+    if (threadIdx.x == 0 && kb + kStages < kblocks) {
+      EmptyBarrier::wait(&sm.empty[stage_of(kb)], phase_of(kb));
+      load(kb + kStages);
+    }
   };
   if (threadIdx.x == 0)
     for (int kb = 0; kb < kblocks && kb < kStages; ++kb) load(kb);
@@ -125,26 +137,26 @@ __device__ inline void mma_tile(TileSmem& sm, uint32_t& kblocks_done, const Tile
   Tensor tB1 = thr.make_fragment_B(thr.partition_B(make_tensor(make_smem_ptr(sm.b1), SmemLayout{})));
   clear(acc0);
   if (b1) clear(acc1);
+  warpgroup_fence_operand(acc0);
+  warpgroup_fence_operand(acc1);
   for (int kb = 0; kb < kblocks; ++kb) {
-    const uint32_t use = kblocks_done + kb;
-    const int stage = use % kStages;
-    const uint32_t phase = (use / kStages) & 1;
-    FullBarrier::wait(&sm.full[stage], phase);
+    const int stage = stage_of(kb);
+    FullBarrier::wait(&sm.full[stage], phase_of(kb));
     warpgroup_fence_operand(acc0);
     warpgroup_fence_operand(acc1);
     warpgroup_arrive();
     gemm(mma, tA(_, _, _, stage), tB0(_, _, _, stage), acc0);
     if (b1) gemm(mma, tA(_, _, _, stage), tB1(_, _, _, stage), acc1);
     warpgroup_commit_batch();
-    warpgroup_wait<0>();
+    warpgroup_wait<1>();  // block kb-1's MMAs are done reading their stage
     warpgroup_fence_operand(acc0);
     warpgroup_fence_operand(acc1);
-    EmptyBarrier::arrive(&sm.empty[stage]);
-    if (threadIdx.x == 0 && kb + kStages < kblocks) {
-      EmptyBarrier::wait(&sm.empty[stage], phase);  // every thread's MMAs have read this stage
-      load(kb + kStages);
-    }
+    if (kb > 0) release(kb - 1);
   }
+  warpgroup_wait<0>();
+  warpgroup_fence_operand(acc0);
+  warpgroup_fence_operand(acc1);
+  if (kblocks > 0) release(kblocks - 1);
   kblocks_done += kblocks;
 }
 

@@ -144,18 +144,25 @@ std::vector<cpu::LayerBuffers<double>> group_inputs(const MoeShape& s, int world
   return ranks;
 }
 
+// The fp64 CPU reference layer run over the whole group (ranks as threads) on these inputs:
+// forward, and backward too when asked.
+std::vector<cpu::LayerBuffers<double>> reference_of(const MoeShape& s, std::vector<cpu::LayerBuffers<double>> ranks,
+                                                     bool backward) {
+  run_emulated_ranks(static_cast<int>(ranks.size()), [&](ProcessGroup& g) {
+    auto layer = make_moe_layer(s, Backend::cpu, &g, LayerOptions{128, 1});
+    auto& b = ranks[g.rank()];
+    auto ctx = layer->forward(b.inputs(), b.weights(), b.out_view());
+    if (backward) layer->backward(*ctx, b.d_out_view(), b.weights(), b.gradients());
+  });
+  return ranks;
+}
+
 // The expert-parallel CUDA layer (NCCL all-to-all path) against the fp64 CPU reference of the
 // same group, forward and every gradient, with poisoned outputs; then 3 more runs bitwise equal.
 void layer_matches_reference(ProcessGroup& host, const MoeShape& s, int64_t T, Skew skew, const char* name) {
   const int R = host.size(), me = host.rank();
   auto ranks = group_inputs(s, R, T, 17 + T, skew);
-  auto ref = ranks;
-  run_emulated_ranks(R, [&](ProcessGroup& g) {
-    auto layer = make_moe_layer(s, Backend::cpu, &g, LayerOptions{128, 1});
-    auto& b = ref[g.rank()];
-    auto ctx = layer->forward(b.inputs(), b.weights(), b.out_view());
-    layer->backward(*ctx, b.d_out_view(), b.weights(), b.gradients());
-  });
+  const auto ref = reference_of(s, ranks, true);
   gpu_test::GpuCase c(ranks[me]);
   c.upload();
   auto layer = make_moe_layer(s, Backend::cuda, &host, LayerOptions{128, 0});
@@ -185,14 +192,24 @@ void layer_matches_reference(ProcessGroup& host, const MoeShape& s, int64_t T, S
   host.barrier();
 }
 
+// 4 experts per rank, k = 2: the cases of the input-error checks.
+MoeShape small_shape(const ProcessGroup& host) {
+  return MoeShape{256, 128, 4 * int64_t(host.size()), 2, 0, Activation::swiglu, 7.0f};
+}
+
+// Every rank's 64 tokens, with an expert id out of range at rank 1's token 3, choice 1.
+std::vector<cpu::LayerBuffers<double>> bad_routing_on_rank1(const ProcessGroup& host, const MoeShape& s) {
+  auto ranks = group_inputs(s, host.size(), 64, 5, Skew::uniform);
+  ranks[1].topk_ids[7] = 99;
+  return ranks;
+}
+
 // A bad input on one rank (an expert id out of range on rank 1) stops the call on every rank
 // with the same error naming rank 1, before any rows move; the layer stays usable afterwards.
 void bad_routing_on_one_rank_is_reported_everywhere(ProcessGroup& host) {
-  const MoeShape s{256, 128, 4 * int64_t(host.size()), 2, 0, Activation::swiglu, 7.0f};
+  const MoeShape s = small_shape(host);
   const int me = host.rank();
-  auto ranks = group_inputs(s, host.size(), 64, 5, Skew::uniform);
-  if (me == 1) ranks[1].topk_ids[7] = 99;
-  gpu_test::GpuCase c(ranks[me]);
+  gpu_test::GpuCase c(bad_routing_on_rank1(host, s)[me]);
   c.upload();
   auto layer = make_moe_layer(s, Backend::cuda, &host, LayerOptions{128, 0});
   std::string error;
@@ -218,12 +235,7 @@ void bad_routing_on_one_rank_is_reported_everywhere(ProcessGroup& host) {
 }
 
 MegakernelConfig mk_config(int comm, int64_t minibatch, int64_t macrobatch) {
-  MegakernelConfig c;
-  c.num_comm_sms = comm;
-  c.minibatch_size = minibatch;
-  c.macrobatch_size = macrobatch;
-  c.spin_timeout_seconds = 10;
-  return c;
+  return gpu_test::megakernel_config(comm, minibatch, macrobatch);
 }
 
 std::vector<uint8_t> bytes_of(const gpu_test::DeviceTensor& t) {
@@ -239,12 +251,7 @@ void megakernel_matches_reference(ProcessGroup& host, DeviceGroup& g, const MoeS
                                   const char* name) {
   const int R = host.size(), me = host.rank();
   auto ranks = group_inputs(s, R, T, 29 + T, skew);
-  auto ref = ranks;
-  run_emulated_ranks(R, [&](ProcessGroup& pg) {
-    auto layer = make_moe_layer(s, Backend::cpu, &pg, LayerOptions{128, 1});
-    auto& b = ref[pg.rank()];
-    layer->forward(b.inputs(), b.weights(), b.out_view());
-  });
+  const auto ref = reference_of(s, ranks, false);
   gpu_test::GpuCase c(ranks[me]);
   c.upload();
   auto run = [&](MegakernelForward& mk) {
@@ -266,27 +273,13 @@ void megakernel_matches_reference(ProcessGroup& host, DeviceGroup& g, const MoeS
   }
   check(same, std::string(name) + ": megakernel bits equal over runs, SM splits and batch sizes", me);
 
-  cudaStream_t stream;
-  MOKA_CUDA_CHECK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
-  cuda::set_stream(stream);
-  cudaGraph_t graph;
-  MOKA_CUDA_CHECK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal));
-  mk->forward(c.inputs(), c.weights(), c.out_view());
-  MOKA_CUDA_CHECK(cudaStreamEndCapture(stream, &graph));
-  cudaGraphExec_t exec;
-  MOKA_CUDA_CHECK(cudaGraphInstantiate(&exec, graph, 0));
   bool replayed = true;
-  for (int i = 0; i < 3; ++i) {
-    c.poison();
-    MOKA_CUDA_CHECK(cudaGraphLaunch(exec, stream));
-    MOKA_CUDA_CHECK(cudaStreamSynchronize(stream));
+  c.poison();
+  gpu_test::replay_in_graph([&] { mk->forward(c.inputs(), c.weights(), c.out_view()); }, 3, [&](int) {
     mk->check_errors();
     replayed &= bytes_of(c.out) == bits;
-  }
-  cuda::set_stream(nullptr);
-  cudaGraphExecDestroy(exec);
-  cudaGraphDestroy(graph);
-  cudaStreamDestroy(stream);
+    c.poison();
+  });
   check(replayed, std::string(name) + ": megakernel CUDA-graph replay gives the same bits", me);
   host.barrier();
 }
@@ -295,11 +288,9 @@ void megakernel_matches_reference(ProcessGroup& host, DeviceGroup& g, const MoeS
 // bad: an expert id out of range on rank 1, then token counts that disagree. At EP >= 4, a
 // routing that sends everything to rank 0 overflows a small capacity and is reported as such.
 void megakernel_input_errors_are_reported_everywhere(ProcessGroup& host, DeviceGroup& g) {
-  const MoeShape s{256, 128, 4 * int64_t(host.size()), 2, 0, Activation::swiglu, 7.0f};
+  const MoeShape s = small_shape(host);
   const int me = host.rank();
-  auto ranks = group_inputs(s, host.size(), 64, 5, Skew::uniform);
-  if (me == 1) ranks[1].topk_ids[7] = 99;
-  gpu_test::GpuCase c(ranks[me]);
+  gpu_test::GpuCase c(bad_routing_on_rank1(host, s)[me]);
   c.upload();
   auto mk = make_megakernel_forward(s, &g, mk_config(8, 256, 512), 64);
   auto error_of = [&](const std::function<void()>& call) {

@@ -5,11 +5,16 @@
 #include <cuda_runtime.h>
 #include <gtest/gtest.h>
 
+#include <chrono>
+#include <cstdio>
 #include <cstring>
+#include <random>
 #include <vector>
 
 #include "cpu/layer_buffers.hpp"
 #include "cuda/check.hpp"
+#include "cuda/cuda_backend.hpp"
+#include "moka/megakernel.hpp"
 
 namespace moka::gpu_test {
 
@@ -21,6 +26,52 @@ inline std::vector<__nv_bfloat16> to_bf16(const std::vector<double>& v) {
 // Rounds values to bf16 in place, so the reference computes on exactly the GPU's inputs.
 inline void round_bf16(std::vector<double>& v) {
   for (auto& x : v) x = static_cast<double>(__bfloat162float(__float2bfloat16(static_cast<float>(x))));
+}
+
+// A seed that differs every run (fresh random inputs), printed so a failure can be replayed.
+inline uint64_t fresh_seed() {
+  const uint64_t s = std::random_device{}() ^ uint64_t(std::chrono::steady_clock::now().time_since_epoch().count());
+  std::printf("[ seed     ] %llu\n", static_cast<unsigned long long>(s));
+  return s;
+}
+
+inline MoeShape shape(int64_t H, int64_t I, int64_t E, int64_t k, int64_t Is = 0, bool clamped = false) {
+  return MoeShape{H, I, E, k, Is, clamped ? Activation::swiglu_clamped : Activation::swiglu, 7.0f};
+}
+
+// A megakernel config for tests: waits bounded at 10 s, so a hang fails fast.
+inline MegakernelConfig megakernel_config(int comm_sms, int64_t minibatch, int64_t macrobatch) {
+  MegakernelConfig c;
+  c.num_comm_sms = comm_sms;
+  c.minibatch_size = minibatch;
+  c.macrobatch_size = macrobatch;
+  c.spin_timeout_seconds = 10;
+  return c;
+}
+
+// Captures `enqueue` (moka calls, on a fresh stream set as moka's) into a CUDA graph, then
+// replays it `replays` times; after(i) runs once replay i has finished.
+template <class Enqueue, class After>
+void replay_in_graph(Enqueue&& enqueue, int replays, After&& after) {
+  cudaStream_t stream;
+  MOKA_CUDA_CHECK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+  cuda::set_stream(stream);
+  cudaGraph_t graph;
+  MOKA_CUDA_CHECK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal));
+  enqueue();
+  MOKA_CUDA_CHECK(cudaStreamEndCapture(stream, &graph));
+  cudaGraphExec_t exec;
+  MOKA_CUDA_CHECK(cudaGraphInstantiate(&exec, graph, 0));
+  for (int i = 0; i < replays; ++i) {
+    MOKA_CUDA_CHECK(cudaDeviceSynchronize());  // the caller's poisoning (other streams) is done
+    MOKA_CUDA_CHECK(cudaGraphLaunch(exec, stream));
+    MOKA_CUDA_CHECK(cudaStreamSynchronize(stream));
+    after(i);
+  }
+  cuda::set_stream(nullptr);
+  cudaGraphExecDestroy(exec);
+  cudaGraphDestroy(graph);
+  cudaStreamDestroy(stream);
 }
 
 struct DeviceTensor {

@@ -4,6 +4,7 @@
 #include <gtest/gtest.h>
 
 #include <chrono>
+#include <cmath>
 #include <random>
 
 #include "core/routing_gen.hpp"
@@ -17,11 +18,8 @@ using gpu_test::GpuCase;
 
 namespace {
 
-uint64_t fresh_seed() {
-  const uint64_t s = std::random_device{}() ^ uint64_t(std::chrono::steady_clock::now().time_since_epoch().count());
-  std::printf("[ seed     ] %llu\n", static_cast<unsigned long long>(s));
-  return s;
-}
+using gpu_test::fresh_seed;
+using gpu_test::shape;
 
 void route(GpuCase& c, core::RoutingKind kind, uint64_t seed) {
   const auto& s = c.ref.shape;
@@ -64,10 +62,6 @@ struct Case {
   int64_t tokens;
   core::RoutingKind routing;
 };
-
-MoeShape shape(int64_t H, int64_t I, int64_t E, int64_t k, int64_t Is = 0, bool clamped = false) {
-  return MoeShape{H, I, E, k, Is, clamped ? Activation::swiglu_clamped : Activation::swiglu, 7.0f};
-}
 
 class CudaLayerVsReference : public ::testing::TestWithParam<Case> {};
 
@@ -228,28 +222,16 @@ TEST(CudaLayer, GraphCaptureReplaysForwardAndBackward) {
   run_gpu(*layer, c);  // allocates the workspace (allocation is not capturable)
   const auto eager = c.output_bytes();
   c.poison();
-  cudaStream_t stream;
-  MOKA_CUDA_CHECK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
-  cuda::set_stream(stream);
-  cudaGraph_t graph;
-  MOKA_CUDA_CHECK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal));
-  {
-    auto ctx = layer->forward(c.inputs(), c.weights(), c.out_view());
-    layer->backward(*ctx, c.d_out_view(), c.weights(), c.gradients());
-  }
-  MOKA_CUDA_CHECK(cudaStreamEndCapture(stream, &graph));
-  cudaGraphExec_t exec;
-  MOKA_CUDA_CHECK(cudaGraphInstantiate(&exec, graph, 0));
-  for (int i = 0; i < 3; ++i) {
-    c.poison();
-    MOKA_CUDA_CHECK(cudaGraphLaunch(exec, stream));
-    MOKA_CUDA_CHECK(cudaStreamSynchronize(stream));
-    EXPECT_EQ(c.output_bytes(), eager) << "replay " << i;
-  }
-  cuda::set_stream(nullptr);
-  cudaGraphExecDestroy(exec);
-  cudaGraphDestroy(graph);
-  cudaStreamDestroy(stream);
+  gpu_test::replay_in_graph(
+      [&] {
+        auto ctx = layer->forward(c.inputs(), c.weights(), c.out_view());
+        layer->backward(*ctx, c.d_out_view(), c.weights(), c.gradients());
+      },
+      3,
+      [&](int i) {
+        EXPECT_EQ(c.output_bytes(), eager) << "replay " << i;
+        c.poison();
+      });
 }
 
 TEST(CudaLayer, BadRoutingIsReportedNamingTheEntry) {
@@ -282,6 +264,37 @@ TEST(CudaLayer, RejectsHostTensorsAndWrongDtypes) {
   in = c.inputs();
   in.topk_weights.dtype = DType::bf16;
   EXPECT_THROW(layer->forward(in, c.weights(), c.out_view()), Error);
+}
+
+// A token whose router scores are all NaN (NaN input) must not index past the experts: every
+// id stays in range (the CUDA context survives) and its weights are NaN, which the layer's
+// routing check then reports naming the entry.
+TEST(CudaRouter, NanScoresGiveValidIdsAndNanWeights) {
+  RouterConfig rc = named_shape("qwen3-30b-a3b").router;
+  rc.hidden = 256;
+  const int64_t T = 8, H = rc.hidden, E = rc.num_experts, k = rc.top_k;
+  std::vector<float> x(T * H, 0.5f), w(E * H, 0.01f);
+  for (int64_t h = 0; h < H; ++h) x[3 * H + h] = std::nanf("");
+  std::vector<__nv_bfloat16> xb(x.size()), wb(w.size());
+  for (size_t i = 0; i < x.size(); ++i) xb[i] = __float2bfloat16(x[i]);
+  for (size_t i = 0; i < w.size(); ++i) wb[i] = __float2bfloat16(w[i]);
+  gpu_test::DeviceTensor gx(T * H * 2), gw(E * H * 2), gids(T * k * 4), gwt(T * k * 4), gc(E * 4);
+  MOKA_CUDA_CHECK(cudaMemcpy(gx.ptr, xb.data(), gx.bytes, cudaMemcpyHostToDevice));
+  MOKA_CUDA_CHECK(cudaMemcpy(gw.ptr, wb.data(), gw.bytes, cudaMemcpyHostToDevice));
+  const Device d = Device::cuda(0);
+  auto gpu = make_router(rc, Backend::cuda);
+  gpu->forward(TensorView(gx.ptr, DType::bf16, {T, H}, d), TensorView(gw.ptr, DType::bf16, {E, H}, d), TensorView(),
+               {TensorView(gids.ptr, DType::i32, {T, k}, d), TensorView(gwt.ptr, DType::f32, {T, k}, d),
+                TensorView(gc.ptr, DType::i32, {E}, d)});
+  MOKA_CUDA_CHECK(cudaDeviceSynchronize());
+  std::vector<int32_t> ids(T * k);
+  std::vector<float> wt(T * k);
+  MOKA_CUDA_CHECK(cudaMemcpy(ids.data(), gids.ptr, gids.bytes, cudaMemcpyDeviceToHost));
+  MOKA_CUDA_CHECK(cudaMemcpy(wt.data(), gwt.ptr, gwt.bytes, cudaMemcpyDeviceToHost));
+  for (int64_t i = 0; i < T * k; ++i) {
+    EXPECT_TRUE(ids[i] >= 0 && ids[i] < E) << "id " << ids[i] << " at " << i;
+    EXPECT_EQ(std::isnan(wt[i]), i / k == 3) << "weight " << wt[i] << " at " << i;
+  }
 }
 
 // The router against the CPU router (fp64 on bf16-rounded inputs): same ids (where scores are

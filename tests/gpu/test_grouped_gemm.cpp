@@ -45,11 +45,7 @@ struct Operand {
   }
 };
 
-uint64_t fresh_seed() {
-  const uint64_t s = std::random_device{}() ^ uint64_t(std::chrono::steady_clock::now().time_since_epoch().count());
-  std::printf("[ seed     ] %llu\n", static_cast<unsigned long long>(s));
-  return s;
-}
+using gpu_test::fresh_seed;
 
 // The groups: one per expert, and one fixed-size group (a shared expert's product).
 std::vector<GroupSpec> make_groups(const LayoutCase& c, int experts) {

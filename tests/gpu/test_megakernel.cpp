@@ -4,9 +4,7 @@
 // SM splits, minibatch and macrobatch sizes (including ring reuse); CUDA-graph replay; errors.
 #include <gtest/gtest.h>
 
-#include <chrono>
 #include <map>
-#include <random>
 
 #include "core/routing_gen.hpp"
 #include "cuda/cuda_backend.hpp"
@@ -19,15 +17,8 @@ using gpu_test::GpuCase;
 
 namespace {
 
-uint64_t fresh_seed() {
-  const uint64_t s = std::random_device{}() ^ uint64_t(std::chrono::steady_clock::now().time_since_epoch().count());
-  std::printf("[ seed     ] %llu\n", static_cast<unsigned long long>(s));
-  return s;
-}
-
-MoeShape shape(int64_t H, int64_t I, int64_t E, int64_t k, int64_t Is = 0, bool clamped = false) {
-  return MoeShape{H, I, E, k, Is, clamped ? Activation::swiglu_clamped : Activation::swiglu, 7.0f};
-}
+using gpu_test::fresh_seed;
+using gpu_test::shape;
 
 const auto U = core::RoutingKind::uniform;
 const auto Z = core::RoutingKind::zipf;
@@ -62,12 +53,7 @@ double forward_error(GpuCase& c, MegakernelForward& mk) {
 }
 
 MegakernelConfig config(int comm, int64_t minibatch, int64_t macrobatch) {
-  MegakernelConfig cfg;
-  cfg.num_comm_sms = comm;
-  cfg.minibatch_size = minibatch;
-  cfg.macrobatch_size = macrobatch;
-  cfg.spin_timeout_seconds = 10;
-  return cfg;
+  return gpu_test::megakernel_config(comm, minibatch, macrobatch);
 }
 
 struct Case {
@@ -140,26 +126,12 @@ TEST(Megakernel, GraphCaptureReplays) {
   auto mk = make_megakernel_forward(s, nullptr, kRingReuse, 700);
   forward(*mk, c);
   const auto eager = out_bytes(c);
-  cudaStream_t stream;
-  MOKA_CUDA_CHECK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
-  cuda::set_stream(stream);
-  cudaGraph_t graph;
-  MOKA_CUDA_CHECK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal));
-  mk->forward(c.inputs(), c.weights(), c.out_view());
-  MOKA_CUDA_CHECK(cudaStreamEndCapture(stream, &graph));
-  cudaGraphExec_t exec;
-  MOKA_CUDA_CHECK(cudaGraphInstantiate(&exec, graph, 0));
-  for (int i = 0; i < 3; ++i) {
-    c.poison();
-    MOKA_CUDA_CHECK(cudaGraphLaunch(exec, stream));
-    MOKA_CUDA_CHECK(cudaStreamSynchronize(stream));
+  c.poison();
+  gpu_test::replay_in_graph([&] { mk->forward(c.inputs(), c.weights(), c.out_view()); }, 3, [&](int i) {
     mk->check_errors();
     EXPECT_EQ(out_bytes(c), eager) << "replay " << i;
-  }
-  cuda::set_stream(nullptr);
-  cudaGraphExecDestroy(exec);
-  cudaGraphDestroy(graph);
-  cudaStreamDestroy(stream);
+    c.poison();
+  });
 }
 
 // Every task appears once in the timeline, with sane stamps, and compute overlaps communication.
