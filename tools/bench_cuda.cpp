@@ -353,6 +353,47 @@ BenchRow ep_row(const NamedShape& ns, const std::string& path, int device, int r
   return row;
 }
 
+// This rank's top-k ids for an expert-parallel case (o.routing; see CudaBenchOptions).
+std::vector<int32_t> ep_routing(const CudaBenchOptions& o, const MoeShape& sh, int64_t tokens, int rank, int ranks) {
+  const auto stream = static_cast<uint64_t>(rank);
+  if (o.routing == "one-rank") return core::sample_topk_ids({core::RoutingKind::uniform, 0, o.seed}, tokens,
+                                                            sh.top_k, sh.num_experts / ranks, stream);
+  const auto kind = o.routing == "zipf" ? core::RoutingKind::zipf : core::parse_routing_kind(o.routing);
+  return core::sample_topk_ids({kind, o.gini, o.seed}, tokens, sh.top_k, sh.num_experts, stream);
+}
+
+// routes[s * R + r]: routes from rank s's tokens to the experts rank r hosts, over all workers.
+std::vector<int64_t> route_matrix(ProcessGroup& workers, const std::vector<int32_t>& ids, int64_t experts_per_rank) {
+  const int R = workers.size();
+  std::vector<int64_t> mine(R, 0), all(size_t(R) * R);
+  for (int32_t id : ids) mine[id / experts_per_rank]++;
+  workers.all_gather(mine.data(), all.data(), R * sizeof(int64_t));
+  return all;
+}
+
+// The floor of one forward, for the slowest rank: the most routed rows any rank computes (plus
+// the shared expert) at the dense peak, and the most rows any rank must receive over NVLink
+// (rows it pulls from peers + outputs peers push back for its own tokens) at the peer-copy rate.
+struct Floor {
+  double flops_ms = 0, bytes_ms = 0;
+};
+Floor layer_floor(const MoeShape& sh, int64_t tokens, const std::vector<int64_t>& routes, int R, double peak_tflops,
+                  double copy_gbs) {
+  int64_t most_rows = 0, most_inbound = 0;
+  for (int r = 0; r < R; ++r) {
+    int64_t rows = 0, inbound = 0;
+    for (int s = 0; s < R; ++s) {
+      rows += routes[s * R + r];
+      if (s != r) inbound += routes[s * R + r] + routes[r * R + s];
+    }
+    most_rows = std::max(most_rows, rows);
+    most_inbound = std::max(most_inbound, inbound);
+  }
+  const double flops = 6.0 * double(most_rows) * sh.hidden * sh.intermediate +
+                       6.0 * double(tokens) * sh.hidden * sh.shared_intermediate;
+  return {flops / (peak_tflops * 1e12) * 1e3, double(most_inbound) * sh.hidden * 2 / (copy_gbs * 1e9) * 1e3};
+}
+
 // Two functions timed alternately, iteration by iteration: the median of each and the median of
 // the per-iteration ratios b/a (side by side, so drifting clocks affect both alike).
 struct Paired {
@@ -428,9 +469,9 @@ std::optional<BenchRow> run_cuda_ep_case(ProcessGroup& workers, const NamedShape
   MOKA_CUDA_CHECK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
   cuda::set_stream(s);
   LayerTensors t(sh, tokens, R);
-  t.randomize(o.seed * 1000 + workers.rank(),
-              core::sample_topk_ids({core::RoutingKind::uniform, 0.3, o.seed}, tokens, sh.top_k, sh.num_experts,
-                                    static_cast<uint64_t>(workers.rank())));
+  const std::vector<int32_t> ids = ep_routing(o, sh, tokens, workers.rank(), R);
+  t.randomize(o.seed * 1000 + workers.rank(), ids);
+  const std::vector<int64_t> routes = route_matrix(workers, ids, sh.num_experts / R);
   auto group = make_nccl_group(workers, t.device);
   auto layer = make_moe_layer(sh, *group, LayerOptions{o.tile_rows, 0});
   const Timing m = time_layer(*layer, t, o, s);
@@ -450,6 +491,7 @@ std::optional<BenchRow> run_cuda_ep_case(ProcessGroup& workers, const NamedShape
   if (workers.rank() != 0) return std::nullopt;
 
   BenchRow row = ep_row(ns, "all-to-all", t.device, R, tokens, o.iters);
+  row.routing = o.routing == "zipf" ? "zipf(gini=" + std::to_string(o.gini).substr(0, 4) + ")" : o.routing;
   row.fwd_ms = fwd;
   row.bwd_ms = bwd;
   row.fwdbwd_ms = total;
@@ -457,26 +499,27 @@ std::optional<BenchRow> run_cuda_ep_case(ProcessGroup& workers, const NamedShape
   row.max_rel_error = -1;  // checked against the CPU reference by moka_ep_gpu_check, not here
   const double gbs = [&](double ms) { return link.bytes_per_rank / (ms * 1e-3) / 1e9; }(a2a);
   const double copy_gbs = link.bytes_per_rank / (copy * 1e-3) / 1e9;
-  const double tms = torch_result(o.torch_results, ns.name, tokens, R).fwdbwd_ms;
+  // Torch routes uniformly: its times are comparable with uniform runs only.
+  const TorchResult torch = o.routing == "uniform" ? torch_result(o.torch_results, ns.name, tokens, R) : TorchResult{};
+  const double tms = torch.fwdbwd_ms;
   std::ostringstream extra;
   extra << "\"nccl_all_to_all_gbs\": " << gbs << ", \"peer_copy_gbs\": " << copy_gbs
         << ", \"dispatch_bytes_per_rank\": " << link.bytes_per_rank
         << ", \"times\": \"max over ranks of per-rank medians\"";
   if (tms > 0) extra << ", \"torch_fwdbwd_ms\": " << tms << ", \"speedup_vs_torch\": " << tms / total;
-  // The megakernel forward: its floor is the larger of the useful FLOPs at the dense peak and
-  // the bytes that must enter this rank over NVLink (dispatch pulls + combine pushes from the
-  // peers) at the measured peer-copy bandwidth, both measured in this run.
-  const double flops_floor = sh.forward_flops(tokens) / (peak * 1e12) * 1e3;
-  const double bytes_floor = 2.0 * link.bytes_per_rank / (copy_gbs * 1e9) * 1e3;
+  // The megakernel forward against its floor (both ceilings measured in this run).
+  const Floor f = layer_floor(sh, tokens, routes, R, peak, copy_gbs);
+  const double flops_floor = f.flops_ms, bytes_floor = f.bytes_ms;
   const double floor = std::max(flops_floor, bytes_floor);
-  const double torch_fwd = torch_result(o.torch_results, ns.name, tokens, R).fwd_ms;
+  const double torch_fwd = torch.fwd_ms;
   extra << ", \"megakernel_fwd_ms\": " << mk_fwd << ", \"all_to_all_fwd_ms_paired\": " << mk.fwd.a_ms
         << ", \"megakernel_speedup_vs_all_to_all\": " << 1.0 / mk.fwd.ratio
         << ", \"megakernel_max_rel_diff_vs_all_to_all\": " << mk.max_rel_diff << ", \"dense_peak_tflops\": " << peak
         << ", \"floor_ms\": " << floor << ", \"floor_flops_ms\": " << flops_floor
         << ", \"floor_bytes_ms\": " << bytes_floor << ", \"megakernel_vs_floor\": " << mk_fwd / floor
         << ", \"megakernel_config\": \"comm_sms=" << o.megakernel.num_comm_sms
-        << " minibatch=" << o.megakernel.minibatch_size << " macrobatch=" << o.megakernel.macrobatch_size << "\"";
+        << " minibatch=" << o.megakernel.minibatch_size << " macrobatch=" << o.megakernel.macrobatch_size
+        << " row_order=" << (o.megakernel.row_order == RowOrder::rate_based ? "rate_based" : "round_robin") << "\"";
   if (torch_fwd > 0)
     extra << ", \"torch_fwd_ms\": " << torch_fwd << ", \"megakernel_speedup_vs_torch_fwd\": " << torch_fwd / mk_fwd;
   row.extra_json = extra.str();

@@ -23,6 +23,10 @@ struct CudaBenchOptions {
   // the all-to-all path's forward; `timeline` (a file) receives the first case's task spans.
   MegakernelConfig megakernel;
   std::string timeline;
+  // Expert-parallel runs: "uniform", "zipf" (per-expert load Gini `gini`) or "one-rank" (every
+  // token's experts among rank 0's). Torch columns are attached to uniform runs only.
+  std::string routing = "uniform";
+  double gini = 0.3;
 };
 
 // Available only in builds with the CUDA backend (throws backend_unavailable otherwise).

@@ -39,6 +39,7 @@ struct BenchOptions {
   int fail_rank = -1;
   std::string fail_mode = "bad-input";
   MegakernelConfig megakernel;  // expert-parallel CUDA runs also time the megakernel forward
+  std::string row_order = "rate-based";
   std::string timeline;
   int gpus = 1;
   bool paired_steps = false;
@@ -187,6 +188,21 @@ std::optional<BenchRow> run_cpu_case(ProcessGroup* workers, const NamedShape& ns
   return row;
 }
 
+CudaBenchOptions cuda_options(const BenchOptions& o, const std::string& timeline) {
+  CudaBenchOptions co;
+  co.iters = o.iters;
+  co.warmup = o.warmup;
+  co.seed = o.seed;
+  co.tile_rows = o.tile_rows;
+  co.torch_results = o.torch_results;
+  co.megakernel = o.megakernel;
+  co.megakernel.row_order = o.row_order == "round-robin" ? RowOrder::round_robin : RowOrder::rate_based;
+  co.timeline = timeline;
+  co.routing = o.routing == "router" ? "uniform" : o.routing;  // CUDA cases sample their routing
+  co.gini = o.gini;
+  return co;
+}
+
 void run_bench(BenchOptions o, const std::vector<std::string>& argv) {
   if (o.gpus > 1 && !launched_as_worker()) {
     // `--gpus N`: start N workers running this same command, and wait for them.
@@ -214,8 +230,7 @@ void run_bench(BenchOptions o, const std::vector<std::string>& argv) {
   if (o.paired_steps) {
     require(backend == Backend::cuda && shapes.size() == 1 && o.tokens.size() == 1 && o.gpus == 1 && o.ep == 1,
             ErrorCode::invalid_argument, "--paired-steps takes --backend cuda and one shape and token count");
-    serve_cuda_steps(shapes[0], o.tokens[0], CudaBenchOptions{o.iters, o.warmup, o.seed, o.tile_rows, ""}, std::cin,
-                     std::cout);
+    serve_cuda_steps(shapes[0], o.tokens[0], cuda_options(o, ""), std::cin, std::cout);
     return;
   }
   // Worker processes (started by --gpus N or `moka launch`) form one group over TCP.
@@ -234,8 +249,7 @@ void run_bench(BenchOptions o, const std::vector<std::string>& argv) {
       for (int64_t t : o.tokens) {
         // Only the first case records a timeline (on every rank: the call is collective).
         const bool first_case = &ns == &shapes.front() && t == o.tokens.front();
-        const CudaBenchOptions co{o.iters, o.warmup, o.seed, o.tile_rows, o.torch_results, o.megakernel,
-                                  first_case ? o.timeline : std::string()};
+        const CudaBenchOptions co = cuda_options(o, first_case ? o.timeline : std::string());
         if (backend == Backend::cuda && workers) {
           if (root) progress.update(ns.name + " T=" + std::to_string(t), 1, 1);
           auto row = run_cuda_ep_case(*workers, ns, t, co);
@@ -275,8 +289,9 @@ void register_bench(CLI::App& app) {
   cmd->add_option("--warmup", o->warmup, "Untimed warm-up iterations");
   cmd->add_flag("--json", o->json, "One JSON line per case");
   cmd->add_option("--seed", o->seed, "Random seed");
-  cmd->add_option("--routing", o->routing, "router | uniform | zipf | one-expert")
-      ->check(CLI::IsMember({"router", "uniform", "zipf", "one-expert"}));
+  cmd->add_option("--routing", o->routing,
+                  "router | uniform | zipf | one-expert | one-rank (CUDA expert parallelism: rank 0's experts only)")
+      ->check(CLI::IsMember({"router", "uniform", "zipf", "one-expert", "one-rank"}));
   cmd->add_option("--gini", o->gini, "Target per-expert load Gini for --routing zipf");
   cmd->add_option("--dump-routing", o->dump_routing, "Append the routing of every case to FILE (JSON lines)");
   cmd->add_option("--threads", o->threads, "CPU threads per rank (0 = all cores / ranks)");
@@ -294,6 +309,8 @@ void register_bench(CLI::App& app) {
   cmd->add_option("--comm-sms", o->megakernel.num_comm_sms, "Megakernel: communication CTAs (EP CUDA runs)");
   cmd->add_option("--minibatch", o->megakernel.minibatch_size, "Megakernel: minibatch rows");
   cmd->add_option("--macrobatch", o->megakernel.macrobatch_size, "Megakernel: ring-buffer rows");
+  cmd->add_option("--row-order", o->row_order, "Megakernel: order of the sources' rows in each expert segment")
+      ->check(CLI::IsMember({"rate-based", "round-robin"}));
   cmd->add_option("--timeline", o->timeline, "Megakernel: write the first case's task timeline to FILE (JSON lines)");
   cmd->add_flag("--paired-steps", o->paired_steps,
                 "Hold one CUDA case and time one forward+backward per 'step' line on stdin (driven by "

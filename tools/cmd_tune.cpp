@@ -30,6 +30,8 @@ void run_tune(const TuneOptions& o) {
     require(rc == 0, ErrorCode::peer_failure, "a tune worker failed (exit code " + std::to_string(rc) + ")");
     return;
   }
+  const NamedShape& shape = named_shape(o.shape);
+  require(cuda_backend_available(), ErrorCode::backend_unavailable, "moka tune needs a GPU (none is visible)");
   std::unique_ptr<ProcessGroup> workers;
   if (launched_as_worker()) {
     const Rendezvous rv = rendezvous_from_env();
@@ -42,7 +44,7 @@ void run_tune(const TuneOptions& o) {
   co.megakernel.macrobatch_size = o.macrobatch;
   std::vector<BenchRow> rows;
   try {
-    rows = run_megakernel_tune(workers.get(), named_shape(o.shape), o.tokens, co, o.comm_sms, o.minibatches);
+    rows = run_megakernel_tune(workers.get(), shape, o.tokens, co, o.comm_sms, o.minibatches);
   } catch (const std::exception& e) {
     if (workers) workers->abort(e.what());
     throw;
