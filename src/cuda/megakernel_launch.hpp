@@ -32,7 +32,6 @@ struct TimelineRecord {
 struct MegakernelLaunch {
   core::MegakernelPlan plan;  // worst case; every CTA trims it to offsets[E] rows
   int num_ctas = 0, num_comm_ctas = 0;
-  int world_size = 1;
   int64_t tokens = 0, top_k = 0, hidden = 0, intermediate = 0, shared_intermediate = 0, local_experts = 0;
   ActParams act;
   uint64_t timeout_ns = 0;

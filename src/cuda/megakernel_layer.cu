@@ -211,7 +211,6 @@ class CudaMegakernelForward final : public MegakernelForward {
     l.plan = plan;
     l.num_ctas = num_sms_;
     l.num_comm_ctas = config_.num_comm_sms;
-    l.world_size = world_;
     l.tokens = T;
     l.top_k = shape_.top_k;
     l.hidden = shape_.hidden;

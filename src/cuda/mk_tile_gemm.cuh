@@ -160,8 +160,9 @@ __device__ inline void mma_tile(TileSmem& sm, uint32_t& kblocks_done, const Tile
   kblocks_done += kblocks;
 }
 
-// Calls fn(row, col, v0, v1) for each pair of horizontally adjacent accumulator elements this
-// thread holds (tile coordinates; col is even). With two accumulators, v1 pairs come from both.
+// Calls fn(row, col, i) for each pair of horizontally adjacent accumulator elements this thread
+// holds: acc(i) is at (row, col) of the tile and acc(i + 1) at (row, col + 1); col is even. The
+// same i indexes every Accumulator alike, so a second accumulator's pair is acc2(i), acc2(i + 1).
 template <class Fn>
 __device__ inline void for_each_pair(const Accumulator& acc, Fn&& fn) {
   TiledMma mma;
