@@ -4,8 +4,9 @@
 # 16384 tokens per rank: PyTorch + NCCL, moka's all-to-all path and the megakernel forward; then
 # skewed routing (Zipf Gini 0.2 and 0.4, every token to rank 0's experts) with the megakernel's
 # rows in round-robin (equal per-peer shares) and rate-based (the planner's proportional) order,
-# each with a task timeline (dispatch and combine spans). Not covered yet: the NVSwitch incast
-# microbenchmark and feeding measured per-port bandwidths back into `moka simulate`.
+# each with a task timeline (dispatch and combine spans); then `moka incast` (k senders into
+# one GPU with a victim flow from one of them to another GPU). Not covered yet: feeding the
+# measured per-port bandwidths back into `moka simulate`.
 # BIN: the folder scripts/stage_gpu.sh made. Writes JSON lines and logs to $OUT.
 set -uo pipefail
 BIN=$(cd "${1:-build}" && pwd)
@@ -16,13 +17,14 @@ N=${N:-$(nvidia-smi -L | wc -l)}
 SHAPES=${SHAPES:-qwen3-30b-a3b,qwen3-235b-a22b,deepseek-v3,gpt-oss-120b,mixtral-8x7b}
 SKEW_SHAPES=${SKEW_SHAPES:-qwen3-30b-a3b}
 rc=0
-timeout 300 "$BIN/moka" launch -n "$N" -- "$BIN/moka_ep_gpu_check" > "$OUT/ep${N}_checks.log" 2>&1 || rc=1
-grep -E "FAILED|passed" "$OUT/ep${N}_checks.log"
+LOG=$OUT/runs_ep$N.log  # every stderr but the checks': the device tool returns at most 8 files
+timeout 300 "$BIN/moka" launch -n "$N" -- "$BIN/moka_ep_gpu_check" > "$OUT/checks_ep$N.log" 2>&1 || rc=1
+grep -E "FAILED|passed" "$OUT/checks_ep$N.log"
 PYTHONUNBUFFERED=1 timeout 200 "$BIN/moka" launch -n "$N" -- python3 "$BIN/torch_baseline.py" --shapes "$SHAPES" \
-  --tokens 4096,16384 --iters 10 --out "$OUT/torch_ep$N.jsonl" > "$OUT/torch_ep$N.log" 2>&1 || rc=1
+  --tokens 4096,16384 --iters 10 --out "$OUT/torch_ep$N.jsonl" >> "$LOG" 2>&1 || rc=1
 for shape in ${SHAPES//,/ }; do  # one process per shape: a failure costs one shape, not the run
   timeout 90 "$BIN/moka" bench --gpus "$N" --backend cuda --shape "$shape" --tokens 4096,16384 --iters 10 \
-    --warmup 3 --torch-results "$OUT/torch_ep$N.jsonl" --json >> "$OUT/bench_ep$N.jsonl" 2>> "$OUT/bench_ep$N.log" || rc=1
+    --warmup 3 --torch-results "$OUT/torch_ep$N.jsonl" --json >> "$OUT/bench_ep$N.jsonl" 2>> "$LOG" || rc=1
 done
 for shape in ${SKEW_SHAPES//,/ }; do
   for routing in "zipf --gini 0.2" "zipf --gini 0.4" "one-rank"; do
@@ -30,10 +32,12 @@ for shape in ${SKEW_SHAPES//,/ }; do
       tag="${shape}_${routing// /}_${order}"
       timeout 90 "$BIN/moka" bench --gpus "$N" --backend cuda --shape "$shape" --tokens 16384 --iters 10 --warmup 3 \
         --routing $routing --row-order "$order" --timeline "$OUT/timeline_$tag.jsonl" --json \
-        >> "$OUT/skew_ep$N.jsonl" 2>> "$OUT/skew_ep$N.log" || rc=1
+        >> "$OUT/skew_ep$N.jsonl" 2>> "$LOG" || rc=1
     done
   done
 done
+timeout 120 "$BIN/moka" incast --gpus "$N" --megabytes 512 --iters 10 --json > "$OUT/incast_ep$N.jsonl" 2>&1 || rc=1
+cat "$OUT/incast_ep$N.jsonl"
 # The device tool returns at most 8 files: the timelines travel as one archive.
 tar czf "$OUT/timelines_ep$N.tgz" -C "$OUT" $(cd "$OUT" && ls timeline_*.jsonl 2>/dev/null) && rm -f "$OUT"/timeline_*.jsonl
 cat "$OUT/bench_ep$N.jsonl" "$OUT/skew_ep$N.jsonl" | cut -c1-400

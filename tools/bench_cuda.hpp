@@ -50,6 +50,16 @@ std::optional<BenchRow> run_cuda_ep_case(ProcessGroup& workers, const NamedShape
 std::vector<BenchRow> run_megakernel_tune(ProcessGroup* workers, const NamedShape& ns, int64_t tokens,
                                           const CudaBenchOptions& o, const std::vector<int>& comm_sms,
                                           const std::vector<int64_t>& minibatches);
+// `moka incast`: k = 1..N-1 senders (ranks 1..k) each copy `bytes` into rank 0 at once, while
+// rank 1 also copies `bytes` to rank N-1 (the victim flow), all through peer copies over NVLink.
+// Medians over `iters`; collective over N >= 3 workers, rank 0 returns the rows (k = 0: the
+// victim flow alone).
+struct IncastRow {
+  int senders = 0;
+  double receiver_gbs = 0;  // k * bytes / the slowest sender's copy time
+  double victim_gbs = 0;    // bytes / the victim copy's time
+};
+std::vector<IncastRow> run_incast(ProcessGroup& workers, size_t bytes, int iters);
 // A worker process uses the GPU of its local rank.
 void select_worker_device(int local_rank);
 

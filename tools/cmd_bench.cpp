@@ -203,15 +203,8 @@ CudaBenchOptions cuda_options(const BenchOptions& o, const std::string& timeline
   return co;
 }
 
-void run_bench(BenchOptions o, const std::vector<std::string>& argv) {
-  if (o.gpus > 1 && !launched_as_worker()) {
-    // `--gpus N`: start N workers running this same command, and wait for them.
-    std::vector<std::string> args(argv);
-    args[0] = self_executable();
-    const int rc = launch_workers(args, LaunchOptions{o.gpus, 10.0});
-    require(rc == 0, ErrorCode::peer_failure, "a bench worker failed (exit code " + std::to_string(rc) + ")");
-    return;
-  }
+void run_bench(BenchOptions o) {
+  if (ran_as_workers(o.gpus, "bench")) return;
   const Backend backend = [&] {
     const Backend b = parse_backend(o.backend);
     if (b != Backend::automatic) return b;
@@ -315,7 +308,7 @@ void register_bench(CLI::App& app) {
   cmd->add_flag("--paired-steps", o->paired_steps,
                 "Hold one CUDA case and time one forward+backward per 'step' line on stdin (driven by "
                 "bench/torch_baseline.py --paired-with)");
-  cmd->callback([o] { run_bench(*o, command_line()); });
+  cmd->callback([o] { run_bench(*o); });
 }
 
 }  // namespace moka::cli

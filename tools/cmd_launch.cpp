@@ -25,6 +25,15 @@ std::string self_executable() {
   return std::string(buf, static_cast<size_t>(n));
 }
 
+bool ran_as_workers(int gpus, const std::string& what) {
+  if (gpus <= 1 || launched_as_worker()) return false;
+  std::vector<std::string> args(command_line());
+  args[0] = self_executable();
+  const int rc = launch_workers(args, LaunchOptions{gpus, 10.0});
+  require(rc == 0, ErrorCode::peer_failure, "a " + what + " worker failed (exit code " + std::to_string(rc) + ")");
+  return true;
+}
+
 void register_launch(CLI::App& app) {
   struct Options {
     int workers = 1;

@@ -23,13 +23,7 @@ struct TuneOptions {
 };
 
 void run_tune(const TuneOptions& o) {
-  if (o.gpus > 1 && !launched_as_worker()) {
-    std::vector<std::string> args(command_line());
-    args[0] = self_executable();
-    const int rc = launch_workers(args, LaunchOptions{o.gpus, 10.0});
-    require(rc == 0, ErrorCode::peer_failure, "a tune worker failed (exit code " + std::to_string(rc) + ")");
-    return;
-  }
+  if (ran_as_workers(o.gpus, "tune")) return;
   const NamedShape& shape = named_shape(o.shape);
   require(cuda_backend_available(), ErrorCode::backend_unavailable, "moka tune needs a GPU (none is visible)");
   std::unique_ptr<ProcessGroup> workers;

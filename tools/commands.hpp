@@ -13,10 +13,14 @@ void register_launch(CLI::App& app);
 const std::vector<std::string>& command_line();
 void set_command_line(int argc, char** argv);
 std::string self_executable();
+// `--gpus N` outside a worker: runs N workers of this same command line, waits for them and
+// returns true (the caller is done); false inside a worker or for N <= 1.
+bool ran_as_workers(int gpus, const std::string& what);
 void register_simulate(CLI::App& app);
 void register_train(CLI::App& app);
 void register_coordcheck(CLI::App& app);
 void register_lr_sweep(CLI::App& app);
 void register_tune(CLI::App& app);
+void register_incast(CLI::App& app);
 
 }  // namespace moka::cli
