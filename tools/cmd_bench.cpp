@@ -227,12 +227,7 @@ void run_bench(BenchOptions o) {
     return;
   }
   // Worker processes (started by --gpus N or `moka launch`) form one group over TCP.
-  std::unique_ptr<ProcessGroup> workers;
-  if (launched_as_worker()) {
-    const Rendezvous rv = rendezvous_from_env();
-    if (backend == Backend::cuda) select_worker_device(rv.local_rank);
-    workers = make_tcp_group(rv);
-  }
+  std::unique_ptr<ProcessGroup> workers = join_workers(backend == Backend::cuda);
   const bool root = !workers || workers->rank() == 0;
   require(!workers || o.ep == 1, ErrorCode::invalid_argument, "--ep (emulated ranks) cannot be combined with worker processes");
   Progress progress("moka bench");

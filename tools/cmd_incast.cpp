@@ -23,10 +23,8 @@ void run(const IncastOptions& o) {
   require(o.megabytes >= 1 && o.iters >= 1, ErrorCode::invalid_argument, "--megabytes and --iters must be >= 1");
   require(cuda_backend_available(), ErrorCode::backend_unavailable, "moka incast needs GPUs (none is visible)");
   if (ran_as_workers(o.gpus, "incast")) return;
-  require(launched_as_worker(), ErrorCode::invalid_argument, "moka incast needs --gpus N (N >= 3) or moka launch");
-  const Rendezvous rv = rendezvous_from_env();
-  select_worker_device(rv.local_rank);
-  auto workers = make_tcp_group(rv);
+  auto workers = join_workers(true);
+  require(workers != nullptr, ErrorCode::invalid_argument, "moka incast needs --gpus N (N >= 3) or moka launch");
   std::vector<IncastRow> rows;
   try {
     rows = run_incast(*workers, size_t(o.megabytes) << 20, o.iters);
@@ -40,7 +38,7 @@ void run(const IncastOptions& o) {
     if (o.json) {
       std::printf("{\"gpus\": %d, \"megabytes\": %lld, \"iters\": %d, \"senders\": %d, \"receiver_gbs\": %.2f, "
                   "\"victim_gbs\": %.2f}\n",
-                  rv.world_size, static_cast<long long>(o.megabytes), o.iters, r.senders, r.receiver_gbs,
+                  workers->size(), static_cast<long long>(o.megabytes), o.iters, r.senders, r.receiver_gbs,
                   r.victim_gbs);
     } else {
       std::printf("%8d %14.1f %12.1f\n", r.senders, r.receiver_gbs, r.victim_gbs);

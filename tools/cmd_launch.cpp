@@ -5,6 +5,7 @@
 
 #include <cstdlib>
 
+#include "bench_cuda.hpp"
 #include "commands.hpp"
 #include "moka/distributed.hpp"
 #include "moka/error.hpp"
@@ -32,6 +33,13 @@ bool ran_as_workers(int gpus, const std::string& what) {
   const int rc = launch_workers(args, LaunchOptions{gpus, 10.0});
   require(rc == 0, ErrorCode::peer_failure, "a " + what + " worker failed (exit code " + std::to_string(rc) + ")");
   return true;
+}
+
+std::unique_ptr<ProcessGroup> join_workers(bool on_gpu) {
+  if (!launched_as_worker()) return nullptr;
+  const Rendezvous rv = rendezvous_from_env();
+  if (on_gpu) select_worker_device(rv.local_rank);
+  return make_tcp_group(rv);
 }
 
 void register_launch(CLI::App& app) {

@@ -26,12 +26,7 @@ void run_tune(const TuneOptions& o) {
   if (ran_as_workers(o.gpus, "tune")) return;
   const NamedShape& shape = named_shape(o.shape);
   require(cuda_backend_available(), ErrorCode::backend_unavailable, "moka tune needs a GPU (none is visible)");
-  std::unique_ptr<ProcessGroup> workers;
-  if (launched_as_worker()) {
-    const Rendezvous rv = rendezvous_from_env();
-    select_worker_device(rv.local_rank);
-    workers = make_tcp_group(rv);
-  }
+  std::unique_ptr<ProcessGroup> workers = join_workers(true);
   CudaBenchOptions co;
   co.iters = o.iters;
   co.warmup = o.warmup;
