@@ -4,9 +4,9 @@
 # 16384 tokens per rank: PyTorch + NCCL, moka's all-to-all path and the megakernel forward; then
 # skewed routing (Zipf Gini 0.2 and 0.4, every token to rank 0's experts) with the megakernel's
 # rows in round-robin (equal per-peer shares) and rate-based (the planner's proportional) order,
-# each with a task timeline (dispatch and combine spans); then `moka incast` (k senders into
-# one GPU with a victim flow from one of them to another GPU). Not covered yet: feeding the
-# measured per-port bandwidths back into `moka simulate`.
+# each with a task timeline (dispatch and combine spans) and its routing dump, which
+# bench/compare_sim.py replays through `moka simulate` at the measured bandwidth; then `moka
+# incast` (k senders into one GPU with a victim flow from one of them to another GPU).
 # BIN: the folder scripts/stage_gpu.sh made. Writes JSON lines and logs to $OUT.
 set -uo pipefail
 BIN=$(cd "${1:-build}" && pwd)
@@ -31,14 +31,17 @@ for shape in ${SKEW_SHAPES//,/ }; do
     for order in round-robin rate-based; do
       tag="${shape}_${routing// /}_${order}"
       timeout 90 "$BIN/moka" bench --gpus "$N" --backend cuda --shape "$shape" --tokens 16384 --iters 10 --warmup 3 \
-        --routing $routing --row-order "$order" --timeline "$OUT/timeline_$tag.jsonl" --json \
+        --routing $routing --row-order "$order" --timeline "$OUT/timeline_$tag.jsonl" \
+        --dump-routing "$OUT/routing_$tag.jsonl" --json \
         >> "$OUT/skew_ep$N.jsonl" 2>> "$LOG" || rc=1
     done
   done
 done
 timeout 120 "$BIN/moka" incast --gpus "$N" --megabytes 512 --iters 10 --json > "$OUT/incast_ep$N.jsonl" 2>&1 || rc=1
 cat "$OUT/incast_ep$N.jsonl"
-# The device tool returns at most 8 files: the timelines travel as one archive.
-tar czf "$OUT/timelines_ep$N.tgz" -C "$OUT" $(cd "$OUT" && ls timeline_*.jsonl 2>/dev/null) && rm -f "$OUT"/timeline_*.jsonl
+# The device tool returns at most 8 files: timelines and routing dumps travel as one archive
+# (then, here: bench/compare_sim.py moka skew_epN.jsonl timeline_TAG.jsonl routing_TAG.jsonl).
+tar czf "$OUT/cases_ep$N.tgz" -C "$OUT" $(cd "$OUT" && ls timeline_*.jsonl routing_*.jsonl 2>/dev/null) &&
+  rm -f "$OUT"/timeline_*.jsonl "$OUT"/routing_*.jsonl
 cat "$OUT/bench_ep$N.jsonl" "$OUT/skew_ep$N.jsonl" | cut -c1-400
 exit $rc

@@ -9,7 +9,7 @@ mkdir -p "$DEST"
 cp "$ROOT/build/tests/gpu/moka_gpu_tests" "$ROOT/build/tests/train_gpu/moka_train_gpu_tests" "$ROOT/build/tools/moka" "$DEST/"
 [ -x "$ROOT/build/tests/moka_ep_gpu_check" ] && cp "$ROOT/build/tests/moka_ep_gpu_check" "$DEST/"
 cp "$ROOT/scripts/gpu_check.sh" "$ROOT/scripts/device_check.sh" "$ROOT/scripts/ep_bench.sh" "$ROOT/scripts/train_gpu.sh" \
-   "$ROOT/scripts/ep_scale_runs.sh" "$ROOT/bench/plot_timeline.py" \
+   "$ROOT/scripts/ep_scale_runs.sh" \
   "$ROOT/scripts/gpu_env.sh" "$ROOT/bench/torch_baseline.py" "$ROOT/bench/torch_train_baseline.py" "$DEST/"
 # The fortunes text (scripts/fetch_data.sh) for the trainer: the GPU machine has no network.
 TEXT=${MOKA_TEXT_DIR:-/usr/share/games/fortunes}

@@ -472,6 +472,13 @@ std::optional<BenchRow> run_cuda_ep_case(ProcessGroup& workers, const NamedShape
   const std::vector<int32_t> ids = ep_routing(o, sh, tokens, workers.rank(), R);
   t.randomize(o.seed * 1000 + workers.rank(), ids);
   const std::vector<int64_t> routes = route_matrix(workers, ids, sh.num_experts / R);
+  if (!o.dump_routing.empty()) {
+    std::vector<int32_t> all(ids.size() * R);
+    workers.all_gather(ids.data(), all.data(), ids.size() * sizeof(int32_t));
+    std::vector<std::vector<int32_t>> per_rank;
+    for (int r = 0; r < R; ++r) per_rank.emplace_back(all.begin() + r * ids.size(), all.begin() + (r + 1) * ids.size());
+    if (workers.rank() == 0) dump_routing(o.dump_routing, ns, tokens, R, per_rank);
+  }
   auto group = make_nccl_group(workers, t.device);
   auto layer = make_moe_layer(sh, *group, LayerOptions{o.tile_rows, 0});
   const Timing m = time_layer(*layer, t, o, s);

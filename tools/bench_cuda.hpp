@@ -27,6 +27,7 @@ struct CudaBenchOptions {
   // token's experts among rank 0's). Torch columns are attached to uniform runs only.
   std::string routing = "uniform";
   double gini = 0.3;
+  std::string dump_routing;  // expert-parallel runs: append every rank's ids (rank 0 writes)
 };
 
 // Available only in builds with the CUDA backend (throws backend_unavailable otherwise).

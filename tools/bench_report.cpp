@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <cstdio>
+#include <fstream>
 #include <iomanip>
 #include <iostream>
 #include <nlohmann/json.hpp>
@@ -69,6 +70,21 @@ void Progress::update(const std::string& what, int done, int total) {
 
 void Progress::finish() {
   if (tty_) std::fprintf(stderr, "\r\033[K");
+}
+
+void dump_routing(const std::string& path, const NamedShape& ns, int64_t tokens, int ep,
+                  const std::vector<std::vector<int32_t>>& ids) {
+  nlohmann::ordered_json j;
+  j["shape"] = ns.name;
+  j["world_size"] = ep;
+  j["tokens_per_rank"] = tokens;
+  j["top_k"] = ns.shape.top_k;
+  j["num_experts"] = ns.shape.num_experts;
+  j["hidden"] = ns.shape.hidden;
+  j["topk_ids"] = ids;
+  std::ofstream f(path, std::ios::app);
+  require(f.good(), ErrorCode::io, "cannot write routing dump " + path);
+  f << j.dump() << "\n";
 }
 
 }  // namespace moka::cli

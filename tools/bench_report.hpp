@@ -6,6 +6,8 @@
 #include <string>
 #include <vector>
 
+#include "moka/config.hpp"
+
 namespace moka::cli {
 
 struct BenchRow {
@@ -20,6 +22,9 @@ struct BenchRow {
 };
 
 double median(std::vector<double> v);
+// Appends one epoch's routing (every rank's top-k ids) as a JSON line `moka simulate --replay` reads.
+void dump_routing(const std::string& path, const NamedShape& ns, int64_t tokens, int ep,
+                  const std::vector<std::vector<int32_t>>& ids);
 std::string bench_json(const BenchRow& row);
 void print_table(std::ostream& os, const std::vector<BenchRow>& rows);
 

@@ -86,21 +86,6 @@ std::string cpu_device_name(int ranks, int threads, bool processes) {
   return os.str();
 }
 
-void dump_routing(const std::string& path, const NamedShape& ns, int64_t tokens, int ep,
-                  const std::vector<std::vector<int32_t>>& ids) {
-  nlohmann::ordered_json j;
-  j["shape"] = ns.name;
-  j["world_size"] = ep;
-  j["tokens_per_rank"] = tokens;
-  j["top_k"] = ns.shape.top_k;
-  j["num_experts"] = ns.shape.num_experts;
-  j["hidden"] = ns.shape.hidden;
-  j["topk_ids"] = ids;
-  std::ofstream f(path, std::ios::app);
-  require(f.good(), ErrorCode::io, "cannot write routing dump " + path);
-  f << j.dump() << "\n";
-}
-
 // --fail-rank: this rank fails right after start, as a bad input (caught by validation on every
 // rank) or as a crash (the process dies; peers see its connection close).
 void fail_on_purpose(const std::string& mode, cpu::LayerBuffers<double>& b, const MoeShape& s) {
@@ -199,6 +184,7 @@ CudaBenchOptions cuda_options(const BenchOptions& o, const std::string& timeline
   co.megakernel.row_order = o.row_order == "round-robin" ? RowOrder::round_robin : RowOrder::rate_based;
   co.timeline = timeline;
   co.routing = o.routing == "router" ? "uniform" : o.routing;  // CUDA cases sample their routing
+  co.dump_routing = o.dump_routing;
   co.gini = o.gini;
   return co;
 }
