@@ -104,7 +104,7 @@ class CudaMegakernelForward final : public MegakernelForward {
     check_inputs(in, w, out, T);
     const cudaStream_t s = current_stream();
     const core::MegakernelPlan plan = core::build_megakernel_plan(config_, dims_of(shape_, world_, T));
-    last_tokens_ = T;
+    last_plan_ = plan;
 
     MOKA_CUDA_CHECK(cudaMemsetAsync(control_.p, 0, sizeof(MegakernelControl), s));
     MOKA_CUDA_CHECK(cudaMemsetAsync(counters_.p, 0, core::counter_count(plan) * sizeof(int64_t), s));
@@ -147,7 +147,7 @@ class CudaMegakernelForward final : public MegakernelForward {
 
   std::vector<MegakernelTaskSpan> timeline() override {
     std::vector<MegakernelTaskSpan> spans;
-    if (!timeline_on_ || last_tokens_ == 0) return spans;
+    if (!timeline_on_ || last_plan_.tokens == 0) return spans;
     const core::MegakernelPlan plan = trimmed_last_plan();
     append_spans(*timeline_comm_, core::comm_task_count(plan), spans);
     append_spans(*timeline_compute_, core::compute_task_count(plan), spans);
@@ -268,13 +268,12 @@ class CudaMegakernelForward final : public MegakernelForward {
     if (merged.rank < 0) return;
     const MergedStatus failure = merged;
     *merged_.host = MergedStatus{};
-    // Input errors name the rank whose input is bad and are found by every rank alike.
-    const auto code = failure.status.code;
-    if (code == core::StatusCode::invalid_expert || code == core::StatusCode::tokens_mismatch)
-      core::throw_megakernel_status(failure.status, config_);
     try {
       core::throw_megakernel_status(failure.status, config_);
     } catch (const Error& e) {
+      // Input errors already name the rank whose input is bad (every rank finds them alike).
+      const auto code = failure.status.code;
+      if (code == core::StatusCode::invalid_expert || code == core::StatusCode::tokens_mismatch) throw;
       throw Error(e.code(), "rank " + std::to_string(failure.rank) + ": " + e.what());
     }
   }
@@ -282,8 +281,7 @@ class CudaMegakernelForward final : public MegakernelForward {
   core::MegakernelPlan trimmed_last_plan() const {
     std::vector<int32_t> offsets(experts_ + 1);
     MOKA_CUDA_CHECK(cudaMemcpy(offsets.data(), offsets_.p, offsets.size() * sizeof(int32_t), cudaMemcpyDeviceToHost));
-    return core::trim_to_rows(core::build_megakernel_plan(config_, dims_of(shape_, world_, last_tokens_)),
-                              offsets.back());
+    return core::trim_to_rows(last_plan_, offsets.back());
   }
 
   static void append_spans(const DeviceMemory& records, int64_t count, std::vector<MegakernelTaskSpan>& spans) {
@@ -310,7 +308,7 @@ class CudaMegakernelForward final : public MegakernelForward {
   PinnedWord<unsigned long long> routing_error_;
   std::unique_ptr<DeviceMemory> timeline_compute_, timeline_comm_;
   bool timeline_on_ = false, pending_ = false;
-  int64_t last_tokens_ = 0;
+  core::MegakernelPlan last_plan_;  // the last forward's worst-case plan (trimmed by its row count)
   cudaEvent_t done_ = nullptr;
 };
 

@@ -21,14 +21,14 @@ struct Operands {
 };
 
 // Where a tile's outputs go: rows [row0, row0 + valid_rows) and columns [col0, col0 + 128) of
-// row-major buffers with `pitch` columns, of which the first `width` exist.
+// row-major buffers `width` columns wide (columns past it are the last tile's overhang).
 struct TileOut {
-  int64_t row0, valid_rows, col0, width, pitch;
+  int64_t row0, valid_rows, col0, width;
 };
 
 __device__ inline void store_pair(bf16* base, const TileOut& o, int r, int c, float v0, float v1) {
   if (r >= o.valid_rows || o.col0 + c >= o.width) return;
-  *reinterpret_cast<__nv_bfloat162*>(base + (o.row0 + r) * o.pitch + o.col0 + c) = __floats2bfloat162_rn(v0, v1);
+  *reinterpret_cast<__nv_bfloat162*>(base + (o.row0 + r) * o.width + o.col0 + c) = __floats2bfloat162_rn(v0, v1);
 }
 
 __device__ inline void store_tile(const Accumulator& acc, bf16* out, const TileOut& o) {
@@ -88,13 +88,13 @@ __device__ inline void run_compute_task(ComputeState& st, const MegakernelLaunch
   const int col = int(t.col_tile);
   switch (t.kind) {
     case core::TaskKind::shared_gate_up: {
-      const TileOut o{t.row_tile * tm, p.tokens - t.row_tile * tm, col * tn, Is, Is};
+      const TileOut o{t.row_tile * tm, p.tokens - t.row_tile * tm, col * tn, Is};
       gate_up_tile(st, {&ops.x_local, int(t.row_tile), 0}, ops.ws_gate, ops.ws_up, col, 0, p.shared_gate,
                    p.shared_up, p.shared_hidden, o, p.act);
       return;
     }
     case core::TaskKind::shared_down: {
-      const TileOut o{t.row_tile * tm, p.tokens - t.row_tile * tm, col * tn, H, H};
+      const TileOut o{t.row_tile * tm, p.tokens - t.row_tile * tm, col * tn, H};
       down_tile(st, {&ops.shared_hidden, int(t.row_tile), 0}, ops.ws_down, col, 0, p.shared_out, o);
       return;
     }
@@ -103,11 +103,11 @@ __device__ inline void run_compute_task(ComputeState& st, const MegakernelLaunch
       const int64_t first = core::task_first_row(plan, t), ring = core::ring_row(plan, first);
       const int expert = expert_of_row(p.offsets, p.local_experts, first);
       if (t.kind == core::TaskKind::gate_up) {
-        const TileOut o{ring, tm, col * tn, I, I};
+        const TileOut o{ring, tm, col * tn, I};
         gate_up_tile(st, {&ops.ring_x, int(ring / tm), 0}, ops.w_gate, ops.w_up, col, expert, p.ring_gate,
                      p.ring_up, p.ring_hidden, o, p.act);
       } else {
-        const TileOut o{ring, tm, col * tn, H, H};
+        const TileOut o{ring, tm, col * tn, H};
         down_tile(st, {&ops.ring_hidden, int(ring / tm), 0}, ops.w_down, col, expert, p.ring_y, o);
       }
       return;

@@ -234,15 +234,7 @@ void bad_routing_on_one_rank_is_reported_everywhere(ProcessGroup& host) {
   host.barrier();
 }
 
-MegakernelConfig mk_config(int comm, int64_t minibatch, int64_t macrobatch) {
-  return gpu_test::megakernel_config(comm, minibatch, macrobatch);
-}
-
-std::vector<uint8_t> bytes_of(const gpu_test::DeviceTensor& t) {
-  std::vector<uint8_t> b(t.bytes);
-  MOKA_CUDA_CHECK(cudaMemcpy(b.data(), t.ptr, b.size(), cudaMemcpyDeviceToHost));
-  return b;
-}
+using gpu_test::megakernel_config;
 
 // The forward megakernel across the group against the fp64 CPU reference of the same group
 // (poisoned output), then bitwise equal across 3 more runs, other SM splits, minibatch and
@@ -259,15 +251,16 @@ void megakernel_matches_reference(ProcessGroup& host, DeviceGroup& g, const MoeS
     mk.forward(c.inputs(), c.weights(), c.out_view());
     MOKA_CUDA_CHECK(cudaDeviceSynchronize());
     mk.check_errors();
-    return bytes_of(c.out);
+    return gpu_test::bytes_of(c.out);
   };
-  auto mk = make_megakernel_forward(s, &g, mk_config(32, 4096, 131072), T);
+  auto mk = make_megakernel_forward(s, &g, megakernel_config(32, 4096, 131072), T);
   const auto bits = run(*mk);
   const double e = cpu::max_rel_error(c.download().out, ref[me].out);
   check(e <= 2e-2, std::string(name) + ": megakernel out relative error " + std::to_string(e), me);
   bool same = true;
   for (int i = 0; i < 3; ++i) same &= run(*mk) == bits;
-  for (const auto& cfg : {mk_config(1, 128, 128), mk_config(8, 256, 512), mk_config(64, 1024, 2048)}) {
+  for (const auto& cfg :
+       {megakernel_config(1, 128, 128), megakernel_config(8, 256, 512), megakernel_config(64, 1024, 2048)}) {
     auto other = make_megakernel_forward(s, &g, cfg, T);
     same &= run(*other) == bits;
   }
@@ -277,7 +270,7 @@ void megakernel_matches_reference(ProcessGroup& host, DeviceGroup& g, const MoeS
   c.poison();
   gpu_test::replay_in_graph([&] { mk->forward(c.inputs(), c.weights(), c.out_view()); }, 3, [&](int) {
     mk->check_errors();
-    replayed &= bytes_of(c.out) == bits;
+    replayed &= gpu_test::bytes_of(c.out) == bits;
     c.poison();
   });
   check(replayed, std::string(name) + ": megakernel CUDA-graph replay gives the same bits", me);
@@ -292,7 +285,7 @@ void megakernel_input_errors_are_reported_everywhere(ProcessGroup& host, DeviceG
   const int me = host.rank();
   gpu_test::GpuCase c(bad_routing_on_rank1(host, s)[me]);
   c.upload();
-  auto mk = make_megakernel_forward(s, &g, mk_config(8, 256, 512), 64);
+  auto mk = make_megakernel_forward(s, &g, megakernel_config(8, 256, 512), 64);
   auto error_of = [&](const std::function<void()>& call) {
     std::string error;
     try {
@@ -323,7 +316,7 @@ void megakernel_input_errors_are_reported_everywhere(ProcessGroup& host, DeviceG
   if (host.size() >= 4) {
     gpu_test::GpuCase skewed(group_inputs(s, host.size(), 64, 7, Skew::all_to_rank0)[me]);
     skewed.upload();
-    MegakernelConfig small = mk_config(8, 256, 512);
+    MegakernelConfig small = megakernel_config(8, 256, 512);
     small.capacity_multiplier = 0.25;
     auto tight = make_megakernel_forward(s, &g, small, 64);
     std::string overflow;

@@ -5,6 +5,7 @@
 #include <cuda_runtime.h>
 #include <gtest/gtest.h>
 
+#include <array>
 #include <chrono>
 #include <cstdio>
 #include <cstring>
@@ -95,6 +96,13 @@ inline int current_device() {
   return d;
 }
 
+// Raw bytes of a device tensor (determinism checks compare bits).
+inline std::vector<uint8_t> bytes_of(const DeviceTensor& t) {
+  std::vector<uint8_t> b(t.bytes);
+  MOKA_CUDA_CHECK(cudaMemcpy(b.data(), t.ptr, b.size(), cudaMemcpyDeviceToHost));
+  return b;
+}
+
 struct GpuCase {
   cpu::LayerBuffers<double> ref;
   int device = current_device();  // the GPU the case's tensors live on
@@ -117,118 +125,99 @@ struct GpuCase {
     return b;
   }
 
+  // The device copies in the order of ref.inputs_and_weights() and ref.outputs(); entry kScalars
+  // (topk_weights, d_topk_weights) is f32, every other bf16.
+  static constexpr size_t kScalars = 2;
+  std::array<DeviceTensor*, 9> device_inputs() { return {&x, &d_out, &w, &wg, &wu, &wd, &wsg, &wsu, &wsd}; }
+  std::array<DeviceTensor*, 9> device_outputs() { return {&out, &d_x, &d_w, &dwg, &dwu, &dwd, &dwsg, &dwsu, &dwsd}; }
+  std::array<const DeviceTensor*, 9> device_outputs() const {
+    return {&out, &d_x, &d_w, &dwg, &dwu, &dwd, &dwsg, &dwsu, &dwsd};
+  }
+  static size_t element_bytes(size_t i) { return i == kScalars ? 4 : 2; }
+
   // Uploads inputs (after the caller set ref.topk_ids) and poisons every device output.
   void upload() {
-    auto up_bf = [](DeviceTensor& d, const std::vector<double>& h) {
-      const auto b = to_bf16(h);
-      d = DeviceTensor(b.size() * 2);
-      MOKA_CUDA_CHECK(cudaMemcpy(d.ptr, b.data(), b.size() * 2, cudaMemcpyHostToDevice));
-    };
-    auto out_bf = [](DeviceTensor& d, size_t n) { d = DeviceTensor(n * 2); };
-    up_bf(x, ref.x);
-    up_bf(d_out, ref.d_out);
-    up_bf(wg, ref.w_gate);
-    up_bf(wu, ref.w_up);
-    up_bf(wd, ref.w_down);
-    up_bf(wsg, ref.ws_gate);
-    up_bf(wsu, ref.ws_up);
-    up_bf(wsd, ref.ws_down);
+    const auto host_in = ref.inputs_and_weights();
+    const auto dev_in = device_inputs();
+    for (size_t i = 0; i < dev_in.size(); ++i) {
+      const std::vector<double>& h = *host_in[i];
+      *dev_in[i] = DeviceTensor(h.size() * element_bytes(i));
+      if (i == kScalars) {
+        const std::vector<float> f(h.begin(), h.end());
+        MOKA_CUDA_CHECK(cudaMemcpy(dev_in[i]->ptr, f.data(), dev_in[i]->bytes, cudaMemcpyHostToDevice));
+      } else {
+        const auto b = to_bf16(h);
+        MOKA_CUDA_CHECK(cudaMemcpy(dev_in[i]->ptr, b.data(), dev_in[i]->bytes, cudaMemcpyHostToDevice));
+      }
+    }
     ids = DeviceTensor(ref.topk_ids.size() * 4);
     MOKA_CUDA_CHECK(cudaMemcpy(ids.ptr, ref.topk_ids.data(), ids.bytes, cudaMemcpyHostToDevice));
-    std::vector<float> wf(ref.topk_weights.begin(), ref.topk_weights.end());
-    w = DeviceTensor(wf.size() * 4);
-    MOKA_CUDA_CHECK(cudaMemcpy(w.ptr, wf.data(), w.bytes, cudaMemcpyHostToDevice));
-    out_bf(out, ref.out.size());
-    out_bf(d_x, ref.d_x.size());
-    d_w = DeviceTensor(ref.d_topk_weights.size() * 4);
-    out_bf(dwg, ref.d_w_gate.size());
-    out_bf(dwu, ref.d_w_up.size());
-    out_bf(dwd, ref.d_w_down.size());
-    out_bf(dwsg, ref.d_ws_gate.size());
-    out_bf(dwsu, ref.d_ws_up.size());
-    out_bf(dwsd, ref.d_ws_down.size());
+    const auto host_out = ref.outputs();
+    const auto dev_out = device_outputs();
+    for (size_t i = 0; i < dev_out.size(); ++i) *dev_out[i] = DeviceTensor(host_out[i]->size() * element_bytes(i));
     poison();
   }
 
   // 0xFF bytes: NaN in bf16 and f32, so an unwritten element fails every comparison.
   void poison() {
-    for (DeviceTensor* t : {&out, &d_x, &d_w, &dwg, &dwu, &dwd, &dwsg, &dwsu, &dwsd})
-      MOKA_CUDA_CHECK(cudaMemset(t->ptr, 0xFF, t->bytes));
+    for (DeviceTensor* t : device_outputs()) MOKA_CUDA_CHECK(cudaMemset(t->ptr, 0xFF, t->bytes));
   }
 
+  // The reference's views (shapes), moved onto the device copies.
+  TensorView on_device(TensorView v, const DeviceTensor& d, DType dtype) const {
+    if (v.empty()) return v;  // an absent shared expert stays absent
+    v.data = d.ptr;
+    v.dtype = dtype;
+    v.device = Device::cuda(device);
+    return v;
+  }
   MoeInputs inputs() {
-    const auto& s = ref.shape;
-    const Device d = Device::cuda(device);
-    return {TensorView(x.ptr, DType::bf16, {ref.tokens, s.hidden}, d),
-            TensorView(ids.ptr, DType::i32, {ref.tokens, s.top_k}, d),
-            TensorView(w.ptr, DType::f32, {ref.tokens, s.top_k}, d)};
+    const MoeInputs h = ref.inputs();
+    return {on_device(h.x, x, DType::bf16), on_device(h.topk_ids, ids, DType::i32),
+            on_device(h.topk_weights, w, DType::f32)};
   }
   MoeWeights weights() {
-    const auto& s = ref.shape;
-    const Device d = Device::cuda(device);
-    const int64_t H = s.hidden, I = s.intermediate, E = s.num_experts / ref.world_size;
-    const int64_t Is = s.shared_intermediate;
-    MoeWeights w_{TensorView(wg.ptr, DType::bf16, {E, I, H}, d), TensorView(wu.ptr, DType::bf16, {E, I, H}, d),
-                  TensorView(wd.ptr, DType::bf16, {E, H, I}, d), {}, {}, {}};
-    if (s.has_shared()) {
-      w_.ws_gate = TensorView(wsg.ptr, DType::bf16, {Is, H}, d);
-      w_.ws_up = TensorView(wsu.ptr, DType::bf16, {Is, H}, d);
-      w_.ws_down = TensorView(wsd.ptr, DType::bf16, {H, Is}, d);
-    }
-    return w_;
+    const MoeWeights h = ref.weights();
+    return {on_device(h.w_gate, wg, DType::bf16),   on_device(h.w_up, wu, DType::bf16),
+            on_device(h.w_down, wd, DType::bf16),   on_device(h.ws_gate, wsg, DType::bf16),
+            on_device(h.ws_up, wsu, DType::bf16),   on_device(h.ws_down, wsd, DType::bf16)};
   }
   MoeGradients gradients() {
-    const auto& s = ref.shape;
-    const Device d = Device::cuda(device);
-    const int64_t H = s.hidden, I = s.intermediate, E = s.num_experts / ref.world_size;
-    const int64_t Is = s.shared_intermediate, k = s.top_k;
-    MoeGradients g{TensorView(d_x.ptr, DType::bf16, {ref.tokens, H}, d),
-                   TensorView(d_w.ptr, DType::f32, {ref.tokens, k}, d),
-                   TensorView(dwg.ptr, DType::bf16, {E, I, H}, d),
-                   TensorView(dwu.ptr, DType::bf16, {E, I, H}, d),
-                   TensorView(dwd.ptr, DType::bf16, {E, H, I}, d),
-                   {}, {}, {}};
-    if (s.has_shared()) {
-      g.d_ws_gate = TensorView(dwsg.ptr, DType::bf16, {Is, H}, d);
-      g.d_ws_up = TensorView(dwsu.ptr, DType::bf16, {Is, H}, d);
-      g.d_ws_down = TensorView(dwsd.ptr, DType::bf16, {H, Is}, d);
-    }
-    return g;
+    const MoeGradients h = ref.gradients();
+    return {on_device(h.d_x, d_x, DType::bf16),         on_device(h.d_topk_weights, d_w, DType::f32),
+            on_device(h.d_w_gate, dwg, DType::bf16),    on_device(h.d_w_up, dwu, DType::bf16),
+            on_device(h.d_w_down, dwd, DType::bf16),    on_device(h.d_ws_gate, dwsg, DType::bf16),
+            on_device(h.d_ws_up, dwsu, DType::bf16),    on_device(h.d_ws_down, dwsd, DType::bf16)};
   }
-  TensorView out_view() { return TensorView(out.ptr, DType::bf16, {ref.tokens, ref.shape.hidden}, Device::cuda(device)); }
-  TensorView d_out_view() {
-    return TensorView(d_out.ptr, DType::bf16, {ref.tokens, ref.shape.hidden}, Device::cuda(device));
-  }
+  TensorView out_view() { return on_device(ref.out_view(), out, DType::bf16); }
+  TensorView d_out_view() { return on_device(ref.d_out_view(), d_out, DType::bf16); }
 
   // Device outputs as LayerBuffers<double> (inputs copied from ref), for max_layer_error.
   cpu::LayerBuffers<double> download() const {
     cpu::LayerBuffers<double> got = ref;
-    auto dn_bf = [](const DeviceTensor& d, std::vector<double>& h) {
-      std::vector<__nv_bfloat16> b(h.size());
-      MOKA_CUDA_CHECK(cudaMemcpy(b.data(), d.ptr, b.size() * 2, cudaMemcpyDeviceToHost));
-      for (size_t i = 0; i < h.size(); ++i) h[i] = __bfloat162float(b[i]);
-    };
-    dn_bf(out, got.out);
-    dn_bf(d_x, got.d_x);
-    dn_bf(dwg, got.d_w_gate);
-    dn_bf(dwu, got.d_w_up);
-    dn_bf(dwd, got.d_w_down);
-    dn_bf(dwsg, got.d_ws_gate);
-    dn_bf(dwsu, got.d_ws_up);
-    dn_bf(dwsd, got.d_ws_down);
-    std::vector<float> f(got.d_topk_weights.size());
-    MOKA_CUDA_CHECK(cudaMemcpy(f.data(), d_w.ptr, f.size() * 4, cudaMemcpyDeviceToHost));
-    got.d_topk_weights.assign(f.begin(), f.end());
+    const auto host_out = got.outputs();
+    const auto dev_out = device_outputs();
+    for (size_t i = 0; i < dev_out.size(); ++i) {
+      std::vector<double>& h = *host_out[i];
+      if (i == kScalars) {
+        std::vector<float> f(h.size());
+        MOKA_CUDA_CHECK(cudaMemcpy(f.data(), dev_out[i]->ptr, f.size() * 4, cudaMemcpyDeviceToHost));
+        h.assign(f.begin(), f.end());
+      } else {
+        std::vector<__nv_bfloat16> b(h.size());
+        MOKA_CUDA_CHECK(cudaMemcpy(b.data(), dev_out[i]->ptr, b.size() * 2, cudaMemcpyDeviceToHost));
+        for (size_t j = 0; j < h.size(); ++j) h[j] = __bfloat162float(b[j]);
+      }
+    }
     return got;
   }
 
   // Raw bytes of every output (determinism checks compare bits).
   std::vector<uint8_t> output_bytes() const {
     std::vector<uint8_t> all;
-    for (const DeviceTensor* t : {&out, &d_x, &d_w, &dwg, &dwu, &dwd, &dwsg, &dwsu, &dwsd}) {
-      const size_t n = all.size();
-      all.resize(n + t->bytes);
-      MOKA_CUDA_CHECK(cudaMemcpy(all.data() + n, t->ptr, t->bytes, cudaMemcpyDeviceToHost));
+    for (const DeviceTensor* t : device_outputs()) {
+      const auto b = bytes_of(*t);
+      all.insert(all.end(), b.begin(), b.end());
     }
     return all;
   }

@@ -9,7 +9,6 @@
 
 #include <chrono>
 #include <cmath>
-#include <cstring>
 #include <random>
 
 #include "cuda/device_tensors.hpp"
@@ -119,9 +118,9 @@ void expect_matches(const DeviceMemory& got_dev, const std::vector<double>& ref,
       continue;
     }
     ++written;
-    __nv_bfloat16 b;
-    std::memcpy(&b, &bits[i], 2);
-    const double g = __bfloat162float(b);
+    __nv_bfloat16_raw raw;
+    raw.x = bits[i];
+    const double g = __bfloat162float(__nv_bfloat16(raw));
     if (!std::isfinite(g)) {
       ++unwritten;
       continue;

@@ -38,11 +38,7 @@ void forward(MegakernelForward& mk, GpuCase& c) {
   mk.check_errors();
 }
 
-std::vector<uint8_t> out_bytes(const GpuCase& c) {
-  std::vector<uint8_t> b(c.out.bytes);
-  MOKA_CUDA_CHECK(cudaMemcpy(b.data(), c.out.ptr, b.size(), cudaMemcpyDeviceToHost));
-  return b;
-}
+using gpu_test::bytes_of;
 
 double forward_error(GpuCase& c, MegakernelForward& mk) {
   forward(mk, c);
@@ -52,9 +48,7 @@ double forward_error(GpuCase& c, MegakernelForward& mk) {
   return cpu::max_rel_error(got.out, c.ref.out);
 }
 
-MegakernelConfig config(int comm, int64_t minibatch, int64_t macrobatch) {
-  return gpu_test::megakernel_config(comm, minibatch, macrobatch);
-}
+using gpu_test::megakernel_config;
 
 struct Case {
   const char* name;
@@ -75,8 +69,9 @@ TEST_P(MegakernelVsReference, Forward) {
   EXPECT_LE(forward_error(c, *mk), 2e-2);
 }
 
-const MegakernelConfig kDefault = config(32, 4096, 131072);
-const MegakernelConfig kRingReuse = config(4, 256, 512);  // many macrobatches through a 512-row ring
+const MegakernelConfig kDefault = megakernel_config(32, 4096, 131072);
+// Many macrobatches through a 512-row ring.
+const MegakernelConfig kRingReuse = megakernel_config(4, 256, 512);
 
 INSTANTIATE_TEST_SUITE_P(
     Shapes, MegakernelVsReference,
@@ -92,7 +87,7 @@ INSTANTIATE_TEST_SUITE_P(
         Case{"deepseek_v3_dims", shape(7168, 2048, 4, 2, 2048), 24, U, kDefault},
         Case{"gpt_oss_dims", shape(2880, 2880, 4, 2, 0, true), 40, U, kRingReuse},
         Case{"mixtral_dims", shape(4096, 14336, 2, 1), 20, U, kDefault},
-        Case{"many_tokens_zipf", shape(1024, 512, 32, 4, 256), 3000, Z, config(16, 1024, 4096)}),
+        Case{"many_tokens_zipf", shape(1024, 512, 32, 4, 256), 3000, Z, megakernel_config(16, 1024, 4096)}),
     [](const auto& info) { return std::string(info.param.name); });
 
 // Same bits for 10 runs and for every SM split / minibatch / macrobatch (the ring reused or not).
@@ -104,16 +99,17 @@ TEST(Megakernel, BitsDoNotDependOnRunsSplitsOrBatchSizes) {
   route_and_upload(c, Z, seed + 1);
   auto first = make_megakernel_forward(s, nullptr, kDefault, T);
   forward(*first, c);
-  const auto bits = out_bytes(c);
+  const auto bits = bytes_of(c.out);
   for (int i = 0; i < 9; ++i) {
     forward(*first, c);
-    EXPECT_EQ(out_bytes(c), bits) << "run " << i + 2;
+    EXPECT_EQ(bytes_of(c.out), bits) << "run " << i + 2;
   }
   for (const MegakernelConfig& cfg :
-       {config(1, 128, 128), config(8, 512, 1024), config(64, 1024, 8192), config(100, 128, 256)}) {
+       {megakernel_config(1, 128, 128), megakernel_config(8, 512, 1024), megakernel_config(64, 1024, 8192),
+        megakernel_config(100, 128, 256)}) {
     auto mk = make_megakernel_forward(s, nullptr, cfg, T);
     forward(*mk, c);
-    EXPECT_EQ(out_bytes(c), bits) << "comm " << cfg.num_comm_sms << " minibatch " << cfg.minibatch_size
+    EXPECT_EQ(bytes_of(c.out), bits) << "comm " << cfg.num_comm_sms << " minibatch " << cfg.minibatch_size
                                   << " macrobatch " << cfg.macrobatch_size;
   }
 }
@@ -125,11 +121,11 @@ TEST(Megakernel, GraphCaptureReplays) {
   route_and_upload(c, U, seed + 1);
   auto mk = make_megakernel_forward(s, nullptr, kRingReuse, 700);
   forward(*mk, c);
-  const auto eager = out_bytes(c);
+  const auto eager = bytes_of(c.out);
   c.poison();
   gpu_test::replay_in_graph([&] { mk->forward(c.inputs(), c.weights(), c.out_view()); }, 3, [&](int i) {
     mk->check_errors();
-    EXPECT_EQ(out_bytes(c), eager) << "replay " << i;
+    EXPECT_EQ(bytes_of(c.out), eager) << "replay " << i;
     c.poison();
   });
 }
@@ -140,7 +136,7 @@ TEST(Megakernel, TimelineHoldsEveryTask) {
   const uint64_t seed = fresh_seed();
   GpuCase c(s, 2000, seed);
   route_and_upload(c, U, seed + 1);
-  auto mk = make_megakernel_forward(s, nullptr, config(8, 512, 2048), 2000);
+  auto mk = make_megakernel_forward(s, nullptr, megakernel_config(8, 512, 2048), 2000);
   mk->record_timeline(true);
   forward(*mk, c);
   const auto spans = mk->timeline();
@@ -178,7 +174,7 @@ TEST(Megakernel, SpinTimeoutIsReportedNotHung) {
   const MoeShape s = shape(1024, 512, 32, 4);
   GpuCase c(s, 2000, 3);
   route_and_upload(c, U, 3 + 1);
-  MegakernelConfig cfg = config(1, 128, 256);
+  MegakernelConfig cfg = megakernel_config(1, 128, 256);
   cfg.spin_timeout_seconds = 1e-9;
   auto mk = make_megakernel_forward(s, nullptr, cfg, 2000);
   mk->forward(c.inputs(), c.weights(), c.out_view());
@@ -192,7 +188,7 @@ TEST(Megakernel, SpinTimeoutIsReportedNotHung) {
     EXPECT_NE(std::string(e.what()).find("rank 0"), std::string::npos) << e.what();
   }
   // The next call runs normally.
-  MegakernelConfig ok = config(8, 512, 1024);
+  MegakernelConfig ok = megakernel_config(8, 512, 1024);
   auto again = make_megakernel_forward(s, nullptr, ok, 2000);
   forward(*again, c);
 }
