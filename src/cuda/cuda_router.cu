@@ -176,10 +176,14 @@ __global__ void __launch_bounds__(kThreads) router_backward_tokens(RouterParams 
   }
 }
 
+// Stream-ordered scratch (cudaMallocAsync / cudaFreeAsync on the stream it was made on): no
+// device-wide synchronization per call, as cudaFree would force, and capturable in a graph.
+// Forward and backward of one context run on the same stream (as the layer's do).
 struct Scratch {
   void* p = nullptr;
-  explicit Scratch(size_t bytes) { MOKA_CUDA_CHECK(cudaMalloc(&p, bytes)); }
-  ~Scratch() { cudaFree(p); }
+  cudaStream_t stream = nullptr;
+  explicit Scratch(size_t bytes) : stream(current_stream()) { MOKA_CUDA_CHECK(cudaMallocAsync(&p, bytes, stream)); }
+  ~Scratch() { cudaFreeAsync(p, stream); }
   Scratch(const Scratch&) = delete;
   Scratch& operator=(const Scratch&) = delete;
   template <typename T>
@@ -291,8 +295,7 @@ class CudaRouter final : public Router {
     MOKA_CUBLAS_CHECK(cublasGemmEx(cublas_, CUBLAS_OP_N, CUBLAS_OP_T, int(H), int(E), int(T), &one, st->x,
                                    CUDA_R_16BF, int(H), d_logits.p, CUDA_R_16BF, int(E), &zero, d_w.data, CUDA_R_16BF,
                                    int(H), CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT));
-    // The scratch is freed at scope exit: wait so the kernels above never see freed memory.
-    MOKA_CUDA_CHECK(cudaStreamSynchronize(s));
+    // The scratch is freed at scope exit in stream order, after the kernels above.
   }
 
  private:
