@@ -1,7 +1,7 @@
 // The megakernel's communication role: dispatch pulls scheduled token rows from their owner's
 // symmetric x over NVLink into the ring buffer (zero-filling padding rows); combine pushes
 // expert output rows from the ring into the origin rank's combine buffer at slot token*k + j.
-// One task is a block of tile_m rows, copied with 16-byte accesses as one flat index space.
+// One task is a block of tile_m rows, copied with 16-byte accesses, 16 in flight per lane.
 #pragma once
 #include <cstdint>
 
@@ -11,31 +11,39 @@
 
 namespace moka::cuda::mk {
 
-// 16-byte vectors each thread keeps in flight: the pulls are latency-bound (a ~1.3 us NVLink
-// round trip), so a CTA needs kUnroll * 16 B * blockDim bytes outstanding (64 KiB here) to move
-// more than ~12 GB/s, which is all four vectors per lane of one row at a time gave.
-constexpr int kUnroll = 16;
+// Each warp copies kRowsPerWarp rows at a time, kVectorsPerLane 16-byte vectors per lane of
+// each, so every lane keeps 16 loads in flight (64 KiB per 256-thread CTA): the pulls are
+// latency-bound (a ~1.3 us NVLink round trip), and one row of four vectors per lane moved only
+// ~12 GB/s per CTA. Rows and vectors are walked by two loops, not one flat index: a division per
+// 16-byte vector made the copy instruction-bound.
+constexpr int kRowsPerWarp = 4;
+constexpr int kVectorsPerLane = 4;
 
 // Copies row r of a block from src[r] to dst[r] (src null: zeros; dst null: skipped), `vectors`
-// int4 per row, the whole block as one flat index space so every thread has kUnroll vectors of
-// possibly different rows in flight.
-__device__ inline void copy_rows(const int4* const* src, int4* const* dst, int rows, int64_t vectors) {
-  const int64_t total = int64_t(rows) * vectors;
-  for (int64_t base = threadIdx.x; base < total; base += int64_t(blockDim.x) * kUnroll) {
-    int4 r[kUnroll];
+// int4 per row.
+__device__ inline void copy_rows(const int4* const* src, int4* const* dst, int rows, int vectors) {
+  const int lane = threadIdx.x & 31, warps = blockDim.x / 32;
+  for (int r0 = (threadIdx.x / 32) * kRowsPerWarp; r0 < rows; r0 += warps * kRowsPerWarp) {
+    for (int v0 = lane; v0 < vectors; v0 += 32 * kVectorsPerLane) {
+      int4 r[kRowsPerWarp][kVectorsPerLane];
 #pragma unroll
-    for (int u = 0; u < kUnroll; ++u) {
-      const int64_t i = base + int64_t(u) * blockDim.x;
-      if (i >= total) break;
-      const int4* from = src[i / vectors];
-      r[u] = from ? from[i % vectors] : make_int4(0, 0, 0, 0);
-    }
+      for (int i = 0; i < kRowsPerWarp; ++i) {
+        const int4* from = r0 + i < rows ? src[r0 + i] : nullptr;
 #pragma unroll
-    for (int u = 0; u < kUnroll; ++u) {
-      const int64_t i = base + int64_t(u) * blockDim.x;
-      if (i >= total) break;
-      int4* to = dst[i / vectors];
-      if (to) to[i % vectors] = r[u];
+        for (int u = 0; u < kVectorsPerLane; ++u) {
+          const int v = v0 + 32 * u;
+          r[i][u] = from && v < vectors ? from[v] : make_int4(0, 0, 0, 0);
+        }
+      }
+#pragma unroll
+      for (int i = 0; i < kRowsPerWarp; ++i) {
+        int4* to = r0 + i < rows ? dst[r0 + i] : nullptr;
+#pragma unroll
+        for (int u = 0; u < kVectorsPerLane; ++u) {
+          const int v = v0 + 32 * u;
+          if (to && v < vectors) to[v] = r[i][u];
+        }
+      }
     }
   }
 }
@@ -60,7 +68,7 @@ __device__ inline void copy_block(const MegakernelLaunch& p, const core::Megaker
     dst[r] = to;
   }
   __syncthreads();
-  copy_rows(src, dst, int(plan.tile_m), p.hidden / 8);
+  copy_rows(src, dst, int(plan.tile_m), int(p.hidden / 8));
 }
 
 // Dispatch (pull): each row's token from its owner's symmetric x into the ring; zeros for padding.

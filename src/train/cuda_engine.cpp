@@ -633,6 +633,13 @@ std::vector<std::vector<float>> CudaEngine::gradients() const {
   return out;
 }
 
+std::vector<std::vector<int32_t>> CudaEngine::routed_experts() const {
+  std::vector<std::vector<int32_t>> out;
+  for (const auto& L : impl_->layers)
+    if (L.is_moe) out.push_back(L.topk_ids.download());
+  return out;
+}
+
 void CudaEngine::poison_gradients() {
   // All-ones bytes are a NaN in both f32 and bf16.
   for (auto& p : impl_->params) {

@@ -30,6 +30,8 @@ class CudaEngine final : public TrainEngine {
   std::vector<std::vector<float>> gradients() const;
   // NaN into every gradient buffer, so a backward that misses an element shows.
   void poison_gradients();
+  // Top-k expert ids [tokens * k] of each MoE layer in the last forward (as Model's).
+  std::vector<std::vector<int32_t>> routed_experts() const;
 
  private:
   struct Impl;

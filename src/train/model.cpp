@@ -329,6 +329,14 @@ std::vector<std::vector<int64_t>> Model<T>::expert_counts() const {
 }
 
 template <typename T>
+std::vector<std::vector<int32_t>> Model<T>::routed_experts() const {
+  std::vector<std::vector<int32_t>> out;
+  for (const auto& L : layers_)
+    if (L.is_moe) out.push_back(L.topk_ids);
+  return out;
+}
+
+template <typename T>
 void Model<T>::update_selection_biases(double rate) {
   const auto counts = expert_counts();
   for (size_t i = 0; i < counts.size(); ++i) update_selection_bias(selection_bias_[i], counts[i], rate);

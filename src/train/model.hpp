@@ -61,6 +61,8 @@ class Model {
 
   // Routes per expert of each MoE layer in the last forward.
   std::vector<std::vector<int64_t>> expert_counts() const;
+  // Top-k expert ids [tokens * k] of each MoE layer in the last forward.
+  std::vector<std::vector<int32_t>> routed_experts() const;
   // Aux-loss-free balancing: per MoE layer, bias_e += rate * sign(mean load - load_e).
   void update_selection_biases(double rate);
   std::vector<std::vector<double>>& selection_biases() { return selection_bias_; }

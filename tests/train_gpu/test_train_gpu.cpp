@@ -5,6 +5,7 @@
 #include <cuda_runtime.h>
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <random>
 
@@ -195,10 +196,29 @@ namespace {
 // The GPU's MoE layers and routers are bf16 (8-bit significand, unit roundoff 2^-9 ~ 2e-3):
 // each MoE layer rounds its input, weights, output and weight gradients, and every tensor
 // upstream inherits the rounded d_x, so a correct GPU path lands about 1e-2 from the CPU in
-// norm; a near-tied token can also pick another expert, moving one of ~32 rows between experts.
-// A wrong index, scale or missing term is O(1). Hence 5e-2 per tensor, and 1e-2 on the loss
-// (~0.2% of ln 256).
-void compare_with_cpu(AttentionKind attention) {
+// norm. A wrong index, scale or missing term is O(1). Hence 5e-2 per tensor, and 1e-2 on the
+// loss (~0.2% of ln 256). The gradients are compared only when both picked the same experts: a
+// near-tied token can pick another expert in bf16, which moves one of ~32 rows between experts
+// and the router's gradient by up to ~20% (seen once on the H200). Such a draw is reported and
+// redrawn, at most kDraws times; the router's own choices are tested in CudaRouter.*.
+constexpr int kDraws = 3;
+
+bool same_experts_per_token(const std::vector<std::vector<int32_t>>& a, const std::vector<std::vector<int32_t>>& b,
+                            int k) {
+  if (a.size() != b.size()) return false;
+  for (size_t l = 0; l < a.size(); ++l) {
+    if (a[l].size() != b[l].size()) return false;
+    for (size_t t = 0; t < a[l].size(); t += size_t(k)) {
+      std::vector<int32_t> x(a[l].begin() + t, a[l].begin() + t + k), y(b[l].begin() + t, b[l].begin() + t + k);
+      std::sort(x.begin(), x.end());
+      std::sort(y.begin(), y.end());
+      if (x != y) return false;
+    }
+  }
+  return true;
+}
+
+void compare_with_cpu(AttentionKind attention, int draw = 1) {
   ASSERT_TRUE(moka::cuda_backend_available());
   const uint64_t seed = fresh_seed();
   ModelConfig base = moka::train::testing::tiny_config();
@@ -228,6 +248,12 @@ void compare_with_cpu(AttentionKind attention) {
   gpu.poison_gradients();
   double gpu_ce = 0;
   const double gpu_loss = gpu.forward_backward(batch, &gpu_ce);
+  if (!same_experts_per_token(gpu.routed_experts(), cpu.routed_experts(), tc.model.top_k)) {
+    std::cout << "[ redraw   ] seed " << seed << ": a near-tied token picked other experts on the GPU" << std::endl;
+    ASSERT_LT(draw, kDraws) << "the GPU picked other experts than the CPU in " << kDraws << " draws in a row";
+    compare_with_cpu(attention, draw + 1);
+    return;
+  }
   EXPECT_NEAR(gpu_ce, cpu.last_cross_entropy(), 1e-2);
   EXPECT_NEAR(gpu_loss, cpu_loss, 1e-2);
   const auto grads = gpu.gradients();
