@@ -23,7 +23,7 @@ rc=0
 if [[ $MODE == tests || $MODE == all ]]; then
   # One process per suite: a device fault in one suite cannot hide the others' results.
   : > "$OUT/gpu_tests.log"
-  SUITES=${SUITES:-Layouts/GroupedGemmLayouts.*:GroupedGemmChecks.* Routing/DeviceSchedule.* Shapes/CudaLayerVsReference.* CudaLayer.* CudaRouter.*}
+  SUITES=${SUITES:-Layouts/GroupedGemmLayouts.*:GroupedGemmChecks.* Widths/GroupedGemmSwiglu.* Routing/DeviceSchedule.* Shapes/CudaLayerVsReference.* CudaLayer.* CudaRouter.*}
   set -f  # the suite filters are gtest patterns, not file globs
   for suite in $SUITES; do
     timeout 300 "$BIN/moka_gpu_tests" --gtest_color=no --gtest_filter="$suite" >> "$OUT/gpu_tests.log" 2>&1

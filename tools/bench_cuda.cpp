@@ -2,6 +2,7 @@
 
 #include <cmath>
 #include <cstdio>
+#include <cstring>
 #include <fstream>
 #include <iomanip>
 #include <istream>
@@ -56,6 +57,22 @@ double time_ms(Fn&& fn, int warmup, int iters, cudaStream_t s) {
   cudaEventDestroy(a);
   cudaEventDestroy(b);
   return median(ms);
+}
+
+// Two functions timed alternately, iteration by iteration: the median of each and the median of
+// the per-iteration ratios b/a (side by side, so drifting clocks affect both alike).
+struct Paired {
+  double a_ms = 0, b_ms = 0, ratio = 0;
+};
+template <typename A, typename B>
+Paired time_paired(A&& a, B&& b, int warmup, int iters, cudaStream_t s) {
+  std::vector<double> ta, tb, ratio;
+  for (int i = 0; i < iters; ++i) {
+    ta.push_back(time_ms(a, i == 0 ? warmup : 0, 1, s));
+    tb.push_back(time_ms(b, i == 0 ? warmup : 0, 1, s));
+    ratio.push_back(tb.back() / ta.back());
+  }
+  return {median(ta), median(tb), median(ratio)};
 }
 
 // Dense bf16 cuBLAS peak of this GPU, now: 8192^3 on random data.
@@ -207,17 +224,20 @@ void randomize_uniform(LayerTensors& t, const MoeShape& sh, int64_t tokens, uint
 void print_cuda_comparison(std::ostream& os, const std::vector<BenchRow>& rows) {
   // vs_torch: ratio of the two medians; vs_torch_paired: median of per-run ratios (see TorchResult).
   char line[320];
-  std::snprintf(line, sizeof(line), "%-16s %7s %4s %9s %10s %8s %11s %10s %10s %10s %10s %16s\n", "shape", "tokens",
-                "ep", "peak_TF", "gemm_TF", "gemm_%", "vs_cublas", "a2a_GB/s", "copy_GB/s", "torch_ms", "vs_torch",
-                "vs_torch_paired");
+  // fused_fwd: forward speedup of the SwiGLU epilogue over the unfused path (median of paired
+  // runs; "!" when their bits differ).
+  std::snprintf(line, sizeof(line), "%-16s %7s %4s %9s %10s %8s %11s %10s %10s %10s %10s %10s %16s\n", "shape",
+                "tokens", "ep", "peak_TF", "gemm_TF", "gemm_%", "vs_cublas", "fused_fwd", "a2a_GB/s", "copy_GB/s",
+                "torch_ms", "vs_torch", "vs_torch_paired");
   os << line;
   for (const auto& r : rows) {
     const auto j = nlohmann::json::parse("{" + r.extra_json + "}");
     std::snprintf(line, sizeof(line),
-                  "%-16s %7lld %4d %9.1f %10.1f %7.1f%% %10.2fx %10.1f %10.1f %10.2f %9.2fx %9.2fx (n=%d)\n",
+                  "%-16s %7lld %4d %9.1f %10.1f %7.1f%% %10.2fx %9.2fx%s %10.1f %10.1f %10.2f %9.2fx %9.2fx (n=%d)\n",
                   r.shape.c_str(), static_cast<long long>(r.tokens_per_rank), r.ep, j.value("dense_peak_tflops", 0.0),
                   j.value("grouped_gemm_tflops", 0.0), j.value("grouped_gemm_pct_peak", 0.0),
-                  j.value("speedup_vs_cublas_loop", 0.0), j.value("nccl_all_to_all_gbs", 0.0),
+                  j.value("speedup_vs_cublas_loop", 0.0), j.value("fused_swiglu_fwd_speedup", 0.0),
+                  j.value("fused_swiglu_identical", true) ? " " : "!", j.value("nccl_all_to_all_gbs", 0.0),
                   j.value("peer_copy_gbs", 0.0), j.value("torch_fwdbwd_ms", 0.0), j.value("speedup_vs_torch", 0.0),
                   j.value("speedup_vs_torch_paired", 0.0), j.value("paired_runs", 0));
     os << line;
@@ -248,7 +268,26 @@ BenchRow run_cuda_case(const NamedShape& ns, int64_t tokens, const CudaBenchOpti
                                rel_diff(dwd_m, read_bf16(t.dwd))});
   const Timing m = time_layer(*layer, t, o, s);
   const Timing b = time_layer(*base, t, o, s);
+  base.reset();  // its workspace, before the unfused layer allocates one
   const double gemm = grouped_gemm_tflops(ns, t, o, s);
+
+  // SwiGLU in the gate GEMM's epilogue against the unfused path (gate|up GEMM, then the
+  // activation pass): the same bits (checked on out, d_x, d_w_down), forward timed alternately.
+  LayerOptions unfused_options = lo;
+  unfused_options.fused_swiglu = false;
+  auto unfused = make_moe_layer(sh, Backend::cuda, nullptr, unfused_options);
+  {
+    auto c = unfused->forward(t.inputs(), t.weights(), t.out_view());
+    unfused->backward(*c, t.d_out_view(), t.weights(), t.gradients());
+  }
+  auto same_bits = [](const std::vector<__nv_bfloat16>& a, const std::vector<__nv_bfloat16>& b) {
+    return a.size() == b.size() && std::memcmp(a.data(), b.data(), a.size() * sizeof(a[0])) == 0;
+  };
+  const bool fused_identical =
+      same_bits(read_bf16(t.out), out_m) && same_bits(read_bf16(t.d_x), dx_m) && same_bits(read_bf16(t.dwd), dwd_m);
+  const Paired fwd = time_paired([&] { layer->forward(t.inputs(), t.weights(), t.out_view()); },
+                                 [&] { unfused->forward(t.inputs(), t.weights(), t.out_view()); }, o.warmup, o.iters,
+                                 s);
 
   BenchRow row;
   row.shape = ns.name;
@@ -271,7 +310,10 @@ BenchRow run_cuda_case(const NamedShape& ns, int64_t tokens, const CudaBenchOpti
   extra << "\"dense_peak_tflops\": " << peak << ", \"grouped_gemm_tflops\": " << gemm
         << ", \"grouped_gemm_pct_peak\": " << 100.0 * gemm / peak << ", \"baseline_fwd_ms\": " << b.fwd
         << ", \"baseline_bwd_ms\": " << b.bwd << ", \"baseline_fwdbwd_ms\": " << b.total
-        << ", \"speedup_vs_cublas_loop\": " << b.total / m.total << ", \"error_vs\": \"cublas-loop\"";
+        << ", \"speedup_vs_cublas_loop\": " << b.total / m.total << ", \"error_vs\": \"cublas-loop\""
+        << ", \"fused_swiglu_fwd_ms\": " << fwd.a_ms << ", \"unfused_swiglu_fwd_ms\": " << fwd.b_ms
+        << ", \"fused_swiglu_fwd_speedup\": " << fwd.ratio
+        << ", \"fused_swiglu_identical\": " << (fused_identical ? "true" : "false");
   if (torch.fwdbwd_ms > 0)
     extra << ", \"torch_fwdbwd_ms\": " << torch.fwdbwd_ms << ", \"speedup_vs_torch\": " << torch.fwdbwd_ms / m.total;
   if (torch.paired_runs > 0)
@@ -392,22 +434,6 @@ Floor layer_floor(const MoeShape& sh, int64_t tokens, const std::vector<int64_t>
   const double flops = 6.0 * double(most_rows) * sh.hidden * sh.intermediate +
                        6.0 * double(tokens) * sh.hidden * sh.shared_intermediate;
   return {flops / (peak_tflops * 1e12) * 1e3, double(most_inbound) * sh.hidden * 2 / (copy_gbs * 1e9) * 1e3};
-}
-
-// Two functions timed alternately, iteration by iteration: the median of each and the median of
-// the per-iteration ratios b/a (side by side, so drifting clocks affect both alike).
-struct Paired {
-  double a_ms = 0, b_ms = 0, ratio = 0;
-};
-template <typename A, typename B>
-Paired time_paired(A&& a, B&& b, int warmup, int iters, cudaStream_t s) {
-  std::vector<double> ta, tb, ratio;
-  for (int i = 0; i < iters; ++i) {
-    ta.push_back(time_ms(a, i == 0 ? warmup : 0, 1, s));
-    tb.push_back(time_ms(b, i == 0 ? warmup : 0, 1, s));
-    ratio.push_back(tb.back() / ta.back());
-  }
-  return {median(ta), median(tb), median(ratio)};
 }
 
 void write_timeline(const std::string& path, const std::string& shape, int64_t tokens, int ep,

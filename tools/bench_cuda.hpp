@@ -1,5 +1,6 @@
 // `moka bench --backend cuda`: the bf16 layer on one GPU, timed with CUDA events, next to the
-// per-expert cuBLAS-loop baseline, the grouped GEMM alone and dense cuBLAS peak of the same run.
+// per-expert cuBLAS-loop baseline, the grouped GEMM alone, dense cuBLAS peak of the same run,
+// and its forward with SwiGLU as a separate pass instead of the gate GEMM's epilogue.
 #pragma once
 #include <iosfwd>
 #include <optional>

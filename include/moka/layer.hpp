@@ -45,6 +45,10 @@ struct LayerOptions {
   int64_t tile_rows = 128;  // each expert's rows are padded to a multiple (the GEMM M tile)
   int num_threads = 0;      // CPU backend worker threads per rank; 0 = hardware concurrency
   RowOrder row_order = RowOrder::rate_based;  // order of the rows from different sources
+  // CUDA backend: SwiGLU in the gate GEMM's epilogue (one pass writes G and H). false runs the
+  // unfused path (gate and up in one GEMM, then a separate activation pass), which gives the
+  // same bits; it is there to measure the fusion (`moka bench --backend cuda`).
+  bool fused_swiglu = true;
 };
 
 // State saved by forward for backward. Opaque; backend-specific.

@@ -8,6 +8,13 @@ namespace moka::core {
 
 inline constexpr float kClampedSwigluAlpha = 1.702f;  // GPT-OSS
 
+// The activation's parameters as the CUDA kernels take them (from MoeShape::activation and
+// clamp_limit).
+struct ActParams {
+  bool clamped = false;
+  float limit = 7.0f;
+};
+
 template <typename T>
 MOKA_HD T sigmoid(T v) {
   return T(1) / (T(1) + exp(-v));

@@ -1,6 +1,9 @@
 // The bf16 MoE layer on one GPU. Stages mirror the CPU reference (src/cpu/cpu_layer.cpp):
-//   device schedule -> gather x -> grouped gate/up GEMM (+ shared expert as two more groups)
-//   -> SwiGLU -> grouped down GEMM -> combine (shared + sum_j w_j y_j, fp32, fixed j order).
+//   device schedule -> gather x -> grouped up GEMM -> grouped gate GEMM with SwiGLU in its
+//   epilogue (reads U, writes G and H; the shared expert's products are one more group in each
+//   launch) -> grouped down GEMM -> combine (shared + sum_j w_j y_j, fp32, fixed j order).
+// The cuBLAS-loop baseline and LayerOptions::fused_swiglu = false run gate and up in one launch
+// and the activation as a separate pass instead (the same bits).
 // Backward: gather d_out -> grouped dY W_down -> SwiGLU backward (+ d_w = <dh_u, h>) ->
 //   grouped dG W_gate, dU W_up -> fixed-order token sum; weight gradients dY^T X per expert.
 // Backward reads the weights and the routed activations where they are: dY W takes W as an
@@ -58,7 +61,9 @@ struct Workspace {
   // weight and its gradient per grouped row.
   DeviceBuffer returned_y, returned_dxa, returned_dxb, row_weight, row_d_weight;
   DeviceBuffer bufs[kNumBufs];  // workspace-owned entries of the buffer table (others stay empty)
-  std::unique_ptr<GroupedGemm> gate_up, down, data_grad_h, data_grad_x, weight_grad;
+  // Forward gate/up: `up` then `gate` (SwiGLU epilogue) when fused, else `gate_up` (both plain).
+  std::unique_ptr<GroupedGemm> up, gate, gate_up;
+  std::unique_ptr<GroupedGemm> down, data_grad_h, data_grad_x, weight_grad;
 };
 
 struct CudaContext final : MoeContext {
@@ -79,7 +84,9 @@ class CudaMoeLayer final : public MoeLayer {
  public:
   // `group` null: one rank. Otherwise the experts are split over it (it must outlive the layer).
   CudaMoeLayer(const MoeShape& shape, DeviceGroup* group, const LayerOptions& options, GemmEngine engine)
-      : shape_(shape), options_(options), engine_(engine), world_(group ? group->size() : 1),
+      : shape_(shape), options_(options), engine_(engine),
+        act_{shape.activation == Activation::swiglu_clamped, shape.clamp_limit},
+        fused_swiglu_(options.fused_swiglu && engine == GemmEngine::cutlass), world_(group ? group->size() : 1),
         rank_(group ? group->rank() : 0), local_experts_(shape.num_experts / world_) {
     core::validate_shape(shape_, world_);
     require(options_.tile_rows >= 1 && options_.tile_rows <= (1 << 16), ErrorCode::invalid_argument,
@@ -139,11 +146,17 @@ class CudaMoeLayer final : public MoeLayer {
     }
     const RowMap map = routed_rows(ws);
     dispatch(in.x.as<bf16>(), buf(ws, kXG), ws, s);
-    ws.gate_up->run(table, ws.counts.as<int32_t>(), ws.offsets.as<int32_t>(), s);
-    const ActParams act{shape_.activation == Activation::swiglu_clamped, shape_.clamp_limit};
-    swiglu_forward_rows(buf(ws, kGate), buf(ws, kUp), buf(ws, kHid), map.rows, map.entries, I, act, s);
-    if (shape_.has_shared()) swiglu_forward_rows(buf(ws, kSG), buf(ws, kSU), buf(ws, kSH), nullptr, T, Is, act, s);
-    ws.down->run(table, ws.counts.as<int32_t>(), ws.offsets.as<int32_t>(), s);
+    const int32_t* counts = ws.counts.as<int32_t>();
+    const int32_t* offsets = ws.offsets.as<int32_t>();
+    if (fused_swiglu_) {
+      ws.up->run(table, counts, offsets, s);
+      ws.gate->run(table, counts, offsets, s);  // G and H, from U
+    } else {
+      ws.gate_up->run(table, counts, offsets, s);
+      swiglu_forward_rows(buf(ws, kGate), buf(ws, kUp), buf(ws, kHid), map.rows, map.entries, I, act_, s);
+      if (shape_.has_shared()) swiglu_forward_rows(buf(ws, kSG), buf(ws, kSU), buf(ws, kSH), nullptr, T, Is, act_, s);
+    }
+    ws.down->run(table, counts, offsets, s);
     const bf16* y = buf(ws, kY);
     if (exchange_) {
       exchange_->combine(y, ws.returned_y.as<bf16>(), H, s);
@@ -191,7 +204,6 @@ class CudaMoeLayer final : public MoeLayer {
     const RowMap map = routed_rows(ws);
     const int32_t* counts = ws.counts.as<int32_t>();
     const int32_t* offsets = ws.offsets.as<int32_t>();
-    const ActParams act{shape_.activation == Activation::swiglu_clamped, shape_.clamp_limit};
     const bool shared = shape_.has_shared();
     dispatch(d_out.as<bf16>(), buf(ws, kDYG), ws, s);
     ws.data_grad_h->run(table, counts, offsets, s);
@@ -199,10 +211,10 @@ class CudaMoeLayer final : public MoeLayer {
     const float* route_w = exchange_ ? ws.row_weight.as<float>() : ctx->inputs.topk_weights.as<float>();
     float* route_dw = exchange_ ? ws.row_d_weight.as<float>() : g.d_topk_weights.as<float>();
     swiglu_backward_rows(buf(ws, kGate), buf(ws, kUp), buf(ws, kHid), buf(ws, kDHU), route_w, route_dw,
-                         buf(ws, kHS), buf(ws, kDG), buf(ws, kDU), map.rows, map.entries, I, act, s);
+                         buf(ws, kHS), buf(ws, kDG), buf(ws, kDU), map.rows, map.entries, I, act_, s);
     if (shared)
       swiglu_backward_rows(buf(ws, kSG), buf(ws, kSU), buf(ws, kSH), buf(ws, kDHS), nullptr, nullptr, nullptr,
-                           buf(ws, kDGS), buf(ws, kDUS), nullptr, T, Is, act, s);
+                           buf(ws, kDGS), buf(ws, kDUS), nullptr, T, Is, act_, s);
     ws.data_grad_x->run(table, counts, offsets, s);
     const bf16 *dxa = buf(ws, kDXA), *dxb = buf(ws, kDXB);
     if (exchange_) {
@@ -344,10 +356,10 @@ class CudaMoeLayer final : public MoeLayer {
     return *ws_;
   }
 
-  // The five grouped GEMMs of a layer, each with one group per expert and operand (plus the
-  // shared expert's dense products as extra fixed-size groups, so they overlap with the routed
-  // tiles in the same persistent launch). Forward is D = A B^T with both operands K-major;
-  // backward reads the same tensors as MN-major operands (GemmLayout), so nothing is transposed.
+  // The grouped GEMMs of a layer, each with one group per expert and operand (plus the shared
+  // expert's dense products as extra fixed-size groups, so they overlap with the routed tiles in
+  // the same persistent launch). Forward is D = A B^T with both operands K-major; backward reads
+  // the same tensors as MN-major operands (GemmLayout), so nothing is transposed.
   void build_gemms(Workspace& ws) const {
     const int64_t H = shape_.hidden, I = shape_.intermediate, E = local_experts_, T = ws.tokens;
     const int64_t Is = shape_.shared_intermediate;
@@ -381,11 +393,11 @@ class CudaMoeLayer final : public MoeLayer {
       g.m = m, g.n = n, g.k = k;
       return g;
     };
-    std::vector<GroupSpec> gate_up, down, dh, dx, wgrad;
+    std::vector<GroupSpec> gate, up, down, dh, dx, wgrad;
     for (int e = 0; e < E; ++e) {
       // Forward: x_g W_gate^T, x_g W_up^T, hidden W_down^T (W [out, in] = [n, k]: K-major).
-      gate_up.push_back(rows_of(e, kXG, H, kWG, e * I * H, H, kGate, I, Ii, Hi));
-      gate_up.push_back(rows_of(e, kXG, H, kWU, e * I * H, H, kUp, I, Ii, Hi));
+      gate.push_back(rows_of(e, kXG, H, kWG, e * I * H, H, kGate, I, Ii, Hi));
+      up.push_back(rows_of(e, kXG, H, kWU, e * I * H, H, kUp, I, Ii, Hi));
       down.push_back(rows_of(e, kHid, I, kWD, e * H * I, I, kY, H, Hi, Ii));
       // Data gradients: dY_g W_down, dG W_gate, dU W_up (W [out, in] = [k, n]: MN-major).
       dh.push_back(rows_of(e, kDYG, H, kWD, e * H * I, I, kDHU, I, Ii, Hi));
@@ -397,8 +409,8 @@ class CudaMoeLayer final : public MoeLayer {
       wgrad.push_back(sum_over_rows(e, kDYG, kHS, kDWD, e * H * I, Hi, Ii));
     }
     if (shape_.has_shared()) {
-      gate_up.push_back(fixed(kX, H, kWSG, H, kSG, Is, Ti, Isi, Hi));
-      gate_up.push_back(fixed(kX, H, kWSU, H, kSU, Is, Ti, Isi, Hi));
+      gate.push_back(fixed(kX, H, kWSG, H, kSG, Is, Ti, Isi, Hi));
+      up.push_back(fixed(kX, H, kWSU, H, kSU, Is, Ti, Isi, Hi));
       down.push_back(fixed(kSH, Is, kWSD, Is, kSY, H, Ti, Hi, Isi));
       dh.push_back(fixed(kDOut, H, kWSD, Is, kDHS, Is, Ti, Isi, Hi));
       dx.push_back(fixed(kDGS, Is, kWSG, H, kDXSA, H, Ti, Hi, Isi));
@@ -409,7 +421,20 @@ class CudaMoeLayer final : public MoeLayer {
       wgrad.push_back(fixed(kDOut, H, kSH, Is, kDWSD, Is, Hi, Isi, Ti));
     }
     const GemmLayout forward{Major::k, Major::k}, data_grad{Major::k, Major::mn}, weight_grad{Major::mn, Major::mn};
-    ws.gate_up = std::make_unique<GroupedGemm>(gate_up, forward, device_, engine_);
+    if (fused_swiglu_) {
+      // U first; then the gate product, whose epilogue reads U as its C operand and writes G
+      // (aux) and H (D): three buffers laid out alike.
+      for (GroupSpec& g : gate) {
+        const bool routed = g.expert >= 0;
+        g.aux = g.d, g.c = routed ? kUp : kSU, g.d = routed ? kHid : kSH;
+      }
+      ws.up = std::make_unique<GroupedGemm>(up, forward, device_, engine_);
+      ws.gate = std::make_unique<GroupedGemm>(gate, forward, device_, engine_, GemmEpilogue{GemmEpilogue::swiglu, act_});
+    } else {
+      std::vector<GroupSpec> gate_up;  // one launch, each expert's two groups side by side
+      for (size_t i = 0; i < gate.size(); ++i) gate_up.insert(gate_up.end(), {gate[i], up[i]});
+      ws.gate_up = std::make_unique<GroupedGemm>(gate_up, forward, device_, engine_);
+    }
     ws.down = std::make_unique<GroupedGemm>(down, forward, device_, engine_);
     ws.data_grad_h = std::make_unique<GroupedGemm>(dh, data_grad, device_, engine_);
     ws.data_grad_x = std::make_unique<GroupedGemm>(dx, data_grad, device_, engine_);
@@ -419,6 +444,8 @@ class CudaMoeLayer final : public MoeLayer {
   MoeShape shape_;
   LayerOptions options_;
   GemmEngine engine_;
+  ActParams act_;
+  bool fused_swiglu_;  // SwiGLU in the gate GEMM's epilogue (the CUTLASS engine only)
   int world_, rank_;
   int64_t local_experts_;
   std::unique_ptr<DeviceGroup> owned_group_;

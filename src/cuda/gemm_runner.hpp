@@ -16,6 +16,8 @@ struct GroupArrays {
   const void** a = nullptr;
   const void** b = nullptr;
   void** d = nullptr;
+  const void** c = nullptr;  // SwiGLU epilogue only: U
+  void** aux = nullptr;      // SwiGLU epilogue only: G
 };
 
 class GemmRunner {
@@ -24,8 +26,9 @@ class GemmRunner {
   virtual void run(cudaStream_t stream) = 0;
 };
 
-// Throws unsupported_size for a layout with no compiled kernel (see GemmLayout).
+// Throws unsupported_size for a layout (or layout and epilogue) with no compiled kernel (see
+// GemmLayout, GemmEpilogue).
 std::unique_ptr<GemmRunner> make_gemm_runner(const GroupArrays&, const std::vector<GroupSpec>&, GemmLayout layout,
-                                             int device);
+                                             GemmEpilogue epilogue, int device);
 
 }  // namespace moka::cuda

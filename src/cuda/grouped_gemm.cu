@@ -9,7 +9,7 @@ namespace moka::cuda {
 namespace {
 
 // Turns the device-side expert counts and segment offsets into this launch's problem sizes and
-// pointers: one thread per group. This is the only place group sizes are read, on the device.
+// pointers (A, B, D, and with the SwiGLU epilogue C and aux): one thread per group. This is the only place group sizes are read, on the device.
 __global__ void setup_groups(const GroupSpec* specs, int groups, const BufferTable buffers, const int32_t* counts,
                              const int32_t* offsets, GroupArrays out) {
   const int g = blockIdx.x * blockDim.x + threadIdx.x;
@@ -29,7 +29,12 @@ __global__ void setup_groups(const GroupSpec* specs, int groups, const BufferTab
   using bf = unsigned short;  // pointer arithmetic in bf16 elements
   out.a[g] = static_cast<const bf*>(buffers.ptr[s.a]) + s.a_off + row * s.a_step;
   out.b[g] = static_cast<const bf*>(buffers.ptr[s.b]) + s.b_off + row * s.b_step;
-  out.d[g] = const_cast<bf*>(static_cast<const bf*>(buffers.ptr[s.d])) + s.d_off + row * s.d_step;
+  const int64_t d_elem = s.d_off + row * s.d_step;  // C and aux are laid out like D
+  out.d[g] = const_cast<bf*>(static_cast<const bf*>(buffers.ptr[s.d])) + d_elem;
+  if (out.c) {  // the SwiGLU epilogue: U in, G out
+    out.c[g] = static_cast<const bf*>(buffers.ptr[s.c]) + d_elem;
+    out.aux[g] = const_cast<bf*>(static_cast<const bf*>(buffers.ptr[s.aux])) + d_elem;
+  }
 }
 
 }  // namespace
@@ -55,16 +60,23 @@ struct GroupedGemm::Impl {
     cudaFree(arrays.a);
     cudaFree(arrays.b);
     cudaFree(arrays.d);
+    cudaFree(arrays.c);
+    cudaFree(arrays.aux);
   }
 };
 
-GroupedGemm::GroupedGemm(const std::vector<GroupSpec>& groups, GemmLayout layout, int device, GemmEngine engine)
+GroupedGemm::GroupedGemm(const std::vector<GroupSpec>& groups, GemmLayout layout, int device, GemmEngine engine,
+                         GemmEpilogue epilogue)
     : impl_(std::make_unique<Impl>()), groups_(groups.size()) {
   require(!groups.empty(), ErrorCode::internal, "grouped GEMM with no groups");
+  const bool swiglu = epilogue.kind == GemmEpilogue::swiglu;
+  // The baseline stays what users would write: a GEMM loop, then a separate activation pass.
+  require(!swiglu || engine == GemmEngine::cutlass, ErrorCode::internal,
+          "the SwiGLU epilogue exists in the CUTLASS grouped GEMM only");
   impl_->layout = layout;
+  auto index_ok = [](int i) { return i >= 0 && i < kMaxGemmBuffers; };
   for (const auto& g : groups) {
-    require(g.a >= 0 && g.a < kMaxGemmBuffers && g.b >= 0 && g.b < kMaxGemmBuffers && g.d >= 0 &&
-                g.d < kMaxGemmBuffers,
+    require(index_ok(g.a) && index_ok(g.b) && index_ok(g.d) && (!swiglu || (index_ok(g.c) && index_ok(g.aux))),
             ErrorCode::internal, "grouped GEMM buffer index out of range");
     // TMA needs 16-byte aligned rows and bases.
     require(g.lda % 8 == 0 && g.ldb % 8 == 0 && g.ldd % 8 == 0 && g.n % 8 == 0, ErrorCode::unsupported_size,
@@ -90,7 +102,11 @@ GroupedGemm::GroupedGemm(const std::vector<GroupSpec>& groups, GemmLayout layout
   MOKA_CUDA_CHECK(cudaMalloc(&impl_->arrays.a, G * sizeof(void*)));
   MOKA_CUDA_CHECK(cudaMalloc(&impl_->arrays.b, G * sizeof(void*)));
   MOKA_CUDA_CHECK(cudaMalloc(&impl_->arrays.d, G * sizeof(void*)));
-  impl_->runner = make_gemm_runner(impl_->arrays, groups, layout, device);
+  if (swiglu) {
+    MOKA_CUDA_CHECK(cudaMalloc(&impl_->arrays.c, G * sizeof(void*)));
+    MOKA_CUDA_CHECK(cudaMalloc(&impl_->arrays.aux, G * sizeof(void*)));
+  }
+  impl_->runner = make_gemm_runner(impl_->arrays, groups, layout, epilogue, device);
 }
 
 GroupedGemm::~GroupedGemm() = default;

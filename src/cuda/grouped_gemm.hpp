@@ -7,12 +7,19 @@
 // Every GEMM is D[m, n] = sum_k A(m, k) B(n, k), fp32 accumulation, bf16 row-major D. Each
 // operand is K-major or MN-major (GemmLayout), so the backward products dY W and dY^T X read
 // the weights and the routed activations where they are, without transposed copies.
+//
+// The forward gate GEMM can instead end in the SwiGLU epilogue (GemmEpilogue::swiglu,
+// swiglu_epilogue.cuh): with acc = sum_k A B and U read from the group's C operand it writes
+// G = bf16(acc) to the group's aux output and D = H = act(G, U), the same bits as the plain GEMM
+// followed by swiglu_forward_rows, in one pass over the tile.
 #pragma once
 #include <cuda_runtime.h>
 
 #include <cstdint>
 #include <memory>
 #include <vector>
+
+#include "core/activation.hpp"
 
 namespace moka::cuda {
 
@@ -24,6 +31,16 @@ enum class Major : int8_t { k, mn };
 // {k, mn} (data gradients dY W), {mn, mn} (weight gradients dY^T X).
 struct GemmLayout {
   Major a = Major::k, b = Major::k;
+};
+
+// What the epilogue does with a group's fp32 accumulator.
+struct GemmEpilogue {
+  enum Kind : int8_t {
+    plain,   // D = bf16(acc)
+    swiglu,  // aux = G = bf16(acc), D = bf16(act(G, C)) (K-major A and B, the CUTLASS engine only)
+  };
+  Kind kind = plain;
+  core::ActParams act;  // swiglu only
 };
 
 // Which dimension of a group takes its expert's routed row count.
@@ -40,9 +57,11 @@ struct BufferTable {
 // expert group (expert >= 0) the device setup kernel sets the `count_dim` size to that expert's
 // row count and advances each operand by expert_offset[expert] * step (the expert's segment of
 // a grouped buffer). A group whose count is zero gets m = 0 (no tiles); callers zero such
-// outputs themselves where needed.
+// outputs themselves where needed. With the SwiGLU epilogue the group also reads C (U) and
+// writes aux (G): both are laid out like D (the same offset, step and pitch, in their buffers).
 struct GroupSpec {
   int a = 0, b = 0, d = 0;                      // BufferTable indices
+  int c = -1, aux = -1;                         // SwiGLU epilogue only: BufferTable indices
   int64_t a_off = 0, b_off = 0, d_off = 0;      // elements
   int64_t a_step = 0, b_step = 0, d_step = 0;   // elements per grouped row; 0 = fixed
   int64_t lda = 0, ldb = 0, ldd = 0;           // row pitch (elements) of each stored operand
@@ -59,7 +78,7 @@ enum class GemmEngine { cutlass, cublas_loop };
 class GroupedGemm {
  public:
   GroupedGemm(const std::vector<GroupSpec>& groups, GemmLayout layout, int device,
-              GemmEngine engine = GemmEngine::cutlass);
+              GemmEngine engine = GemmEngine::cutlass, GemmEpilogue epilogue = {});
   ~GroupedGemm();
   GroupedGemm(const GroupedGemm&) = delete;
   GroupedGemm& operator=(const GroupedGemm&) = delete;

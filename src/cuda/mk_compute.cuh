@@ -2,8 +2,9 @@
 // (mk_tile_gemm.cuh). A gate|up tile computes 128 rows x 128 hidden columns of both gate and
 // up (two accumulators sharing the A tile) and applies SwiGLU in its epilogue, writing gate, up
 // and hidden (the saved context of backward); a down tile computes 128 x 128 of y.
-// Numerics match the CUDA layer's unfused path: gate and up are rounded to bf16 before the
-// activation, which is evaluated in fp32 (core/activation.hpp, the CPU reference's function).
+// Numerics match the CUDA layer's (its gate GEMM's SwiGLU epilogue, swiglu_epilogue.cuh, and its
+// unfused path alike): gate and up are rounded to bf16 before the activation, which is
+// evaluated in fp32 (core/activation.hpp, the CPU reference's function).
 #pragma once
 #include <cuda_bf16.h>
 

@@ -1,6 +1,6 @@
 // The CUDA layer (bf16) against the fp64 CPU reference on bf16-rounded inputs: fresh random
-// inputs per run, poisoned outputs, every output and gradient checked; determinism, CUDA-graph
-// replay and input errors.
+// inputs per run, poisoned outputs, every output and gradient checked; determinism, the fused
+// SwiGLU epilogue against the unfused path bit for bit, CUDA-graph replay and input errors.
 #include <gtest/gtest.h>
 
 #include <chrono>
@@ -210,6 +210,42 @@ TEST(CudaLayer, TenRunsGiveIdenticalBits) {
     c.poison();
     run_gpu(*layer, c);
     ASSERT_EQ(c.output_bytes(), first) << "run " << i + 2 << " differs";
+  }
+}
+
+// SwiGLU in the gate GEMM's epilogue (the default) against the unfused path
+// (LayerOptions::fused_swiglu = false: one gate|up launch, then the activation pass): every output
+// and gradient bit for bit, with and without the clamp and a shared expert, rows off the tile,
+// and empty experts (zipf routing, more experts than routes).
+TEST(CudaLayer, FusedSwigluGivesTheUnfusedBits) {
+  const struct {
+    const char* name;
+    MoeShape shape;
+    int64_t tokens;
+  } cases[] = {{"tiny_shared", shape(256, 128, 16, 4, 128), 37},
+               {"clamped_shared", shape(512, 1408, 8, 2, 520, true), 100},
+               {"gpt_oss_dims", shape(2880, 2880, 4, 2, 0, true), 40},
+               {"qwen3_30b_dims_sparse", shape(2048, 768, 64, 8), 5}};
+  for (const auto& p : cases) {
+    SCOPED_TRACE(p.name);
+    const uint64_t seed = fresh_seed();
+    GpuCase c(p.shape, p.tokens, seed);
+    route(c, Z, seed + 1);
+    c.upload();
+    auto fused = make_moe_layer(p.shape, Backend::cuda);
+    run_gpu(*fused, c);
+    const auto fused_bits = c.output_bytes();
+    fused.reset();
+    c.poison();
+    LayerOptions unfused_options;
+    unfused_options.fused_swiglu = false;
+    auto unfused = make_moe_layer(p.shape, Backend::cuda, nullptr, unfused_options);
+    run_gpu(*unfused, c);
+    EXPECT_TRUE(c.output_bytes() == fused_bits) << "outputs or gradients differ from the unfused path's";
+    // Both right, not just equal: against the fp64 reference.
+    const auto got = c.download();
+    reference(c);
+    expect_close(got, c.ref, 2e-2);
   }
 }
 

@@ -5,14 +5,20 @@
 // the weight gradients), M, N and K that are not multiples of the 128x256x64 tile, segments
 // that start on 8-row boundaries only, a fixed-size group in the same launch, and a second call
 // with other counts on the same object. Isolates a GEMM fault from the layer's.
+// The gate GEMM's SwiGLU epilogue (GemmEpilogue::swiglu) is checked against both the unfused
+// path (plain GEMM, then swiglu_forward_rows: the same bits in G and H, every element) and the
+// CPU reference, at the named shapes' intermediate widths, with and without the clamp.
 #include <gtest/gtest.h>
 
 #include <chrono>
 #include <cmath>
+#include <memory>
 #include <random>
 
+#include "core/activation.hpp"
 #include "cuda/device_tensors.hpp"
 #include "cuda/grouped_gemm.hpp"
+#include "cuda/layer_kernels.hpp"
 #include "gpu_case.hpp"
 
 using namespace moka;
@@ -186,12 +192,203 @@ INSTANTIATE_TEST_SUITE_P(
                       LayoutCase{"MNMN_weight_grad", {Major::mn, Major::mn}, CountDim::k}),
     [](const ::testing::TestParamInfo<LayoutCase>& i) { return std::string(i.param.name); });
 
-TEST(GroupedGemmChecks, RejectUnbuiltLayoutAndMisalignedMnMajorExtent) {
+// --- the SwiGLU epilogue ------------------------------------------------------------------
+
+struct SwigluCase {
+  const char* name;
+  int64_t n;     // the routed groups' width (the intermediate size)
+  bool clamped;  // the GPT-OSS form, with a limit the products cross often
+};
+
+// Routed groups: x_g [rows, P] times W_gate, W_up [E, n, P]; one fixed group (a shared expert:
+// kFixedRows rows, width kSharedN, other strides) in the same launches. Fused: D = H, C = U,
+// aux = G; unfused: the plain gate product into kGPlain, then the activation into kHPlain.
+enum SwigluSlot {
+  sX, sWG, sWU, sU, sG, sH, sGPlain, sHPlain,
+  sXS, sWSG, sWSU, sSU, sSG, sSH, sSGPlain, sSHPlain,
+  kSwigluSlots
+};
+constexpr int64_t kSharedN = 520;
+
+// act(G, U) from the device's bf16 G and U, in fp64: each H element must be within one bf16 ulp
+// of it (one rounding; the fp32 evaluation adds far less). NaN where G is not written.
+std::vector<double> activation_reference(const std::vector<double>& g, const std::vector<double>& u,
+                                         core::ActParams act) {
+  std::vector<double> h(g.size(), NAN);
+  for (size_t i = 0; i < g.size(); ++i)
+    if (!std::isnan(g[i])) h[i] = core::swiglu_forward<double>(g[i], u[i], act.clamped, double(act.limit));
+  return h;
+}
+
+std::vector<uint16_t> download_bits(const DeviceMemory& d) {
+  std::vector<uint16_t> b(d.bytes / 2);
+  MOKA_CUDA_CHECK(cudaMemcpy(b.data(), d.p, d.bytes, cudaMemcpyDeviceToHost));
+  return b;
+}
+std::vector<double> as_double(const std::vector<uint16_t>& bits) {
+  std::vector<double> v(bits.size());
+  for (size_t i = 0; i < bits.size(); ++i) {
+    __nv_bfloat16_raw raw;
+    raw.x = bits[i];
+    v[i] = __bfloat162float(__nv_bfloat16(raw));
+  }
+  return v;
+}
+
+class GroupedGemmSwiglu : public ::testing::TestWithParam<SwigluCase> {};
+
+TEST_P(GroupedGemmSwiglu, EqualsUnfusedBitsAndMatchesCpuReference) {
+  const SwigluCase c = GetParam();
+  const core::ActParams act{c.clamped, c.clamped ? 0.75f : 7.0f};
+  const int64_t N = c.n, NS = kSharedN;
+  std::mt19937_64 rng(fresh_seed());
+  // Empty experts, one-row experts, counts off the 128-row tile; two calls on the same objects.
+  const std::vector<std::vector<int32_t>> rounds = {{0, 1, 200, 256, 37, 0, 129, 64}, {64, 129, 0, 37, 256, 200, 1, 0}};
+  const int E = int(rounds[0].size());
+  int64_t rows = 0;
+  for (int32_t n : rounds[0]) rows += (n + kPad - 1) / kPad * kPad;
+
+  std::vector<GroupSpec> up, gate_plain, gate_fused;
+  auto group = [](int e, int a, int64_t k, int b, int d, int64_t n) {
+    GroupSpec g;
+    g.a = a, g.lda = k, g.b = b, g.ldb = k, g.d = d, g.ldd = n, g.n = int(n), g.k = int(k);
+    if (e >= 0) {
+      g.a_step = k, g.b_off = e * n * k, g.d_step = n, g.expert = e, g.count_dim = CountDim::m;
+    } else {
+      g.m = int(kFixedRows);
+    }
+    return g;
+  };
+  auto fused = [](GroupSpec g, int c_, int aux, int h) { g.c = c_, g.aux = aux, g.d = h; return g; };
+  for (int e = 0; e < E; ++e) {
+    up.push_back(group(e, sX, P, sWU, sU, N));
+    gate_plain.push_back(group(e, sX, P, sWG, sGPlain, N));
+    gate_fused.push_back(fused(group(e, sX, P, sWG, sH, N), sU, sG, sH));
+  }
+  up.push_back(group(-1, sXS, P, sWSU, sSU, NS));
+  gate_plain.push_back(group(-1, sXS, P, sWSG, sSGPlain, NS));
+  gate_fused.push_back(fused(group(-1, sXS, P, sWSG, sSH, NS), sSU, sSG, sSH));
+  GroupedGemm up_gemm(up, {}, 0), plain_gemm(gate_plain, {}, 0),
+      fused_gemm(gate_fused, {}, 0, GemmEngine::cutlass, GemmEpilogue{GemmEpilogue::swiglu, act});
+  DeviceMemory d_counts(E * 4), d_offsets((E + 1) * 4);
+
+  for (const auto& counts : rounds) {
+    SCOPED_TRACE(std::string(c.name) + (&counts == &rounds[0] ? ", first counts" : ", second counts"));
+    std::vector<int32_t> offsets(E + 1, 0), real_rows;
+    for (int e = 0; e < E; ++e) {
+      offsets[e + 1] = offsets[e] + (counts[e] + kPad - 1) / kPad * kPad;
+      for (int32_t r = 0; r < counts[e]; ++r) real_rows.push_back(offsets[e] + r);
+    }
+    MOKA_CUDA_CHECK(cudaMemcpy(d_counts.p, counts.data(), E * 4, cudaMemcpyHostToDevice));
+    MOKA_CUDA_CHECK(cudaMemcpy(d_offsets.p, offsets.data(), (E + 1) * 4, cudaMemcpyHostToDevice));
+    DeviceMemory d_rows(real_rows.size() * 4);
+    MOKA_CUDA_CHECK(cudaMemcpy(d_rows.p, real_rows.data(), d_rows.bytes, cudaMemcpyHostToDevice));
+    // Fresh inputs every call; weights ~ 1/sqrt(P), so the products are O(1) and cross the clamp.
+    Operand x(rows * P, rng, 1.0), wg(E * N * P, rng, 0.05), wu(E * N * P, rng, 0.05), xs(kFixedRows * P, rng, 1.0),
+        wsg(NS * P, rng, 0.05), wsu(NS * P, rng, 0.05);
+    std::vector<std::unique_ptr<DeviceMemory>> outs(kSwigluSlots);
+    BufferTable t;
+    for (int slot : {sU, sG, sH, sGPlain, sHPlain, sSU, sSG, sSH, sSGPlain, sSHPlain}) {
+      const bool shared = slot >= sXS;
+      outs[slot] = std::make_unique<DeviceMemory>((shared ? kFixedRows * NS : rows * N) * 2);
+      MOKA_CUDA_CHECK(cudaMemset(outs[slot]->p, 0xFF, outs[slot]->bytes));  // bf16 NaN
+      t.ptr[slot] = outs[slot]->p;
+    }
+    t.ptr[sX] = x.dev.p, t.ptr[sWG] = wg.dev.p, t.ptr[sWU] = wu.dev.p;
+    t.ptr[sXS] = xs.dev.p, t.ptr[sWSG] = wsg.dev.p, t.ptr[sWSU] = wsu.dev.p;
+    const auto* cn = d_counts.as<int32_t>();
+    const auto* of = d_offsets.as<int32_t>();
+    up_gemm.run(t, cn, of, nullptr);
+    fused_gemm.run(t, cn, of, nullptr);
+    plain_gemm.run(t, cn, of, nullptr);
+    auto bf = [&](int slot) { return outs[slot]->as<bf16>(); };
+    swiglu_forward_rows(bf(sGPlain), bf(sU), bf(sHPlain), d_rows.as<int32_t>(), int64_t(real_rows.size()), N, act,
+                        nullptr);
+    swiglu_forward_rows(bf(sSGPlain), bf(sSU), bf(sSHPlain), nullptr, kFixedRows, NS, act, nullptr);
+    MOKA_CUDA_CHECK(cudaDeviceSynchronize());
+
+    // 1. The unfused path's bits, every element (unwritten ones must be poison in both).
+    struct Pair {
+      int fused, plain;
+      const char* what;
+    };
+    for (const Pair& p : {Pair{sG, sGPlain, "G"}, Pair{sH, sHPlain, "H"}, Pair{sSG, sSGPlain, "shared G"},
+                          Pair{sSH, sSHPlain, "shared H"}}) {
+      const char* what = p.what;
+      const auto a = download_bits(*outs[p.fused]), b = download_bits(*outs[p.plain]);
+      int64_t differ = 0, first = -1;
+      for (size_t i = 0; i < a.size(); ++i)
+        if (a[i] != b[i] && differ++ == 0) first = int64_t(i);
+      EXPECT_EQ(differ, 0) << what << ": elements whose bits differ from the unfused path's; first at " << first
+                           << " (fused 0x" << std::hex << (first >= 0 ? a[first] : 0) << ", unfused 0x"
+                           << (first >= 0 ? b[first] : 0) << std::dec << ")";
+    }
+    // 2. U and G against the fp64 products (tolerance as in MatchCpuReference); untouched elements
+    //    (padding rows, empty experts) still poison.
+    std::vector<std::vector<double>> ref(kSwigluSlots);
+    ref[sU].assign(rows * N, NAN);
+    ref[sH].assign(rows * N, NAN);
+    ref[sSU].assign(kFixedRows * NS, NAN);
+    ref[sSH].assign(kFixedRows * NS, NAN);
+    std::vector<const std::vector<double>*> in(kSwigluSlots, nullptr);
+    in[sX] = &x.host, in[sWG] = &wg.host, in[sWU] = &wu.host, in[sXS] = &xs.host, in[sWSG] = &wsg.host,
+    in[sWSU] = &wsu.host;
+    reference(up, {}, counts, offsets, in, ref);
+    reference(gate_fused, {}, counts, offsets, in, ref);  // G lands in the D slots (sH, sSH)
+    expect_matches(*outs[sU], ref[sU], 1e-2, "U");
+    expect_matches(*outs[sG], ref[sH], 1e-2, "G");
+    expect_matches(*outs[sSU], ref[sSU], 1e-2, "shared U");
+    expect_matches(*outs[sSG], ref[sSH], 1e-2, "shared G");
+    // 3. H = act(G, U) from the device's own G and U: one bf16 rounding per element.
+    struct Activation {
+      int h, g, u;
+      const char* what;
+    };
+    for (const Activation& o : {Activation{sH, sG, sU, "H"}, Activation{sSH, sSG, sSU, "shared H"}}) {
+      const char* what = o.what;
+      const std::vector<double> g = as_double(download_bits(*outs[o.g]));
+      const std::vector<double> hr = activation_reference(g, as_double(download_bits(*outs[o.u])), act);
+      const std::vector<uint16_t> h_bits = download_bits(*outs[o.h]);
+      const std::vector<double> h = as_double(h_bits);
+      int64_t bad = 0, clobbered = 0, clamped = 0;
+      for (size_t i = 0; i < h.size(); ++i) {
+        if (std::isnan(hr[i])) {
+          clobbered += h_bits[i] != 0xFFFF;
+          continue;
+        }
+        bad += !(std::abs(h[i] - hr[i]) <= std::ldexp(std::abs(hr[i]), -7) + 1e-30);
+        clamped += act.clamped && !(g[i] < act.limit);
+      }
+      EXPECT_EQ(bad, 0) << what << ": elements more than one bf16 ulp from act(G, U)";
+      EXPECT_EQ(clobbered, 0) << what << ": elements written outside every group's output";
+      if (act.clamped) {
+        EXPECT_GT(clamped, 0) << what << ": the clamp was never exercised";
+      }
+    }
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    Widths, GroupedGemmSwiglu,
+    ::testing::Values(SwigluCase{"n264", 264, false}, SwigluCase{"n264_clamped", 264, true},
+                      SwigluCase{"qwen3_30b_n768", 768, false}, SwigluCase{"n768_clamped", 768, true},
+                      SwigluCase{"n1408", 1408, false}, SwigluCase{"n1408_clamped", 1408, true},
+                      SwigluCase{"n2880", 2880, false}, SwigluCase{"gpt_oss_n2880_clamped", 2880, true}),
+    [](const ::testing::TestParamInfo<SwigluCase>& i) { return std::string(i.param.name); });
+
+TEST(GroupedGemmChecks, RejectUnbuiltKernelsAndBadOperands) {
   GroupSpec g;
   g.m = 64, g.n = 64, g.k = 64, g.lda = 64, g.ldb = 64, g.ldd = 64;
   EXPECT_THROW(GroupedGemm({g}, GemmLayout{Major::mn, Major::k}, 0), Error);
   g.m = 60;  // an MN-major A is read along m in 16-byte runs
   EXPECT_THROW(GroupedGemm({g}, GemmLayout{Major::mn, Major::mn}, 0), Error);
+  // The SwiGLU epilogue: x W^T only, the CUTLASS engine only, and it needs its C and aux buffers.
+  g.m = 64, g.c = 1, g.aux = 2;
+  const GemmEpilogue swiglu{GemmEpilogue::swiglu, {}};
+  EXPECT_THROW(GroupedGemm({g}, GemmLayout{Major::k, Major::mn}, 0, GemmEngine::cutlass, swiglu), Error);
+  EXPECT_THROW(GroupedGemm({g}, GemmLayout{}, 0, GemmEngine::cublas_loop, swiglu), Error);
+  g.c = -1;
+  EXPECT_THROW(GroupedGemm({g}, GemmLayout{}, 0, GemmEngine::cutlass, swiglu), Error);
 }
 
 }  // namespace
