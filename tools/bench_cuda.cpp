@@ -268,26 +268,25 @@ BenchRow run_cuda_case(const NamedShape& ns, int64_t tokens, const CudaBenchOpti
                                rel_diff(dwd_m, read_bf16(t.dwd))});
   const Timing m = time_layer(*layer, t, o, s);
   const Timing b = time_layer(*base, t, o, s);
-  base.reset();  // its workspace, before the unfused layer allocates one
+  base.reset();  // its workspace, before the fused layer allocates one
   const double gemm = grouped_gemm_tflops(ns, t, o, s);
 
-  // SwiGLU in the gate GEMM's epilogue against the unfused path (gate|up GEMM, then the
+  // SwiGLU in the gate GEMM's epilogue against the default unfused path (gate|up GEMM, then the
   // activation pass): the same bits (checked on out, d_x, d_w_down), forward timed alternately.
-  LayerOptions unfused_options = lo;
-  unfused_options.fused_swiglu = false;
-  auto unfused = make_moe_layer(sh, Backend::cuda, nullptr, unfused_options);
+  LayerOptions fused_options = lo;
+  fused_options.fused_swiglu = true;
+  auto fused = make_moe_layer(sh, Backend::cuda, nullptr, fused_options);
   {
-    auto c = unfused->forward(t.inputs(), t.weights(), t.out_view());
-    unfused->backward(*c, t.d_out_view(), t.weights(), t.gradients());
+    auto c = fused->forward(t.inputs(), t.weights(), t.out_view());
+    fused->backward(*c, t.d_out_view(), t.weights(), t.gradients());
   }
   auto same_bits = [](const std::vector<__nv_bfloat16>& a, const std::vector<__nv_bfloat16>& b) {
     return a.size() == b.size() && std::memcmp(a.data(), b.data(), a.size() * sizeof(a[0])) == 0;
   };
   const bool fused_identical =
       same_bits(read_bf16(t.out), out_m) && same_bits(read_bf16(t.d_x), dx_m) && same_bits(read_bf16(t.dwd), dwd_m);
-  const Paired fwd = time_paired([&] { layer->forward(t.inputs(), t.weights(), t.out_view()); },
-                                 [&] { unfused->forward(t.inputs(), t.weights(), t.out_view()); }, o.warmup, o.iters,
-                                 s);
+  const Paired fwd = time_paired([&] { fused->forward(t.inputs(), t.weights(), t.out_view()); },
+                                 [&] { layer->forward(t.inputs(), t.weights(), t.out_view()); }, o.warmup, o.iters, s);
 
   BenchRow row;
   row.shape = ns.name;

@@ -45,10 +45,11 @@ struct LayerOptions {
   int64_t tile_rows = 128;  // each expert's rows are padded to a multiple (the GEMM M tile)
   int num_threads = 0;      // CPU backend worker threads per rank; 0 = hardware concurrency
   RowOrder row_order = RowOrder::rate_based;  // order of the rows from different sources
-  // CUDA backend: SwiGLU in the gate GEMM's epilogue (one pass writes G and H). false runs the
-  // unfused path (gate and up in one GEMM, then a separate activation pass), which gives the
-  // same bits; it is there to measure the fusion (`moka bench --backend cuda`).
-  bool fused_swiglu = true;
+  // CUDA backend: SwiGLU in the gate GEMM's epilogue (an up launch, then a gate launch whose
+  // epilogue writes G and H) instead of one gate|up launch and a separate activation pass. Same
+  // bits either way. Off by default: on an H200 the fused forward measured 0.70-0.86x the speed
+  // of the unfused one (docs/BENCHMARKS.md); `moka bench --backend cuda` times both.
+  bool fused_swiglu = false;
 };
 
 // State saved by forward for backward. Opaque; backend-specific.

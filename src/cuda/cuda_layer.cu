@@ -1,9 +1,8 @@
 // The bf16 MoE layer on one GPU. Stages mirror the CPU reference (src/cpu/cpu_layer.cpp):
-//   device schedule -> gather x -> grouped up GEMM -> grouped gate GEMM with SwiGLU in its
-//   epilogue (reads U, writes G and H; the shared expert's products are one more group in each
-//   launch) -> grouped down GEMM -> combine (shared + sum_j w_j y_j, fp32, fixed j order).
-// The cuBLAS-loop baseline and LayerOptions::fused_swiglu = false run gate and up in one launch
-// and the activation as a separate pass instead (the same bits).
+//   device schedule -> gather x -> grouped gate|up GEMM (the shared expert's products are two
+//   more groups) -> SwiGLU pass -> grouped down GEMM -> combine (shared + sum_j w_j y_j, fp32,
+//   fixed j order). LayerOptions::fused_swiglu instead runs an up launch, then a gate launch with
+//   SwiGLU in its epilogue (reads U, writes G and H): the same bits, slower on the H200.
 // Backward: gather d_out -> grouped dY W_down -> SwiGLU backward (+ d_w = <dh_u, h>) ->
 //   grouped dG W_gate, dU W_up -> fixed-order token sum; weight gradients dY^T X per expert.
 // Backward reads the weights and the routed activations where they are: dY W takes W as an

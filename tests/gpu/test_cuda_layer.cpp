@@ -213,8 +213,8 @@ TEST(CudaLayer, TenRunsGiveIdenticalBits) {
   }
 }
 
-// SwiGLU in the gate GEMM's epilogue (the default) against the unfused path
-// (LayerOptions::fused_swiglu = false: one gate|up launch, then the activation pass): every output
+// SwiGLU in the gate GEMM's epilogue (LayerOptions::fused_swiglu) against the default unfused
+// path (one gate|up launch, then the activation pass): every output
 // and gradient bit for bit, with and without the clamp and a shared expert, rows off the tile,
 // and empty experts (zipf routing, more experts than routes).
 TEST(CudaLayer, FusedSwigluGivesTheUnfusedBits) {
@@ -232,14 +232,14 @@ TEST(CudaLayer, FusedSwigluGivesTheUnfusedBits) {
     GpuCase c(p.shape, p.tokens, seed);
     route(c, Z, seed + 1);
     c.upload();
-    auto fused = make_moe_layer(p.shape, Backend::cuda);
+    LayerOptions fused_options;
+    fused_options.fused_swiglu = true;
+    auto fused = make_moe_layer(p.shape, Backend::cuda, nullptr, fused_options);
     run_gpu(*fused, c);
     const auto fused_bits = c.output_bytes();
     fused.reset();
     c.poison();
-    LayerOptions unfused_options;
-    unfused_options.fused_swiglu = false;
-    auto unfused = make_moe_layer(p.shape, Backend::cuda, nullptr, unfused_options);
+    auto unfused = make_moe_layer(p.shape, Backend::cuda);
     run_gpu(*unfused, c);
     EXPECT_TRUE(c.output_bytes() == fused_bits) << "outputs or gradients differ from the unfused path's";
     // Both right, not just equal: against the fp64 reference.
