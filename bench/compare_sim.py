@@ -12,12 +12,6 @@ import json
 import subprocess
 import sys
 
-SHAPES = {  # hidden, experts, top-k (moka's named shapes)
-    "qwen3-30b-a3b": (2048, 128, 8), "qwen3-235b-a22b": (4096, 128, 8), "deepseek-v3": (7168, 256, 8),
-    "gpt-oss-120b": (2880, 128, 4), "mixtral-8x7b": (4096, 8, 2), "tiny": (256, 16, 4),
-}
-
-
 def span(spans, kind):
     ks = [s for s in spans if s["kind"] == kind]
     return (max(s["end_us"] for s in ks) - min(s["start_us"] for s in ks)) * 1e-6 if ks else 0.0
@@ -28,13 +22,12 @@ def main(moka, bench_path, timeline_path, dump_path=None):
     shape, tokens, ep = spans[0]["shape"], spans[0]["tokens_per_rank"], spans[0]["ep"]
     rows = [json.loads(line) for line in open(bench_path) if line.startswith("{")]
     row = [r for r in rows if r["shape"] == shape and r["tokens_per_rank"] == tokens][-1]
-    hidden, experts, top_k = SHAPES[shape]
     cmd = [moka, "simulate", "--gpus", str(ep), "--link-gbps", str(row["peer_copy_gbs"]), "--model", "fluid",
-           "--policies", "rate-based", "round-robin", "--hidden", str(hidden), "--json"]
+           "--policies", "rate-based", "round-robin", "--shape", shape, "--json"]
     if dump_path:
         cmd += ["--replay", dump_path]
     else:
-        cmd += ["--tokens", str(tokens), "--top-k", str(top_k), "--experts-per-gpu", str(experts // ep)]
+        cmd += ["--tokens", str(tokens), "--routing", "uniform"]
     out = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout
     measured = {"dispatch_s": span(spans, "dispatch"), "combine_s": span(spans, "combine")}
     for line in out.splitlines():

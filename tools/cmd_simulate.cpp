@@ -7,6 +7,7 @@
 #include <nlohmann/json.hpp>
 
 #include "commands.hpp"
+#include "moka/config.hpp"
 #include "moka/error.hpp"
 #include "sched/packet_sim.hpp"
 #include "sched/two_tier.hpp"
@@ -19,6 +20,7 @@ struct SimulateOptions {
   std::string routing = "zipf";
   std::string count = "route";
   std::string replay;
+  std::string shape;  // a named shape: sets hidden, top-k and experts per GPU
   int hidden = 7168, dtype_bytes = 2;
   std::vector<std::string> policies;
   std::string model = "packet";
@@ -147,7 +149,20 @@ void print_two_tier(const sched::TwoTierResult& r, int epoch, bool json) {
             << r.phases << " server phases)\n";
 }
 
+// --shape: the named shape's row width and top-k, and its experts spread over --gpus.
+void apply_shape(SimulateOptions& o) {
+  if (o.shape.empty()) return;
+  const MoeShape& sh = named_shape(o.shape).shape;
+  require(sh.num_experts % o.traffic.gpus == 0, ErrorCode::invalid_argument,
+          o.shape + " has " + std::to_string(sh.num_experts) + " experts, which " + std::to_string(o.traffic.gpus) +
+              " GPUs cannot share evenly");
+  o.hidden = int(sh.hidden);
+  o.traffic.top_k = int(sh.top_k);
+  o.traffic.experts_per_gpu = int(sh.num_experts / o.traffic.gpus);
+}
+
 void run(SimulateOptions& o) {
+  apply_shape(o);
   std::ofstream csv;
   if (!o.series_csv.empty()) {
     csv.open(o.series_csv);
@@ -188,9 +203,13 @@ void register_simulate(CLI::App& app) {
   cmd->add_option("--locality", o->traffic.routing.locality, "share of choices drawn from the rank's own experts");
   cmd->add_option("--seed", o->traffic.routing.seed, "routing seed");
   cmd->add_option("--tokens", o->traffic.tokens_per_rank, "tokens per rank");
-  cmd->add_option("--top-k", o->traffic.top_k, "experts per token");
-  cmd->add_option("--experts-per-gpu", o->traffic.experts_per_gpu, "experts hosted by each GPU");
-  cmd->add_option("--hidden", o->hidden, "row width (elements)");
+  auto* top_k = cmd->add_option("--top-k", o->traffic.top_k, "experts per token");
+  auto* per_gpu = cmd->add_option("--experts-per-gpu", o->traffic.experts_per_gpu, "experts hosted by each GPU");
+  auto* hidden = cmd->add_option("--hidden", o->hidden, "row width (elements)");
+  cmd->add_option("--shape", o->shape, "named shape: its hidden size, top-k and experts over --gpus")
+      ->excludes(top_k)
+      ->excludes(per_gpu)
+      ->excludes(hidden);
   cmd->add_option("--dtype-bytes", o->dtype_bytes, "bytes per element");
   cmd->add_option("--count", o->count, "route: a row per (token, expert); gpu: a row per (token, receiving GPU)");
   cmd->add_option("--replay", o->replay, "routing dump of `moka bench --dump-routing` (one epoch per line)");
