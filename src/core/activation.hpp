@@ -3,6 +3,7 @@
 #include <cmath>
 
 #include "core/hd.hpp"
+#include "moka/config.hpp"
 
 namespace moka::core {
 
@@ -13,6 +14,7 @@ inline constexpr float kClampedSwigluAlpha = 1.702f;  // GPT-OSS
 struct ActParams {
   bool clamped = false;
   float limit = 7.0f;
+  static ActParams of(const MoeShape& s) { return {s.activation == Activation::swiglu_clamped, s.clamp_limit}; }
 };
 
 template <typename T>

@@ -84,7 +84,7 @@ class CudaMoeLayer final : public MoeLayer {
   // `group` null: one rank. Otherwise the experts are split over it (it must outlive the layer).
   CudaMoeLayer(const MoeShape& shape, DeviceGroup* group, const LayerOptions& options, GemmEngine engine)
       : shape_(shape), options_(options), engine_(engine),
-        act_{shape.activation == Activation::swiglu_clamped, shape.clamp_limit},
+        act_(ActParams::of(shape)),
         fused_swiglu_(options.fused_swiglu && engine == GemmEngine::cutlass), world_(group ? group->size() : 1),
         rank_(group ? group->rank() : 0), local_experts_(shape.num_experts / world_) {
     core::validate_shape(shape_, world_);

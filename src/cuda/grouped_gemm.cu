@@ -9,7 +9,8 @@ namespace moka::cuda {
 namespace {
 
 // Turns the device-side expert counts and segment offsets into this launch's problem sizes and
-// pointers (A, B, D, and with the SwiGLU epilogue C and aux): one thread per group. This is the only place group sizes are read, on the device.
+// pointers (A, B, D, and with the SwiGLU epilogue C and aux): one thread per group. This is the
+// only place group sizes are read, on the device.
 __global__ void setup_groups(const GroupSpec* specs, int groups, const BufferTable buffers, const int32_t* counts,
                              const int32_t* offsets, GroupArrays out) {
   const int g = blockIdx.x * blockDim.x + threadIdx.x;

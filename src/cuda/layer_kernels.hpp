@@ -63,8 +63,8 @@ void gather_scalars(const float* src, float* dst, const int32_t* index, int64_t 
 void scatter_scalars(const float* src, float* dst, const int32_t* index, int64_t n, cudaStream_t stream);
 
 // hidden = act(gate, up) for the rows named by row_of_slot (or rows 0..rows-1 when null): the
-// unfused activation (the cuBLAS-loop baseline, LayerOptions::fused_swiglu off, tests); the
-// CUTLASS path computes the same bits in the gate GEMM's epilogue (swiglu_epilogue.cuh).
+// layer's activation pass. LayerOptions::fused_swiglu computes the same bits in the gate GEMM's
+// epilogue instead (swiglu_epilogue.cuh).
 using ActParams = core::ActParams;
 void swiglu_forward_rows(const bf16* gate, const bf16* up, bf16* hidden, const int32_t* row_of_slot,
                          int64_t rows, int64_t width, ActParams act, cudaStream_t stream);

@@ -217,7 +217,7 @@ class CudaMegakernelForward final : public MegakernelForward {
     l.intermediate = shape_.intermediate;
     l.shared_intermediate = shape_.shared_intermediate;
     l.local_experts = experts_;
-    l.act = {shape_.activation == Activation::swiglu_clamped, shape_.clamp_limit};
+    l.act = core::ActParams::of(shape_);
     l.timeout_ns = static_cast<uint64_t>(config_.spin_timeout_seconds * 1e9);
     l.offsets = offsets_.as<int32_t>();
     l.slot_of_row = slot_of_row_.as<int32_t>();
