@@ -19,15 +19,20 @@ struct Rendezvous {
   double timeout_seconds = 60.0;  // connect and every collective; MOKA_COMM_TIMEOUT_S overrides
 };
 
-// Reads RANK/WORLD_SIZE/LOCAL_RANK/MASTER_ADDR/MASTER_PORT (torchrun, `moka launch`), falling
-// back to Slurm's SLURM_PROCID/SLURM_NTASKS/SLURM_LOCALID and Open MPI's OMPI_COMM_WORLD_*.
-// Returns nullopt-like world_size 0 when none is set.
+// Reads RANK/WORLD_SIZE/LOCAL_RANK/MASTER_ADDR/MASTER_PORT/MOKA_COMM_TIMEOUT_S (torchrun,
+// `moka launch`), falling back to Slurm's SLURM_PROCID/SLURM_NTASKS/SLURM_LOCALID and Open MPI's
+// OMPI_COMM_WORLD_*. An empty variable counts as unset; world_size is 0 when no size is set.
+// Every value must be whole and in range (ranks below the world size, a port in 1..65535, a
+// positive finite timeout), else Error(invalid_argument) names the variable and its value.
 Rendezvous rendezvous_from_env();
 bool launched_as_worker();  // WORLD_SIZE (or an equivalent) is set and > 1
 
 // Connects the ranks over TCP (rank 0 listens on master_addr:master_port). Collectives relay
-// through rank 0. A peer that closes its connection or stops answering raises peer_failure or
-// timeout naming the rank; a rank that aborts tells the others why.
+// through rank 0. A peer that closes its connection raises peer_failure naming the rank; a rank
+// that aborts tells the others why. A rank waiting longer than min(10 s, timeout / 4) prints
+// progress to stderr; rank 0 tells the others whom it waits for, and when that rank stays silent
+// for the timeout every rank raises timeout naming it. Malformed or oversized messages raise io
+// naming the sender.
 std::unique_ptr<ProcessGroup> make_tcp_group(const Rendezvous& rendezvous);
 
 struct LaunchOptions {

@@ -18,20 +18,23 @@
 namespace moka::comm {
 namespace {
 
-double now_s() {
-  return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count();
+// True when fd is ready for `events` within `timeout_s`.
+bool ready_within(int fd, short events, double timeout_s) {
+  const double deadline = now_seconds() + timeout_s;
+  for (;;) {
+    const double left = deadline - now_seconds();
+    if (left <= 0) return false;
+    pollfd p{fd, events, 0};
+    const int r = ::poll(&p, 1, static_cast<int>(std::min(left, 1.0) * 1000) + 1);
+    if (r > 0) return true;
+    if (r < 0 && errno != EINTR) throw Error(ErrorCode::io, std::string("poll: ") + std::strerror(errno));
+  }
 }
 
 // Waits until fd is ready for `events` or the deadline passes.
 void wait_ready(int fd, short events, double deadline, const std::string& peer, const char* what) {
-  for (;;) {
-    const double left = deadline - now_s();
-    if (left <= 0) throw Error(ErrorCode::timeout, peer + " did not answer (" + what + ") in time");
-    pollfd p{fd, events, 0};
-    const int r = ::poll(&p, 1, static_cast<int>(std::min(left, 1.0) * 1000) + 1);
-    if (r > 0) return;
-    if (r < 0 && errno != EINTR) throw Error(ErrorCode::io, std::string("poll: ") + std::strerror(errno));
-  }
+  if (!ready_within(fd, events, deadline - now_seconds()))
+    throw Error(ErrorCode::timeout, peer + " did not answer (" + what + ") in time");
 }
 
 sockaddr_in resolve(const std::string& addr, int port) {
@@ -47,13 +50,13 @@ sockaddr_in resolve(const std::string& addr, int port) {
   return sa;
 }
 
-struct Header {
-  uint32_t type;
-  uint32_t reserved;
-  uint64_t bytes;
-};
+std::string frame_limit_text() { return std::to_string(kMaxFrameBytes >> 20) + " MiB"; }
 
 }  // namespace
+
+double now_seconds() {
+  return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count();
+}
 
 Socket& Socket::operator=(Socket&& o) noexcept {
   if (this != &o) {
@@ -96,22 +99,40 @@ void Socket::recv_all(void* data, size_t bytes, const std::string& peer, double 
 }
 
 void Socket::send_frame(FrameType type, const void* data, size_t bytes, const std::string& peer, double timeout_s) {
-  const double deadline = now_s() + timeout_s;
-  const Header h{static_cast<uint32_t>(type), 0, bytes};
+  require(bytes <= kMaxFrameBytes, ErrorCode::invalid_argument,
+          "a message of " + std::to_string(bytes) + " bytes to " + peer + " is over the TCP group's limit of " +
+              frame_limit_text() + " per collective");
+  const double deadline = now_seconds() + timeout_s;
+  const FrameHeader h{kFrameMagic, static_cast<uint32_t>(type), bytes};
   send_all(&h, sizeof(h), peer, deadline);
   send_all(data, bytes, peer, deadline);
 }
 
 Frame Socket::recv_frame(const std::string& peer, double timeout_s) {
-  const double deadline = now_s() + timeout_s;
-  Header h{};
+  const double deadline = now_seconds() + timeout_s;
+  FrameHeader h{};
   recv_all(&h, sizeof(h), peer, deadline);
+  require(h.magic == kFrameMagic, ErrorCode::io, peer + " sent data that is not a moka frame (corrupted stream?)");
+  require(h.type <= static_cast<uint32_t>(FrameType::stalled), ErrorCode::io,
+          peer + " sent a frame of unknown type " + std::to_string(h.type));
+  require(h.bytes <= kMaxFrameBytes, ErrorCode::io,
+          peer + " announced a frame of " + std::to_string(h.bytes) + " bytes, over the limit of " +
+              frame_limit_text() + " (corrupted stream?)");
   Frame f;
   f.type = static_cast<FrameType>(h.type);
-  f.payload.resize(h.bytes);
-  recv_all(f.payload.data(), h.bytes, peer, deadline);
+  // Grown as bytes arrive, so a peer that announces more than it sends costs no more memory
+  // than it sent.
+  constexpr size_t kChunk = size_t{1} << 22;
+  for (size_t got = 0; got < h.bytes;) {
+    const size_t n = std::min<size_t>(h.bytes - got, kChunk);
+    f.payload.resize(got + n);
+    recv_all(f.payload.data() + got, n, peer, deadline);
+    got += n;
+  }
   return f;
 }
+
+bool Socket::readable_within(double timeout_s) { return ready_within(fd_, POLLIN, timeout_s); }
 
 Socket listen_on(const std::string& addr, int port) {
   Socket s(::socket(AF_INET, SOCK_STREAM, 0));
@@ -125,8 +146,7 @@ Socket listen_on(const std::string& addr, int port) {
   return s;
 }
 
-Socket accept_one(Socket& listener, double timeout_s) {
-  wait_ready(listener.fd(), POLLIN, now_s() + timeout_s, "a rank", "connect to rank 0");
+Socket accept_one(Socket& listener) {
   Socket s(::accept(listener.fd(), nullptr, nullptr));
   require(s.valid(), ErrorCode::io, std::string("accept: ") + std::strerror(errno));
   const int one = 1;
@@ -135,7 +155,7 @@ Socket accept_one(Socket& listener, double timeout_s) {
 }
 
 Socket connect_to(const std::string& addr, int port, double timeout_s) {
-  const double deadline = now_s() + timeout_s;
+  const double deadline = now_seconds() + timeout_s;
   const sockaddr_in sa = resolve(addr, port);
   for (;;) {
     Socket s(::socket(AF_INET, SOCK_STREAM, 0));
@@ -145,7 +165,7 @@ Socket connect_to(const std::string& addr, int port, double timeout_s) {
       ::setsockopt(s.fd(), IPPROTO_TCP, TCP_NODELAY, &one, sizeof(one));
       return s;
     }
-    if (now_s() > deadline)
+    if (now_seconds() > deadline)
       throw Error(ErrorCode::timeout, "rank 0 at " + addr + ":" + std::to_string(port) + " is not reachable");
     std::this_thread::sleep_for(std::chrono::milliseconds(50));  // rank 0 may not listen yet
   }

@@ -6,7 +6,22 @@
 
 namespace moka::comm {
 
-enum class FrameType : uint32_t { data = 0, abort = 1 };
+// data: a collective's payload. abort: a rank failed (payload: the reason). waiting: rank 0 is
+// still waiting for a peer (payload: that rank, int32). stalled: rank 0 gave up on a peer that
+// stopped answering (payload: the reason).
+enum class FrameType : uint32_t { data = 0, abort = 1, waiting = 2, stalled = 3 };
+
+// Every frame starts with this header; `magic` tells a moka rank from anything else that
+// connects to the port, and `bytes` (at most kMaxFrameBytes) is the payload that follows.
+struct FrameHeader {
+  uint32_t magic;
+  uint32_t type;
+  uint64_t bytes;
+};
+inline constexpr uint32_t kFrameMagic = 0x414b4f4d;  // "MOKA" in little-endian memory order
+// Host collectives carry routing, ids and CPU-backend rows; a larger length means a corrupted
+// stream, and is refused before anything is allocated for it.
+inline constexpr uint64_t kMaxFrameBytes = uint64_t{1} << 30;
 
 struct Frame {
   FrameType type = FrameType::data;
@@ -27,10 +42,13 @@ class Socket {
   int fd() const { return fd_; }
   void close();
 
-  // Throw Error(peer_failure) on a closed connection and Error(timeout) past the deadline;
+  // Throw Error(peer_failure) on a closed connection, Error(timeout) past the deadline and
+  // Error(io) on a frame that breaks the format (bad magic, unknown type, oversized length);
   // `peer` names the other side in the message.
   void send_frame(FrameType type, const void* data, size_t bytes, const std::string& peer, double timeout_s);
   Frame recv_frame(const std::string& peer, double timeout_s);
+  // True when data (or a closed connection) is ready to read within `timeout_s`.
+  bool readable_within(double timeout_s);
 
  private:
   void send_all(const void* data, size_t bytes, const std::string& peer, double deadline);
@@ -39,8 +57,9 @@ class Socket {
 };
 
 Socket listen_on(const std::string& addr, int port);          // bound, listening socket
-Socket accept_one(Socket& listener, double timeout_s);
+Socket accept_one(Socket& listener);  // blocks until a connection arrives (see readable_within)
 Socket connect_to(const std::string& addr, int port, double timeout_s);  // retries until the deadline
 int pick_free_port();
+double now_seconds();  // steady clock
 
 }  // namespace moka::comm
