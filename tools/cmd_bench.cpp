@@ -1,6 +1,7 @@
 // `moka bench`: runs the layer forward+backward for named or custom shapes, checks it against
 // the fp64 reference and reports times, TFLOP/s and error (table, or JSON lines with --json).
 #include <chrono>
+#include <csignal>
 #include <fstream>
 #include <iostream>
 #include <optional>
@@ -87,9 +88,13 @@ std::string cpu_device_name(int ranks, int threads, bool processes) {
 }
 
 // --fail-rank: this rank fails right after start, as a bad input (caught by validation on every
-// rank) or as a crash (the process dies; peers see its connection close).
+// rank), as a crash (SIGABRT) or a kill (SIGKILL, as the OOM killer sends it) after which
+// peers see its connection close, or as a stall (the process stops itself; peers time out
+// naming it; for worker processes only).
 void fail_on_purpose(const std::string& mode, cpu::LayerBuffers<double>& b, const MoeShape& s) {
   if (mode == "crash") std::abort();
+  if (mode == "kill") std::raise(SIGKILL);
+  if (mode == "stall") std::raise(SIGSTOP);
   b.topk_ids.at(0) = static_cast<int32_t>(s.num_experts);
 }
 
@@ -278,7 +283,8 @@ void register_bench(CLI::App& app) {
   cmd->add_option("--torch-results", o->torch_results,
                   "JSON lines of bench/torch_baseline.py (same shapes, same run) to print speedups against");
   cmd->add_option("--fail-rank", o->fail_rank, "Make this rank fail with a bad input (to test error propagation)");
-  cmd->add_option("--fail-mode", o->fail_mode, "bad-input | crash")->check(CLI::IsMember({"bad-input", "crash"}));
+  cmd->add_option("--fail-mode", o->fail_mode, "bad-input | crash | kill | stall")
+      ->check(CLI::IsMember({"bad-input", "crash", "kill", "stall"}));
   cmd->add_option("--gpus", o->gpus, "Worker processes, one per GPU (started by moka itself)");
   cmd->add_option("--comm-sms", o->megakernel.num_comm_sms, "Megakernel: communication CTAs (EP CUDA runs)");
   cmd->add_option("--minibatch", o->megakernel.minibatch_size, "Megakernel: minibatch rows");

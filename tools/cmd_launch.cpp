@@ -1,6 +1,6 @@
 // `moka launch -n N -- ARGS`: runs N worker processes (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR,
 // MASTER_PORT set). ARGS starting with a moka subcommand run this moka; anything else runs as a
-// program. Exits with the first failing worker's code after stopping all of them.
+// program. Exits with the chronologically first failing worker's code after stopping all of them.
 #include <unistd.h>
 
 #include <cstdlib>

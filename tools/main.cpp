@@ -1,5 +1,6 @@
 // The `moka` command-line tool.
 #include <iostream>
+#include <string>
 
 #include "commands.hpp"
 #include "moka/error.hpp"
@@ -21,10 +22,10 @@ int main(int argc, char** argv) {
   } catch (const CLI::ParseError& e) {
     return app.exit(e);
   } catch (const moka::Error& e) {
-    std::cerr << "moka: " << e.what() << "\n";
+    std::cerr << "moka: " + std::string(e.what()) + "\n";  // one write: worker processes share stderr
     return 2;
   } catch (const std::exception& e) {
-    std::cerr << "moka: " << e.what() << "\n";
+    std::cerr << "moka: " + std::string(e.what()) + "\n";
     return 3;
   }
   return 0;

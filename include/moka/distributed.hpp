@@ -41,8 +41,10 @@ struct LaunchOptions {
 };
 
 // Runs `args` (argv[0] is the program) as num_workers processes with RANK, WORLD_SIZE,
-// LOCAL_RANK, MASTER_ADDR, MASTER_PORT set. Returns 0 when all succeed; otherwise the first
-// failure's exit code (128 + signal for a killed worker), after every worker has stopped.
+// LOCAL_RANK, MASTER_ADDR, MASTER_PORT set. Returns 0 when all succeed; otherwise, after every
+// worker has stopped, prints one line naming the chronologically first failure's rank (a worker
+// left stopped by SIGSTOP counts from when it stopped) and returns its exit code (128 + signal
+// for a killed or stopped worker).
 int launch_workers(const std::vector<std::string>& args, const LaunchOptions& options);
 
 }  // namespace moka

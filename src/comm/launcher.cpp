@@ -1,16 +1,18 @@
 // `moka launch`: one worker process per GPU (or per emulated CPU rank), with the environment
 // torchrun sets. When a worker fails the others get `grace_seconds` to notice (their group
-// reports peer_failure) and are then killed, so the launcher never hangs.
+// reports peer_failure) and are then killed, so the launcher never hangs. The launcher names the
+// chronologically first failure: the others' failures are consequences of it.
 #include <signal.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cstdio>
 #include <cstring>
+#include <optional>
 #include <string.h>
 #include <string>
-#include <thread>
 #include <vector>
 
 #include "comm/socket.hpp"
@@ -23,10 +25,11 @@ namespace {
 volatile sig_atomic_t g_interrupted = 0;
 void on_signal(int) { g_interrupted = 1; }
 
-pid_t spawn(const std::vector<std::string>& args, int rank, int world, int port) {
+pid_t spawn(const std::vector<std::string>& args, int rank, int world, int port, const sigset_t& worker_mask) {
   const pid_t pid = ::fork();
   require(pid >= 0, ErrorCode::io, std::string("fork: ") + std::strerror(errno));
   if (pid > 0) return pid;
+  ::sigprocmask(SIG_SETMASK, &worker_mask, nullptr);  // the launcher blocks SIGCHLD; workers must not
   ::setenv("RANK", std::to_string(rank).c_str(), 1);
   ::setenv("LOCAL_RANK", std::to_string(rank).c_str(), 1);
   ::setenv("WORLD_SIZE", std::to_string(world).c_str(), 1);
@@ -42,15 +45,69 @@ pid_t spawn(const std::vector<std::string>& args, int rank, int world, int port)
   ::_exit(127);
 }
 
+// 128 + signal for a worker killed (or left stopped) by a signal, as shells report it.
 int exit_code_of(int status) {
   if (WIFEXITED(status)) return WEXITSTATUS(status);
   if (WIFSIGNALED(status)) return 128 + WTERMSIG(status);
+  if (WIFSTOPPED(status)) return 128 + WSTOPSIG(status);
   return 1;
 }
 
 std::string describe(int status) {
-  if (WIFSIGNALED(status)) return std::string("was killed by signal ") + ::strsignal(WTERMSIG(status));
+  const auto signal_text = [](int s) { return std::to_string(s) + " (" + ::strsignal(s) + ")"; };
+  if (WIFSIGNALED(status)) return "was killed by signal " + signal_text(WTERMSIG(status));
+  if (WIFSTOPPED(status)) return "was stopped by signal " + signal_text(WSTOPSIG(status)) + " and never resumed";
   return "exited with code " + std::to_string(exit_code_of(status));
+}
+
+struct Worker {
+  pid_t pid;
+  bool running = true;
+  bool killed = false;       // by the launcher, after the first failure
+  int stop_status = 0;       // while stopped (SIGSTOP, SIGTSTP): its waitpid status
+  uint64_t stopped_at = 0;   // order of the stop among all events, 0 while not stopped
+};
+
+struct StatusChange {
+  int rank;
+  int status;
+};
+
+// Status changes ready now, in the order the launcher should believe they happened. waitpid
+// reports ready children in fork order, not in time order, so changes collected in one pass are
+// ties: stops first, then deaths by a signal, then exits, since a worker that notices a peer's
+// failure exits on its own.
+std::vector<StatusChange> collect_status_changes(const std::vector<Worker>& workers) {
+  std::vector<StatusChange> out;
+  int st = 0;
+  pid_t pid;
+  while ((pid = ::waitpid(-1, &st, WNOHANG | WUNTRACED | WCONTINUED)) > 0) {
+    for (int r = 0; r < static_cast<int>(workers.size()); ++r)
+      if (workers[r].pid == pid) out.push_back({r, st});
+  }
+  const auto order = [](int status) { return WIFSTOPPED(status) ? 0 : WIFSIGNALED(status) ? 1 : 2; };
+  std::stable_sort(out.begin(), out.end(),
+                   [&](const StatusChange& a, const StatusChange& b) { return order(a.status) < order(b.status); });
+  return out;
+}
+
+struct Failure {
+  int rank;
+  int status;
+};
+
+// The job's first failure, seen when `change` ends a worker badly: a worker stopped since
+// before it cannot answer its peers and caused it, else `change` itself.
+Failure first_failure(const std::vector<Worker>& workers, const StatusChange& change) {
+  Failure f{change.rank, change.status};
+  uint64_t earliest = UINT64_MAX;
+  for (int r = 0; r < static_cast<int>(workers.size()); ++r) {
+    if (workers[r].running && workers[r].stopped_at != 0 && workers[r].stopped_at < earliest) {
+      earliest = workers[r].stopped_at;
+      f = Failure{r, workers[r].stop_status};
+    }
+  }
+  return f;
 }
 
 }  // namespace
@@ -61,47 +118,70 @@ int launch_workers(const std::vector<std::string>& args, const LaunchOptions& o)
   const int port = comm::pick_free_port();
   ::signal(SIGINT, on_signal);
   ::signal(SIGTERM, on_signal);
-  std::vector<pid_t> pids;
-  for (int r = 0; r < o.num_workers; ++r) pids.push_back(spawn(args, r, o.num_workers, port));
+  // SIGCHLD stays blocked so that sigtimedwait wakes the launcher as soon as a worker changes
+  // state: the first failure must be seen before the failures it causes.
+  sigset_t child_changed, caller_mask;
+  ::sigemptyset(&child_changed);
+  ::sigaddset(&child_changed, SIGCHLD);
+  ::pthread_sigmask(SIG_BLOCK, &child_changed, &caller_mask);
+  std::vector<Worker> workers;
+  for (int r = 0; r < o.num_workers; ++r) workers.push_back(Worker{spawn(args, r, o.num_workers, port, caller_mask)});
 
   using Clock = std::chrono::steady_clock;
-  std::vector<int> status(o.num_workers, 0);
-  int running = o.num_workers;
-  bool failed = false, killed = false;
+  std::optional<Failure> failure;
   Clock::time_point kill_at = Clock::time_point::max();
+  int running = o.num_workers;
+  uint64_t changes = 0;
   while (running > 0) {
-    int st = 0;
-    const pid_t pid = ::waitpid(-1, &st, WNOHANG);
-    if (pid > 0) {
-      --running;
-      int rank = 0;
-      while (pids[rank] != pid) ++rank;
-      status[rank] = st;
-      if (exit_code_of(st) != 0 && !killed) {
-        std::fprintf(stderr, "moka launch: worker %d %s\n", rank, describe(st).c_str());
-        if (!failed) kill_at = Clock::now() + std::chrono::duration_cast<Clock::duration>(
-                                                  std::chrono::duration<double>(o.grace_seconds));
-        failed = true;
+    for (const StatusChange& c : collect_status_changes(workers)) {
+      Worker& w = workers[c.rank];
+      ++changes;
+      if (WIFCONTINUED(c.status)) {
+        w.stopped_at = 0;
+      } else if (WIFSTOPPED(c.status)) {
+        w.stop_status = c.status;
+        w.stopped_at = changes;
+      } else {
+        w.running = false;
+        --running;
+        if (!failure && !g_interrupted && exit_code_of(c.status) != 0) {
+          failure = first_failure(workers, c);
+          kill_at = Clock::now() + std::chrono::duration_cast<Clock::duration>(
+                                       std::chrono::duration<double>(o.grace_seconds));
+        }
       }
-      continue;
     }
-    if (g_interrupted && !failed) {
-      failed = true;
-      kill_at = Clock::now();
+    if (g_interrupted && kill_at == Clock::time_point::max()) kill_at = Clock::now();
+    // A stopped worker cannot notice the failure, so it does not get the grace period.
+    for (Worker& w : workers) {
+      if (w.running && !w.killed && (Clock::now() >= kill_at || (failure && w.stopped_at != 0))) {
+        ::kill(w.pid, SIGKILL);
+        w.killed = true;
+      }
     }
-    if (!killed && Clock::now() >= kill_at) {
-      for (pid_t p : pids) ::kill(p, SIGKILL);  // reaped workers ignore it
-      killed = true;
-    }
-    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+    if (running == 0) break;
+    // At most until the grace period ends, and never longer than 100 ms in case another thread
+    // of this process took the SIGCHLD.
+    const Clock::duration until_kill = kill_at - Clock::now();
+    Clock::duration wait = std::chrono::milliseconds(100);
+    if (until_kill > Clock::duration::zero()) wait = std::min(wait, until_kill);
+    const auto ns = std::chrono::duration_cast<std::chrono::nanoseconds>(wait);
+    const timespec ts{static_cast<time_t>(ns.count() / 1'000'000'000), static_cast<long>(ns.count() % 1'000'000'000)};
+    ::sigtimedwait(&child_changed, nullptr, &ts);  // a worker changed state, a signal, or the time is up
   }
-  // The root cause wins the exit code: a worker that died by a signal, else the first failure.
-  int code = g_interrupted ? 130 : 0;
-  for (int st : status)
-    if (WIFSIGNALED(st) && WTERMSIG(st) != SIGKILL && code == 0) code = exit_code_of(st);
-  for (int st : status)
-    if (exit_code_of(st) != 0 && code == 0) code = exit_code_of(st);
-  return code;
+  ::pthread_sigmask(SIG_SETMASK, &caller_mask, nullptr);
+
+  if (g_interrupted) {
+    std::fprintf(stderr, "moka launch: interrupted; stopped the workers\n");
+    return 130;
+  }
+  if (!failure) return 0;
+  const bool killed_any = std::any_of(workers.begin(), workers.end(), [](const Worker& w) { return w.killed; });
+  const std::string others = o.num_workers == 1 ? ""
+                             : killed_any       ? " (first failure); stopped the other workers"
+                                                : " (first failure); the other workers exited";
+  std::fprintf(stderr, "moka launch: rank %d %s%s\n", failure->rank, describe(failure->status).c_str(), others.c_str());
+  return exit_code_of(failure->status);
 }
 
 }  // namespace moka
