@@ -1,5 +1,8 @@
 #include <gtest/gtest.h>
 
+#include <map>
+
+#include "determinism.hpp"
 #include "sched/fluid_sim.hpp"
 #include "sched_fixtures.hpp"
 
@@ -92,19 +95,24 @@ TEST(SchedFluid, RoundRobinHotQueueIsZeroEarlyAndGrowsConvexlyLate) {
 TEST(SchedFluid, EveryPlanIsDeterministic) {
   Fabric f;
   f.gpus = 16;
-  const auto d = zipf_matrix(16, 0.35, 2, 256);
-  EXPECT_EQ(d, zipf_matrix(16, 0.35, 2, 256));
-  for (Policy p : all_policies()) {
-    const auto a = plan_fluid(p, d, f, {1e-6, 4});
-    const auto b = plan_fluid(p, d, f, {1e-6, 4});
-    ASSERT_EQ(a.segments.size(), b.segments.size()) << to_string(p);
-    EXPECT_EQ(a.injection_end, b.injection_end);
-    for (size_t k = 0; k < a.segments.size(); ++k) {
-      EXPECT_EQ(a.segments[k].start, b.segments[k].start);
-      EXPECT_EQ(a.segments[k].rate, b.segments[k].rate);
-      EXPECT_EQ(a.segments[k].dst, b.segments[k].dst);
+  // Every policy's plan of a freshly drawn matrix, flattened, the policies planned in either
+  // order (state one plan left behind would change the next).
+  const auto plans = [&](bool reversed) {
+    const auto d = zipf_matrix(16, 0.35, 2, 256);
+    auto policies = all_policies();
+    if (reversed) std::reverse(policies.begin(), policies.end());
+    std::map<Policy, std::vector<double>> out;
+    for (Policy p : policies) {
+      const auto plan = plan_fluid(p, d, f, {1e-6, 4});
+      auto& flat = out[p];
+      flat = {plan.injection_end, double(plan.phases)};
+      for (const auto& s : plan.segments) flat.insert(flat.end(), {s.start, s.end, double(s.src), double(s.dst), s.rate});
     }
-  }
+    return out;
+  };
+  const auto runs = moka::testing::concurrent_runs([&] { return plans(false); });
+  for (size_t r = 1; r < runs.size(); ++r) EXPECT_EQ(runs[r], runs[0]) << "run " << r;
+  EXPECT_EQ(plans(true), runs[0]);
 }
 
 TEST(SchedFluid, RoutingCountsAndLocality) {

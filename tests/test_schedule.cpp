@@ -5,6 +5,7 @@
 
 #include "core/routing_gen.hpp"
 #include "core/schedule.hpp"
+#include "determinism.hpp"
 
 using namespace moka::core;
 
@@ -74,13 +75,22 @@ TEST(Schedule, InterleavesSourcesRoundRobinAndKeepsSlotOrder) {
 }
 
 TEST(Schedule, IsDeterministic) {
-  const auto all = routing(4, 100, 2, 8, RoutingKind::zipf, 3);
-  ScheduleDims d{4, 100, 2, 2, 2, 16};
-  const auto a = build_receive_schedule(d, all.data());
-  const auto b = build_receive_schedule(d, all.data());
-  EXPECT_EQ(a.row_source, b.row_source);
-  EXPECT_EQ(a.row_slot, b.row_slot);
-  EXPECT_EQ(a.counts, b.counts);
+  // Each run draws the routing anew and builds every rank's schedule, in both row orders.
+  const auto schedules = [] {
+    const auto all = routing(4, 100, 2, 8, RoutingKind::zipf, 3);
+    std::vector<std::vector<int64_t>> flat;
+    for (auto order : {moka::RowOrder::round_robin, moka::RowOrder::rate_based})
+      for (int rank = 0; rank < 4; ++rank) {
+        const auto s = build_receive_schedule({4, 100, 2, 2, 2 * rank, 16, order, rank}, all.data());
+        flat.push_back(s.counts);
+        flat.push_back(s.row_slot);
+        flat.emplace_back(s.row_source.begin(), s.row_source.end());
+        for (const auto& rows : s.canonical_rows) flat.push_back(rows);
+      }
+    return flat;
+  };
+  const auto runs = moka::testing::concurrent_runs(schedules);
+  for (size_t r = 1; r < runs.size(); ++r) EXPECT_EQ(runs[r], runs[0]) << "run " << r;
 }
 
 TEST(Schedule, SendPlanMatchesReceiverOrder) {

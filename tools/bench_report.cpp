@@ -59,7 +59,11 @@ void print_table(std::ostream& os, const std::vector<BenchRow>& rows) {
 Progress::Progress(std::string label) : label_(std::move(label)), tty_(isatty(STDERR_FILENO) != 0) {}
 
 void Progress::update(const std::string& what, int done, int total) {
-  const std::string line = label_ + " " + what + " [" + std::to_string(done) + "/" + std::to_string(total) + "]";
+  const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start_).count();
+  char elapsed[32];
+  std::snprintf(elapsed, sizeof elapsed, " %.1f s", seconds);
+  const std::string line =
+      label_ + " " + what + " [" + std::to_string(done) + "/" + std::to_string(total) + "]" + elapsed;
   if (tty_) {
     std::fprintf(stderr, "\r\033[K%s", line.c_str());
   } else if (what != last_) {

@@ -1,6 +1,7 @@
 // Result rows of `moka bench`: the table for people and one JSON line per case for
 // bench/results/.
 #pragma once
+#include <chrono>
 #include <cstdint>
 #include <iosfwd>
 #include <string>
@@ -28,7 +29,8 @@ void dump_routing(const std::string& path, const NamedShape& ns, int64_t tokens,
 std::string bench_json(const BenchRow& row);
 void print_table(std::ostream& os, const std::vector<BenchRow>& rows);
 
-// A progress line on stderr, redrawn in place on a terminal and printed once per case otherwise.
+// A progress line on stderr with the seconds since the start, redrawn in place on a terminal and
+// printed once per case otherwise.
 class Progress {
  public:
   explicit Progress(std::string label);
@@ -39,6 +41,7 @@ class Progress {
   std::string label_;
   bool tty_;
   std::string last_;
+  std::chrono::steady_clock::time_point start_ = std::chrono::steady_clock::now();
 };
 
 }  // namespace moka::cli

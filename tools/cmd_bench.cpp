@@ -16,13 +16,14 @@
 #include "cpu/layer_buffers.hpp"
 #include "moka/distributed.hpp"
 #include "moka/moka.hpp"
+#include "option_checks.hpp"
 
 namespace moka::cli {
 namespace {
 
 struct BenchOptions {
-  std::vector<std::string> shapes;
-  std::vector<int64_t> tokens;
+  std::vector<std::string> shapes = {"tiny"};
+  std::vector<int64_t> tokens = {512};
   std::string backend = "auto";
   int ep = 1;
   int iters = 5;
@@ -194,23 +195,56 @@ CudaBenchOptions cuda_options(const BenchOptions& o, const std::string& timeline
   return co;
 }
 
-void run_bench(BenchOptions o) {
-  if (ran_as_workers(o.gpus, "bench")) return;
-  const Backend backend = [&] {
-    const Backend b = parse_backend(o.backend);
-    if (b != Backend::automatic) return b;
-    return cuda_backend_available() ? Backend::cuda : Backend::cpu;
-  }();
-  require(o.ep >= 1, ErrorCode::invalid_argument, "--ep must be >= 1");
-  require(o.iters >= 1 && o.warmup >= 0, ErrorCode::invalid_argument, "--iters must be >= 1, --warmup >= 0");
+// Host memory of one case's reference buffers (cpu::LayerBuffers in fp64 and their f32 copy)
+// over `world` ranks; the layers' workspaces come on top.
+double reference_buffer_bytes(const MoeShape& s, int world, int64_t tokens) {
+  const double T = double(tokens), H = double(s.hidden), k = double(s.top_k);
+  const double local_experts = double(s.num_experts) / world;
+  const double values = 4 * T * H + 2 * T * k + 6 * local_experts * double(s.intermediate) * H +
+                        6 * double(s.shared_intermediate) * H;
+  return world * (values * (sizeof(double) + sizeof(float)) + 2 * T * k * sizeof(int32_t));
+}
+
+// Checks that need the shapes, before any rank, thread or buffer exists.
+void validate_cases(const BenchOptions& o, const std::vector<NamedShape>& shapes) {
+  const bool processes = o.gpus > 1;
+  const int world = processes ? o.gpus : o.ep;
+  const std::string ranks_option = (processes ? "--gpus " : "--ep ") + std::to_string(world);
+  require(!processes || o.ep == 1, ErrorCode::invalid_argument, "--ep (emulated ranks) cannot be combined with --gpus");
+  for (const auto& ns : shapes) {
+    const MoeShape& s = ns.shape;
+    require(s.num_experts % world == 0, ErrorCode::invalid_argument,
+            ranks_option + " does not divide the " + std::to_string(s.num_experts) + " experts of " + ns.name);
+    require(s.top_k <= s.num_experts, ErrorCode::invalid_argument,
+            "--top-k " + std::to_string(s.top_k) + " exceeds --experts " + std::to_string(s.num_experts));
+    for (int64_t t : o.tokens)
+      require_host_memory(reference_buffer_bytes(s, world, t), "--tokens " + std::to_string(t),
+                          "the reference buffers of " + ns.name + " over " + std::to_string(world) + " ranks");
+  }
+}
+
+// What `--backend auto` picks, and why in words for a note on stderr.
+std::pair<Backend, std::string> automatic_backend() {
+  if (cuda_backend_available()) return {Backend::cuda, "cuda (a GPU is visible)"};
+#ifdef MOKA_WITH_CUDA
+  return {Backend::cpu, "cpu (no GPU visible)"};
+#else
+  return {Backend::cpu, "cpu (this build has no CUDA backend)"};
+#endif
+}
+
+void run_bench(const BenchOptions& o) {
   std::vector<NamedShape> shapes;
   if (o.hidden > 0) {
     shapes.push_back(custom_shape(o));
   } else {
-    if (o.shapes.empty()) o.shapes = {"tiny"};
     for (const auto& name : o.shapes) shapes.push_back(named_shape(name));
   }
-  if (o.tokens.empty()) o.tokens = {512};
+  validate_cases(o, shapes);
+  if (ran_as_workers(o.gpus, "bench")) return;
+  const bool automatic = parse_backend(o.backend) == Backend::automatic;
+  const auto [backend, backend_choice] =
+      automatic ? automatic_backend() : std::pair<Backend, std::string>{parse_backend(o.backend), ""};
   if (o.paired_steps) {
     require(backend == Backend::cuda && shapes.size() == 1 && o.tokens.size() == 1 && o.gpus == 1 && o.ep == 1,
             ErrorCode::invalid_argument, "--paired-steps takes --backend cuda and one shape and token count");
@@ -221,6 +255,10 @@ void run_bench(BenchOptions o) {
   std::unique_ptr<ProcessGroup> workers = join_workers(backend == Backend::cuda);
   const bool root = !workers || workers->rank() == 0;
   require(!workers || o.ep == 1, ErrorCode::invalid_argument, "--ep (emulated ranks) cannot be combined with worker processes");
+  const int world = workers ? workers->size() : o.ep;
+  require(o.fail_rank < world, ErrorCode::invalid_argument,
+          "--fail-rank " + std::to_string(o.fail_rank) + " is not one of the " + std::to_string(world) + " ranks");
+  if (automatic && root) std::cerr << "moka bench: backend auto -> " << backend_choice << "\n";
   Progress progress("moka bench");
   std::vector<BenchRow> rows;
   try {
@@ -259,36 +297,51 @@ void run_bench(BenchOptions o) {
 void register_bench(CLI::App& app) {
   auto o = std::make_shared<BenchOptions>();
   auto* cmd = app.add_subcommand("bench", "Run the MoE layer forward+backward, check and time it");
-  cmd->add_option("--shape", o->shapes, "Named shape(s): qwen3-30b-a3b, qwen3-235b-a22b, deepseek-v3, "
-                                        "gpt-oss-120b, mixtral-8x7b, tiny")->delimiter(',');
-  cmd->add_option("--tokens", o->tokens, "Tokens per rank (comma list)")->delimiter(',');
+  auto* shape = cmd->add_option("--shape", o->shapes, "Named shape(s): qwen3-30b-a3b, qwen3-235b-a22b, deepseek-v3, "
+                                                      "gpt-oss-120b, mixtral-8x7b, tiny")
+                    ->delimiter(',');
+  cmd->add_option("--tokens", o->tokens, "Tokens per rank (comma list)")
+      ->delimiter(',')
+      ->check(CLI::Range(int64_t{1}, int64_t{1} << 30));
   cmd->add_option("--backend", o->backend, "cpu | cuda | auto")->check(CLI::IsMember({"cpu", "cuda", "auto"}));
-  cmd->add_option("--ep", o->ep, "Expert-parallel ranks (emulated as threads on the CPU backend)");
-  cmd->add_option("--iters", o->iters, "Timed iterations (median reported)");
-  cmd->add_option("--warmup", o->warmup, "Untimed warm-up iterations");
+  cmd->add_option("--ep", o->ep, "Expert-parallel ranks (emulated as threads on the CPU backend)")
+      ->check(CLI::Range(1, 1024));
+  cmd->add_option("--iters", o->iters, "Timed iterations (median reported)")->check(CLI::Range(1, 1000000));
+  cmd->add_option("--warmup", o->warmup, "Untimed warm-up iterations")->check(CLI::Range(0, 1000000));
   cmd->add_flag("--json", o->json, "One JSON line per case");
   cmd->add_option("--seed", o->seed, "Random seed");
   cmd->add_option("--routing", o->routing,
                   "router | uniform | zipf | one-expert | one-rank (CUDA expert parallelism: rank 0's experts only)")
       ->check(CLI::IsMember({"router", "uniform", "zipf", "one-expert", "one-rank"}));
-  cmd->add_option("--gini", o->gini, "Target per-expert load Gini for --routing zipf");
+  cmd->add_option("--gini", o->gini, "Target per-expert load Gini for --routing zipf")->check(gini_range());
   cmd->add_option("--dump-routing", o->dump_routing, "Append the routing of every case to FILE (JSON lines)");
-  cmd->add_option("--threads", o->threads, "CPU threads per rank (0 = all cores / ranks)");
-  cmd->add_option("--tile-rows", o->tile_rows, "Rows each expert is padded to");
-  cmd->add_option("--hidden", o->hidden, "Custom shape: hidden size");
-  cmd->add_option("--intermediate", o->intermediate, "Custom shape: expert intermediate size");
-  cmd->add_option("--experts", o->experts, "Custom shape: number of experts");
-  cmd->add_option("--topk", o->top_k, "Custom shape: experts per token");
-  cmd->add_option("--shared-intermediate", o->shared, "Custom shape: shared expert size (0 = none)");
+  cmd->add_option("--threads", o->threads, "CPU threads per rank (0 = all cores / ranks)")->check(CLI::Range(0, 4096));
+  cmd->add_option("--tile-rows", o->tile_rows, "Rows each expert is padded to")->check(CLI::Range(1, 1 << 16));
+  const auto custom = [&](const char* name, int64_t& value, const char* help, int64_t min) {
+    return cmd->add_option(name, value, help)->check(CLI::Range(min, int64_t{1} << 24));
+  };
+  auto* hidden = custom("--hidden", o->hidden, "Custom shape: hidden size", 1)->excludes(shape);
+  for (CLI::Option* option : {custom("--intermediate", o->intermediate, "Custom shape: expert intermediate size", 1),
+                               custom("--experts", o->experts, "Custom shape: number of experts", 1),
+                               custom("--top-k", o->top_k, "Custom shape: experts per token", 1)}) {
+    hidden->needs(option);
+    option->needs(hidden);
+  }
+  custom("--shared-intermediate", o->shared, "Custom shape: shared expert size (0 = none)", 0)->needs(hidden);
   cmd->add_option("--torch-results", o->torch_results,
-                  "JSON lines of bench/torch_baseline.py (same shapes, same run) to print speedups against");
-  cmd->add_option("--fail-rank", o->fail_rank, "Make this rank fail with a bad input (to test error propagation)");
+                  "JSON lines of bench/torch_baseline.py (same shapes, same run) to print speedups against")
+      ->check(CLI::ExistingFile);
+  cmd->add_option("--fail-rank", o->fail_rank, "Make this rank fail with a bad input (to test error propagation)")
+      ->check(CLI::Range(-1, 4095));
   cmd->add_option("--fail-mode", o->fail_mode, "bad-input | crash | kill | stall")
       ->check(CLI::IsMember({"bad-input", "crash", "kill", "stall"}));
-  cmd->add_option("--gpus", o->gpus, "Worker processes, one per GPU (started by moka itself)");
-  cmd->add_option("--comm-sms", o->megakernel.num_comm_sms, "Megakernel: communication CTAs (EP CUDA runs)");
-  cmd->add_option("--minibatch", o->megakernel.minibatch_size, "Megakernel: minibatch rows");
-  cmd->add_option("--macrobatch", o->megakernel.macrobatch_size, "Megakernel: ring-buffer rows");
+  cmd->add_option("--gpus", o->gpus, "Worker processes, one per GPU (started by moka itself)")->check(CLI::Range(1, 64));
+  cmd->add_option("--comm-sms", o->megakernel.num_comm_sms, "Megakernel: communication CTAs (EP CUDA runs)")
+      ->check(CLI::Range(1, 1024));
+  cmd->add_option("--minibatch", o->megakernel.minibatch_size, "Megakernel: minibatch rows")
+      ->check(CLI::Range(int64_t{1}, int64_t{1} << 30));
+  cmd->add_option("--macrobatch", o->megakernel.macrobatch_size, "Megakernel: ring-buffer rows")
+      ->check(CLI::Range(int64_t{1}, int64_t{1} << 30));
   cmd->add_option("--row-order", o->row_order, "Megakernel: order of the sources' rows in each expert segment")
       ->check(CLI::IsMember({"rate-based", "round-robin"}));
   cmd->add_option("--timeline", o->timeline, "Megakernel: write the first case's task timeline to FILE (JSON lines)");

@@ -20,7 +20,6 @@ struct IncastOptions {
 };
 
 void run(const IncastOptions& o) {
-  require(o.megabytes >= 1 && o.iters >= 1, ErrorCode::invalid_argument, "--megabytes and --iters must be >= 1");
   require(cuda_backend_available(), ErrorCode::backend_unavailable, "moka incast needs GPUs (none is visible)");
   if (ran_as_workers(o.gpus, "incast")) return;
   auto workers = join_workers(true);
@@ -51,9 +50,10 @@ void run(const IncastOptions& o) {
 void register_incast(CLI::App& app) {
   auto o = std::make_shared<IncastOptions>();
   auto* cmd = app.add_subcommand("incast", "Measure NVSwitch incast: k senders into one GPU and a victim flow");
-  cmd->add_option("--gpus", o->gpus, "Worker processes, one per GPU (>= 3)");
-  cmd->add_option("--megabytes", o->megabytes, "Bytes per flow, in MiB");
-  cmd->add_option("--iters", o->iters, "Timed rounds per sender count (median reported)");
+  cmd->add_option("--gpus", o->gpus, "Worker processes, one per GPU")->check(CLI::Range(3, 64));
+  cmd->add_option("--megabytes", o->megabytes, "Bytes per flow, in MiB")->check(CLI::Range(int64_t{1}, int64_t{1} << 16));
+  cmd->add_option("--iters", o->iters, "Timed rounds per sender count (median reported)")
+      ->check(CLI::Range(1, 1000000));
   cmd->add_flag("--json", o->json, "One JSON line per sender count");
   cmd->callback([o] { run(*o); });
 }

@@ -54,13 +54,18 @@ void register_tune(CLI::App& app) {
   auto o = std::make_shared<TuneOptions>();
   auto* cmd = app.add_subcommand("tune", "Sweep the megakernel's num_comm_sms and minibatch_size (CUDA)");
   cmd->add_option("--shape", o->shape, "Named shape");
-  cmd->add_option("--tokens", o->tokens, "Tokens per rank");
-  cmd->add_option("--gpus", o->gpus, "Worker processes, one per GPU (expert parallelism)");
-  cmd->add_option("--iters", o->iters, "Timed iterations per configuration (median reported)");
-  cmd->add_option("--warmup", o->warmup, "Untimed warm-up iterations");
-  cmd->add_option("--comm-sms", o->comm_sms, "Communication CTA counts to try (comma list)")->delimiter(',');
-  cmd->add_option("--minibatch", o->minibatches, "Minibatch sizes to try (comma list)")->delimiter(',');
-  cmd->add_option("--macrobatch", o->macrobatch, "Ring-buffer rows");
+  cmd->add_option("--tokens", o->tokens, "Tokens per rank")->check(CLI::Range(int64_t{1}, int64_t{1} << 30));
+  cmd->add_option("--gpus", o->gpus, "Worker processes, one per GPU (expert parallelism)")->check(CLI::Range(1, 64));
+  cmd->add_option("--iters", o->iters, "Timed iterations per configuration (median reported)")
+      ->check(CLI::Range(1, 1000000));
+  cmd->add_option("--warmup", o->warmup, "Untimed warm-up iterations")->check(CLI::Range(0, 1000000));
+  cmd->add_option("--comm-sms", o->comm_sms, "Communication CTA counts to try (comma list)")
+      ->delimiter(',')
+      ->check(CLI::Range(1, 1024));
+  cmd->add_option("--minibatch", o->minibatches, "Minibatch sizes to try (comma list)")
+      ->delimiter(',')
+      ->check(CLI::Range(int64_t{1}, int64_t{1} << 30));
+  cmd->add_option("--macrobatch", o->macrobatch, "Ring-buffer rows")->check(CLI::Range(int64_t{1}, int64_t{1} << 30));
   cmd->add_flag("--json", o->json, "One JSON line per configuration");
   cmd->callback([o] { run_tune(*o); });
 }

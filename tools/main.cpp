@@ -4,10 +4,13 @@
 
 #include "commands.hpp"
 #include "moka/error.hpp"
+#include "moka/moka.hpp"
 
 int main(int argc, char** argv) {
   CLI::App app{"moka: Mixture-of-Experts layers for NVLink-connected Hopper GPUs"};
   app.require_subcommand(1);
+  app.set_version_flag("--version", std::string("moka ") + MOKA_VERSION + " (commit " + moka::build_commit() + ")");
+  app.option_defaults()->always_capture_default();  // --help shows every option's default
   moka::cli::set_command_line(argc, argv);
   moka::cli::register_bench(app);
   moka::cli::register_launch(app);
