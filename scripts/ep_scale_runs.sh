@@ -1,12 +1,13 @@
 #!/usr/bin/env bash
-# Issue 8 on a machine of 4 or 8 GPUs, one device call: the expert-parallel checks at EP=N (the
-# megakernel's capacity overflow included), then side by side for every named shape at 4096 and
-# 16384 tokens per rank: PyTorch + NCCL, moka's all-to-all path and the megakernel forward; then
-# skewed routing (Zipf Gini 0.2 and 0.4, every token to rank 0's experts) with the megakernel's
-# rows in round-robin (equal per-peer shares) and rate-based (the planner's proportional) order,
-# each with a task timeline (dispatch and combine spans) and its routing dump, which
-# bench/compare_sim.py replays through `moka simulate` at the measured bandwidth; then `moka
-# incast` (k senders into one GPU with a victim flow from one of them to another GPU).
+# Expert parallelism at scale, all in one call of a machine of 4 or 8 GPUs: the expert-parallel
+# checks at EP=N (the megakernel's capacity overflow included), then side by side for every named
+# shape at 4096 and 16384 tokens per rank: PyTorch + NCCL, moka's all-to-all path and the
+# megakernel forward; then skewed routing (Zipf Gini 0.2 and 0.4, every token to rank 0's
+# experts) with the megakernel's rows in round-robin (equal per-peer shares) and rate-based (the
+# planner's proportional) order, each with a task timeline (dispatch and combine spans) and its
+# routing dump, which bench/compare_sim.py replays through `moka simulate` at the measured
+# bandwidth; then `moka incast` (k senders into one GPU with a victim flow from one of them to
+# another GPU).
 # BIN: the folder scripts/stage_gpu.sh made. Writes JSON lines and logs to $OUT.
 set -uo pipefail
 BIN=$(cd "${1:-build}" && pwd)

@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Installs what moka's build and tests need on a Debian machine (idempotent).
+# Installs what moka's build and tests need on a Debian machine (idempotent). The CUDA backend's
+# CUTLASS headers are fetched by CMake into each build directory (scripts/fetch_cutlass.sh).
 set -euo pipefail
 packages=(cmake ninja-build g++ git python3 python3-pip unzip libgtest-dev libcli11-dev nlohmann-json3-dev)
 missing=()
@@ -15,10 +16,6 @@ fi
 # nvcc lives outside PATH on some machines; CMake finds it through PATH or CUDACXX.
 if ! command -v nvcc >/dev/null && [ -x /usr/local/cuda/bin/nvcc ]; then
   echo "setup: nvcc found at /usr/local/cuda/bin (add it to PATH to build the CUDA backend)"
-fi
-# The pinned CUTLASS headers the CUDA backend's grouped GEMM is built from.
-if command -v nvcc >/dev/null || [ -x /usr/local/cuda/bin/nvcc ]; then
-  bash "$(dirname "$0")/fetch_cutlass.sh"
 fi
 # The English text `moka train` and the training tests use.
 bash "$(dirname "$0")/fetch_data.sh"

@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Issue 7 on the GPU machine in one device call (about 9 minutes; BUDGET_S, default 450, bounds it):
+# The trainer's GPU measurements in one device call (about 9 minutes; BUDGET_S, default 450,
+# bounds it, so the run fits one call of the GPU machine):
 #   1. the GPU training tests (engine vs the CPU reference, loss falls, bit-exact resume);
 #   2. tokens/s of the 512-wide model: `moka train --backend cuda` against the same model in
 #      PyTorch eager (bench/torch_train_baseline.py), back to back on one GPU;

@@ -1,6 +1,7 @@
 // `moka incast --gpus N`: does many-to-one traffic on NVSwitch slow an unrelated flow? k senders
 // (k = 0..N-1) copy into GPU 0 while one of them also copies to GPU N-1 (the victim flow);
-// prints the receiver's and the victim's throughput for each k (issue 8's incast measurement).
+// prints the receiver's and the victim's throughput for each k, to tell whether expert-parallel
+// skew (many ranks sending to one) costs the other ranks' traffic too.
 #include <cstdio>
 #include <iostream>
 

@@ -35,21 +35,6 @@ struct MoeShape {
 //     schedule, docs/SCHEDULING.md). Results are bitwise the same either way.
 enum class RowOrder : uint8_t { round_robin, rate_based };
 
-// Expert parallelism: experts are split in contiguous blocks of E / world_size over the ranks.
-struct ParallelConfig {
-  int rank = 0;
-  int world_size = 1;
-};
-
-struct ExpertPartition {
-  int64_t num_experts = 0;
-  int world_size = 1;
-  int64_t experts_per_rank() const { return num_experts / world_size; }
-  int owner(int64_t expert) const { return static_cast<int>(expert / experts_per_rank()); }
-  int64_t first_local(int rank) const { return rank * experts_per_rank(); }
-  int64_t local_index(int64_t expert) const { return expert % experts_per_rank(); }
-};
-
 enum class ScoreFunction : uint8_t { softmax, sigmoid };
 
 struct RouterConfig {

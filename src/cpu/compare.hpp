@@ -26,10 +26,4 @@ double max_rel_error(const std::vector<A>& a, const std::vector<R>& ref) {
   return max_rel_error(a.data(), ref.data(), static_cast<int64_t>(std::min(a.size(), ref.size())));
 }
 
-// Elementwise conversion of a whole buffer set (e.g. an fp64 reference to fp32 inputs).
-template <typename To, typename From>
-std::vector<To> converted(const std::vector<From>& v) {
-  return std::vector<To>(v.begin(), v.end());
-}
-
 }  // namespace moka::cpu
