@@ -43,6 +43,9 @@ void print_slopes(const train::CoordCheckResult& r) {
 void run(CoordCheckCommand& c) {
   train::CoordCheckConfig config;
   config.multipliers = parse_multipliers(c.multipliers);
+  check_output_path("--csv", c.csv);
+  if (!c.plot.empty()) check_plotter(c.plot);
+  c.options.steps = c.steps + 1;
   config.train = c.options.resolve(1);
   config.steps = c.steps;
   const auto text = c.options.load_text();
@@ -58,18 +61,15 @@ void run(CoordCheckCommand& c) {
 void register_coordcheck(CLI::App& app) {
   auto c = std::make_shared<CoordCheckCommand>();
   auto* cmd = app.add_subcommand("coordcheck", "muP coordinate check: activation size vs width over a few steps");
-  add_train_options(cmd, c->options);
   c->options.train.adam.lr = 1e-2;
   c->options.train.adam.weight_decay = 0.0;
   c->options.schedule = "constant";
+  add_train_options(cmd, c->options, SharedOptions{.steps = false, .lr = true});
   cmd->add_option("--mults", c->multipliers, "width multipliers of the base model")->capture_default_str();
-  cmd->add_option("--check-steps", c->steps, "record after 0..N updates")->capture_default_str();
+  cmd->add_option("--check-steps", c->steps, "record after 0..N updates")->capture_default_str()->check(at_least(0));
   cmd->add_option("--csv", c->csv, "CSV output")->capture_default_str();
-  cmd->add_option("--plot", c->plot, "plot image ('' = none)")->capture_default_str();
-  cmd->callback([c] {
-    c->options.steps = c->steps + 1;
-    run(*c);
-  });
+  cmd->add_option("--plot", c->plot, "plot image ('' = none; needs python3 with matplotlib)")->capture_default_str();
+  cmd->callback([c] { run(*c); });
 }
 
 }  // namespace moka::cli

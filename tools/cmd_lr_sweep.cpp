@@ -25,7 +25,7 @@ struct LrSweepCommand {
 };
 
 std::vector<double> log_grid(double lo, double hi, int n) {
-  require(n >= 2 && lo > 0 && hi > lo, ErrorCode::invalid_argument, "LR grid needs 0 < --lr-min < --lr-max, 2+ points");
+  require(hi > lo, ErrorCode::invalid_argument, "--lr-min must be below --lr-max");
   std::vector<double> out;
   for (int i = 0; i < n; ++i) out.push_back(lo * std::pow(hi / lo, double(i) / double(n - 1)));
   return out;
@@ -43,9 +43,11 @@ void write_csv(const std::string& path, const std::string& param, const train::L
 
 void run(LrSweepCommand& c) {
   train::LrSweepConfig config;
-  config.train = c.options.resolve(1);
   config.multipliers = parse_multipliers(c.multipliers);
   config.lrs = log_grid(c.lr_min, c.lr_max, c.lr_points);
+  check_output_path("--csv", c.csv);
+  if (!c.plot.empty()) check_plotter(c.plot);
+  config.train = c.options.resolve(1);
   config.eval_batches = c.eval_batches;
   config.workers = c.workers > 0                           ? c.workers
                    : config.train.backend == Backend::cuda ? 4
@@ -70,15 +72,19 @@ void run(LrSweepCommand& c) {
 void register_lr_sweep(CLI::App& app) {
   auto c = std::make_shared<LrSweepCommand>();
   auto* cmd = app.add_subcommand("lr-sweep", "Grid over widths x learning rates, optimum per width and its drift");
-  add_train_options(cmd, c->options);
+  add_train_options(cmd, c->options, SharedOptions{.steps = true, .lr = false});
   cmd->add_option("--mults", c->multipliers, "width multipliers of the base model")->capture_default_str();
-  cmd->add_option("--lr-min", c->lr_min, "smallest LR of the log grid")->capture_default_str();
-  cmd->add_option("--lr-max", c->lr_max, "largest LR of the log grid")->capture_default_str();
-  cmd->add_option("--lr-points", c->lr_points, "LRs in the grid")->capture_default_str();
-  cmd->add_option("--workers", c->workers, "runs at once: CPU threads, or GPU processes with --backend cuda (0 = one per hardware thread on the CPU, 4 on the GPU)")->capture_default_str();
-  cmd->add_option("--eval-batches", c->eval_batches, "validation batches per run")->capture_default_str();
+  cmd->add_option("--lr-min", c->lr_min, "smallest LR of the log grid")->capture_default_str()->check(greater_than(0));
+  cmd->add_option("--lr-max", c->lr_max, "largest LR of the log grid")->capture_default_str()->check(greater_than(0));
+  cmd->add_option("--lr-points", c->lr_points, "LRs in the grid")->capture_default_str()->check(at_least(2));
+  cmd->add_option("--workers", c->workers, "runs at once: CPU threads, or GPU processes with --backend cuda (0 = one per hardware thread on the CPU, 4 on the GPU)")
+      ->capture_default_str()
+      ->check(at_least(0));
+  cmd->add_option("--eval-batches", c->eval_batches, "validation batches per run")
+      ->capture_default_str()
+      ->check(at_least(1));
   cmd->add_option("--csv", c->csv, "CSV output")->capture_default_str();
-  cmd->add_option("--plot", c->plot, "plot image ('' = none)")->capture_default_str();
+  cmd->add_option("--plot", c->plot, "plot image ('' = none; needs python3 with matplotlib)")->capture_default_str();
   cmd->callback([c] { run(*c); });
 }
 

@@ -1,8 +1,15 @@
 // `moka train`: trains the MoE language model on the fortunes text with a progress line (loss,
-// tokens/s, expert load balance), periodic validation, and safetensors checkpoints.
+// tokens/s, expert load balance), periodic validation, and safetensors checkpoints (at the end,
+// every --save-every steps, and when SIGINT or SIGTERM stops the run).
+#include <signal.h>
+
 #include <chrono>
+#include <csignal>
 #include <cstdio>
+#include <filesystem>
 #include <iostream>
+#include <stdexcept>
+#include <utility>
 
 #include "bench_report.hpp"
 #include "commands.hpp"
@@ -16,7 +23,40 @@ struct TrainCommand {
   int64_t width_mult = 1;
   int64_t eval_every = 50;
   int eval_batches = 8;
+  int64_t save_every = 0;
   std::string save, resume;
+};
+
+volatile std::sig_atomic_t stop_signal = 0;
+
+extern "C" void request_stop(int signal) { stop_signal = signal; }
+
+// While alive, SIGINT and SIGTERM ask the training loop to stop at the next step boundary (and
+// save); the handler then resets, so a second signal ends the process at once. A signal the
+// process was started ignoring (nohup, a background job's SIGINT) stays ignored.
+class StopOnSignal {
+ public:
+  StopOnSignal() {
+    stop_signal = 0;
+    struct sigaction action {};
+    action.sa_handler = request_stop;
+    action.sa_flags = SA_RESETHAND;
+    sigemptyset(&action.sa_mask);
+    for (auto [signal, previous] : {std::pair{SIGINT, &previous_int_}, std::pair{SIGTERM, &previous_term_}}) {
+      ::sigaction(signal, nullptr, previous);
+      if (previous->sa_handler != SIG_IGN) ::sigaction(signal, &action, nullptr);
+    }
+  }
+  StopOnSignal(const StopOnSignal&) = delete;
+  StopOnSignal& operator=(const StopOnSignal&) = delete;
+  ~StopOnSignal() {
+    ::sigaction(SIGINT, &previous_int_, nullptr);
+    ::sigaction(SIGTERM, &previous_term_, nullptr);
+  }
+  int signal() const { return stop_signal; }
+
+ private:
+  struct sigaction previous_int_ {}, previous_term_ {};
 };
 
 std::string progress_text(const train::StepReport& r, double tokens_per_s) {
@@ -27,10 +67,23 @@ std::string progress_text(const train::StepReport& r, double tokens_per_s) {
 }
 
 void run(TrainCommand& c) {
+  if (!c.save.empty()) check_output_path("--save", c.save);
+  require(c.resume.empty() || std::filesystem::is_regular_file(c.resume), ErrorCode::invalid_argument,
+          "--resume " + c.resume + ": no such file");
   const auto config = c.options.resolve(c.width_mult);
   const auto text = c.options.load_text();
   train::Trainer trainer(config, text);
-  if (!c.resume.empty()) trainer.load(c.resume);
+  const int64_t total = config.schedule.total_steps;
+  if (!c.resume.empty()) {
+    trainer.load(c.resume);
+    require(trainer.steps_done() <= total, ErrorCode::invalid_argument,
+            "--resume " + c.resume + " is at step " + std::to_string(trainer.steps_done()) + ", past --steps " +
+                std::to_string(total));
+  }
+  auto save = [&] {
+    trainer.save(c.save);
+    std::cout << "saved " << c.save << " at step " << trainer.steps_done() << std::endl;
+  };
   std::cout << "moka train: d_model " << config.model.d_model << ", " << config.model.num_experts << " experts, "
             << to_string(config.parameterization) << ", " << text.train.size() << " train / " << text.validation.size()
             << " validation bytes\n";
@@ -42,9 +95,16 @@ void run(TrainCommand& c) {
   auto steady_start = start;
   int64_t tokens = 0, steady_tokens = 0;
   double eval_seconds = 0;
-  const int64_t total = config.schedule.total_steps;
+  const StopOnSignal stop;
   while (trainer.steps_done() < total) {
     const auto r = trainer.step();
+    if (stop.signal()) {
+      progress.finish();
+      if (!c.save.empty()) save();
+      throw std::runtime_error(std::string("training stopped by ") + (stop.signal() == SIGINT ? "SIGINT" : "SIGTERM") +
+                               " after step " + std::to_string(r.step + 1) +
+                               (c.save.empty() ? " (no --save: nothing saved)" : "; --resume " + c.save + " continues it"));
+    }
     tokens += r.tokens;
     if (r.step + 1 == kWarmupSteps) steady_start = clock::now();
     if (r.step + 1 > kWarmupSteps) steady_tokens += r.tokens;
@@ -59,6 +119,10 @@ void run(TrainCommand& c) {
       std::cout << std::endl;
       if (r.step + 1 > kWarmupSteps) eval_seconds += std::chrono::duration<double>(clock::now() - eval_start).count();
     }
+    if (c.save_every > 0 && (r.step + 1) % c.save_every == 0 && r.step + 1 < total) {
+      progress.finish();
+      save();
+    }
   }
   progress.finish();
   if (steady_tokens > 0) {
@@ -67,10 +131,7 @@ void run(TrainCommand& c) {
                 double(steady_tokens) / seconds, (long long)kWarmupSteps + 1, (long long)total,
                 to_string(config.backend));
   }
-  if (!c.save.empty()) {
-    trainer.save(c.save);
-    std::cout << "saved " << c.save << "\n";
-  }
+  if (!c.save.empty()) save();
 }
 
 }  // namespace
@@ -80,11 +141,19 @@ void register_train(CLI::App& app) {
   auto* cmd = app.add_subcommand("train", "Train the MoE language model on the fortunes text");
   add_train_options(cmd, c->options);
   cmd->add_option("--width-mult", c->width_mult, "train the base model widened this many times")
-      ->capture_default_str();
-  cmd->add_option("--eval-every", c->eval_every, "validate every N steps (0 = only never)")->capture_default_str();
-  cmd->add_option("--eval-batches", c->eval_batches, "validation batches")->capture_default_str();
-  cmd->add_option("--save", c->save, "write a safetensors checkpoint at the end");
-  cmd->add_option("--resume", c->resume, "continue from a checkpoint (bit-exact)");
+      ->capture_default_str()
+      ->check(at_least(1));
+  cmd->add_option("--eval-every", c->eval_every, "validate every N steps (0 = never)")
+      ->capture_default_str()
+      ->check(at_least(0));
+  cmd->add_option("--eval-batches", c->eval_batches, "validation batches")->capture_default_str()->check(at_least(1));
+  auto* save = cmd->add_option("--save", c->save,
+                               "write a safetensors checkpoint at the end, and on SIGINT/SIGTERM before exiting");
+  cmd->add_option("--save-every", c->save_every, "also save every N steps (0 = only at the end)")
+      ->capture_default_str()
+      ->check(at_least(0))
+      ->needs(save);
+  cmd->add_option("--resume", c->resume, "continue from a checkpoint of the same model (bit-exact)");
   cmd->callback([c] { run(*c); });
 }
 

@@ -5,6 +5,8 @@ usage: plot_mup.py coordcheck CSV PNG   -- mean |activation| vs width, one panel
                                             one line per step
        plot_mup.py lrsweep CSV PNG      -- validation loss vs LR, one line per width, fitted
                                             optimum eta* marked
+       plot_mup.py check                -- exits 0 when matplotlib loads (moka asks before
+                                            the work starts)
 Needs matplotlib (Debian: python3-matplotlib, so /usr/bin/python3).
 """
 import csv
@@ -12,10 +14,16 @@ import math
 import sys
 from collections import defaultdict
 
-import matplotlib
 
-matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402
+def load_pyplot():
+    try:
+        import matplotlib
+    except ImportError:
+        sys.exit(f"plot_mup.py: {sys.executable} has no matplotlib "
+                 "(Debian: apt install python3-matplotlib, as scripts/setup.sh does)")
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    return plt
 
 
 def read_rows(path):
@@ -23,7 +31,7 @@ def read_rows(path):
         return list(csv.DictReader(f))
 
 
-def plot_coordcheck(rows, png):
+def plot_coordcheck(plt, rows, png):
     series = defaultdict(lambda: defaultdict(list))  # activation -> step -> [(width, value)]
     for r in rows:
         series[r["activation"]][int(r["step"])].append((int(r["width"]), float(r["mean_abs"])))
@@ -44,7 +52,7 @@ def plot_coordcheck(rows, png):
     fig.savefig(png, dpi=110)
 
 
-def plot_lrsweep(rows, png):
+def plot_lrsweep(plt, rows, png):
     points = defaultdict(list)
     optima = {}
     for r in rows:
@@ -73,10 +81,14 @@ def plot_lrsweep(rows, png):
 
 
 def main():
+    if sys.argv[1:] == ["check"]:
+        load_pyplot()
+        return
     if len(sys.argv) != 4 or sys.argv[1] not in ("coordcheck", "lrsweep"):
         sys.exit(__doc__)
+    plt = load_pyplot()
     rows = read_rows(sys.argv[2])
-    (plot_coordcheck if sys.argv[1] == "coordcheck" else plot_lrsweep)(rows, sys.argv[3])
+    (plot_coordcheck if sys.argv[1] == "coordcheck" else plot_lrsweep)(plt, rows, sys.argv[3])
 
 
 if __name__ == "__main__":

@@ -1,59 +1,161 @@
 #include "train_options.hpp"
 
+#include <spawn.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <charconv>
 #include <cstdlib>
-#include <iostream>
+#include <cstring>
+#include <filesystem>
 #include <sstream>
 
-namespace moka::cli {
+#include "commands.hpp"
 
-void add_train_options(CLI::App* cmd, TrainCliOptions& o) {
+extern char** environ;
+
+namespace moka::cli {
+namespace {
+
+CLI::Validator number_check(const std::string& rule, std::function<bool(double)> holds) {
+  return CLI::Validator(
+      [rule, holds](std::string& input) -> std::string {
+        double value = 0;
+        if (!CLI::detail::lexical_cast(input, value)) return "'" + input + "' is not a number";
+        return holds(value) ? std::string() : "must be " + rule + ", got " + input;
+      },
+      rule);
+}
+
+std::string number_text(double v) {
+  std::ostringstream out;
+  out << v;
+  return out.str();
+}
+
+const char* python() {
+  const char* p = std::getenv("MOKA_PYTHON");
+  return p && *p ? p : "/usr/bin/python3";
+}
+
+std::string plot_script() {
+  const auto script = std::filesystem::path(self_executable()).parent_path() / "plot_mup.py";
+  require(std::filesystem::is_regular_file(script), ErrorCode::io,
+          "the plot script " + script.string() +
+              " is missing (the build copies tools/plot_mup.py next to the moka binary); --plot '' skips the plot");
+  return script.string();
+}
+
+// Runs argv[0] (looked up in PATH) with its arguments as they are, no shell, and returns its
+// exit status (128 + the signal when a signal ended it).
+int run_program(const std::vector<std::string>& argv) {
+  std::vector<char*> args;
+  for (const auto& a : argv) args.push_back(const_cast<char*>(a.c_str()));
+  args.push_back(nullptr);
+  pid_t pid = 0;
+  const int err = ::posix_spawnp(&pid, args[0], nullptr, nullptr, args.data(), environ);
+  require(err == 0, ErrorCode::io, "cannot run " + argv[0] + ": " + std::strerror(err));
+  int status = 0;
+  while (::waitpid(pid, &status, 0) < 0)
+    require(errno == EINTR, ErrorCode::io, "waiting for " + argv[0] + " failed: " + std::strerror(errno));
+  return WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
+}
+
+}  // namespace
+
+CLI::Validator at_least(double min) {
+  return number_check(">= " + number_text(min), [min](double v) { return v >= min; });
+}
+CLI::Validator greater_than(double min) {
+  return number_check("> " + number_text(min), [min](double v) { return v > min; });
+}
+CLI::Validator at_most(double max) {
+  return number_check("<= " + number_text(max), [max](double v) { return v <= max; });
+}
+CLI::Validator below(double max) {
+  return number_check("< " + number_text(max), [max](double v) { return v < max; });
+}
+
+TrainCliOptions::TrainCliOptions() {
+  base.d_model = 32;
+  base.num_heads = 2;
+  base.q_rank = base.kv_rank = 16;
+  base.dense_intermediate = 64;
+  base.num_experts = 4;
+  train.batch = 4;
+  train.seq = 32;
+}
+
+void add_train_options(CLI::App* cmd, TrainCliOptions& o, SharedOptions which) {
   auto& b = o.base;
-  b.d_model = 32;
-  b.num_heads = 2;
-  b.q_rank = b.kv_rank = 16;
-  b.dense_intermediate = 64;
-  b.num_experts = 4;
-  o.train.batch = 4;
-  o.train.seq = 32;
-  cmd->add_option("--d-model", b.d_model, "base (x1) model width")->capture_default_str();
-  cmd->add_option("--heads", b.num_heads, "base attention heads")->capture_default_str();
-  cmd->add_option("--head-dim", b.head_dim, "head dimension (fixed as width grows)")->capture_default_str();
-  cmd->add_option("--attention", o.attention, "mla | mha")->capture_default_str();
-  cmd->add_option("--q-rank", b.q_rank, "MLA query latent rank")->capture_default_str();
-  cmd->add_option("--kv-rank", b.kv_rank, "MLA key/value latent rank")->capture_default_str();
-  cmd->add_option("--layers", b.num_layers, "layers (the first has a dense FFN)")->capture_default_str();
-  cmd->add_option("--dense-intermediate", b.dense_intermediate, "dense FFN size of layer 0")->capture_default_str();
-  cmd->add_option("--experts", b.num_experts, "base routed experts")->capture_default_str();
-  cmd->add_option("--top-k", b.top_k, "experts per token")->capture_default_str();
-  cmd->add_option("--expert-intermediate", b.expert_intermediate, "expert FFN size")->capture_default_str();
-  cmd->add_option("--shared", b.shared_intermediate, "shared expert size (0 = none)")->capture_default_str();
-  cmd->add_option("--z-loss", b.z_loss_coef, "router z-loss coefficient")->capture_default_str();
-  cmd->add_option("--param", o.parameterization, "sp | mup")->capture_default_str();
-  cmd->add_option("--lr", o.train.adam.lr, "peak learning rate")->capture_default_str();
-  cmd->add_option("--weight-decay", o.train.adam.weight_decay, "decoupled weight decay")->capture_default_str();
-  cmd->add_option("--clip", o.train.adam.clip_norm, "max gradient norm (0 = off)")->capture_default_str();
-  cmd->add_option("--steps", o.steps, "optimizer steps")->capture_default_str();
-  cmd->add_option("--warmup", o.warmup, "warmup steps")->capture_default_str();
-  cmd->add_option("--schedule", o.schedule, "constant | wsd | cosine")->capture_default_str();
+  const auto one_or_more = at_least(1);
+  cmd->add_option("--d-model", b.d_model, "base (x1) model width")->capture_default_str()->check(one_or_more);
+  cmd->add_option("--heads", b.num_heads, "base attention heads")->capture_default_str()->check(one_or_more);
+  cmd->add_option("--head-dim", b.head_dim, "head dimension (fixed as width grows)")
+      ->capture_default_str()
+      ->check(one_or_more);
+  cmd->add_option("--attention", o.attention, "mla | mha")->capture_default_str()->check(CLI::IsMember({"mla", "mha"}));
+  cmd->add_option("--q-rank", b.q_rank, "MLA query latent rank")->capture_default_str()->check(one_or_more);
+  cmd->add_option("--kv-rank", b.kv_rank, "MLA key/value latent rank")->capture_default_str()->check(one_or_more);
+  cmd->add_option("--layers", b.num_layers, "layers (the first has a dense FFN)")->capture_default_str()->check(one_or_more);
+  cmd->add_option("--dense-intermediate", b.dense_intermediate, "dense FFN size of layer 0")
+      ->capture_default_str()
+      ->check(one_or_more);
+  cmd->add_option("--experts", b.num_experts, "base routed experts")->capture_default_str()->check(one_or_more);
+  cmd->add_option("--top-k", b.top_k, "experts per token")->capture_default_str()->check(one_or_more);
+  cmd->add_option("--expert-intermediate", b.expert_intermediate, "expert FFN size")
+      ->capture_default_str()
+      ->check(one_or_more);
+  cmd->add_option("--shared", b.shared_intermediate, "shared expert size (0 = none)")
+      ->capture_default_str()
+      ->check(at_least(0));
+  cmd->add_option("--z-loss", b.z_loss_coef, "router z-loss coefficient")->capture_default_str()->check(at_least(0));
+  cmd->add_option("--param", o.parameterization, "sp | mup")->capture_default_str()->check(CLI::IsMember({"sp", "mup"}));
+  if (which.lr)
+    cmd->add_option("--lr", o.train.adam.lr, "peak learning rate")->capture_default_str()->check(greater_than(0));
+  cmd->add_option("--weight-decay", o.train.adam.weight_decay, "decoupled weight decay")
+      ->capture_default_str()
+      ->check(at_least(0));
+  cmd->add_option("--clip", o.train.adam.clip_norm, "max gradient norm (0 = off)")
+      ->capture_default_str()
+      ->check(at_least(0));
+  if (which.steps) cmd->add_option("--steps", o.steps, "optimizer steps")->capture_default_str()->check(one_or_more);
+  cmd->add_option("--warmup", o.warmup, "warmup steps")->capture_default_str()->check(at_least(0));
+  cmd->add_option("--schedule", o.schedule, "constant | wsd | cosine")
+      ->capture_default_str()
+      ->check(CLI::IsMember({"constant", "wsd", "cosine"}));
   cmd->add_option("--decay-fraction", o.train.schedule.decay_fraction, "WSD: share of steps decaying")
-      ->capture_default_str();
-  cmd->add_option("--min-lr-ratio", o.train.schedule.min_ratio, "final LR / peak LR")->capture_default_str();
-  cmd->add_option("--batch", o.train.batch, "sequences per step")->capture_default_str();
-  cmd->add_option("--seq", o.train.seq, "tokens per sequence")->capture_default_str();
-  cmd->add_option("--bias-rate", o.train.bias_update_rate, "aux-loss-free balancing rate")->capture_default_str();
-  cmd->add_option("--ema", o.train.ema_decay, "EMA decay of the weights (0 = off)")->capture_default_str();
+      ->capture_default_str()
+      ->check(at_least(0))
+      ->check(at_most(1));
+  cmd->add_option("--min-lr-ratio", o.train.schedule.min_ratio, "final LR / peak LR")
+      ->capture_default_str()
+      ->check(at_least(0))
+      ->check(at_most(1));
+  cmd->add_option("--batch", o.train.batch, "sequences per step")->capture_default_str()->check(one_or_more);
+  cmd->add_option("--seq", o.train.seq, "tokens per sequence")->capture_default_str()->check(one_or_more);
+  cmd->add_option("--bias-rate", o.train.bias_update_rate, "aux-loss-free balancing rate")
+      ->capture_default_str()
+      ->check(at_least(0));
+  cmd->add_option("--ema", o.train.ema_decay, "EMA decay of the weights (0 = off)")
+      ->capture_default_str()
+      ->check(at_least(0))
+      ->check(below(1));
   cmd->add_option("--seed", o.train.seed, "init and data seed")->capture_default_str();
-  cmd->add_option("--threads", o.train.threads, "CPU threads per run")->capture_default_str();
-  cmd->add_option("--backend", o.backend, "cpu | cuda")->capture_default_str();
+  cmd->add_option("--threads", o.train.threads, "CPU threads per run")->capture_default_str()->check(one_or_more);
+  cmd->add_option("--backend", o.backend, "cpu | cuda")->capture_default_str()->check(CLI::IsMember({"cpu", "cuda"}));
   cmd->add_option("--data", o.data_dir, "fortune text folder (default: $MOKA_TEXT_DIR or the fortunes package)");
-  cmd->add_option("--max-bytes", o.max_bytes, "load only this much text (0 = all)")->capture_default_str();
+  cmd->add_option("--max-bytes", o.max_bytes, "load only this much text (0 = all)")
+      ->capture_default_str()
+      ->check(at_least(0));
 }
 
 train::TrainConfig TrainCliOptions::resolve(int64_t multiplier) {
+  require(base.top_k <= base.num_experts, ErrorCode::invalid_argument,
+          "--top-k " + std::to_string(base.top_k) + " exceeds --experts " + std::to_string(base.num_experts));
   train::TrainConfig t = train;
   t.backend = parse_backend(backend);
-  require(t.backend != Backend::automatic, ErrorCode::invalid_argument, "--backend is cpu or cuda");
-  require(attention == "mla" || attention == "mha", ErrorCode::invalid_argument, "--attention is mla or mha");
   t.base = base;
   t.base.attention = attention == "mla" ? train::AttentionKind::mla : train::AttentionKind::mha;
   t.model = train::scale_width(t.base, multiplier);
@@ -65,22 +167,56 @@ train::TrainConfig TrainCliOptions::resolve(int64_t multiplier) {
 }
 
 train::TextSplit TrainCliOptions::load_text() const {
-  return train::load_fortune_corpus(data_dir.empty() ? train::default_text_dir() : data_dir, max_bytes);
+  auto text = train::load_fortune_corpus(data_dir.empty() ? train::default_text_dir() : data_dir, max_bytes);
+  const auto shortest = int64_t(std::min(text.train.size(), text.validation.size()));
+  require(shortest > train.seq + 1, ErrorCode::invalid_argument,
+          "--seq " + std::to_string(train.seq) + " needs more text than the " + std::to_string(text.train.size()) +
+              " train / " + std::to_string(text.validation.size()) + " validation bytes loaded (see --max-bytes, --data)");
+  return text;
+}
+
+void check_output_path(const std::string& option, const std::string& path) {
+  namespace fs = std::filesystem;
+  const fs::path file(path);
+  const fs::path dir = file.parent_path().empty() ? fs::path(".") : file.parent_path();
+  const std::string what = option + " " + path;
+  std::error_code ec;
+  require(!path.empty(), ErrorCode::invalid_argument, option + " needs a file name");
+  require(fs::is_directory(dir, ec), ErrorCode::invalid_argument,
+          what + ": directory " + dir.string() + " does not exist");
+  require(::access(dir.c_str(), W_OK) == 0, ErrorCode::invalid_argument,
+          what + ": directory " + dir.string() + " is not writable");
+  require(!fs::is_directory(file, ec), ErrorCode::invalid_argument, what + " is a directory");
+  require(!fs::exists(file, ec) || ::access(path.c_str(), W_OK) == 0, ErrorCode::invalid_argument,
+          what + " is not writable");
+}
+
+void check_plotter(const std::string& png) {
+  check_output_path("--plot", png);
+  require(run_program({python(), plot_script(), "check"}) == 0, ErrorCode::invalid_argument,
+          std::string("--plot needs ") + python() +
+              " with matplotlib (Debian: apt install python3-matplotlib, as scripts/setup.sh does; MOKA_PYTHON "
+              "names another python); --plot '' skips the plot");
 }
 
 void draw_plot(const std::string& kind, const std::string& csv, const std::string& png) {
-  const char* python = std::getenv("MOKA_PYTHON");
-  const std::string cmd = std::string(python && *python ? python : "/usr/bin/python3") + " '" MOKA_PLOT_SCRIPT "' " +
-                          kind + " '" + csv + "' '" + png + "'";
-  if (std::system(cmd.c_str()) != 0)
-    std::cerr << "moka: plotting failed (needs python3 with matplotlib; set MOKA_PYTHON): " << cmd << "\n";
+  const int status = run_program({python(), plot_script(), kind, csv, png});
+  require(status == 0, ErrorCode::io,
+          "plotting " + png + " failed: plot_mup.py exited with status " + std::to_string(status) +
+              " (the data is in " + csv + ")");
 }
 
 std::vector<int64_t> parse_multipliers(const std::string& list) {
   std::vector<int64_t> out;
   std::stringstream ss(list);
-  for (std::string item; std::getline(ss, item, ',');) out.push_back(std::stoll(item));
-  require(!out.empty(), ErrorCode::invalid_argument, "empty width multiplier list");
+  for (std::string item; std::getline(ss, item, ',');) {
+    int64_t m = 0;
+    const auto [end, ec] = std::from_chars(item.data(), item.data() + item.size(), m);
+    require(ec == std::errc() && end == item.data() + item.size() && m >= 1, ErrorCode::invalid_argument,
+            "--mults: '" + item + "' is not a positive integer (the list looks like 1,2,4,8)");
+    out.push_back(m);
+  }
+  require(!out.empty(), ErrorCode::invalid_argument, "--mults is empty");
   return out;
 }
 

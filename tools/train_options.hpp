@@ -9,6 +9,8 @@
 namespace moka::cli {
 
 struct TrainCliOptions {
+  TrainCliOptions();  // a d=32 base model with 4 experts, 4 x 32-token batches
+
   train::ModelConfig base;
   std::string attention = "mla";
   std::string parameterization = "mup";
@@ -22,15 +24,37 @@ struct TrainCliOptions {
 
   // The TrainConfig these options describe, with the model `multiplier` times the base width.
   train::TrainConfig resolve(int64_t multiplier);
+  // The text, refused when it holds no full --seq window for training or validation.
   train::TextSplit load_text() const;
 };
 
-void add_train_options(CLI::App* cmd, TrainCliOptions& o);
+// The shared options a command takes besides the model, data and optimizer ones: coordcheck
+// derives the step count from --check-steps, lr-sweep takes the LR from its grid.
+struct SharedOptions {
+  bool steps = true;
+  bool lr = true;
+};
 
-// Runs tools/plot_mup.py `kind` csv png with a python that has matplotlib; reports failure
-// on stderr without failing the command (the CSV is the result, the image a view of it).
+// Registers the options with o's current values as the defaults --help shows, so a command
+// sets its own defaults in `o` first.
+void add_train_options(CLI::App* cmd, TrainCliOptions& o, SharedOptions which = {});
+
+// Range checks whose failures CLI11 reports as "--option: must be > 0, got -1".
+CLI::Validator at_least(double min);
+CLI::Validator greater_than(double min);
+CLI::Validator at_most(double max);
+CLI::Validator below(double max);
+
+// Fails fast, naming `option`, unless `path` can be written: its directory exists and is
+// writable and it is not itself a directory.
+void check_output_path(const std::string& option, const std::string& path);
+
+// Checks that `--plot png` can be drawn before any work starts: the path, tools/plot_mup.py
+// (which the build copies next to the moka binary) and a python with matplotlib.
+void check_plotter(const std::string& png);
+// Runs plot_mup.py `kind` csv png (no shell in between); throws when it fails.
 void draw_plot(const std::string& kind, const std::string& csv, const std::string& png);
 
-std::vector<int64_t> parse_multipliers(const std::string& list);  // "1,2,4,8"
+std::vector<int64_t> parse_multipliers(const std::string& list);  // --mults "1,2,4,8"
 
 }  // namespace moka::cli

@@ -1,9 +1,18 @@
 #include "train/checkpoint.hpp"
 
+#include <fcntl.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <algorithm>
 #include <bit>
+#include <cerrno>
 #include <cstring>
+#include <filesystem>
 #include <fstream>
 #include <nlohmann/json.hpp>
+#include <optional>
+#include <utility>
 
 #include "train/params.hpp"
 
@@ -22,10 +31,125 @@ const char* safetensors_dtype(DType t) {
   return "?";
 }
 
-DType parse_safetensors_dtype(const std::string& s) {
+std::optional<DType> parse_safetensors_dtype(const std::string& s) {
   for (DType t : {DType::f32, DType::f64, DType::bf16, DType::i32})
     if (s == safetensors_dtype(t)) return t;
-  throw Error(ErrorCode::io, "safetensors dtype " + s + " is not supported");
+  return std::nullopt;
+}
+
+// elements(shape) x element_size, or nothing when that overflows 64 bits or a dimension is negative.
+std::optional<uint64_t> byte_count(const std::vector<int64_t>& shape, size_t element_size) {
+  uint64_t bytes = element_size;
+  for (int64_t d : shape)
+    if (d < 0 || __builtin_mul_overflow(bytes, uint64_t(d), &bytes)) return std::nullopt;
+  return bytes;
+}
+
+std::string shape_text(const std::vector<int64_t>& shape) { return nlohmann::json(shape).dump(); }
+
+std::string with_errno(const std::string& what, int err = errno) { return what + ": " + std::strerror(err); }
+
+// An output file written under a temporary name in its destination's directory; commit() puts
+// the bytes on disk and renames the file over the destination. Without commit() (an error
+// part-way) the temporary is removed and the destination keeps its old contents.
+class AtomicFile {
+ public:
+  explicit AtomicFile(std::string path) : path_(std::move(path)), temp_(path_ + ".tmp.XXXXXX") {
+    fd_ = ::mkstemp(temp_.data());
+    require(fd_ >= 0, ErrorCode::io, with_errno("cannot create a temporary file next to " + path_));
+    // mkstemp creates the file readable by its owner alone; give it the mode open() would.
+    const mode_t mask = ::umask(0);
+    ::umask(mask);
+    ::fchmod(fd_, 0666 & ~mask);
+  }
+  AtomicFile(const AtomicFile&) = delete;
+  AtomicFile& operator=(const AtomicFile&) = delete;
+  ~AtomicFile() {
+    if (fd_ >= 0) ::close(fd_);
+    if (!committed_) ::unlink(temp_.c_str());
+  }
+
+  void write(const void* data, size_t size) {
+    const char* p = static_cast<const char*>(data);
+    while (size > 0) {
+      const ssize_t n = ::write(fd_, p, size);
+      if (n < 0 && errno == EINTR) continue;
+      require(n > 0, ErrorCode::io, with_errno("writing " + path_ + " failed"));
+      p += n;
+      size -= size_t(n);
+    }
+  }
+
+  void commit() {
+    require(::fsync(fd_) == 0, ErrorCode::io, with_errno("flushing " + path_ + " to disk failed"));
+    require(::close(std::exchange(fd_, -1)) == 0, ErrorCode::io, with_errno("writing " + path_ + " failed"));
+    require(::rename(temp_.c_str(), path_.c_str()) == 0, ErrorCode::io,
+            with_errno("cannot rename " + temp_ + " to " + path_));
+    committed_ = true;
+    // The rename survives a power cut only once the directory itself is on disk. Some file
+    // systems cannot sync a directory (EINVAL); the rename is still atomic there.
+    const auto dir = std::filesystem::path(path_).parent_path();
+    const int dir_fd = ::open(dir.empty() ? "." : dir.c_str(), O_RDONLY | O_DIRECTORY);
+    require(dir_fd >= 0, ErrorCode::io, with_errno("cannot open the directory of " + path_));
+    const int err = ::fsync(dir_fd) == 0 ? 0 : errno;
+    ::close(dir_fd);
+    require(err == 0 || err == EINVAL, ErrorCode::io, with_errno("flushing the directory of " + path_ + " failed", err));
+  }
+
+ private:
+  std::string path_, temp_;
+  int fd_ = -1;
+  bool committed_ = false;
+};
+
+Error corrupt(const std::string& path, const std::string& what) {
+  return Error(ErrorCode::io, path + " is not a valid safetensors file: " + what);
+}
+
+struct TensorEntry {
+  std::string name;
+  StoredTensor tensor;
+  uint64_t begin = 0, end = 0;  // within the data section
+};
+
+TensorEntry parse_entry(const std::string& path, const std::string& name, const nlohmann::json& entry,
+                        uint64_t data_size) {
+  const std::string what = "tensor '" + name + "'";
+  TensorEntry e{name, {}, 0, 0};
+  std::string dtype;
+  std::vector<uint64_t> offsets;
+  try {
+    dtype = entry.at("dtype").get<std::string>();
+    e.tensor.shape = entry.at("shape").get<std::vector<int64_t>>();
+    offsets = entry.at("data_offsets").get<std::vector<uint64_t>>();
+  } catch (const nlohmann::json::exception& ex) {
+    throw corrupt(path, what + " needs dtype, shape and data_offsets (" + ex.what() + ")");
+  }
+  const auto parsed = parse_safetensors_dtype(dtype);
+  if (!parsed) throw corrupt(path, what + " has dtype " + dtype + ", which moka does not read");
+  e.tensor.dtype = *parsed;
+  if (offsets.size() != 2) throw corrupt(path, what + ": data_offsets must be [begin, end]");
+  e.begin = offsets[0];
+  e.end = offsets[1];
+  if (e.begin > e.end || e.end > data_size)
+    throw corrupt(path, what + " at bytes [" + std::to_string(e.begin) + ", " + std::to_string(e.end) +
+                            ") lies outside the " + std::to_string(data_size) + "-byte data section");
+  const auto expected = byte_count(e.tensor.shape, dtype_size(e.tensor.dtype));
+  if (expected != e.end - e.begin)
+    throw corrupt(path, what + " holds " + std::to_string(e.end - e.begin) + " bytes, but " + dtype + " " +
+                            shape_text(e.tensor.shape) + " needs " +
+                            (expected ? std::to_string(*expected) : std::string("more than 2^64")));
+  return e;
+}
+
+std::map<std::string, std::string> parse_metadata(const std::string& path, const nlohmann::json& metadata) {
+  if (!metadata.is_object()) throw corrupt(path, "__metadata__ is not an object");
+  std::map<std::string, std::string> out;
+  for (const auto& [key, value] : metadata.items()) {
+    if (!value.is_string()) throw corrupt(path, "__metadata__ entry '" + key + "' is not a string");
+    out[key] = value.get<std::string>();
+  }
+  return out;
 }
 
 }  // namespace
@@ -34,8 +158,10 @@ template <typename T>
 std::vector<T> StoredTensor::as() const {
   require(dtype == dtype_of<T>(), ErrorCode::io,
           std::string("checkpoint tensor is ") + to_string(dtype) + ", expected " + to_string(dtype_of<T>()));
+  require(byte_count(shape, sizeof(T)) == bytes.size(), ErrorCode::shape_mismatch,
+          "checkpoint tensor of shape " + shape_text(shape) + " holds " + std::to_string(bytes.size()) + " bytes");
   std::vector<T> out(bytes.size() / sizeof(T));
-  std::memcpy(out.data(), bytes.data(), bytes.size());
+  std::memcpy(out.data(), bytes.data(), out.size() * sizeof(T));
   return out;
 }
 template std::vector<float> StoredTensor::as<float>() const;
@@ -43,6 +169,8 @@ template std::vector<double> StoredTensor::as<double>() const;
 
 template <typename T>
 void SafetensorsFile::put(const std::string& name, const std::vector<T>& values, std::vector<int64_t> shape) {
+  require(byte_count(shape, 1) == values.size(), ErrorCode::shape_mismatch,
+          "tensor '" + name + "' has " + std::to_string(values.size()) + " values, not shape " + shape_text(shape));
   StoredTensor t{dtype_of<T>(), std::move(shape), std::vector<uint8_t>(values.size() * sizeof(T))};
   std::memcpy(t.bytes.data(), values.data(), t.bytes.size());
   tensors[name] = std::move(t);
@@ -69,36 +197,54 @@ void write_safetensors(const std::string& path, const SafetensorsFile& file) {
   std::string text = header.dump();
   text.append((8 - text.size() % 8) % 8, ' ');  // the format pads the header to 8 bytes
   const uint64_t length = text.size();
-  std::ofstream out(path, std::ios::binary);
-  require(bool(out), ErrorCode::io, "cannot write " + path);
-  out.write(reinterpret_cast<const char*>(&length), sizeof(length));
-  out.write(text.data(), std::streamsize(text.size()));
-  for (const auto& [name, t] : file.tensors) out.write(reinterpret_cast<const char*>(t.bytes.data()), std::streamsize(t.bytes.size()));
-  require(bool(out), ErrorCode::io, "writing " + path + " failed");
+  AtomicFile out(path);
+  out.write(&length, sizeof(length));
+  out.write(text.data(), text.size());
+  for (const auto& [name, t] : file.tensors) out.write(t.bytes.data(), t.bytes.size());
+  out.commit();
 }
 
 SafetensorsFile read_safetensors(const std::string& path) {
-  std::ifstream in(path, std::ios::binary);
-  require(bool(in), ErrorCode::io, "cannot open " + path);
-  uint64_t length = 0;
-  in.read(reinterpret_cast<char*>(&length), sizeof(length));
-  require(bool(in) && length < (uint64_t(1) << 30), ErrorCode::io, path + " is not a safetensors file");
-  std::string text(length, '\0');
-  in.read(text.data(), std::streamsize(length));
-  const std::vector<char> data((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
-  const auto header = nlohmann::json::parse(text);
+  std::ifstream in(path, std::ios::binary | std::ios::ate);
+  require(bool(in), ErrorCode::io, with_errno("cannot open " + path));
+  const uint64_t file_size = uint64_t(in.tellg());
+  in.seekg(0);
+  uint64_t header_size = 0;
+  if (file_size < sizeof(header_size) || !in.read(reinterpret_cast<char*>(&header_size), sizeof(header_size)))
+    throw corrupt(path, "it has " + std::to_string(file_size) + " bytes, fewer than the 8-byte header length");
+  if (header_size > file_size - sizeof(header_size))
+    throw corrupt(path, "its header length " + std::to_string(header_size) + " runs past the end of the " +
+                            std::to_string(file_size) + "-byte file");
+  std::string text(header_size, '\0');
+  require(bool(in.read(text.data(), std::streamsize(header_size))), ErrorCode::io, "reading " + path + " failed");
+  const uint64_t data_start = sizeof(header_size) + header_size, data_size = file_size - data_start;
+
+  nlohmann::json header;
+  try {
+    header = nlohmann::json::parse(text);
+  } catch (const nlohmann::json::exception& e) {
+    throw corrupt(path, std::string("its header is not JSON (") + e.what() + ")");
+  }
+  if (!header.is_object()) throw corrupt(path, "its header is not a JSON object");
   SafetensorsFile file;
+  std::vector<TensorEntry> entries;
   for (const auto& [name, entry] : header.items()) {
-    if (name == "__metadata__") {
-      file.metadata = entry.get<std::map<std::string, std::string>>();
-      continue;
-    }
-    const auto offsets = entry.at("data_offsets").get<std::vector<uint64_t>>();
-    require(offsets.size() == 2 && offsets[0] <= offsets[1] && offsets[1] <= data.size(), ErrorCode::io,
-            path + ": tensor " + name + " lies outside the file");
-    StoredTensor t{parse_safetensors_dtype(entry.at("dtype")), entry.at("shape").get<std::vector<int64_t>>(), {}};
-    t.bytes.assign(data.begin() + std::ptrdiff_t(offsets[0]), data.begin() + std::ptrdiff_t(offsets[1]));
-    file.tensors[name] = std::move(t);
+    if (name == "__metadata__")
+      file.metadata = parse_metadata(path, entry);
+    else
+      entries.push_back(parse_entry(path, name, entry, data_size));
+  }
+  std::sort(entries.begin(), entries.end(),
+            [](const TensorEntry& a, const TensorEntry& b) { return std::pair(a.begin, a.end) < std::pair(b.begin, b.end); });
+  for (size_t i = 1; i < entries.size(); ++i)
+    if (entries[i].begin < entries[i - 1].end)
+      throw corrupt(path, "tensors '" + entries[i - 1].name + "' and '" + entries[i].name + "' overlap");
+  for (auto& e : entries) {
+    e.tensor.bytes.resize(e.end - e.begin);
+    in.seekg(std::streamoff(data_start + e.begin));
+    require(bool(in.read(reinterpret_cast<char*>(e.tensor.bytes.data()), std::streamsize(e.tensor.bytes.size()))),
+            ErrorCode::io, "reading tensor '" + e.name + "' of " + path + " failed");
+    file.tensors[e.name] = std::move(e.tensor);
   }
   return file;
 }

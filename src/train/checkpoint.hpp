@@ -18,7 +18,7 @@ struct StoredTensor {
   std::vector<uint8_t> bytes;
 
   template <typename T>
-  std::vector<T> as() const;  // checks the dtype
+  std::vector<T> as() const;  // checks the dtype and that the bytes hold exactly the shape
 };
 
 struct SafetensorsFile {
@@ -30,7 +30,12 @@ struct SafetensorsFile {
   const StoredTensor& get(const std::string& name) const;  // throws io when absent
 };
 
+// Writes a temporary file next to `path`, flushes it to disk and renames it over `path`: a
+// crash or kill at any moment leaves either the previous file or the new one, never a torn one.
 void write_safetensors(const std::string& path, const SafetensorsFile& file);
+// Throws io, naming the file, on anything that is not a well-formed safetensors file: short
+// reads, lengths or offsets past the end, byte counts that disagree with dtype x shape,
+// overlapping tensors, malformed JSON. Allocates no more than the file's size.
 SafetensorsFile read_safetensors(const std::string& path);
 
 }  // namespace moka::train

@@ -1,6 +1,9 @@
 #include "train/trainer.hpp"
 
 #include <algorithm>
+#include <charconv>
+#include <map>
+#include <nlohmann/json.hpp>
 #include <optional>
 
 #include "train/checkpoint.hpp"
@@ -110,6 +113,40 @@ double Trainer::evaluate(int batches, bool use_ema) {
   return engine_->evaluate(data, use_ema);
 }
 
+namespace {
+
+constexpr const char* kCheckpointFormat = "moka-train-checkpoint-2";
+
+// What a checkpoint must share with the run that resumes it: the parameterization and every
+// field of the trained and the base model (muP derives each tensor's rule from the base).
+std::map<std::string, std::string> checkpoint_identity(const TrainConfig& c) {
+  std::map<std::string, std::string> fields{{"parameterization", to_string(c.parameterization)}};
+  auto add_model = [&](const std::string& prefix, const ModelConfig& m) {
+    // JSON numbers print doubles so that they read back exactly.
+    auto add = [&](const char* name, const nlohmann::json& value) { fields[prefix + name] = value.dump(); };
+    add("vocab", m.vocab);
+    add("d_model", m.d_model);
+    add("num_heads", m.num_heads);
+    add("head_dim", m.head_dim);
+    add("attention", m.attention == AttentionKind::mla ? "mla" : "mha");
+    add("q_rank", m.q_rank);
+    add("kv_rank", m.kv_rank);
+    add("num_layers", m.num_layers);
+    add("dense_intermediate", m.dense_intermediate);
+    add("num_experts", m.num_experts);
+    add("top_k", m.top_k);
+    add("expert_intermediate", m.expert_intermediate);
+    add("shared_intermediate", m.shared_intermediate);
+    add("z_loss_coef", m.z_loss_coef);
+    add("norm_eps", m.norm_eps);
+  };
+  add_model("model.", c.model);
+  add_model("base.", c.base);
+  return fields;
+}
+
+}  // namespace
+
 void Trainer::save(const std::string& path) const {
   const TrainState s = engine_->state();
   SafetensorsFile file;
@@ -123,36 +160,49 @@ void Trainer::save(const std::string& path) const {
   }
   for (size_t l = 0; l < s.selection_biases.size(); ++l)
     file.put("router_bias/" + std::to_string(l), s.selection_biases[l], {int64_t(s.selection_biases[l].size())});
-  file.metadata["format"] = "moka-train-checkpoint-1";
+  file.metadata = checkpoint_identity(config_);
+  file.metadata["format"] = kCheckpointFormat;
   file.metadata["step"] = std::to_string(s.steps);
-  file.metadata["parameterization"] = to_string(config_.parameterization);
-  file.metadata["d_model"] = std::to_string(config_.model.d_model);
   write_safetensors(path, file);
 }
 
 void Trainer::load(const std::string& path) {
   const auto file = read_safetensors(path);
-  require(file.metadata.count("step") == 1, ErrorCode::io, path + " is not a moka training checkpoint");
-  TrainState s = engine_->state();  // the current state gives every tensor's size
-  auto restore = [&](const std::string& name, std::vector<float>& dst) {
-    auto values = file.get(name).as<float>();
-    require(values.size() == dst.size(), ErrorCode::shape_mismatch, path + ": " + name + " has another shape");
-    dst = std::move(values);
+  auto metadata = [&](const std::string& key) -> const std::string& {
+    const auto it = file.metadata.find(key);
+    require(it != file.metadata.end(), ErrorCode::io,
+            path + " is not a moka training checkpoint: its metadata has no " + key);
+    return it->second;
+  };
+  require(metadata("format") == kCheckpointFormat, ErrorCode::invalid_argument,
+          path + " has checkpoint format " + metadata("format") + "; this moka reads " + kCheckpointFormat);
+  for (const auto& [key, value] : checkpoint_identity(config_))
+    require(metadata(key) == value, ErrorCode::invalid_argument,
+            path + " was saved with " + key + " = " + metadata(key) + ", but this run has " + value);
+  TrainState s = engine_->state();  // the current state gives every tensor's shape
+  const std::string& step = metadata("step");
+  const auto [end, ec] = std::from_chars(step.data(), step.data() + step.size(), s.steps);
+  require(ec == std::errc() && end == step.data() + step.size() && s.steps >= 0, ErrorCode::io,
+          path + ": metadata step '" + step + "' is not a step count");
+  auto restore = [&]<typename T>(const std::string& name, const std::vector<int64_t>& shape, std::vector<T>& dst) {
+    const auto it = file.tensors.find(name);
+    require(it != file.tensors.end(), ErrorCode::io, path + " has no tensor '" + name + "'");
+    const StoredTensor& t = it->second;
+    require(t.dtype == dtype_of<T>() && t.shape == shape, ErrorCode::shape_mismatch,
+            path + ": tensor '" + name + "' is " + to_string(t.dtype) + " " + nlohmann::json(t.shape).dump() +
+                ", this model's is " + to_string(dtype_of<T>()) + " " + nlohmann::json(shape).dump());
+    dst = t.as<T>();
   };
   for (size_t i = 0; i < rules_.size(); ++i) {
     const auto& name = rules_[i].spec.name;
-    restore(name, s.values[i]);
-    restore("adam_m/" + name, s.adam_m[i]);
-    restore("adam_v/" + name, s.adam_v[i]);
-    if (!s.ema.empty()) restore("ema/" + name, s.ema[i]);
+    const auto& shape = rules_[i].spec.shape;
+    restore(name, shape, s.values[i]);
+    restore("adam_m/" + name, shape, s.adam_m[i]);
+    restore("adam_v/" + name, shape, s.adam_v[i]);
+    if (!s.ema.empty()) restore("ema/" + name, shape, s.ema[i]);
   }
-  for (size_t l = 0; l < s.selection_biases.size(); ++l) {
-    auto values = file.get("router_bias/" + std::to_string(l)).as<double>();
-    require(values.size() == s.selection_biases[l].size(), ErrorCode::shape_mismatch,
-            path + ": router biases differ in size");
-    s.selection_biases[l] = std::move(values);
-  }
-  s.steps = std::stoll(file.metadata.at("step"));
+  for (size_t l = 0; l < s.selection_biases.size(); ++l)
+    restore("router_bias/" + std::to_string(l), {int64_t(s.selection_biases[l].size())}, s.selection_biases[l]);
   engine_->set_state(s);
   steps_ = s.steps;
 }

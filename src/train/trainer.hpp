@@ -73,6 +73,8 @@ class Trainer {
   // Mean cross-entropy over `batches` validation batches, with the EMA weights when asked.
   double evaluate(int batches, bool use_ema = false);
 
+  // The checkpoint records the parameterization and both model configs; load() refuses a file
+  // that disagrees with this trainer's config, naming the field.
   void save(const std::string& path) const;
   void load(const std::string& path);
 

@@ -1,0 +1,251 @@
+// Checkpoints: the safetensors reader refuses truncated and corrupted files with an error naming
+// the file (never a crash or an oversized allocation), a killed writer never tears the previous
+// checkpoint, and resuming refuses a checkpoint of another run.
+#include <gtest/gtest.h>
+#include <signal.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <chrono>
+#include <cstring>
+#include <filesystem>
+#include <fstream>
+#include <random>
+#include <thread>
+
+#include "train/checkpoint.hpp"
+#include "train_fixtures.hpp"
+
+using namespace moka::train;
+using moka::train::testing::tiny_train_config;
+namespace fs = std::filesystem;
+
+namespace {
+
+class Checkpoint : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    std::string pattern = (fs::temp_directory_path() / "moka_checkpoint_XXXXXX").string();
+    ASSERT_NE(::mkdtemp(pattern.data()), nullptr);
+    dir_ = pattern;
+  }
+  void TearDown() override { fs::remove_all(dir_); }
+
+  std::string path(const std::string& name) const { return (dir_ / name).string(); }
+
+  // A file of the given header length, header text and data bytes.
+  std::string write_raw(const std::string& header, const std::string& data, uint64_t header_length) const {
+    const auto p = path("raw.safetensors");
+    std::ofstream out(p, std::ios::binary | std::ios::trunc);
+    out.write(reinterpret_cast<const char*>(&header_length), sizeof(header_length));
+    out << header << data;
+    return p;
+  }
+  std::string write_raw(const std::string& header, const std::string& data) const {
+    return write_raw(header, data, header.size());
+  }
+
+  static SafetensorsFile sample() {
+    SafetensorsFile f;
+    f.put("w", std::vector<float>{1.5f, -2.f, 3.f, 4.f, 5.f, 6.f}, {2, 3});
+    f.put("b", std::vector<double>{0.25}, {1});
+    f.metadata["step"] = "7";
+    return f;
+  }
+
+  fs::path dir_;
+};
+
+// read_safetensors(file) throws an io error naming the file and containing `reason`.
+void expect_refused(const std::string& file, const std::string& reason) {
+  try {
+    read_safetensors(file);
+    ADD_FAILURE() << "read " << file << " although it is corrupt (" << reason << ")";
+  } catch (const moka::Error& e) {
+    EXPECT_EQ(e.code(), moka::ErrorCode::io) << e.what();
+    EXPECT_NE(std::string(e.what()).find(file), std::string::npos) << e.what();
+    EXPECT_NE(std::string(e.what()).find(reason), std::string::npos) << e.what();
+  }
+}
+
+std::string read_bytes(const std::string& file) {
+  std::ifstream in(file, std::ios::binary);
+  return {std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>()};
+}
+
+}  // namespace
+
+TEST_F(Checkpoint, EveryTruncationIsRefused) {
+  const auto whole_file = path("whole.safetensors");
+  write_safetensors(whole_file, sample());
+  const std::string bytes = read_bytes(whole_file);
+  const auto cut = path("cut.safetensors");
+  for (size_t n = 0; n < bytes.size(); ++n) {
+    std::ofstream(cut, std::ios::binary | std::ios::trunc).write(bytes.data(), std::streamsize(n));
+    EXPECT_THROW(read_safetensors(cut), moka::Error) << "truncated to " << n << " of " << bytes.size() << " bytes";
+  }
+  expect_refused(cut, "outside the");  // the last cut drops one data byte
+}
+
+TEST_F(Checkpoint, HeaderLengthPastTheEndIsRefusedBeforeAllocating) {
+  expect_refused(write_raw("{}", "", uint64_t(1) << 60), "runs past the end");
+  expect_refused(write_raw("", ""), "its header is not JSON");
+  std::ofstream(path("short.safetensors")) << "abc";
+  expect_refused(path("short.safetensors"), "fewer than the 8-byte header length");
+}
+
+TEST_F(Checkpoint, ByteCountMustMatchDtypeTimesShape) {
+  // Five bytes for one F32: the reader once copied them into a four-byte buffer.
+  expect_refused(write_raw(R"({"w":{"dtype":"F32","shape":[1],"data_offsets":[0,5]}})", "12345"),
+                 "tensor 'w' holds 5 bytes, but F32 [1] needs 4");
+  expect_refused(write_raw(R"({"w":{"dtype":"F64","shape":[2],"data_offsets":[0,8]}})", "12345678"),
+                 "needs 16");
+  expect_refused(write_raw(R"({"w":{"dtype":"F32","shape":[1099511627776,1099511627776,16],)"
+                           R"("data_offsets":[0,4]}})",
+                           "1234"),
+                 "more than 2^64");
+  expect_refused(write_raw(R"({"w":{"dtype":"F32","shape":[-1],"data_offsets":[0,4]}})", "1234"), "needs");
+  expect_refused(write_raw(R"({"w":{"dtype":"F16","shape":[2],"data_offsets":[0,4]}})", "1234"),
+                 "dtype F16, which moka does not read");
+}
+
+TEST_F(Checkpoint, OffsetsMustLieInsideTheFileWithoutOverlap) {
+  expect_refused(write_raw(R"({"w":{"dtype":"F32","shape":[2],"data_offsets":[0,1000]}})", "12345678"),
+                 "tensor 'w' at bytes [0, 1000) lies outside the 8-byte data section");
+  expect_refused(write_raw(R"({"w":{"dtype":"F32","shape":[0],"data_offsets":[8,4]}})", "12345678"),
+                 "lies outside");
+  expect_refused(write_raw(R"({"w":{"dtype":"F32","shape":[1],"data_offsets":[-4,0]}})", "12345678"),
+                 "lies outside");
+  expect_refused(write_raw(R"({"w":{"dtype":"F32","shape":[1],"data_offsets":[0]}})", "1234"),
+                 "data_offsets must be [begin, end]");
+  expect_refused(write_raw(R"({"a":{"dtype":"F32","shape":[2],"data_offsets":[0,8]},)"
+                           R"("b":{"dtype":"F32","shape":[2],"data_offsets":[4,12]}})",
+                           "123456789012"),
+                 "tensors 'a' and 'b' overlap");
+}
+
+TEST_F(Checkpoint, MalformedHeadersAreRefusedNamingTheFile) {
+  expect_refused(write_raw("{not json", ""), "its header is not JSON");
+  expect_refused(write_raw("[1, 2]", ""), "its header is not a JSON object");
+  expect_refused(write_raw(R"({"w":{"shape":[1],"data_offsets":[0,4]}})", "1234"),
+                 "tensor 'w' needs dtype, shape and data_offsets");
+  expect_refused(write_raw(R"({"w":{"dtype":"F32","shape":["one"],"data_offsets":[0,4]}})", "1234"),
+                 "tensor 'w' needs dtype, shape and data_offsets");
+  expect_refused(write_raw(R"({"w":7})", ""), "tensor 'w' needs");
+  expect_refused(write_raw(R"({"__metadata__":{"step":7}})", ""), "__metadata__ entry 'step' is not a string");
+  expect_refused(write_raw(R"({"__metadata__":[]})", ""), "__metadata__ is not an object");
+}
+
+// Random byte flips anywhere in a valid file: each read either succeeds or throws moka::Error.
+TEST_F(Checkpoint, RandomCorruptionNeverEscapesAsAnotherError) {
+  const auto whole_file = path("whole.safetensors");
+  write_safetensors(whole_file, sample());
+  const std::string bytes = read_bytes(whole_file);
+  std::mt19937 rng(7);
+  const auto damaged = path("damaged.safetensors");
+  for (int trial = 0; trial < 300; ++trial) {
+    std::string copy = bytes;
+    for (int flips = 1 + int(rng() % 3); flips > 0; --flips) copy[rng() % copy.size()] = char(rng());
+    std::ofstream(damaged, std::ios::binary | std::ios::trunc) << copy;
+    try {
+      read_safetensors(damaged);
+    } catch (const moka::Error&) {
+    } catch (const std::exception& e) {
+      FAIL() << "trial " << trial << ": " << e.what();
+    }
+  }
+}
+
+TEST_F(Checkpoint, TensorsHoldExactlyTheirShape) {
+  const StoredTensor five_bytes{moka::DType::f32, {1}, {1, 2, 3, 4, 5}};
+  EXPECT_THROW(five_bytes.as<float>(), moka::Error);
+  SafetensorsFile f;
+  EXPECT_THROW(f.put("w", std::vector<float>(5), {2, 3}), moka::Error);
+}
+
+TEST_F(Checkpoint, WritingLeavesOnlyTheFinishedFile) {
+  const auto file = path("ckpt.safetensors");
+  write_safetensors(file, sample());
+  write_safetensors(file, sample());
+  EXPECT_EQ(std::distance(fs::directory_iterator(dir_), fs::directory_iterator()), 1);
+  EXPECT_EQ(read_safetensors(file).get("w").as<float>(), sample().get("w").as<float>());
+  try {
+    write_safetensors(path("no/such/dir/ckpt.safetensors"), sample());
+    FAIL() << "wrote into a missing directory";
+  } catch (const moka::Error& e) {
+    EXPECT_NE(std::string(e.what()).find("no/such/dir/ckpt.safetensors"), std::string::npos) << e.what();
+  }
+}
+
+// A writer killed at a random moment leaves the previous checkpoint or the new one, whole.
+TEST_F(Checkpoint, KillDuringWriteKeepsAWholeCheckpoint) {
+  const auto file = path("ckpt.safetensors");
+  write_safetensors(file, sample());
+  SafetensorsFile big;
+  big.put("w", std::vector<float>(4 << 20, 1.0f), {4 << 20});
+  for (int attempt = 0; attempt < 3; ++attempt) {
+    const pid_t child = ::fork();
+    ASSERT_GE(child, 0);
+    if (child == 0) {
+      try {
+        for (;;) write_safetensors(file, big);
+      } catch (...) {
+      }
+      ::_exit(1);
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(150 + 70 * attempt));
+    ::kill(child, SIGKILL);
+    ::waitpid(child, nullptr, 0);
+    const auto after = read_safetensors(file);  // throws on a torn file
+    EXPECT_EQ(after.tensors.size(), after.tensors.count("w") + after.tensors.count("b"));
+  }
+}
+
+TEST(CheckpointResume, RefusesACheckpointOfAnotherRun) {
+  MOKA_REQUIRE_CORPUS(text);
+  const auto file = (fs::temp_directory_path() / "moka_resume_identity.safetensors").string();
+  const auto config = tiny_train_config(Parameterization::mup, 1e-2);
+  Trainer(config, *text).save(file);
+  auto expect_load_fails = [&](TrainConfig other, const std::string& reason) {
+    Trainer trainer(other, *text);
+    try {
+      trainer.load(file);
+      ADD_FAILURE() << "loaded a checkpoint of another run (" << reason << ")";
+    } catch (const moka::Error& e) {
+      EXPECT_NE(std::string(e.what()).find(file), std::string::npos) << e.what();
+      EXPECT_NE(std::string(e.what()).find(reason), std::string::npos) << e.what();
+    }
+  };
+  auto wider = config;
+  wider.model = scale_width(config.base, 2);
+  expect_load_fails(wider, "was saved with model.d_model = 32, but this run has 64");
+  auto sp = config;
+  sp.parameterization = Parameterization::sp;
+  expect_load_fails(sp, "was saved with parameterization = mup, but this run has sp");
+  auto half_base = config;  // the same model, tuned at half its width
+  half_base.base.d_model /= 2;
+  half_base.base.num_heads /= 2;
+  half_base.base.num_experts /= 2;
+  ASSERT_EQ(scale_width(half_base.base, 2).d_model, config.model.d_model);
+  expect_load_fails(half_base, "base.d_model = 32, but this run has 16");
+
+  auto edited = [&](auto edit) {
+    auto f = read_safetensors(file);
+    edit(f);
+    write_safetensors(file, f);
+  };
+  const std::string tensor = Trainer(config, *text).rules().front().spec.name;
+  edited([&](SafetensorsFile& f) { f.tensors.erase("adam_v/" + tensor); });
+  expect_load_fails(config, "has no tensor 'adam_v/" + tensor + "'");
+  Trainer(config, *text).save(file);
+  edited([&](SafetensorsFile& f) { f.put(tensor, std::vector<float>(3), {3}); });
+  expect_load_fails(config, "tensor '" + tensor + "' is f32 [3], this model's is f32 [");
+  Trainer(config, *text).save(file);
+  edited([&](SafetensorsFile& f) { f.metadata["step"] = "-3"; });
+  expect_load_fails(config, "metadata step '-3' is not a step count");
+  edited([&](SafetensorsFile& f) { f.metadata["format"] = "moka-train-checkpoint-1"; });
+  expect_load_fails(config, "has checkpoint format moka-train-checkpoint-1");
+  edited([&](SafetensorsFile& f) { f.metadata.erase("format"); });
+  expect_load_fails(config, "is not a moka training checkpoint: its metadata has no format");
+  fs::remove(file);
+}
