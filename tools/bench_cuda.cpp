@@ -14,24 +14,24 @@
 #include "moka/error.hpp"
 #include "moka/process_group.hpp"
 
-#if MOKA_WITH_CUDA
+#if MOKA_HAVE_CUDA
 #include <cublas_v2.h>
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
 #include "core/routing_gen.hpp"
-#include "cuda/check.hpp"
+#include "cuda/common/check.hpp"
 #include "cuda/cuda_backend.hpp"
 #include "cuda/device_tensors.hpp"
-#include "cuda/grouped_gemm.hpp"
-#include "cuda/layer_kernels.hpp"
+#include "cuda/gemm/grouped_gemm.hpp"
+#include "cuda/layer/layer_kernels.hpp"
 #include "moka/device_group.hpp"
 #include "moka/moka.hpp"
 #endif
 
 namespace moka::cli {
 
-#if MOKA_WITH_CUDA
+#if MOKA_HAVE_CUDA
 namespace {
 
 using Dev = cuda::DeviceMemory;
@@ -89,8 +89,8 @@ double dense_peak_tflops(cudaStream_t s) {
   const float one = 1, zero = 0;
   const double ms = time_ms(
       [&] {
-        MOKA_CUBLAS_CHECK(cublasGemmEx(h, CUBLAS_OP_T, CUBLAS_OP_N, n, n, n, &one, a.p, CUDA_R_16BF, n, b.p,
-                                       CUDA_R_16BF, n, &zero, c.p, CUDA_R_16BF, n, CUBLAS_COMPUTE_32F,
+        MOKA_CUBLAS_CHECK(cublasGemmEx(h, CUBLAS_OP_T, CUBLAS_OP_N, n, n, n, &one, a.data(), CUDA_R_16BF, n, b.data(),
+                                       CUDA_R_16BF, n, &zero, c.data(), CUDA_R_16BF, n, CUBLAS_COMPUTE_32F,
                                        CUBLAS_GEMM_DEFAULT));
       },
       3, 20, s);
@@ -118,8 +118,8 @@ Timing time_layer(MoeLayer& layer, const LayerTensors& t, const CudaBenchOptions
 }
 
 std::vector<__nv_bfloat16> read_bf16(const Dev& d) {
-  std::vector<__nv_bfloat16> h(d.bytes / 2);
-  MOKA_CUDA_CHECK(cudaMemcpy(h.data(), d.p, d.bytes, cudaMemcpyDeviceToHost));
+  std::vector<__nv_bfloat16> h(d.bytes() / 2);
+  MOKA_CUDA_CHECK(cudaMemcpy(h.data(), d.data(), d.bytes(), cudaMemcpyDeviceToHost));
   return h;
 }
 
@@ -141,15 +141,15 @@ double grouped_gemm_tflops(const NamedShape& ns, const LayerTensors& t, const Cu
   const int64_t T = t.T, H = sh.hidden, I = sh.intermediate, E = sh.num_experts, k = sh.top_k;
   const int64_t slots = T * k, rows = slots + E * (o.tile_rows - 1);
   Dev chunk(cuda::schedule_chunks(slots) * E * 4), counts(E * 4), offsets((E + 1) * 4), map(slots * 4), err(8);
-  MOKA_CUDA_CHECK(cudaMemset(err.p, 0xFF, 8));
+  MOKA_CUDA_CHECK(cudaMemset(err.data(), 0xFF, 8));
   Dev xg(rows * H * 2), gate(rows * I * 2), up(rows * I * 2);
   xg.fill_normal(1.0, o.seed + 11);
   cuda::DeviceSchedule d;
   d.slots = slots, d.num_experts = E, d.global_experts = E, d.tile_rows = o.tile_rows, d.top_k = k;
-  d.chunk_counts = static_cast<int32_t*>(chunk.p), d.counts = static_cast<int32_t*>(counts.p);
-  d.offsets = static_cast<int32_t*>(offsets.p), d.row_of_slot = static_cast<int32_t*>(map.p);
-  d.error = static_cast<unsigned long long*>(err.p);
-  cuda::build_schedule(d, static_cast<int32_t*>(t.ids.p), static_cast<float*>(t.w.p), s);
+  d.chunk_counts = chunk.as<int32_t>(), d.counts = counts.as<int32_t>();
+  d.offsets = offsets.as<int32_t>(), d.row_of_slot = map.as<int32_t>();
+  d.error = err.as<unsigned long long>();
+  cuda::build_schedule(d, t.ids.as<int32_t>(), t.w.as<float>(), s);
   std::vector<cuda::GroupSpec> groups;
   for (int e = 0; e < E; ++e) {
     for (int which = 0; which < 2; ++which) {
@@ -163,7 +163,7 @@ double grouped_gemm_tflops(const NamedShape& ns, const LayerTensors& t, const Cu
   }
   cuda::GroupedGemm gemm(groups, cuda::GemmLayout{}, 0);
   cuda::BufferTable table;
-  table.ptr[0] = xg.p, table.ptr[1] = t.wg.p, table.ptr[2] = t.wu.p, table.ptr[3] = gate.p, table.ptr[4] = up.p;
+  table.ptr[0] = xg.data(), table.ptr[1] = t.wg.data(), table.ptr[2] = t.wu.data(), table.ptr[3] = gate.data(), table.ptr[4] = up.data();
   const double ms = time_ms([&] { gemm.run(table, d.counts, d.offsets, s); }, o.warmup, o.iters, s);
   return 2.0 * double(slots) * 2.0 * double(I) * double(H) / (ms * 1e-3) / 1e12;
 }
@@ -357,13 +357,13 @@ LinkTiming time_links(DeviceGroup& g, size_t bytes_per_peer, const CudaBenchOpti
   Dev send(bytes_per_peer * R), recv(bytes_per_peer * R);
   std::vector<size_t> counts(R, bytes_per_peer), offsets(R);
   for (int p = 0; p < R; ++p) offsets[p] = p * bytes_per_peer;
-  t.all_to_all_ms = time_ms([&] { g.all_to_all_v(send.p, counts.data(), offsets.data(), recv.p, counts.data(), offsets.data(), s); },
+  t.all_to_all_ms = time_ms([&] { g.all_to_all_v(send.data(), counts.data(), offsets.data(), recv.data(), counts.data(), offsets.data(), s); },
                             o.warmup, o.iters, s);
   const SymmetricBuffer& peer = g.allocate_symmetric(bytes_per_peer * (R - 1));
   const int next = (g.rank() + 1) % R;
   g.device_barrier(s, 30.0);
   t.peer_copy_ms = time_ms([&] {
-    MOKA_CUDA_CHECK(cudaMemcpyAsync(recv.p, peer.peers[next], bytes_per_peer * (R - 1), cudaMemcpyDeviceToDevice, s));
+    MOKA_CUDA_CHECK(cudaMemcpyAsync(recv.data(), peer.peers[next], bytes_per_peer * (R - 1), cudaMemcpyDeviceToDevice, s));
   }, o.warmup, o.iters, s);
   g.device_barrier(s, 30.0);
   MOKA_CUDA_CHECK(cudaStreamSynchronize(s));
@@ -639,7 +639,7 @@ std::vector<IncastRow> run_incast(ProcessGroup& workers, size_t bytes, int iters
   MOKA_CUDA_CHECK(cudaStreamCreateWithFlags(&victim_stream, cudaStreamNonBlocking));
   auto copy_to = [&](int peer, const Dev& from, cudaStream_t s) {
     char* slot = static_cast<char*>(inbox.peers[peer]) + size_t(rank) * bytes;
-    MOKA_CUDA_CHECK(cudaMemcpyAsync(slot, from.p, bytes, cudaMemcpyDeviceToDevice, s));
+    MOKA_CUDA_CHECK(cudaMemcpyAsync(slot, from.data(), bytes, cudaMemcpyDeviceToDevice, s));
   };
   std::vector<IncastRow> rows;
   for (int k = 0; k < R; ++k) {

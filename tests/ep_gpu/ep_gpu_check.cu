@@ -11,6 +11,7 @@
 #include <vector>
 
 #include "comm/cuda_check.hpp"
+#include "cuda/common/device_memory.hpp"
 #include "core/routing_gen.hpp"
 #include "cuda/cuda_backend.hpp"
 #include "gpu_case.hpp"
@@ -50,21 +51,17 @@ void all_to_all_v_matches(DeviceGroup& g, ProcessGroup& host, uint64_t seed) {
     rb[s] = counts[s * R + me] * 4;
     total += rb[s];
   }
-  int32_t *d_send, *d_recv;
-  MOKA_CUDA_CHECK(cudaMalloc(&d_send, send.size() * 4 + 4));
-  MOKA_CUDA_CHECK(cudaMalloc(&d_recv, total + 4));
-  MOKA_CUDA_CHECK(cudaMemset(d_recv, 0xff, total + 4));  // poison
-  MOKA_CUDA_CHECK(cudaMemcpy(d_send, send.data(), send.size() * 4, cudaMemcpyHostToDevice));
-  g.all_to_all_v(d_send, sb.data(), so.data(), d_recv, rb.data(), ro.data(), nullptr);
+  cuda::DeviceArray<int32_t> d_send(send.size() + 1), d_recv(total / 4 + 1);
+  MOKA_CUDA_CHECK(cudaMemset(d_recv.data(), 0xff, d_recv.bytes()));  // poison
+  d_send.upload(send);
+  g.all_to_all_v(d_send.data(), sb.data(), so.data(), d_recv.data(), rb.data(), ro.data(), nullptr);
   std::vector<int32_t> recv(total / 4);
-  MOKA_CUDA_CHECK(cudaMemcpy(recv.data(), d_recv, total, cudaMemcpyDeviceToHost));
+  MOKA_CUDA_CHECK(cudaMemcpy(recv.data(), d_recv.data(), total, cudaMemcpyDeviceToHost));
   bool ok = true;
   size_t i = 0;
   for (int s = 0; s < R; ++s)
     for (int c = 0; c < counts[s * R + me]; ++c) ok &= recv[i++] == s * 1000 + me * 10 + c % 7;
   check(ok, "all_to_all_v seed " + std::to_string(seed), me);
-  cudaFree(d_send);
-  cudaFree(d_recv);
   host.barrier();
 }
 

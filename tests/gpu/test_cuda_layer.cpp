@@ -133,11 +133,11 @@ TEST(CudaLayer, NamedShapesMatchBaselineAndSampledReference) {
     auto snapshot = [&] {
       std::vector<std::vector<double>> v;
       for (const cuda::DeviceMemory* m : {&t.out, &t.d_x, &t.dwsg, &t.dwsu, &t.dwsd})
-        v.push_back(download_bf16(m->p, int64_t(m->bytes / 2)));
+        v.push_back(download_bf16(m->data(), int64_t(m->bytes() / 2)));
       for (const cuda::DeviceMemory* m : {&t.dwg, &t.dwu, &t.dwd})
         for (int64_t e : experts) v.push_back(download_bf16(m->as<__nv_bfloat16>() + e * per_expert, per_expert));
       std::vector<float> dw(T * k);
-      MOKA_CUDA_CHECK(cudaMemcpy(dw.data(), t.d_w.p, t.d_w.bytes, cudaMemcpyDeviceToHost));
+      MOKA_CUDA_CHECK(cudaMemcpy(dw.data(), t.d_w.data(), t.d_w.bytes(), cudaMemcpyDeviceToHost));
       v.emplace_back(dw.begin(), dw.end());
       return v;
     };
@@ -181,9 +181,9 @@ TEST(CudaLayer, NamedShapesMatchBaselineAndSampledReference) {
         }
       }
       if (sh.has_shared()) {
-        r.ws_gate = download_bf16(t.wsg.p, Is * H);
-        r.ws_up = download_bf16(t.wsu.p, Is * H);
-        r.ws_down = download_bf16(t.wsd.p, H * Is);
+        r.ws_gate = download_bf16(t.wsg.data(), Is * H);
+        r.ws_up = download_bf16(t.wsu.data(), Is * H);
+        r.ws_down = download_bf16(t.wsd.data(), H * Is);
       }
       auto cpu = make_moe_layer(one, Backend::cpu);
       auto ctx = cpu->forward(r.inputs(), r.weights(), r.out_view());
@@ -315,18 +315,18 @@ TEST(CudaRouter, NanScoresGiveValidIdsAndNanWeights) {
   for (size_t i = 0; i < x.size(); ++i) xb[i] = __float2bfloat16(x[i]);
   for (size_t i = 0; i < w.size(); ++i) wb[i] = __float2bfloat16(w[i]);
   gpu_test::DeviceTensor gx(T * H * 2), gw(E * H * 2), gids(T * k * 4), gwt(T * k * 4), gc(E * 4);
-  MOKA_CUDA_CHECK(cudaMemcpy(gx.ptr, xb.data(), gx.bytes, cudaMemcpyHostToDevice));
-  MOKA_CUDA_CHECK(cudaMemcpy(gw.ptr, wb.data(), gw.bytes, cudaMemcpyHostToDevice));
+  MOKA_CUDA_CHECK(cudaMemcpy(gx.data(), xb.data(), gx.bytes(), cudaMemcpyHostToDevice));
+  MOKA_CUDA_CHECK(cudaMemcpy(gw.data(), wb.data(), gw.bytes(), cudaMemcpyHostToDevice));
   const Device d = Device::cuda(0);
   auto gpu = make_router(rc, Backend::cuda);
-  gpu->forward(TensorView(gx.ptr, DType::bf16, {T, H}, d), TensorView(gw.ptr, DType::bf16, {E, H}, d), TensorView(),
-               {TensorView(gids.ptr, DType::i32, {T, k}, d), TensorView(gwt.ptr, DType::f32, {T, k}, d),
-                TensorView(gc.ptr, DType::i32, {E}, d)});
+  gpu->forward(TensorView(gx.data(), DType::bf16, {T, H}, d), TensorView(gw.data(), DType::bf16, {E, H}, d), TensorView(),
+               {TensorView(gids.data(), DType::i32, {T, k}, d), TensorView(gwt.data(), DType::f32, {T, k}, d),
+                TensorView(gc.data(), DType::i32, {E}, d)});
   MOKA_CUDA_CHECK(cudaDeviceSynchronize());
   std::vector<int32_t> ids(T * k);
   std::vector<float> wt(T * k);
-  MOKA_CUDA_CHECK(cudaMemcpy(ids.data(), gids.ptr, gids.bytes, cudaMemcpyDeviceToHost));
-  MOKA_CUDA_CHECK(cudaMemcpy(wt.data(), gwt.ptr, gwt.bytes, cudaMemcpyDeviceToHost));
+  MOKA_CUDA_CHECK(cudaMemcpy(ids.data(), gids.data(), gids.bytes(), cudaMemcpyDeviceToHost));
+  MOKA_CUDA_CHECK(cudaMemcpy(wt.data(), gwt.data(), gwt.bytes(), cudaMemcpyDeviceToHost));
   for (int64_t i = 0; i < T * k; ++i) {
     EXPECT_TRUE(ids[i] >= 0 && ids[i] < E) << "id " << ids[i] << " at " << i;
     EXPECT_EQ(std::isnan(wt[i]), i / k == 3) << "weight " << wt[i] << " at " << i;
@@ -366,22 +366,22 @@ TEST(CudaRouter, MatchesReferenceForEveryNamedStyle) {
     gpu_test::DeviceTensor gx(T * H * 2), gw(E * H * 2), gb(E * 4), gids(T * k * 4), gwt(T * k * 4), gc(E * 4),
         gdwt(T * k * 4), gdx(T * H * 2), gdw(E * H * 2);
     const auto xb = gpu_test::to_bf16(x), wb = gpu_test::to_bf16(w);
-    MOKA_CUDA_CHECK(cudaMemcpy(gx.ptr, xb.data(), gx.bytes, cudaMemcpyHostToDevice));
-    MOKA_CUDA_CHECK(cudaMemcpy(gw.ptr, wb.data(), gw.bytes, cudaMemcpyHostToDevice));
+    MOKA_CUDA_CHECK(cudaMemcpy(gx.data(), xb.data(), gx.bytes(), cudaMemcpyHostToDevice));
+    MOKA_CUDA_CHECK(cudaMemcpy(gw.data(), wb.data(), gw.bytes(), cudaMemcpyHostToDevice));
     const std::vector<float> bf(bias.begin(), bias.end()), dwf(dwt.begin(), dwt.end());
-    MOKA_CUDA_CHECK(cudaMemcpy(gb.ptr, bf.data(), gb.bytes, cudaMemcpyHostToDevice));
-    MOKA_CUDA_CHECK(cudaMemcpy(gdwt.ptr, dwf.data(), gdwt.bytes, cudaMemcpyHostToDevice));
+    MOKA_CUDA_CHECK(cudaMemcpy(gb.data(), bf.data(), gb.bytes(), cudaMemcpyHostToDevice));
+    MOKA_CUDA_CHECK(cudaMemcpy(gdwt.data(), dwf.data(), gdwt.bytes(), cudaMemcpyHostToDevice));
     const Device d = Device::cuda(0);
     auto gpu = make_router(rc, Backend::cuda);
-    auto gctx = gpu->forward(TensorView(gx.ptr, DType::bf16, {T, H}, d), TensorView(gw.ptr, DType::bf16, {E, H}, d),
-                             rc.use_selection_bias ? TensorView(gb.ptr, DType::f32, {E}, d) : TensorView(),
-                             {TensorView(gids.ptr, DType::i32, {T, k}, d), TensorView(gwt.ptr, DType::f32, {T, k}, d),
-                              TensorView(gc.ptr, DType::i32, {E}, d)});
+    auto gctx = gpu->forward(TensorView(gx.data(), DType::bf16, {T, H}, d), TensorView(gw.data(), DType::bf16, {E, H}, d),
+                             rc.use_selection_bias ? TensorView(gb.data(), DType::f32, {E}, d) : TensorView(),
+                             {TensorView(gids.data(), DType::i32, {T, k}, d), TensorView(gwt.data(), DType::f32, {T, k}, d),
+                              TensorView(gc.data(), DType::i32, {E}, d)});
     std::vector<int32_t> hid(T * k), hc(E);
     std::vector<float> hw(T * k);
-    MOKA_CUDA_CHECK(cudaMemcpy(hid.data(), gids.ptr, gids.bytes, cudaMemcpyDeviceToHost));
-    MOKA_CUDA_CHECK(cudaMemcpy(hw.data(), gwt.ptr, gwt.bytes, cudaMemcpyDeviceToHost));
-    MOKA_CUDA_CHECK(cudaMemcpy(hc.data(), gc.ptr, gc.bytes, cudaMemcpyDeviceToHost));
+    MOKA_CUDA_CHECK(cudaMemcpy(hid.data(), gids.data(), gids.bytes(), cudaMemcpyDeviceToHost));
+    MOKA_CUDA_CHECK(cudaMemcpy(hw.data(), gwt.data(), gwt.bytes(), cudaMemcpyDeviceToHost));
+    MOKA_CUDA_CHECK(cudaMemcpy(hc.data(), gc.data(), gc.bytes(), cudaMemcpyDeviceToHost));
     int64_t same = 0;
     for (int64_t i = 0; i < T * k; ++i) same += hid[i] == ids[i];
     EXPECT_GE(double(same) / double(T * k), 0.97) << "top-k ids differ beyond near-ties";
@@ -397,11 +397,11 @@ TEST(CudaRouter, MatchesReferenceForEveryNamedStyle) {
     EXPECT_NEAR(gl.z_loss, cl.z_loss, 1e-2 * std::abs(cl.z_loss) + 1e-6);
     cpu->backward(*cctx, TensorView(dwt.data(), DType::f64, {T, k}), TensorView(dx.data(), DType::f64, {T, H}),
                   TensorView(dw.data(), DType::f64, {E, H}));
-    gpu->backward(*gctx, TensorView(gdwt.ptr, DType::f32, {T, k}, d), TensorView(gdx.ptr, DType::bf16, {T, H}, d),
-                  TensorView(gdw.ptr, DType::bf16, {E, H}, d));
+    gpu->backward(*gctx, TensorView(gdwt.data(), DType::f32, {T, k}, d), TensorView(gdx.data(), DType::bf16, {T, H}, d),
+                  TensorView(gdw.data(), DType::bf16, {E, H}, d));
     std::vector<__nv_bfloat16> hdx(T * H), hdw(E * H);
-    MOKA_CUDA_CHECK(cudaMemcpy(hdx.data(), gdx.ptr, gdx.bytes, cudaMemcpyDeviceToHost));
-    MOKA_CUDA_CHECK(cudaMemcpy(hdw.data(), gdw.ptr, gdw.bytes, cudaMemcpyDeviceToHost));
+    MOKA_CUDA_CHECK(cudaMemcpy(hdx.data(), gdx.data(), gdx.bytes(), cudaMemcpyDeviceToHost));
+    MOKA_CUDA_CHECK(cudaMemcpy(hdw.data(), gdw.data(), gdw.bytes(), cudaMemcpyDeviceToHost));
     std::vector<double> ddx(hdx.size()), ddw(hdw.size());
     for (size_t i = 0; i < hdx.size(); ++i) ddx[i] = __bfloat162float(hdx[i]);
     for (size_t i = 0; i < hdw.size(); ++i) ddw[i] = __bfloat162float(hdw[i]);
