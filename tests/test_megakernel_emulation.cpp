@@ -42,7 +42,7 @@ void run_reference(const MoeShape& s, std::vector<Buffers<T>>& ranks) {
   run_emulated_ranks(static_cast<int>(ranks.size()), [&](ProcessGroup& g) {
     auto layer = make_moe_layer(s, Backend::cpu, &g, LayerOptions{4, 1});
     auto& b = ranks[g.rank()];
-    layer->forward(b.inputs(), b.weights(), b.out_view());
+    layer->forward(b.inputs(), b.weights(), b.out_view(), Stream{});
   });
 }
 

@@ -106,12 +106,12 @@ struct Timing {
 Timing time_layer(MoeLayer& layer, const LayerTensors& t, const CudaBenchOptions& o, cudaStream_t s) {
   Timing r;
   std::unique_ptr<MoeContext> ctx;
-  r.fwd = time_ms([&] { ctx = layer.forward(t.inputs(), t.weights(), t.out_view()); }, o.warmup, o.iters, s);
-  r.bwd = time_ms([&] { layer.backward(*ctx, t.d_out_view(), t.weights(), t.gradients()); }, o.warmup, o.iters, s);
+  r.fwd = time_ms([&] { ctx = layer.forward(t.inputs(), t.weights(), t.out_view(), Stream{s}); }, o.warmup, o.iters, s);
+  r.bwd = time_ms([&] { layer.backward(*ctx, t.d_out_view(), t.weights(), t.gradients(), Stream{s}); }, o.warmup, o.iters, s);
   r.total = time_ms(
       [&] {
-        auto c = layer.forward(t.inputs(), t.weights(), t.out_view());
-        layer.backward(*c, t.d_out_view(), t.weights(), t.gradients());
+        auto c = layer.forward(t.inputs(), t.weights(), t.out_view(), Stream{s});
+        layer.backward(*c, t.d_out_view(), t.weights(), t.gradients(), Stream{s});
       },
       o.warmup, o.iters, s);
   return r;
@@ -199,16 +199,14 @@ TorchResult torch_result(const std::string& path, const std::string& shape, int6
   return r;
 }
 
-// The stream one single-GPU case runs on, set as the layer's for the case's lifetime.
+// The stream one single-GPU case runs on (every moka call of the case is given it).
 struct CaseStream {
   cudaStream_t s = nullptr;
   explicit CaseStream(const std::string& command) {
     require(cuda_backend_available(), ErrorCode::backend_unavailable, command + " needs a GPU (none is visible)");
     MOKA_CUDA_CHECK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
-    cuda::set_stream(s);
   }
   ~CaseStream() {
-    cuda::set_stream(nullptr);
     cudaStreamDestroy(s);
   }
 };
@@ -256,13 +254,13 @@ BenchRow run_cuda_case(const NamedShape& ns, int64_t tokens, const CudaBenchOpti
   auto base = cuda::make_cuda_baseline_layer(sh, lo);
   // Check first: moka against the cuBLAS-loop path on every output element.
   {
-    auto c = layer->forward(t.inputs(), t.weights(), t.out_view());
-    layer->backward(*c, t.d_out_view(), t.weights(), t.gradients());
+    auto c = layer->forward(t.inputs(), t.weights(), t.out_view(), Stream{s});
+    layer->backward(*c, t.d_out_view(), t.weights(), t.gradients(), Stream{s});
   }
   const auto out_m = read_bf16(t.out), dx_m = read_bf16(t.d_x), dwd_m = read_bf16(t.dwd);
   {
-    auto c = base->forward(t.inputs(), t.weights(), t.out_view());
-    base->backward(*c, t.d_out_view(), t.weights(), t.gradients());
+    auto c = base->forward(t.inputs(), t.weights(), t.out_view(), Stream{s});
+    base->backward(*c, t.d_out_view(), t.weights(), t.gradients(), Stream{s});
   }
   const double err = std::max({rel_diff(out_m, read_bf16(t.out)), rel_diff(dx_m, read_bf16(t.d_x)),
                                rel_diff(dwd_m, read_bf16(t.dwd))});
@@ -277,16 +275,16 @@ BenchRow run_cuda_case(const NamedShape& ns, int64_t tokens, const CudaBenchOpti
   fused_options.fused_swiglu = true;
   auto fused = make_moe_layer(sh, Backend::cuda, nullptr, fused_options);
   {
-    auto c = fused->forward(t.inputs(), t.weights(), t.out_view());
-    fused->backward(*c, t.d_out_view(), t.weights(), t.gradients());
+    auto c = fused->forward(t.inputs(), t.weights(), t.out_view(), Stream{s});
+    fused->backward(*c, t.d_out_view(), t.weights(), t.gradients(), Stream{s});
   }
   auto same_bits = [](const std::vector<__nv_bfloat16>& a, const std::vector<__nv_bfloat16>& b) {
     return a.size() == b.size() && std::memcmp(a.data(), b.data(), a.size() * sizeof(a[0])) == 0;
   };
   const bool fused_identical =
       same_bits(read_bf16(t.out), out_m) && same_bits(read_bf16(t.d_x), dx_m) && same_bits(read_bf16(t.dwd), dwd_m);
-  const Paired fwd = time_paired([&] { fused->forward(t.inputs(), t.weights(), t.out_view()); },
-                                 [&] { layer->forward(t.inputs(), t.weights(), t.out_view()); }, o.warmup, o.iters, s);
+  const Paired fwd = time_paired([&] { fused->forward(t.inputs(), t.weights(), t.out_view(), Stream{s}); },
+                                 [&] { layer->forward(t.inputs(), t.weights(), t.out_view(), Stream{s}); }, o.warmup, o.iters, s);
 
   BenchRow row;
   row.shape = ns.name;
@@ -330,8 +328,8 @@ void serve_cuda_steps(const NamedShape& ns, int64_t tokens, const CudaBenchOptio
   randomize_uniform(t, sh, tokens, o.seed);
   auto layer = make_moe_layer(sh, Backend::cuda, nullptr, LayerOptions{o.tile_rows, 0});
   auto step = [&] {
-    auto c = layer->forward(t.inputs(), t.weights(), t.out_view());
-    layer->backward(*c, t.d_out_view(), t.weights(), t.gradients());
+    auto c = layer->forward(t.inputs(), t.weights(), t.out_view(), Stream{stream.s});
+    layer->backward(*c, t.d_out_view(), t.weights(), t.gradients(), Stream{stream.s});
   };
   for (int i = 0; i < o.warmup; ++i) step();
   MOKA_CUDA_CHECK(cudaStreamSynchronize(stream.s));
@@ -460,20 +458,20 @@ MegakernelTiming time_megakernel(MoeLayer& layer, DeviceGroup* group, const Name
                                  const CudaBenchOptions& o, cudaStream_t s) {
   auto mk = make_megakernel_forward(ns.shape, group, o.megakernel, t.T);
   MegakernelTiming r;
-  layer.forward(t.inputs(), t.weights(), t.out_view());
+  layer.forward(t.inputs(), t.weights(), t.out_view(), Stream{s});
   MOKA_CUDA_CHECK(cudaStreamSynchronize(s));
   const auto want = read_bf16(t.out);
-  mk->forward(t.inputs(), t.weights(), t.out_view());
+  mk->forward(t.inputs(), t.weights(), t.out_view(), Stream{s});
   MOKA_CUDA_CHECK(cudaStreamSynchronize(s));
   mk->check_errors();
   r.max_rel_diff = rel_diff(read_bf16(t.out), want);
-  r.fwd = time_paired([&] { layer.forward(t.inputs(), t.weights(), t.out_view()); },
-                      [&] { mk->forward(t.inputs(), t.weights(), t.out_view()); }, o.warmup, o.iters, s);
+  r.fwd = time_paired([&] { layer.forward(t.inputs(), t.weights(), t.out_view(), Stream{s}); },
+                      [&] { mk->forward(t.inputs(), t.weights(), t.out_view(), Stream{s}); }, o.warmup, o.iters, s);
   MOKA_CUDA_CHECK(cudaStreamSynchronize(s));
   mk->check_errors();
   if (!o.timeline.empty()) {
     mk->record_timeline(true);
-    mk->forward(t.inputs(), t.weights(), t.out_view());
+    mk->forward(t.inputs(), t.weights(), t.out_view(), Stream{s});
     MOKA_CUDA_CHECK(cudaStreamSynchronize(s));
     mk->check_errors();
     const int rank = group ? group->rank() : 0;
@@ -492,7 +490,6 @@ std::optional<BenchRow> run_cuda_ep_case(ProcessGroup& workers, const NamedShape
   const int R = workers.size();
   cudaStream_t s;
   MOKA_CUDA_CHECK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
-  cuda::set_stream(s);
   LayerTensors t(sh, tokens, R);
   const std::vector<int32_t> ids = ep_routing(o, sh, tokens, workers.rank(), R);
   t.randomize(o.seed * 1000 + workers.rank(), ids);
@@ -514,7 +511,6 @@ std::optional<BenchRow> run_cuda_ep_case(ProcessGroup& workers, const NamedShape
   const double peak = dense_peak_tflops(s);
   const MegakernelTiming mk = time_megakernel(*layer, group.get(), ns, t, o, s);
   layer.reset();
-  cuda::set_stream(nullptr);
   MOKA_CUDA_CHECK(cudaStreamDestroy(s));
   const double fwd = max_over_ranks(workers, m.fwd), bwd = max_over_ranks(workers, m.bwd);
   const double total = max_over_ranks(workers, m.total);
@@ -565,7 +561,6 @@ std::vector<BenchRow> run_megakernel_tune(ProcessGroup* workers, const NamedShap
   const int R = workers ? workers->size() : 1, rank = workers ? workers->rank() : 0;
   cudaStream_t s;
   MOKA_CUDA_CHECK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
-  cuda::set_stream(s);
   LayerTensors t(sh, tokens, R);
   t.randomize(o.seed * 1000 + rank,
               core::sample_topk_ids({core::RoutingKind::uniform, 0.3, o.seed}, tokens, sh.top_k, sh.num_experts,
@@ -580,7 +575,7 @@ std::vector<BenchRow> run_megakernel_tune(ProcessGroup* workers, const NamedShap
       cfg.minibatch_size = minibatch;
       cfg.macrobatch_size = std::max(cfg.macrobatch_size / minibatch, int64_t(1)) * minibatch;
       auto mk = make_megakernel_forward(sh, group.get(), cfg, tokens);
-      double ms = time_ms([&] { mk->forward(t.inputs(), t.weights(), t.out_view()); }, o.warmup, o.iters, s);
+      double ms = time_ms([&] { mk->forward(t.inputs(), t.weights(), t.out_view(), Stream{s}); }, o.warmup, o.iters, s);
       MOKA_CUDA_CHECK(cudaStreamSynchronize(s));
       mk->check_errors();
       if (workers) ms = max_over_ranks(*workers, ms);
@@ -594,7 +589,6 @@ std::vector<BenchRow> run_megakernel_tune(ProcessGroup* workers, const NamedShap
     }
   }
   group.reset();
-  cuda::set_stream(nullptr);
   MOKA_CUDA_CHECK(cudaStreamDestroy(s));
   if (rank != 0) rows.clear();
   return rows;

@@ -7,6 +7,7 @@
 
 #include "moka/config.hpp"
 #include "moka/process_group.hpp"
+#include "moka/stream.hpp"
 #include "moka/tensor.hpp"
 
 namespace moka {
@@ -56,7 +57,8 @@ struct LayerOptions {
 class MoeContext {
  public:
   virtual ~MoeContext() = default;
-  // Routed (token, expert) rows each local expert received in that forward pass.
+  // Routed (token, expert) rows each local expert received in that forward pass (GPU: waits for
+  // the forward's stream).
   virtual std::vector<int64_t> local_expert_rows() const = 0;
 };
 
@@ -70,11 +72,13 @@ class MoeLayer {
   int64_t num_local_experts() const { return shape().num_experts / world_size(); }
   int64_t first_local_expert() const { return rank() * num_local_experts(); }
 
-  // out: [T, H], same dtype as x. Collective over the group: every rank calls it.
+  // out: [T, H], same dtype as x. Collective over the group: every rank calls it. GPU work is
+  // enqueued on `stream`; backward of a context must use the stream of its forward (or one
+  // ordered after it).
   virtual std::unique_ptr<MoeContext> forward(const MoeInputs& in, const MoeWeights& weights,
-                                              const TensorView& out) = 0;
+                                              const TensorView& out, Stream stream) = 0;
   virtual void backward(const MoeContext& saved, const TensorView& d_out,
-                        const MoeWeights& weights, const MoeGradients& grads) = 0;
+                        const MoeWeights& weights, const MoeGradients& grads, Stream stream) = 0;
 };
 
 // `group` may be null for a single rank. The layer keeps a reference to it.

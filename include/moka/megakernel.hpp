@@ -37,8 +37,8 @@ struct MegakernelTaskSpan {
 
 class DeviceGroup;
 
-// The CUDA megakernel forward of one MoE layer. forward() only enqueues work on the current
-// moka CUDA stream (cuda::set_stream): no host synchronization, capturable in a CUDA graph.
+// The CUDA megakernel forward of one MoE layer. forward() only enqueues work on the given
+// stream: no host synchronization, capturable in a CUDA graph.
 // Errors found on the device (capacity exceeded, an expert id out of range or token counts that
 // disagree on any rank, a wait that timed out) are raised by check_errors() after the caller
 // has synchronized the stream, on every rank, naming the rank; a later forward() raises them
@@ -48,13 +48,13 @@ class MegakernelForward {
   virtual ~MegakernelForward() = default;
   // x [T, H] bf16, topk_ids [T, k] i32, topk_weights [T, k] f32, out [T, H] bf16, T <= max_tokens
   // and the same T on every rank. Collective: every rank of the group calls it.
-  virtual void forward(const MoeInputs& in, const MoeWeights& weights, const TensorView& out) = 0;
+  virtual void forward(const MoeInputs& in, const MoeWeights& weights, const TensorView& out, Stream stream) = 0;
   virtual void check_errors() = 0;
   // Records per-task start/end stamps in later calls (a little slower); timeline() returns the
   // last call's tasks after the stream is synchronized.
   virtual void record_timeline(bool on) = 0;
   virtual std::vector<MegakernelTaskSpan> timeline() = 0;
-  // Grouped rows each local expert received in the last call (reads the device; synchronizes).
+  // Grouped rows each local expert received in the last call (waits for its stream).
   virtual std::vector<int64_t> local_expert_rows() = 0;
   virtual const MegakernelConfig& config() const = 0;
 };

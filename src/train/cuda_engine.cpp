@@ -85,7 +85,9 @@ struct CudaEngine::Impl {
   std::vector<Layer> layers;
   std::vector<std::vector<double>> selection_bias;
   int64_t steps_taken = 0;
-  cudaStream_t stream = nullptr;  // the legacy default stream, where the moka layers launch
+  // The engine's stream: every kernel, cuBLAS call and moka layer/router call of a step. A
+  // blocking stream, so the engine's host copies (cudaMemcpy) stay ordered with it.
+  cudaStream_t stream = nullptr;
 
   // Batch and scratch.
   DeviceArray<int32_t> tokens, targets, embed_offsets, embed_positions;
@@ -100,6 +102,7 @@ struct CudaEngine::Impl {
             "--backend cuda: no CUDA device is visible (or moka was built without CUDA)");
     c.validate();
     MOKA_CUDA_CHECK(cudaGetDevice(&device));
+    MOKA_CUDA_CHECK(cudaStreamCreate(&stream));
     MOKA_CUBLAS_CHECK(cublasCreate(&cublas));
     MOKA_CUBLAS_CHECK(cublasSetStream(cublas, stream));
     N = cfg.batch * cfg.seq;
@@ -141,7 +144,10 @@ struct CudaEngine::Impl {
     allocate_scratch();
   }
 
-  ~Impl() { cublasDestroy(cublas); }
+  ~Impl() {
+    cublasDestroy(cublas);
+    cudaStreamDestroy(stream);
+  }
 
   DeviceParam& at(const std::string& name) {
     for (auto& p : params)
@@ -376,7 +382,7 @@ struct CudaEngine::Impl {
                               dev_view(L.topk_weights.data(), DType::f32, {N, k}),
                               dev_view(L.counts.data(), DType::i32, {E})};
       L.router_ctx = L.router_op->forward(dev_view(L.ffn_x.data(), DType::bf16, {N, H}), dev_view(L.router->shadow.data(), DType::bf16, {E, H}),
-                                          dev_view(L.bias.data(), DType::f32, {E}), out);
+                                          dev_view(L.bias.data(), DType::f32, {E}), out, Stream{stream});
       if (stats) {
         // The CPU reference's router logits: the fp32 normed input times the fp32 router.
         cuda::rmsnorm_forward(L.ffn_in.data(), L.ffn_norm->value.data(), N, H, float(c.norm_eps), stats_x.data(), nullptr,
@@ -388,7 +394,7 @@ struct CudaEngine::Impl {
     }
     const MoeInputs in{dev_view(L.ffn_x.data(), DType::bf16, {N, H}), dev_view(L.topk_ids.data(), DType::i32, {N, k}),
                        dev_view(L.topk_weights.data(), DType::f32, {N, k})};
-    L.ffn_ctx = L.ffn->forward(in, ffn_weights(L), dev_view(moe_out.data(), DType::bf16, {N, H}));
+    L.ffn_ctx = L.ffn->forward(in, ffn_weights(L), dev_view(moe_out.data(), DType::bf16, {N, H}), Stream{stream});
     if (stats && L.is_moe) stats->moe_output += mean_abs(moe_out.data(), true, N * H);
   }
 
@@ -401,13 +407,13 @@ struct CudaEngine::Impl {
     const auto d = ffn_views(L, true);
     const MoeGradients g{dev_view(dx16.data(), DType::bf16, {N, H}), dev_view(d_topk_weights.data(), DType::f32, {N, k}),
                          d[0], d[1], d[2], d[3], d[4], d[5]};
-    L.ffn->backward(*L.ffn_ctx, dev_view(d_out16.data(), DType::bf16, {N, H}), ffn_weights(L), g);
+    L.ffn->backward(*L.ffn_ctx, dev_view(d_out16.data(), DType::bf16, {N, H}), ffn_weights(L), g, Stream{stream});
     // d_tmp = dx (+ the router's dx), summed in fp32 in that order as on the CPU.
     MOKA_CUDA_CHECK(cudaMemsetAsync(d_tmp.data(), 0, N * H * sizeof(float), stream));
     cuda::add_bf16(dx16.data(), N * H, d_tmp.data(), stream);
     if (L.is_moe) {
       L.router_op->backward(*L.router_ctx, dev_view(d_topk_weights.data(), DType::f32, {N, k}),
-                            dev_view(dx_router16.data(), DType::bf16, {N, H}), dev_view(L.router->grad16.data(), DType::bf16, {E, H}));
+                            dev_view(dx_router16.data(), DType::bf16, {N, H}), dev_view(L.router->grad16.data(), DType::bf16, {E, H}), Stream{stream});
       cuda::add_bf16(dx_router16.data(), N * H, d_tmp.data(), stream);
     }
     cuda::rmsnorm_backward(L.ffn_in.data(), L.ffn_norm->value.data(), L.ffn_inv_rms.data(), d_tmp.data(), N, H, true,

@@ -148,8 +148,8 @@ std::vector<cpu::LayerBuffers<double>> reference_of(const MoeShape& s, std::vect
   run_emulated_ranks(static_cast<int>(ranks.size()), [&](ProcessGroup& g) {
     auto layer = make_moe_layer(s, Backend::cpu, &g, LayerOptions{128, 1});
     auto& b = ranks[g.rank()];
-    auto ctx = layer->forward(b.inputs(), b.weights(), b.out_view());
-    if (backward) layer->backward(*ctx, b.d_out_view(), b.weights(), b.gradients());
+    auto ctx = layer->forward(b.inputs(), b.weights(), b.out_view(), Stream{});
+    if (backward) layer->backward(*ctx, b.d_out_view(), b.weights(), b.gradients(), Stream{});
   });
   return ranks;
 }
@@ -165,8 +165,8 @@ void layer_matches_reference(ProcessGroup& host, const MoeShape& s, int64_t T, S
   auto layer = make_moe_layer(s, Backend::cuda, &host, LayerOptions{128, 0});
   auto run = [&] {
     c.poison();
-    auto ctx = layer->forward(c.inputs(), c.weights(), c.out_view());
-    layer->backward(*ctx, c.d_out_view(), c.weights(), c.gradients());
+    auto ctx = layer->forward(c.inputs(), c.weights(), c.out_view(), Stream{});
+    layer->backward(*ctx, c.d_out_view(), c.weights(), c.gradients(), Stream{});
     MOKA_CUDA_CHECK(cudaDeviceSynchronize());
   };
   run();
@@ -211,7 +211,7 @@ void bad_routing_on_one_rank_is_reported_everywhere(ProcessGroup& host) {
   auto layer = make_moe_layer(s, Backend::cuda, &host, LayerOptions{128, 0});
   std::string error;
   try {
-    layer->forward(c.inputs(), c.weights(), c.out_view());
+    layer->forward(c.inputs(), c.weights(), c.out_view(), Stream{});
   } catch (const Error& e) {
     error = e.what();
   }
@@ -222,7 +222,7 @@ void bad_routing_on_one_rank_is_reported_everywhere(ProcessGroup& host) {
   good.upload();
   bool recovered = true;
   try {
-    auto ctx = layer->forward(good.inputs(), good.weights(), good.out_view());
+    auto ctx = layer->forward(good.inputs(), good.weights(), good.out_view(), Stream{});
     MOKA_CUDA_CHECK(cudaDeviceSynchronize());
   } catch (const Error&) {
     recovered = false;
@@ -245,7 +245,7 @@ void megakernel_matches_reference(ProcessGroup& host, DeviceGroup& g, const MoeS
   c.upload();
   auto run = [&](MegakernelForward& mk) {
     c.poison();
-    mk.forward(c.inputs(), c.weights(), c.out_view());
+    mk.forward(c.inputs(), c.weights(), c.out_view(), Stream{});
     MOKA_CUDA_CHECK(cudaDeviceSynchronize());
     mk.check_errors();
     return gpu_test::bytes_of(c.out);
@@ -265,7 +265,7 @@ void megakernel_matches_reference(ProcessGroup& host, DeviceGroup& g, const MoeS
 
   bool replayed = true;
   c.poison();
-  gpu_test::replay_in_graph([&] { mk->forward(c.inputs(), c.weights(), c.out_view()); }, 3, [&](int) {
+  gpu_test::replay_in_graph([&](Stream s) { mk->forward(c.inputs(), c.weights(), c.out_view(), s); }, 3, [&](int) {
     mk->check_errors();
     replayed &= gpu_test::bytes_of(c.out) == bits;
     c.poison();
@@ -294,7 +294,7 @@ void megakernel_input_errors_are_reported_everywhere(ProcessGroup& host, DeviceG
     }
     return error;
   };
-  std::string error = error_of([&] { mk->forward(c.inputs(), c.weights(), c.out_view()); });
+  std::string error = error_of([&] { mk->forward(c.inputs(), c.weights(), c.out_view(), Stream{}); });
   check(error.find("routing of rank 1") != std::string::npos && error.find("token 3, choice 1") != std::string::npos,
         "megakernel: bad expert id on rank 1 reported here: " + error, me);
   gpu_test::GpuCase good(group_inputs(s, host.size(), 64, 6, Skew::uniform)[me]);
@@ -305,10 +305,10 @@ void megakernel_input_errors_are_reported_everywhere(ProcessGroup& host, DeviceG
     for (TensorView* v : {&inputs.x, &inputs.topk_ids, &inputs.topk_weights}) v->shape[0] = 63;
     out.shape[0] = 63;
   }
-  error = error_of([&] { mk->forward(inputs, good.weights(), out); });
+  error = error_of([&] { mk->forward(inputs, good.weights(), out, Stream{}); });
   check(error.find("token counts disagree") != std::string::npos && error.find("rank 1 has 63") != std::string::npos,
         "megakernel: token counts that disagree are reported here: " + error, me);
-  error = error_of([&] { mk->forward(good.inputs(), good.weights(), good.out_view()); });
+  error = error_of([&] { mk->forward(good.inputs(), good.weights(), good.out_view(), Stream{}); });
   check(error.empty(), "megakernel runs again after the errors: " + error, me);
   if (host.size() >= 4) {
     gpu_test::GpuCase skewed(group_inputs(s, host.size(), 64, 7, Skew::all_to_rank0)[me]);
@@ -318,7 +318,7 @@ void megakernel_input_errors_are_reported_everywhere(ProcessGroup& host, DeviceG
     auto tight = make_megakernel_forward(s, &g, small, 64);
     std::string overflow;
     try {
-      tight->forward(skewed.inputs(), skewed.weights(), skewed.out_view());
+      tight->forward(skewed.inputs(), skewed.weights(), skewed.out_view(), Stream{});
       MOKA_CUDA_CHECK(cudaDeviceSynchronize());
       tight->check_errors();
     } catch (const Error& e) {

@@ -51,16 +51,15 @@ inline MegakernelConfig megakernel_config(int comm_sms, int64_t minibatch, int64
   return c;
 }
 
-// Captures `enqueue` (moka calls, on a fresh stream set as moka's) into a CUDA graph, then
+// Captures enqueue(stream) (moka calls on the given fresh stream) into a CUDA graph, then
 // replays it `replays` times; after(i) runs once replay i has finished.
 template <class Enqueue, class After>
 void replay_in_graph(Enqueue&& enqueue, int replays, After&& after) {
   cudaStream_t stream;
   MOKA_CUDA_CHECK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
-  cuda::set_stream(stream);
   cudaGraph_t graph;
   MOKA_CUDA_CHECK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal));
-  enqueue();
+  enqueue(Stream{stream});
   MOKA_CUDA_CHECK(cudaStreamEndCapture(stream, &graph));
   cudaGraphExec_t exec;
   MOKA_CUDA_CHECK(cudaGraphInstantiate(&exec, graph, 0));
@@ -70,7 +69,6 @@ void replay_in_graph(Enqueue&& enqueue, int replays, After&& after) {
     MOKA_CUDA_CHECK(cudaStreamSynchronize(stream));
     after(i);
   }
-  cuda::set_stream(nullptr);
   cudaGraphExecDestroy(exec);
   cudaGraphDestroy(graph);
   cudaStreamDestroy(stream);

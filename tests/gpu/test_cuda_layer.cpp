@@ -27,8 +27,8 @@ void route(GpuCase& c, core::RoutingKind kind, uint64_t seed) {
 }
 
 void run_gpu(MoeLayer& layer, GpuCase& c) {
-  auto ctx = layer.forward(c.inputs(), c.weights(), c.out_view());
-  layer.backward(*ctx, c.d_out_view(), c.weights(), c.gradients());
+  auto ctx = layer.forward(c.inputs(), c.weights(), c.out_view(), Stream{});
+  layer.backward(*ctx, c.d_out_view(), c.weights(), c.gradients(), Stream{});
   MOKA_CUDA_CHECK(cudaDeviceSynchronize());
 }
 
@@ -52,8 +52,8 @@ void expect_close(const cpu::LayerBuffers<double>& got, const cpu::LayerBuffers<
 
 void reference(GpuCase& c) {
   auto cpu = make_moe_layer(c.ref.shape, Backend::cpu);
-  auto ctx = cpu->forward(c.ref.inputs(), c.ref.weights(), c.ref.out_view());
-  cpu->backward(*ctx, c.ref.d_out_view(), c.ref.weights(), c.ref.gradients());
+  auto ctx = cpu->forward(c.ref.inputs(), c.ref.weights(), c.ref.out_view(), Stream{});
+  cpu->backward(*ctx, c.ref.d_out_view(), c.ref.weights(), c.ref.gradients(), Stream{});
 }
 
 struct Case {
@@ -124,8 +124,8 @@ TEST(CudaLayer, NamedShapesMatchBaselineAndSampledReference) {
     t.randomize(seed, ids);
     t.poison();
     auto run = [&](MoeLayer& l) {
-      auto ctx = l.forward(t.inputs(), t.weights(), t.out_view());
-      l.backward(*ctx, t.d_out_view(), t.weights(), t.gradients());
+      auto ctx = l.forward(t.inputs(), t.weights(), t.out_view(), Stream{});
+      l.backward(*ctx, t.d_out_view(), t.weights(), t.gradients(), Stream{});
       MOKA_CUDA_CHECK(cudaDeviceSynchronize());
     };
     // What is compared: whole small outputs, sampled experts' slices of the routed gradients.
@@ -186,8 +186,8 @@ TEST(CudaLayer, NamedShapesMatchBaselineAndSampledReference) {
         r.ws_down = download_bf16(t.wsd.data(), H * Is);
       }
       auto cpu = make_moe_layer(one, Backend::cpu);
-      auto ctx = cpu->forward(r.inputs(), r.weights(), r.out_view());
-      cpu->backward(*ctx, r.d_out_view(), r.weights(), r.gradients());
+      auto ctx = cpu->forward(r.inputs(), r.weights(), r.out_view(), Stream{});
+      cpu->backward(*ctx, r.d_out_view(), r.weights(), r.gradients(), Stream{});
       const std::vector<double> out_t(got[0].begin() + tok * H, got[0].begin() + (tok + 1) * H);
       const std::vector<double> dx_t(got[1].begin() + tok * H, got[1].begin() + (tok + 1) * H);
       const std::vector<double> dw_t(dw_got.begin() + tok * k, dw_got.begin() + (tok + 1) * k);
@@ -259,9 +259,9 @@ TEST(CudaLayer, GraphCaptureReplaysForwardAndBackward) {
   const auto eager = c.output_bytes();
   c.poison();
   gpu_test::replay_in_graph(
-      [&] {
-        auto ctx = layer->forward(c.inputs(), c.weights(), c.out_view());
-        layer->backward(*ctx, c.d_out_view(), c.weights(), c.gradients());
+      [&](Stream s) {
+        auto ctx = layer->forward(c.inputs(), c.weights(), c.out_view(), s);
+        layer->backward(*ctx, c.d_out_view(), c.weights(), c.gradients(), s);
       },
       3,
       [&](int i) {
@@ -277,10 +277,10 @@ TEST(CudaLayer, BadRoutingIsReportedNamingTheEntry) {
   c.ref.topk_ids[3 * 4 + 2] = 99;
   c.upload();
   auto layer = make_moe_layer(s, Backend::cuda);
-  auto ctx = layer->forward(c.inputs(), c.weights(), c.out_view());
+  auto ctx = layer->forward(c.inputs(), c.weights(), c.out_view(), Stream{});
   MOKA_CUDA_CHECK(cudaDeviceSynchronize());
   try {
-    layer->forward(c.inputs(), c.weights(), c.out_view());
+    layer->forward(c.inputs(), c.weights(), c.out_view(), Stream{});
     FAIL() << "no error";
   } catch (const Error& e) {
     EXPECT_EQ(e.code(), ErrorCode::expert_out_of_range);
@@ -296,10 +296,10 @@ TEST(CudaLayer, RejectsHostTensorsAndWrongDtypes) {
   auto layer = make_moe_layer(s, Backend::cuda);
   auto in = c.inputs();
   in.x.device = Device::cpu();
-  EXPECT_THROW(layer->forward(in, c.weights(), c.out_view()), Error);
+  EXPECT_THROW(layer->forward(in, c.weights(), c.out_view(), Stream{}), Error);
   in = c.inputs();
   in.topk_weights.dtype = DType::bf16;
-  EXPECT_THROW(layer->forward(in, c.weights(), c.out_view()), Error);
+  EXPECT_THROW(layer->forward(in, c.weights(), c.out_view(), Stream{}), Error);
 }
 
 // A token whose router scores are all NaN (NaN input) must not index past the experts: every
@@ -321,7 +321,8 @@ TEST(CudaRouter, NanScoresGiveValidIdsAndNanWeights) {
   auto gpu = make_router(rc, Backend::cuda);
   gpu->forward(TensorView(gx.data(), DType::bf16, {T, H}, d), TensorView(gw.data(), DType::bf16, {E, H}, d), TensorView(),
                {TensorView(gids.data(), DType::i32, {T, k}, d), TensorView(gwt.data(), DType::f32, {T, k}, d),
-                TensorView(gc.data(), DType::i32, {E}, d)});
+                TensorView(gc.data(), DType::i32, {E}, d)},
+               Stream{});
   MOKA_CUDA_CHECK(cudaDeviceSynchronize());
   std::vector<int32_t> ids(T * k);
   std::vector<float> wt(T * k);
@@ -361,7 +362,8 @@ TEST(CudaRouter, MatchesReferenceForEveryNamedStyle) {
     auto cctx = cpu->forward(TensorView(x.data(), DType::f64, {T, H}), TensorView(w.data(), DType::f64, {E, H}),
                              rc.use_selection_bias ? TensorView(bias.data(), DType::f64, {E}) : TensorView(),
                              {TensorView(ids.data(), DType::i32, {T, k}), TensorView(wt.data(), DType::f64, {T, k}),
-                              TensorView(counts.data(), DType::i32, {E})});
+                              TensorView(counts.data(), DType::i32, {E})},
+                             Stream{});
     // The GPU uses the reference's own selection for its backward comparison to be meaningful.
     gpu_test::DeviceTensor gx(T * H * 2), gw(E * H * 2), gb(E * 4), gids(T * k * 4), gwt(T * k * 4), gc(E * 4),
         gdwt(T * k * 4), gdx(T * H * 2), gdw(E * H * 2);
@@ -376,7 +378,8 @@ TEST(CudaRouter, MatchesReferenceForEveryNamedStyle) {
     auto gctx = gpu->forward(TensorView(gx.data(), DType::bf16, {T, H}, d), TensorView(gw.data(), DType::bf16, {E, H}, d),
                              rc.use_selection_bias ? TensorView(gb.data(), DType::f32, {E}, d) : TensorView(),
                              {TensorView(gids.data(), DType::i32, {T, k}, d), TensorView(gwt.data(), DType::f32, {T, k}, d),
-                              TensorView(gc.data(), DType::i32, {E}, d)});
+                              TensorView(gc.data(), DType::i32, {E}, d)},
+                             Stream{});
     std::vector<int32_t> hid(T * k), hc(E);
     std::vector<float> hw(T * k);
     MOKA_CUDA_CHECK(cudaMemcpy(hid.data(), gids.data(), gids.bytes(), cudaMemcpyDeviceToHost));
@@ -396,9 +399,9 @@ TEST(CudaRouter, MatchesReferenceForEveryNamedStyle) {
     EXPECT_NEAR(gl.aux_loss, cl.aux_loss, 1e-3 * std::abs(cl.aux_loss) + 1e-6);
     EXPECT_NEAR(gl.z_loss, cl.z_loss, 1e-2 * std::abs(cl.z_loss) + 1e-6);
     cpu->backward(*cctx, TensorView(dwt.data(), DType::f64, {T, k}), TensorView(dx.data(), DType::f64, {T, H}),
-                  TensorView(dw.data(), DType::f64, {E, H}));
+                  TensorView(dw.data(), DType::f64, {E, H}), Stream{});
     gpu->backward(*gctx, TensorView(gdwt.data(), DType::f32, {T, k}, d), TensorView(gdx.data(), DType::bf16, {T, H}, d),
-                  TensorView(gdw.data(), DType::bf16, {E, H}, d));
+                  TensorView(gdw.data(), DType::bf16, {E, H}, d), Stream{});
     std::vector<__nv_bfloat16> hdx(T * H), hdw(E * H);
     MOKA_CUDA_CHECK(cudaMemcpy(hdx.data(), gdx.data(), gdx.bytes(), cudaMemcpyDeviceToHost));
     MOKA_CUDA_CHECK(cudaMemcpy(hdw.data(), gdw.data(), gdw.bytes(), cudaMemcpyDeviceToHost));

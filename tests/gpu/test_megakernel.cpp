@@ -33,7 +33,7 @@ void route_and_upload(GpuCase& c, core::RoutingKind kind, uint64_t seed) {
 
 void forward(MegakernelForward& mk, GpuCase& c) {
   c.poison();
-  mk.forward(c.inputs(), c.weights(), c.out_view());
+  mk.forward(c.inputs(), c.weights(), c.out_view(), Stream{});
   MOKA_CUDA_CHECK(cudaDeviceSynchronize());
   mk.check_errors();
 }
@@ -44,7 +44,7 @@ double forward_error(GpuCase& c, MegakernelForward& mk) {
   forward(mk, c);
   const auto got = c.download();
   auto cpu = make_moe_layer(c.ref.shape, Backend::cpu);
-  cpu->forward(c.ref.inputs(), c.ref.weights(), c.ref.out_view());
+  cpu->forward(c.ref.inputs(), c.ref.weights(), c.ref.out_view(), Stream{});
   return cpu::max_rel_error(got.out, c.ref.out);
 }
 
@@ -123,7 +123,7 @@ TEST(Megakernel, GraphCaptureReplays) {
   forward(*mk, c);
   const auto eager = bytes_of(c.out);
   c.poison();
-  gpu_test::replay_in_graph([&] { mk->forward(c.inputs(), c.weights(), c.out_view()); }, 3, [&](int i) {
+  gpu_test::replay_in_graph([&](Stream s) { mk->forward(c.inputs(), c.weights(), c.out_view(), s); }, 3, [&](int i) {
     mk->check_errors();
     EXPECT_EQ(bytes_of(c.out), eager) << "replay " << i;
     c.poison();
@@ -158,7 +158,7 @@ TEST(Megakernel, BadExpertIdIsReportedNamingTheEntry) {
   c.ref.topk_ids[3 * 4 + 2] = 99;
   c.upload();
   auto mk = make_megakernel_forward(s, nullptr, kDefault, 10);
-  mk->forward(c.inputs(), c.weights(), c.out_view());
+  mk->forward(c.inputs(), c.weights(), c.out_view(), Stream{});
   MOKA_CUDA_CHECK(cudaDeviceSynchronize());
   try {
     mk->check_errors();
@@ -177,7 +177,7 @@ TEST(Megakernel, SpinTimeoutIsReportedNotHung) {
   MegakernelConfig cfg = megakernel_config(1, 128, 256);
   cfg.spin_timeout_seconds = 1e-9;
   auto mk = make_megakernel_forward(s, nullptr, cfg, 2000);
-  mk->forward(c.inputs(), c.weights(), c.out_view());
+  mk->forward(c.inputs(), c.weights(), c.out_view(), Stream{});
   MOKA_CUDA_CHECK(cudaDeviceSynchronize());
   try {
     mk->check_errors();
@@ -205,7 +205,7 @@ TEST(Megakernel, RejectsBadConfigAndTooManyTokens) {
   route_and_upload(c, U, 4 + 1);
   auto mk = make_megakernel_forward(s, nullptr, kDefault, 10);
   try {
-    mk->forward(c.inputs(), c.weights(), c.out_view());
+    mk->forward(c.inputs(), c.weights(), c.out_view(), Stream{});
     FAIL() << "20 tokens accepted by a layer built for 10";
   } catch (const Error& e) {
     EXPECT_NE(std::string(e.what()).find("at most 10"), std::string::npos) << e.what();

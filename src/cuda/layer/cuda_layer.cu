@@ -19,6 +19,7 @@
 #include "core/validate.hpp"
 #include "cuda/common/check.hpp"
 #include "cuda/common/device_memory.hpp"
+#include "cuda/common/stream.hpp"
 #include "cuda/cuda_backend.hpp"
 #include "cuda/layer/expert_exchange.hpp"
 #include "cuda/gemm/grouped_gemm.hpp"
@@ -26,8 +27,6 @@
 
 namespace moka::cuda {
 namespace {
-
-thread_local cudaStream_t g_stream = nullptr;
 
 // Indices of the BufferTable every grouped GEMM of the layer shares. "Grouped" buffers hold one
 // row per routed (token, expert) pair in expert segments; "Shared" names the shared expert.
@@ -68,6 +67,7 @@ struct CudaContext final : MoeContext {
   const class CudaMoeLayer* layer = nullptr;
   uint64_t generation = 0;
   int64_t tokens = 0;
+  cudaStream_t stream = nullptr;  // the forward's
   MoeInputs inputs;  // the forward's views (the caller keeps them alive, as autograd does)
   std::vector<int64_t> local_expert_rows() const override;
 };
@@ -114,12 +114,13 @@ class CudaMoeLayer final : public MoeLayer {
   int world_size() const override { return world_; }
   const char* backend_name() const override { return engine_ == GemmEngine::cutlass ? "cuda" : "cuda-cublas-loop"; }
 
-  std::unique_ptr<MoeContext> forward(const MoeInputs& in, const MoeWeights& w, const TensorView& out) override {
+  std::unique_ptr<MoeContext> forward(const MoeInputs& in, const MoeWeights& w, const TensorView& out,
+                                      Stream stream) override {
     report_device_errors();
     const Device dev = Device::cuda(device_);
     const int64_t T = in.x.rank == 2 ? in.x.dim(0) : 0, H = shape_.hidden, I = shape_.intermediate;
     const int64_t k = shape_.top_k, Is = shape_.shared_intermediate;
-    const cudaStream_t s = g_stream;
+    const cudaStream_t s = to_cuda(stream);
     auto check_tensors = [&] {
       core::validate_layer_tensors(shape_, world_, in, w, DType::bf16, dev);
       require(T >= 1, ErrorCode::invalid_argument, "the CUDA layer needs at least one token");
@@ -164,12 +165,13 @@ class CudaMoeLayer final : public MoeLayer {
     ctx->layer = this;
     ctx->generation = ++generation_;
     ctx->tokens = T;
+    ctx->stream = s;
     ctx->inputs = in;
     return ctx;
   }
 
-  void backward(const MoeContext& saved, const TensorView& d_out, const MoeWeights& w,
-                const MoeGradients& g) override {
+  void backward(const MoeContext& saved, const TensorView& d_out, const MoeWeights& w, const MoeGradients& g,
+                Stream stream) override {
     const auto* ctx = dynamic_cast<const CudaContext*>(&saved);
     require(ctx != nullptr && ctx->layer == this, ErrorCode::invalid_argument,
             "backward got a context from another layer");
@@ -186,7 +188,7 @@ class CudaMoeLayer final : public MoeLayer {
       core::validate_layer_tensors(shape_, world_, ctx->inputs, w, DType::bf16, dev);
     });
     Workspace& ws = *ws_;
-    const cudaStream_t s = g_stream;
+    const cudaStream_t s = to_cuda(stream);
     BufferTable table = buffer_table(ws, ctx->inputs.x, w);
     table.ptr[kOutGrad] = d_out.data;
     table.ptr[kGateWeightGrad] = g.d_w_gate.data;
@@ -225,10 +227,10 @@ class CudaMoeLayer final : public MoeLayer {
     ws.weight_grad->run(table, counts, offsets, s);
   }
 
-  // Reads the routed row counts (a synchronization: for tests and statistics only).
-  std::vector<int64_t> read_counts() const {
+  // Reads the routed row counts after `stream` (a synchronization: for tests and statistics only).
+  std::vector<int64_t> read_counts(cudaStream_t stream) const {
     std::vector<int32_t> c(local_experts_);
-    MOKA_CUDA_CHECK(cudaStreamSynchronize(g_stream));
+    MOKA_CUDA_CHECK(cudaStreamSynchronize(stream));
     MOKA_CUDA_CHECK(cudaMemcpy(c.data(), ws_->counts.data(), c.size() * sizeof(int32_t), cudaMemcpyDeviceToHost));
     return {c.begin(), c.end()};
   }
@@ -450,7 +452,7 @@ class CudaMoeLayer final : public MoeLayer {
   std::unique_ptr<Workspace> ws_;
 };
 
-std::vector<int64_t> CudaContext::local_expert_rows() const { return layer->read_counts(); }
+std::vector<int64_t> CudaContext::local_expert_rows() const { return layer->read_counts(stream); }
 
 }  // namespace
 
@@ -462,9 +464,6 @@ int device_count() {
   }
   return n;
 }
-
-void set_stream(cudaStream_t stream) { g_stream = stream; }
-cudaStream_t current_stream() { return g_stream; }
 
 std::unique_ptr<MoeLayer> make_cuda_moe_layer(const MoeShape& shape, ProcessGroup* group,
                                               const LayerOptions& options) {

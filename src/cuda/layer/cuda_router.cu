@@ -8,6 +8,7 @@
 #include "core/activation.hpp"
 #include "cuda/common/check.hpp"
 #include "cuda/common/device_memory.hpp"
+#include "cuda/common/stream.hpp"
 #include "cuda/cuda_backend.hpp"
 #include "cuda/layer/layer_kernels.hpp"
 
@@ -181,13 +182,14 @@ struct CudaRouterState final : RouterContext {
   RouterParams params{};
   const void* x = nullptr;
   const void* w_router = nullptr;
+  cudaStream_t stream = nullptr;  // the forward's
   // Stream-ordered scratch: forward and backward of one context run on the same stream.
   std::unique_ptr<StreamScratch<float>> logits, scores, p, lse;
   std::unique_ptr<StreamScratch<int32_t>> ids, counts;
   std::unique_ptr<StreamScratch<double>> mean_p, losses_dev;
   RouterLosses losses() const override {
     double h[2];
-    MOKA_CUDA_CHECK(cudaStreamSynchronize(current_stream()));
+    MOKA_CUDA_CHECK(cudaStreamSynchronize(stream));
     MOKA_CUDA_CHECK(cudaMemcpy(h, losses_dev->data(), sizeof(h), cudaMemcpyDeviceToHost));
     return {h[0], h[1]};
   }
@@ -208,7 +210,7 @@ class CudaRouter final : public Router {
   const RouterConfig& config() const override { return c_; }
 
   std::unique_ptr<RouterContext> forward(const TensorView& x, const TensorView& w, const TensorView& bias,
-                                         const RouterOutputs& out) override {
+                                         const RouterOutputs& out, Stream stream) override {
     const Device dev = Device::cuda(device_);
     require(x.rank == 2, ErrorCode::shape_mismatch, "router x must be [T, H], got " + x.shape_string());
     const int64_t T = x.dim(0), H = c_.hidden, E = c_.num_experts, k = c_.top_k;
@@ -225,7 +227,8 @@ class CudaRouter final : public Router {
                   c_.aux_loss_coef, c_.z_loss_coef};
     st->x = x.data;
     st->w_router = w.data;
-    const cudaStream_t s = current_stream();
+    const cudaStream_t s = to_cuda(stream);
+    st->stream = s;
     st->logits = std::make_unique<StreamScratch<float>>(T * E, s);
     st->scores = std::make_unique<StreamScratch<float>>(T * E, s);
     st->p = std::make_unique<StreamScratch<float>>(T * E, s);
@@ -259,7 +262,7 @@ class CudaRouter final : public Router {
   }
 
   void backward(const RouterContext& saved, const TensorView& d_weights, const TensorView& d_x,
-                const TensorView& d_w) override {
+                const TensorView& d_w, Stream stream) override {
     const auto* st = dynamic_cast<const CudaRouterState*>(&saved);
     require(st != nullptr, ErrorCode::invalid_argument, "router backward got a context from another router");
     const Device dev = Device::cuda(device_);
@@ -267,7 +270,7 @@ class CudaRouter final : public Router {
     expect_tensor(d_weights, "d_topk_weights", DType::f32, dev, {T, k});
     expect_tensor(d_x, "d_x", DType::bf16, dev, {T, H});
     expect_tensor(d_w, "d_w_router", DType::bf16, dev, {E, H});
-    const cudaStream_t s = current_stream();
+    const cudaStream_t s = to_cuda(stream);
     StreamScratch<float> ds(T * E, s);
     StreamScratch<bf16> d_logits(T * E, s);
     router_backward_tokens<<<unsigned(T), kThreads, 0, s>>>(st->params, st->logits->data(),

@@ -15,6 +15,7 @@
 #include "cuda/common/check.hpp"
 #include "cuda/cuda_backend.hpp"
 #include "cuda/common/device_memory.hpp"
+#include "cuda/common/stream.hpp"
 #include "cuda/megakernel/megakernel_launch.hpp"
 #include "moka/device_group.hpp"
 #include "moka/megakernel.hpp"
@@ -86,11 +87,12 @@ class CudaMegakernelForward final : public MegakernelForward {
 
   const MegakernelConfig& config() const override { return config_; }
 
-  void forward(const MoeInputs& in, const MoeWeights& w, const TensorView& out) override {
+  void forward(const MoeInputs& in, const MoeWeights& w, const TensorView& out, Stream stream) override {
     raise_finished_errors();
     const int64_t T = in.x.rank == 2 ? in.x.dim(0) : 0, H = shape_.hidden, k = shape_.top_k;
     check_inputs(in, w, out, T);
-    const cudaStream_t s = current_stream();
+    const cudaStream_t s = to_cuda(stream);
+    last_stream_ = s;
     const core::MegakernelPlan plan = core::build_megakernel_plan(config_, dims_of(shape_, world_, T));
     last_plan_ = plan;
 
@@ -144,7 +146,7 @@ class CudaMegakernelForward final : public MegakernelForward {
 
   std::vector<int64_t> local_expert_rows() override {
     std::vector<int32_t> counts(experts_);
-    MOKA_CUDA_CHECK(cudaStreamSynchronize(current_stream()));
+    MOKA_CUDA_CHECK(cudaStreamSynchronize(last_stream_));
     MOKA_CUDA_CHECK(cudaMemcpy(counts.data(), counts_.data(), experts_ * sizeof(int32_t), cudaMemcpyDeviceToHost));
     return {counts.begin(), counts.end()};
   }
@@ -300,6 +302,7 @@ class CudaMegakernelForward final : public MegakernelForward {
   bool timeline_on_ = false, pending_ = false;
   core::MegakernelPlan last_plan_;  // the last forward's worst-case plan (trimmed by its row count)
   cudaEvent_t done_ = nullptr;
+  cudaStream_t last_stream_ = nullptr;  // the last forward's
 };
 
 }  // namespace
