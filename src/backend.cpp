@@ -21,6 +21,16 @@ const char* to_string(Backend b) {
   return "?";
 }
 
+const char* to_string(LayerPath p) {
+  switch (p) {
+    case LayerPath::automatic: return "automatic";
+    case LayerPath::single_gpu: return "single_gpu";
+    case LayerPath::all_to_all: return "all_to_all";
+    case LayerPath::megakernel: return "megakernel";
+  }
+  return "?";
+}
+
 Backend parse_backend(const std::string& name) {
   if (name == "cpu") return Backend::cpu;
   if (name == "cuda") return Backend::cuda;

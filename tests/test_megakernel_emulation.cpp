@@ -21,7 +21,7 @@ MegakernelEmulationOptions options(int comm, int compute, int64_t tile_m, int64_
   MegakernelEmulationOptions o;
   o.config.num_comm_sms = comm;
   o.num_compute_workers = compute;
-  o.config.tile_m = tile_m;
+  o.config.tile_rows = tile_m;
   o.config.tile_n = 4;
   o.config.minibatch_size = minibatch;
   o.config.macrobatch_size = macrobatch;

@@ -454,9 +454,21 @@ struct MegakernelTiming {
   Paired fwd;  // a: all-to-all path, b: megakernel
   double max_rel_diff = 0;
 };
+// A megakernel-path layer with these knobs for up to `max_tokens` tokens per rank.
+std::unique_ptr<MoeLayer> megakernel_layer(const MoeShape& shape, DeviceGroup* group, const MegakernelConfig& config,
+                                           int64_t max_tokens) {
+  LayerOptions options;
+  options.path = LayerPath::megakernel;
+  options.max_tokens = max_tokens;
+  options.megakernel = config;
+  options.tile_rows = config.tile_rows;
+  options.row_order = config.row_order;
+  return make_moe_layer(shape, group, options);
+}
+
 MegakernelTiming time_megakernel(MoeLayer& layer, DeviceGroup* group, const NamedShape& ns, const LayerTensors& t,
                                  const CudaBenchOptions& o, cudaStream_t s) {
-  auto mk = make_megakernel_forward(ns.shape, group, o.megakernel, t.T);
+  auto mk = megakernel_layer(ns.shape, group, o.megakernel, t.T);
   MegakernelTiming r;
   layer.forward(t.inputs(), t.weights(), t.out_view(), Stream{s});
   MOKA_CUDA_CHECK(cudaStreamSynchronize(s));
@@ -470,12 +482,12 @@ MegakernelTiming time_megakernel(MoeLayer& layer, DeviceGroup* group, const Name
   MOKA_CUDA_CHECK(cudaStreamSynchronize(s));
   mk->check_errors();
   if (!o.timeline.empty()) {
-    mk->record_timeline(true);
+    mk->megakernel()->record_timeline(true);
     mk->forward(t.inputs(), t.weights(), t.out_view(), Stream{s});
     MOKA_CUDA_CHECK(cudaStreamSynchronize(s));
     mk->check_errors();
     const int rank = group ? group->rank() : 0;
-    if (rank == 0) write_timeline(o.timeline, ns.name, t.T, group ? group->size() : 1, mk->timeline());
+    if (rank == 0) write_timeline(o.timeline, ns.name, t.T, group ? group->size() : 1, mk->megakernel()->timeline());
   }
   return r;
 }
@@ -502,7 +514,9 @@ std::optional<BenchRow> run_cuda_ep_case(ProcessGroup& workers, const NamedShape
     if (workers.rank() == 0) dump_routing(o.dump_routing, ns, tokens, R, per_rank);
   }
   auto group = make_nccl_group(workers, t.device);
-  auto layer = make_moe_layer(sh, *group, LayerOptions{o.tile_rows, 0});
+  LayerOptions all_to_all{o.tile_rows, 0};
+  all_to_all.path = LayerPath::all_to_all;
+  auto layer = make_moe_layer(sh, group.get(), all_to_all);
   const Timing m = time_layer(*layer, t, o, s);
   // Uniform routing sends about T*k/R rows to each rank: time that much through NCCL and
   // through a plain peer copy.
@@ -574,7 +588,7 @@ std::vector<BenchRow> run_megakernel_tune(ProcessGroup* workers, const NamedShap
       cfg.num_comm_sms = comm;
       cfg.minibatch_size = minibatch;
       cfg.macrobatch_size = std::max(cfg.macrobatch_size / minibatch, int64_t(1)) * minibatch;
-      auto mk = make_megakernel_forward(sh, group.get(), cfg, tokens);
+      auto mk = megakernel_layer(sh, group.get(), cfg, tokens);
       double ms = time_ms([&] { mk->forward(t.inputs(), t.weights(), t.out_view(), Stream{s}); }, o.warmup, o.iters, s);
       MOKA_CUDA_CHECK(cudaStreamSynchronize(s));
       mk->check_errors();

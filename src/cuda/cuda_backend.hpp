@@ -11,8 +11,8 @@ namespace moka::cuda {
 
 int device_count();
 
-// The bf16 layer on the current device; with a group of several ranks its experts are split over
-// them (a new NCCL communicator; the all-to-all path). Inputs, weights and gradients are device
+// The bf16 layer on the current device, on the path LayerOptions::path picks; with a group of
+// several ranks its experts are split over them (a new NCCL communicator). Inputs, weights and gradients are device
 // TensorViews: bf16, topk_weights/d_topk_weights f32.
 // One forward may be in flight per layer: its context refers to the layer's workspace, and
 // backward with an older context is an error. On one rank the first call with a token count

@@ -17,7 +17,6 @@
 #include "gpu_case.hpp"
 #include "moka/device_group.hpp"
 #include "moka/distributed.hpp"
-#include "moka/megakernel.hpp"
 #include "moka/moka.hpp"
 
 using namespace moka;
@@ -243,14 +242,14 @@ void megakernel_matches_reference(ProcessGroup& host, DeviceGroup& g, const MoeS
   const auto ref = reference_of(s, ranks, false);
   gpu_test::GpuCase c(ranks[me]);
   c.upload();
-  auto run = [&](MegakernelForward& mk) {
+  auto run = [&](MoeLayer& mk) {
     c.poison();
     mk.forward(c.inputs(), c.weights(), c.out_view(), Stream{});
     MOKA_CUDA_CHECK(cudaDeviceSynchronize());
     mk.check_errors();
     return gpu_test::bytes_of(c.out);
   };
-  auto mk = make_megakernel_forward(s, &g, megakernel_config(32, 4096, 131072), T);
+  auto mk = make_moe_layer(s, &g, gpu_test::megakernel_options(megakernel_config(32, 4096, 131072), T));
   const auto bits = run(*mk);
   const double e = cpu::max_rel_error(c.download().out, ref[me].out);
   check(e <= 2e-2, std::string(name) + ": megakernel out relative error " + std::to_string(e), me);
@@ -258,7 +257,7 @@ void megakernel_matches_reference(ProcessGroup& host, DeviceGroup& g, const MoeS
   for (int i = 0; i < 3; ++i) same &= run(*mk) == bits;
   for (const auto& cfg :
        {megakernel_config(1, 128, 128), megakernel_config(8, 256, 512), megakernel_config(64, 1024, 2048)}) {
-    auto other = make_megakernel_forward(s, &g, cfg, T);
+    auto other = make_moe_layer(s, &g, gpu_test::megakernel_options(cfg, T));
     same &= run(*other) == bits;
   }
   check(same, std::string(name) + ": megakernel bits equal over runs, SM splits and batch sizes", me);
@@ -282,7 +281,7 @@ void megakernel_input_errors_are_reported_everywhere(ProcessGroup& host, DeviceG
   const int me = host.rank();
   gpu_test::GpuCase c(bad_routing_on_rank1(host, s)[me]);
   c.upload();
-  auto mk = make_megakernel_forward(s, &g, megakernel_config(8, 256, 512), 64);
+  auto mk = make_moe_layer(s, &g, gpu_test::megakernel_options(megakernel_config(8, 256, 512), 64));
   auto error_of = [&](const std::function<void()>& call) {
     std::string error;
     try {
@@ -315,7 +314,7 @@ void megakernel_input_errors_are_reported_everywhere(ProcessGroup& host, DeviceG
     skewed.upload();
     MegakernelConfig small = megakernel_config(8, 256, 512);
     small.capacity_multiplier = 0.25;
-    auto tight = make_megakernel_forward(s, &g, small, 64);
+    auto tight = make_moe_layer(s, &g, gpu_test::megakernel_options(small, 64));
     std::string overflow;
     try {
       tight->forward(skewed.inputs(), skewed.weights(), skewed.out_view(), Stream{});
@@ -327,6 +326,34 @@ void megakernel_input_errors_are_reported_everywhere(ProcessGroup& host, DeviceG
     check(overflow.find("rank 0") != std::string::npos && overflow.find("capacity") != std::string::npos,
           "megakernel: capacity overflow on rank 0 reported here: " + overflow, me);
   }
+  host.barrier();
+}
+
+// The megakernel path of MoeLayer over the group, forward and backward (its backward runs the
+// all-to-all path's forward stages on the context's inputs, then its backward), against the
+// all-to-all path on the same inputs: out and every gradient bit for bit.
+void megakernel_path_matches_all_to_all_bitwise(ProcessGroup& host, DeviceGroup& g, const MoeShape& s, int64_t T,
+                                                const char* name) {
+  const int me = host.rank();
+  gpu_test::GpuCase c(group_inputs(s, host.size(), T, 41 + T, Skew::zipf)[me]);
+  c.upload();
+  auto run = [&](MoeLayer& layer) {
+    c.poison();
+    auto ctx = layer.forward(c.inputs(), c.weights(), c.out_view(), Stream{});
+    layer.backward(*ctx, c.d_out_view(), c.weights(), c.gradients(), Stream{});
+    MOKA_CUDA_CHECK(cudaDeviceSynchronize());
+    layer.check_errors();
+    return c.output_bytes();
+  };
+  LayerOptions all_to_all{128, 0};
+  all_to_all.path = LayerPath::all_to_all;
+  auto staged = make_moe_layer(s, &g, all_to_all);
+  const auto want = run(*staged);
+  staged.reset();
+  auto mk = make_moe_layer(s, &g, gpu_test::megakernel_options(megakernel_config(16, 256, 1024), T));
+  bool same = mk->megakernel() != nullptr;
+  for (int i = 0; i < 2; ++i) same &= run(*mk) == want;
+  check(same, std::string(name) + ": megakernel path forward and every gradient equal the all-to-all path's bits", me);
   host.barrier();
 }
 
@@ -376,6 +403,10 @@ int main() {
                                  1, Skew::uniform, "megakernel, T=1 k=8 clamped");
     megakernel_matches_reference(*host, *g, MoeShape{2048, 768, 8 * int64_t(rv.world_size), 8, 0, Activation::swiglu, 7.0f},
                                  1000, Skew::zipf, "megakernel, qwen3-30b dims zipf");
+    megakernel_path_matches_all_to_all_bitwise(*host, *g, shaped, 300, "megakernel path, shared expert");
+    megakernel_path_matches_all_to_all_bitwise(
+        *host, *g, MoeShape{512, 256, 8 * int64_t(rv.world_size), 8, 0, Activation::swiglu_clamped, 7.0f}, 1,
+        "megakernel path, T=1 k=8 clamped");
     megakernel_input_errors_are_reported_everywhere(*host, *g);
     symmetric_stores_are_visible_after_the_barrier(*g);
     barrier_replays_in_a_cuda_graph(*g);

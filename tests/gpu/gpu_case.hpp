@@ -16,7 +16,8 @@
 #include "cuda/common/check.hpp"
 #include "cuda/cuda_backend.hpp"
 #include "cuda/device_tensors.hpp"
-#include "moka/megakernel.hpp"
+#include "moka/device_group.hpp"
+#include "moka/layer.hpp"
 
 namespace moka::gpu_test {
 
@@ -49,6 +50,17 @@ inline MegakernelConfig megakernel_config(int comm_sms, int64_t minibatch, int64
   c.macrobatch_size = macrobatch;
   c.spin_timeout_seconds = 10;
   return c;
+}
+
+// The options of a megakernel-path layer with these knobs, for up to `max_tokens` tokens per rank.
+inline LayerOptions megakernel_options(const MegakernelConfig& c, int64_t max_tokens) {
+  LayerOptions o;
+  o.path = LayerPath::megakernel;
+  o.max_tokens = max_tokens;
+  o.megakernel = c;
+  o.tile_rows = c.tile_rows;
+  o.row_order = c.row_order;
+  return o;
 }
 
 // Captures enqueue(stream) (moka calls on the given fresh stream) into a CUDA graph, then

@@ -24,6 +24,7 @@
 #include "cuda/layer/expert_exchange.hpp"
 #include "cuda/gemm/grouped_gemm.hpp"
 #include "cuda/layer/layer_kernels.hpp"
+#include "cuda/layer_paths.hpp"
 
 namespace moka::cuda {
 namespace {
@@ -63,12 +64,16 @@ struct Workspace {
   std::unique_ptr<GroupedGemm> down, data_grad_h, data_grad_x, weight_grad;
 };
 
+// The one context type of the CUDA layer, whichever path ran the forward.
 struct CudaContext final : MoeContext {
-  const class CudaMoeLayer* layer = nullptr;
+  const class CudaMoeLayer* layer = nullptr;  // the staged layer that runs the backward
   uint64_t generation = 0;
   int64_t tokens = 0;
   cudaStream_t stream = nullptr;  // the forward's
   MoeInputs inputs;  // the forward's views (the caller keeps them alive, as autograd does)
+  // Set when another path (the megakernel) ran the forward: the device counts it left, and the
+  // backward must first run the staged forward stages (the workspace holds none of it).
+  const int32_t* recompute_expert_rows = nullptr;
   std::vector<int64_t> local_expert_rows() const override;
 };
 
@@ -78,14 +83,15 @@ struct RowMap {
   int64_t entries;
 };
 
-class CudaMoeLayer final : public MoeLayer {
+class CudaMoeLayer final : public StagedLayer {
  public:
-  // `group` null: one rank. Otherwise the experts are split over it (it must outlive the layer).
-  CudaMoeLayer(const MoeShape& shape, DeviceGroup* group, const LayerOptions& options, GemmEngine engine)
-      : shape_(shape), options_(options), engine_(engine),
-        act_(ActParams::of(shape)),
+  // `group` null: one rank. Otherwise the experts are split over it (it must outlive the layer,
+  // or be `owned`).
+  CudaMoeLayer(const MoeShape& shape, DeviceGroup* group, std::unique_ptr<DeviceGroup> owned,
+               const LayerOptions& options, GemmEngine engine)
+      : shape_(shape), options_(options), engine_(engine), act_(ActParams::of(shape)),
         fused_swiglu_(options.fused_swiglu && engine == GemmEngine::cutlass), world_(group ? group->size() : 1),
-        rank_(group ? group->rank() : 0), local_experts_(shape.num_experts / world_) {
+        rank_(group ? group->rank() : 0), local_experts_(shape.num_experts / world_), owned_group_(std::move(owned)) {
     core::validate_shape(shape_, world_);
     require(options_.tile_rows >= 1 && options_.tile_rows <= (1 << 16), ErrorCode::invalid_argument,
             "tile_rows must be in [1, 65536]");
@@ -103,12 +109,6 @@ class CudaMoeLayer final : public MoeLayer {
       exchange_ = std::make_unique<ExpertExchange>(*group, shape_, options_.tile_rows);
     }
   }
-  // A layer over a communicator it made itself (from a host group) keeps it alive.
-  CudaMoeLayer(const MoeShape& shape, std::unique_ptr<DeviceGroup> group, const LayerOptions& options)
-      : CudaMoeLayer(shape, group.get(), options, GemmEngine::cutlass) {
-    owned_group_ = std::move(group);
-  }
-
   const MoeShape& shape() const override { return shape_; }
   int rank() const override { return rank_; }
   int world_size() const override { return world_; }
@@ -170,14 +170,38 @@ class CudaMoeLayer final : public MoeLayer {
     return ctx;
   }
 
+  std::unique_ptr<MoeContext> context_to_recompute(const MoeInputs& in, Stream stream,
+                                                   const int32_t* expert_rows) override {
+    auto ctx = std::make_unique<CudaContext>();
+    ctx->layer = this;
+    ctx->tokens = in.x.dim(0);
+    ctx->stream = to_cuda(stream);
+    ctx->inputs = in;
+    ctx->recompute_expert_rows = expert_rows;
+    return ctx;
+  }
+
+  void check_errors() override { report_device_errors(); }
+
   void backward(const MoeContext& saved, const TensorView& d_out, const MoeWeights& w, const MoeGradients& g,
                 Stream stream) override {
     const auto* ctx = dynamic_cast<const CudaContext*>(&saved);
     require(ctx != nullptr && ctx->layer == this, ErrorCode::invalid_argument,
             "backward got a context from another layer");
-    require(ctx->generation == generation_, ErrorCode::invalid_argument,
-            "backward got the context of an older forward: the CUDA layer keeps the activations of its "
-            "latest forward only");
+    if (ctx->recompute_expert_rows) {
+      // The megakernel ran this forward: its activations sit in its ring, laid out for its
+      // tiles. This path's forward stages recompute what backward reads (the schedule, the
+      // grouped x, gate/up/hidden) on the same inputs, into a scratch output: one staged
+      // forward more per backward, until the backward megakernel exists.
+      const int64_t T = ctx->tokens;
+      if (recompute_out_.size() < size_t(T * shape_.hidden)) recompute_out_ = DeviceArray<bf16>(T * shape_.hidden);
+      forward(ctx->inputs, w, TensorView(recompute_out_.data(), DType::bf16, {T, shape_.hidden}, Device::cuda(device_)),
+              stream);
+    } else {
+      require(ctx->generation == generation_, ErrorCode::invalid_argument,
+              "backward got the context of an older forward: the CUDA layer keeps the activations of its "
+              "latest forward only");
+    }
     report_device_errors();
     const Device dev = Device::cuda(device_);
     const int64_t T = ctx->tokens, H = shape_.hidden, I = shape_.intermediate, k = shape_.top_k;
@@ -450,9 +474,16 @@ class CudaMoeLayer final : public MoeLayer {
   PinnedWord<unsigned long long> error_{kNoRoutingError};  // the device routing check's first bad slot
   uint64_t generation_ = 0;
   std::unique_ptr<Workspace> ws_;
+  DeviceArray<bf16> recompute_out_;  // the discarded output of a recomputed forward
 };
 
-std::vector<int64_t> CudaContext::local_expert_rows() const { return layer->read_counts(stream); }
+std::vector<int64_t> CudaContext::local_expert_rows() const {
+  if (!recompute_expert_rows) return layer->read_counts(stream);
+  std::vector<int32_t> c(layer->num_local_experts());
+  MOKA_CUDA_CHECK(cudaStreamSynchronize(stream));
+  MOKA_CUDA_CHECK(cudaMemcpy(c.data(), recompute_expert_rows, c.size() * sizeof(int32_t), cudaMemcpyDeviceToHost));
+  return {c.begin(), c.end()};
+}
 
 }  // namespace
 
@@ -465,23 +496,14 @@ int device_count() {
   return n;
 }
 
-std::unique_ptr<MoeLayer> make_cuda_moe_layer(const MoeShape& shape, ProcessGroup* group,
-                                              const LayerOptions& options) {
-  if (group == nullptr || group->size() == 1)
-    return std::make_unique<CudaMoeLayer>(shape, static_cast<DeviceGroup*>(nullptr), options, GemmEngine::cutlass);
-  int device = 0;
-  MOKA_CUDA_CHECK(cudaGetDevice(&device));
-  return std::make_unique<CudaMoeLayer>(shape, make_nccl_group(*group, device), options);
+std::unique_ptr<StagedLayer> make_staged_layer(const MoeShape& shape, DeviceGroup* group,
+                                               std::unique_ptr<DeviceGroup> owned, const LayerOptions& options,
+                                               GemmEngine engine) {
+  return std::make_unique<CudaMoeLayer>(shape, group, std::move(owned), options, engine);
 }
 
 std::unique_ptr<MoeLayer> make_cuda_baseline_layer(const MoeShape& shape, const LayerOptions& options) {
-  return std::make_unique<CudaMoeLayer>(shape, static_cast<DeviceGroup*>(nullptr), options, GemmEngine::cublas_loop);
+  return make_staged_layer(shape, nullptr, nullptr, options, GemmEngine::cublas_loop);
 }
 
 }  // namespace moka::cuda
-
-namespace moka {
-std::unique_ptr<MoeLayer> make_moe_layer(const MoeShape& shape, DeviceGroup& group, const LayerOptions& options) {
-  return std::make_unique<cuda::CudaMoeLayer>(shape, &group, options, cuda::GemmEngine::cutlass);
-}
-}  // namespace moka

@@ -13,12 +13,11 @@
 #include "core/megakernel_plan.hpp"
 #include "core/validate.hpp"
 #include "cuda/common/check.hpp"
-#include "cuda/cuda_backend.hpp"
+#include "cuda/layer_paths.hpp"
 #include "cuda/common/device_memory.hpp"
 #include "cuda/common/stream.hpp"
 #include "cuda/megakernel/megakernel_launch.hpp"
 #include "moka/device_group.hpp"
-#include "moka/megakernel.hpp"
 
 namespace moka::cuda {
 namespace {
@@ -52,7 +51,8 @@ core::MegakernelDims dims_of(const MoeShape& s, int world, int64_t tokens) {
   return {world, tokens, s.top_k, s.hidden, s.intermediate, s.shared_intermediate, s.num_experts / world};
 }
 
-class CudaMegakernelForward final : public MegakernelForward {
+// The megakernel forward of one layer: its buffers, launch sequence and error reports.
+class CudaMegakernelForward final : public MegakernelExtension {
  public:
   CudaMegakernelForward(const MoeShape& shape, DeviceGroup* group, const MegakernelConfig& config, int64_t max_tokens)
       : shape_(shape), config_(config), group_(group), world_(group ? group->size() : 1),
@@ -87,7 +87,7 @@ class CudaMegakernelForward final : public MegakernelForward {
 
   const MegakernelConfig& config() const override { return config_; }
 
-  void forward(const MoeInputs& in, const MoeWeights& w, const TensorView& out, Stream stream) override {
+  void forward(const MoeInputs& in, const MoeWeights& w, const TensorView& out, Stream stream) {
     raise_finished_errors();
     const int64_t T = in.x.rank == 2 ? in.x.dim(0) : 0, H = shape_.hidden, k = shape_.top_k;
     check_inputs(in, w, out, T);
@@ -119,7 +119,7 @@ class CudaMegakernelForward final : public MegakernelForward {
     pending_ = true;
   }
 
-  void check_errors() override {
+  void check_errors() {
     if (group_) group_->check_device_errors();
     pending_ = false;
     raise(merged_.load(), routing_error_.load());
@@ -144,20 +144,17 @@ class CudaMegakernelForward final : public MegakernelForward {
     return spans;
   }
 
-  std::vector<int64_t> local_expert_rows() override {
-    std::vector<int32_t> counts(experts_);
-    MOKA_CUDA_CHECK(cudaStreamSynchronize(last_stream_));
-    MOKA_CUDA_CHECK(cudaMemcpy(counts.data(), counts_.data(), experts_ * sizeof(int32_t), cudaMemcpyDeviceToHost));
-    return {counts.begin(), counts.end()};
-  }
+  // Routed rows per local expert of the last call (device, [E_local]).
+  const int32_t* expert_rows() const { return counts_.data(); }
 
  private:
   static core::MegakernelPlan validated_plan(const MoeShape& s, const MegakernelConfig& c, int world, int64_t max_tokens) {
     core::validate_shape(s, world);
     core::validate_megakernel_config(c);
-    require(max_tokens >= 1, ErrorCode::invalid_argument, "megakernel max_tokens must be >= 1");
-    require(c.tile_m == 128 && c.tile_n == 128, ErrorCode::unsupported_size,
-            "the GPU megakernel's GEMM tile is 128 x 128: tile_m and tile_n must be 128");
+    require(max_tokens >= 1, ErrorCode::invalid_argument,
+            "the megakernel path needs LayerOptions::max_tokens >= 1 (tokens per rank its buffers hold)");
+    require(c.tile_rows == 128 && c.tile_n == 128, ErrorCode::unsupported_size,
+            "the GPU megakernel's GEMM tile is 128 x 128: tile_rows and megakernel.tile_n must be 128");
     require(s.hidden % 8 == 0 && s.intermediate % 8 == 0 && s.shared_intermediate % 8 == 0,
             ErrorCode::unsupported_size,
             "the megakernel needs hidden, intermediate and shared sizes that are multiples of 8 (16-byte rows)");
@@ -172,7 +169,7 @@ class CudaMegakernelForward final : public MegakernelForward {
     require(T >= 1, ErrorCode::invalid_argument, "the megakernel needs at least one token");
     require(T <= max_tokens_, ErrorCode::capacity_exceeded,
             "megakernel call has " + std::to_string(T) + " tokens but was built for at most " +
-                std::to_string(max_tokens_) + " (make_megakernel_forward's max_tokens)");
+                std::to_string(max_tokens_) + " (LayerOptions::max_tokens)");
     expect_tensor(out, "out", DType::bf16, dev, {T, shape_.hidden});
   }
 
@@ -182,7 +179,7 @@ class CudaMegakernelForward final : public MegakernelForward {
     d.num_experts = experts_;
     d.first_expert = rank_ * experts_;
     d.global_experts = shape_.num_experts;
-    d.tile_rows = config_.tile_m;
+    d.tile_rows = config_.tile_rows;
     d.top_k = shape_.top_k;
     d.world_size = world_;
     d.rank = rank_;
@@ -305,14 +302,53 @@ class CudaMegakernelForward final : public MegakernelForward {
   cudaStream_t last_stream_ = nullptr;  // the last forward's
 };
 
+// The megakernel path of MoeLayer: forward through the megakernel; backward through a staged
+// layer over the same group, which recomputes its forward stages from the context first.
+class MegakernelMoeLayer final : public MoeLayer {
+ public:
+  MegakernelMoeLayer(const MoeShape& shape, DeviceGroup* group, std::unique_ptr<DeviceGroup> owned,
+                     const LayerOptions& options)
+      : owned_group_(std::move(owned)), kernel_(shape, group, config_of(options), options.max_tokens),
+        stages_(make_staged_layer(shape, group, nullptr, options, GemmEngine::cutlass)) {}
+
+  const MoeShape& shape() const override { return stages_->shape(); }
+  int rank() const override { return stages_->rank(); }
+  int world_size() const override { return stages_->world_size(); }
+  const char* backend_name() const override { return "cuda"; }
+
+  std::unique_ptr<MoeContext> forward(const MoeInputs& in, const MoeWeights& w, const TensorView& out,
+                                      Stream stream) override {
+    kernel_.forward(in, w, out, stream);
+    return stages_->context_to_recompute(in, stream, kernel_.expert_rows());
+  }
+  void backward(const MoeContext& saved, const TensorView& d_out, const MoeWeights& w, const MoeGradients& g,
+                Stream stream) override {
+    stages_->backward(saved, d_out, w, g, stream);
+  }
+  void check_errors() override {
+    kernel_.check_errors();
+    stages_->check_errors();
+  }
+  MegakernelExtension* megakernel() override { return &kernel_; }
+
+ private:
+  static MegakernelConfig config_of(const LayerOptions& o) {
+    MegakernelConfig c = o.megakernel;
+    c.tile_rows = o.tile_rows;
+    c.row_order = o.row_order;
+    return c;
+  }
+
+  std::unique_ptr<DeviceGroup> owned_group_;  // destroyed last: both parts use it
+  CudaMegakernelForward kernel_;
+  std::unique_ptr<StagedLayer> stages_;
+};
+
 }  // namespace
-}  // namespace moka::cuda
 
-namespace moka {
-
-std::unique_ptr<MegakernelForward> make_megakernel_forward(const MoeShape& shape, DeviceGroup* group,
-                                                           const MegakernelConfig& config, int64_t max_tokens) {
-  return std::make_unique<cuda::CudaMegakernelForward>(shape, group, config, max_tokens);
+std::unique_ptr<MoeLayer> make_megakernel_layer(const MoeShape& shape, DeviceGroup* group,
+                                                std::unique_ptr<DeviceGroup> owned, const LayerOptions& options) {
+  return std::make_unique<MegakernelMoeLayer>(shape, group, std::move(owned), options);
 }
 
-}  // namespace moka
+}  // namespace moka::cuda
