@@ -6,7 +6,7 @@
 #include "core/routing_gen.hpp"
 #include "cpu/cpu_layer.hpp"
 #include "moka/moka.hpp"
-#if MOKA_WITH_CUDA
+#if MOKA_HAVE_CUDA
 #include "cuda/cuda_backend.hpp"
 #endif
 
@@ -21,6 +21,16 @@ const char* to_string(Backend b) {
   return "?";
 }
 
+const char* to_string(LayerPath p) {
+  switch (p) {
+    case LayerPath::automatic: return "automatic";
+    case LayerPath::single_gpu: return "single_gpu";
+    case LayerPath::all_to_all: return "all_to_all";
+    case LayerPath::megakernel: return "megakernel";
+  }
+  return "?";
+}
+
 Backend parse_backend(const std::string& name) {
   if (name == "cpu") return Backend::cpu;
   if (name == "cuda") return Backend::cuda;
@@ -29,7 +39,7 @@ Backend parse_backend(const std::string& name) {
 }
 
 bool cuda_backend_available() {
-#if MOKA_WITH_CUDA
+#if MOKA_HAVE_CUDA
   return cuda::device_count() > 0;
 #else
   return false;
@@ -47,7 +57,7 @@ Backend resolve(Backend b) {
 
 std::unique_ptr<MoeLayer> make_moe_layer(const MoeShape& shape, Backend backend, ProcessGroup* group,
                                          const LayerOptions& options) {
-#if MOKA_WITH_CUDA
+#if MOKA_HAVE_CUDA
   if (resolve(backend) == Backend::cuda) return cuda::make_cuda_moe_layer(shape, group, options);
 #else
   resolve(backend);
@@ -56,7 +66,7 @@ std::unique_ptr<MoeLayer> make_moe_layer(const MoeShape& shape, Backend backend,
 }
 
 std::unique_ptr<Router> make_router(const RouterConfig& config, Backend backend, const LayerOptions& options) {
-#if MOKA_WITH_CUDA
+#if MOKA_HAVE_CUDA
   if (resolve(backend) == Backend::cuda) return cuda::make_cuda_router(config, options);
 #else
   resolve(backend);

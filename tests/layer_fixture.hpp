@@ -29,8 +29,8 @@ Buffers<T> random_buffers(const MoeShape& s, int world, int64_t tokens, uint64_t
 // Forward + backward of one rank (no group).
 template <typename T>
 void run_layer(MoeLayer& layer, Buffers<T>& b) {
-  auto ctx = layer.forward(b.inputs(), b.weights(), b.out_view());
-  layer.backward(*ctx, b.d_out_view(), b.weights(), b.gradients());
+  auto ctx = layer.forward(b.inputs(), b.weights(), b.out_view(), Stream{});
+  layer.backward(*ctx, b.d_out_view(), b.weights(), b.gradients(), Stream{});
 }
 
 template <typename T>

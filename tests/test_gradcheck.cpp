@@ -12,7 +12,7 @@ namespace {
 // L = sum(out * d_out): backward with d_out gives dL/d(everything).
 double loss(const MoeShape& s, Buffers<double>& b) {
   auto layer = make_moe_layer(s, Backend::cpu, nullptr, LayerOptions{4, 1});
-  layer->forward(b.inputs(), b.weights(), b.out_view());
+  layer->forward(b.inputs(), b.weights(), b.out_view(), Stream{});
   double l = 0;
   for (size_t i = 0; i < b.out.size(); ++i) l += b.out[i] * b.d_out[i];
   return l;

@@ -91,8 +91,8 @@ TEST(EdgeCases, EmptyRankInEmulatedGroup) {
   run_emulated_ranks(2, [&](ProcessGroup& g) {
     auto layer = make_moe_layer(s, Backend::cpu, &g, LayerOptions{4, 1});
     auto& b = ranks[g.rank()];
-    auto ctx = layer->forward(b.inputs(), b.weights(), b.out_view());
-    layer->backward(*ctx, b.d_out_view(), b.weights(), b.gradients());
+    auto ctx = layer->forward(b.inputs(), b.weights(), b.out_view(), Stream{});
+    layer->backward(*ctx, b.d_out_view(), b.weights(), b.gradients(), Stream{});
     const auto rows = ctx->local_expert_rows();
     if (g.rank() == 1) EXPECT_EQ(rows, (std::vector<int64_t>{0, 0}));
     if (g.rank() == 0) EXPECT_EQ(rows, (std::vector<int64_t>{0, 12}));

@@ -21,7 +21,7 @@ MegakernelEmulationOptions options(int comm, int compute, int64_t tile_m, int64_
   MegakernelEmulationOptions o;
   o.config.num_comm_sms = comm;
   o.num_compute_workers = compute;
-  o.config.tile_m = tile_m;
+  o.config.tile_rows = tile_m;
   o.config.tile_n = 4;
   o.config.minibatch_size = minibatch;
   o.config.macrobatch_size = macrobatch;
@@ -42,7 +42,7 @@ void run_reference(const MoeShape& s, std::vector<Buffers<T>>& ranks) {
   run_emulated_ranks(static_cast<int>(ranks.size()), [&](ProcessGroup& g) {
     auto layer = make_moe_layer(s, Backend::cpu, &g, LayerOptions{4, 1});
     auto& b = ranks[g.rank()];
-    layer->forward(b.inputs(), b.weights(), b.out_view());
+    layer->forward(b.inputs(), b.weights(), b.out_view(), Stream{});
   });
 }
 

@@ -26,7 +26,7 @@ struct PlanCase {
 // A plan sized so `total_rows` fits; shared expert over 5 tokens, I = 6, H = 8, tile_n = 4.
 MegakernelPlan make_plan(const PlanCase& c) {
   MegakernelConfig config;
-  config.tile_m = c.tile_m;
+  config.tile_rows = c.tile_m;
   config.tile_n = 4;
   config.minibatch_size = c.minibatch;
   config.macrobatch_size = c.macrobatch;
@@ -236,10 +236,10 @@ INSTANTIATE_TEST_SUITE_P(
 
 TEST(MegakernelPlan, CapacityFollowsTheDesignFormula) {
   MegakernelConfig c;
-  c.tile_m = 4;
+  c.tile_rows = 4;
   c.minibatch_size = 4;
   c.macrobatch_size = 8;
-  const int64_t T = 10, k = 2, local_experts = 3, padding = local_experts * (c.tile_m - 1);
+  const int64_t T = 10, k = 2, local_experts = 3, padding = local_experts * (c.tile_rows - 1);
   auto capacity = [&](int world, double multiplier) {
     c.capacity_multiplier = multiplier;
     return build_megakernel_plan(c, {world, T, k, 8, 6, 0, local_experts}).capacity_rows;

@@ -38,7 +38,8 @@ struct RouterCase {
                       TensorView(weights.data(), DType::f64, {tokens, config.top_k}),
                       TensorView(counts.data(), DType::i32, {config.num_experts})};
     return r.forward(TensorView(x.data(), DType::f64, {tokens, config.hidden}),
-                     TensorView(w.data(), DType::f64, {config.num_experts, config.hidden}), bias_view(), out);
+                     TensorView(w.data(), DType::f64, {config.num_experts, config.hidden}), bias_view(), out,
+                     Stream{});
   }
   // Training loss the router contributes: <weights, g> + aux + z.
   double loss(Router& r) {
@@ -73,7 +74,7 @@ TEST_P(RouterGradCheck, BackwardMatchesFiniteDifferences) {
   EXPECT_GT(ctx->losses().z_loss, 0);
   std::vector<double> dx(rc.x.size()), dw(rc.w.size());
   router->backward(*ctx, TensorView(rc.g.data(), DType::f64, {rc.tokens, 3}),
-                   TensorView(dx.data(), DType::f64, {rc.tokens, 6}), TensorView(dw.data(), DType::f64, {8, 6}));
+                   TensorView(dx.data(), DType::f64, {rc.tokens, 6}), TensorView(dw.data(), DType::f64, {8, 6}), Stream{});
   const auto selected = rc.ids;
   auto check = [&](std::vector<double>& param, const std::vector<double>& analytic, const char* name) {
     for (size_t i = 0; i < param.size(); ++i) {

@@ -64,7 +64,7 @@ TEST_P(RowOrderResults, LayerAndMegakernelGiveTheSameBitsUnderEitherOrder) {
     });
   }
   cpu::MegakernelEmulationOptions o;
-  o.config.tile_m = 4;
+  o.config.tile_rows = 4;
   o.config.tile_n = 4;
   o.config.minibatch_size = 8;
   o.config.macrobatch_size = 16;

@@ -13,7 +13,7 @@ namespace {
 Error forward_error(const MoeShape& s, Buffers<float>& b, const LayerOptions& o = {4, 1}) {
   try {
     auto layer = make_moe_layer(s, Backend::cpu, nullptr, o);
-    layer->forward(b.inputs(), b.weights(), b.out_view());
+    layer->forward(b.inputs(), b.weights(), b.out_view(), Stream{});
   } catch (const Error& e) {
     return e;
   }
@@ -57,7 +57,7 @@ TEST(Validation, ShapesThatDisagree) {
   auto in = b.inputs();
   in.x.shape[1] = 7;
   try {
-    make_moe_layer(s, Backend::cpu)->forward(in, b.weights(), b.out_view());
+    make_moe_layer(s, Backend::cpu)->forward(in, b.weights(), b.out_view(), Stream{});
     FAIL();
   } catch (const Error& e) {
     expect_error(e, ErrorCode::shape_mismatch, "x has shape [6, 7]");
@@ -65,7 +65,7 @@ TEST(Validation, ShapesThatDisagree) {
   auto w = b.weights();
   w.w_down.shape[0] = 3;
   try {
-    make_moe_layer(s, Backend::cpu)->forward(b.inputs(), w, b.out_view());
+    make_moe_layer(s, Backend::cpu)->forward(b.inputs(), w, b.out_view(), Stream{});
     FAIL();
   } catch (const Error& e) {
     expect_error(e, ErrorCode::shape_mismatch, "w_down");
@@ -78,7 +78,7 @@ TEST(Validation, DtypeTheBackendCannotTake) {
   auto in = b.inputs();
   in.x.dtype = DType::bf16;
   try {
-    make_moe_layer(s, Backend::cpu)->forward(in, b.weights(), b.out_view());
+    make_moe_layer(s, Backend::cpu)->forward(in, b.weights(), b.out_view(), Stream{});
     FAIL();
   } catch (const Error& e) {
     expect_error(e, ErrorCode::invalid_argument, "bf16");
@@ -91,7 +91,7 @@ TEST(Validation, SharedExpertGivenToAShapeWithoutOne) {
   auto w = b.weights();
   w.ws_gate = b.weights().w_gate;
   try {
-    make_moe_layer(s, Backend::cpu)->forward(b.inputs(), w, b.out_view());
+    make_moe_layer(s, Backend::cpu)->forward(b.inputs(), w, b.out_view(), Stream{});
     FAIL();
   } catch (const Error& e) {
     expect_error(e, ErrorCode::invalid_argument, "no shared expert");
@@ -121,7 +121,7 @@ TEST(Validation, BadInputOnOneRankIsReportedOnEveryRank) {
     if (g.rank() == 2) b.topk_ids[0] = 99;
     auto layer = make_moe_layer(s, Backend::cpu, &g, LayerOptions{4, 1});
     try {
-      layer->forward(b.inputs(), b.weights(), b.out_view());
+      layer->forward(b.inputs(), b.weights(), b.out_view(), Stream{});
     } catch (const Error& e) {
       expect_error(e, ErrorCode::expert_out_of_range, "rank 2: topk_ids[0, 0] = 99");
       ++reported;
@@ -137,7 +137,7 @@ TEST(Validation, RanksThatDisagreeOnTokens) {
     auto b = random_buffers<float>(s, 2, g.rank() == 0 ? 6 : 5, 1, core::RoutingKind::uniform, g.rank());
     auto layer = make_moe_layer(s, Backend::cpu, &g, LayerOptions{4, 1});
     try {
-      layer->forward(b.inputs(), b.weights(), b.out_view());
+      layer->forward(b.inputs(), b.weights(), b.out_view(), Stream{});
     } catch (const Error& e) {
       expect_error(e, ErrorCode::shape_mismatch, "rank 1 has T=5");
       ++reported;

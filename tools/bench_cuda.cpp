@@ -14,24 +14,24 @@
 #include "moka/error.hpp"
 #include "moka/process_group.hpp"
 
-#if MOKA_WITH_CUDA
+#if MOKA_HAVE_CUDA
 #include <cublas_v2.h>
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
 #include "core/routing_gen.hpp"
-#include "cuda/check.hpp"
+#include "cuda/common/check.hpp"
 #include "cuda/cuda_backend.hpp"
 #include "cuda/device_tensors.hpp"
-#include "cuda/grouped_gemm.hpp"
-#include "cuda/layer_kernels.hpp"
+#include "cuda/gemm/grouped_gemm.hpp"
+#include "cuda/layer/layer_kernels.hpp"
 #include "moka/device_group.hpp"
 #include "moka/moka.hpp"
 #endif
 
 namespace moka::cli {
 
-#if MOKA_WITH_CUDA
+#if MOKA_HAVE_CUDA
 namespace {
 
 using Dev = cuda::DeviceMemory;
@@ -89,8 +89,8 @@ double dense_peak_tflops(cudaStream_t s) {
   const float one = 1, zero = 0;
   const double ms = time_ms(
       [&] {
-        MOKA_CUBLAS_CHECK(cublasGemmEx(h, CUBLAS_OP_T, CUBLAS_OP_N, n, n, n, &one, a.p, CUDA_R_16BF, n, b.p,
-                                       CUDA_R_16BF, n, &zero, c.p, CUDA_R_16BF, n, CUBLAS_COMPUTE_32F,
+        MOKA_CUBLAS_CHECK(cublasGemmEx(h, CUBLAS_OP_T, CUBLAS_OP_N, n, n, n, &one, a.data(), CUDA_R_16BF, n, b.data(),
+                                       CUDA_R_16BF, n, &zero, c.data(), CUDA_R_16BF, n, CUBLAS_COMPUTE_32F,
                                        CUBLAS_GEMM_DEFAULT));
       },
       3, 20, s);
@@ -106,20 +106,20 @@ struct Timing {
 Timing time_layer(MoeLayer& layer, const LayerTensors& t, const CudaBenchOptions& o, cudaStream_t s) {
   Timing r;
   std::unique_ptr<MoeContext> ctx;
-  r.fwd = time_ms([&] { ctx = layer.forward(t.inputs(), t.weights(), t.out_view()); }, o.warmup, o.iters, s);
-  r.bwd = time_ms([&] { layer.backward(*ctx, t.d_out_view(), t.weights(), t.gradients()); }, o.warmup, o.iters, s);
+  r.fwd = time_ms([&] { ctx = layer.forward(t.inputs(), t.weights(), t.out_view(), Stream{s}); }, o.warmup, o.iters, s);
+  r.bwd = time_ms([&] { layer.backward(*ctx, t.d_out_view(), t.weights(), t.gradients(), Stream{s}); }, o.warmup, o.iters, s);
   r.total = time_ms(
       [&] {
-        auto c = layer.forward(t.inputs(), t.weights(), t.out_view());
-        layer.backward(*c, t.d_out_view(), t.weights(), t.gradients());
+        auto c = layer.forward(t.inputs(), t.weights(), t.out_view(), Stream{s});
+        layer.backward(*c, t.d_out_view(), t.weights(), t.gradients(), Stream{s});
       },
       o.warmup, o.iters, s);
   return r;
 }
 
 std::vector<__nv_bfloat16> read_bf16(const Dev& d) {
-  std::vector<__nv_bfloat16> h(d.bytes / 2);
-  MOKA_CUDA_CHECK(cudaMemcpy(h.data(), d.p, d.bytes, cudaMemcpyDeviceToHost));
+  std::vector<__nv_bfloat16> h(d.bytes() / 2);
+  MOKA_CUDA_CHECK(cudaMemcpy(h.data(), d.data(), d.bytes(), cudaMemcpyDeviceToHost));
   return h;
 }
 
@@ -141,15 +141,15 @@ double grouped_gemm_tflops(const NamedShape& ns, const LayerTensors& t, const Cu
   const int64_t T = t.T, H = sh.hidden, I = sh.intermediate, E = sh.num_experts, k = sh.top_k;
   const int64_t slots = T * k, rows = slots + E * (o.tile_rows - 1);
   Dev chunk(cuda::schedule_chunks(slots) * E * 4), counts(E * 4), offsets((E + 1) * 4), map(slots * 4), err(8);
-  MOKA_CUDA_CHECK(cudaMemset(err.p, 0xFF, 8));
+  MOKA_CUDA_CHECK(cudaMemset(err.data(), 0xFF, 8));
   Dev xg(rows * H * 2), gate(rows * I * 2), up(rows * I * 2);
   xg.fill_normal(1.0, o.seed + 11);
   cuda::DeviceSchedule d;
   d.slots = slots, d.num_experts = E, d.global_experts = E, d.tile_rows = o.tile_rows, d.top_k = k;
-  d.chunk_counts = static_cast<int32_t*>(chunk.p), d.counts = static_cast<int32_t*>(counts.p);
-  d.offsets = static_cast<int32_t*>(offsets.p), d.row_of_slot = static_cast<int32_t*>(map.p);
-  d.error = static_cast<unsigned long long*>(err.p);
-  cuda::build_schedule(d, static_cast<int32_t*>(t.ids.p), static_cast<float*>(t.w.p), s);
+  d.chunk_counts = chunk.as<int32_t>(), d.counts = counts.as<int32_t>();
+  d.offsets = offsets.as<int32_t>(), d.row_of_slot = map.as<int32_t>();
+  d.error = err.as<unsigned long long>();
+  cuda::build_schedule(d, t.ids.as<int32_t>(), t.w.as<float>(), s);
   std::vector<cuda::GroupSpec> groups;
   for (int e = 0; e < E; ++e) {
     for (int which = 0; which < 2; ++which) {
@@ -163,7 +163,7 @@ double grouped_gemm_tflops(const NamedShape& ns, const LayerTensors& t, const Cu
   }
   cuda::GroupedGemm gemm(groups, cuda::GemmLayout{}, 0);
   cuda::BufferTable table;
-  table.ptr[0] = xg.p, table.ptr[1] = t.wg.p, table.ptr[2] = t.wu.p, table.ptr[3] = gate.p, table.ptr[4] = up.p;
+  table.ptr[0] = xg.data(), table.ptr[1] = t.wg.data(), table.ptr[2] = t.wu.data(), table.ptr[3] = gate.data(), table.ptr[4] = up.data();
   const double ms = time_ms([&] { gemm.run(table, d.counts, d.offsets, s); }, o.warmup, o.iters, s);
   return 2.0 * double(slots) * 2.0 * double(I) * double(H) / (ms * 1e-3) / 1e12;
 }
@@ -199,16 +199,14 @@ TorchResult torch_result(const std::string& path, const std::string& shape, int6
   return r;
 }
 
-// The stream one single-GPU case runs on, set as the layer's for the case's lifetime.
+// The stream one single-GPU case runs on (every moka call of the case is given it).
 struct CaseStream {
   cudaStream_t s = nullptr;
   explicit CaseStream(const std::string& command) {
     require(cuda_backend_available(), ErrorCode::backend_unavailable, command + " needs a GPU (none is visible)");
     MOKA_CUDA_CHECK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
-    cuda::set_stream(s);
   }
   ~CaseStream() {
-    cuda::set_stream(nullptr);
     cudaStreamDestroy(s);
   }
 };
@@ -256,13 +254,13 @@ BenchRow run_cuda_case(const NamedShape& ns, int64_t tokens, const CudaBenchOpti
   auto base = cuda::make_cuda_baseline_layer(sh, lo);
   // Check first: moka against the cuBLAS-loop path on every output element.
   {
-    auto c = layer->forward(t.inputs(), t.weights(), t.out_view());
-    layer->backward(*c, t.d_out_view(), t.weights(), t.gradients());
+    auto c = layer->forward(t.inputs(), t.weights(), t.out_view(), Stream{s});
+    layer->backward(*c, t.d_out_view(), t.weights(), t.gradients(), Stream{s});
   }
   const auto out_m = read_bf16(t.out), dx_m = read_bf16(t.d_x), dwd_m = read_bf16(t.dwd);
   {
-    auto c = base->forward(t.inputs(), t.weights(), t.out_view());
-    base->backward(*c, t.d_out_view(), t.weights(), t.gradients());
+    auto c = base->forward(t.inputs(), t.weights(), t.out_view(), Stream{s});
+    base->backward(*c, t.d_out_view(), t.weights(), t.gradients(), Stream{s});
   }
   const double err = std::max({rel_diff(out_m, read_bf16(t.out)), rel_diff(dx_m, read_bf16(t.d_x)),
                                rel_diff(dwd_m, read_bf16(t.dwd))});
@@ -277,16 +275,16 @@ BenchRow run_cuda_case(const NamedShape& ns, int64_t tokens, const CudaBenchOpti
   fused_options.fused_swiglu = true;
   auto fused = make_moe_layer(sh, Backend::cuda, nullptr, fused_options);
   {
-    auto c = fused->forward(t.inputs(), t.weights(), t.out_view());
-    fused->backward(*c, t.d_out_view(), t.weights(), t.gradients());
+    auto c = fused->forward(t.inputs(), t.weights(), t.out_view(), Stream{s});
+    fused->backward(*c, t.d_out_view(), t.weights(), t.gradients(), Stream{s});
   }
   auto same_bits = [](const std::vector<__nv_bfloat16>& a, const std::vector<__nv_bfloat16>& b) {
     return a.size() == b.size() && std::memcmp(a.data(), b.data(), a.size() * sizeof(a[0])) == 0;
   };
   const bool fused_identical =
       same_bits(read_bf16(t.out), out_m) && same_bits(read_bf16(t.d_x), dx_m) && same_bits(read_bf16(t.dwd), dwd_m);
-  const Paired fwd = time_paired([&] { fused->forward(t.inputs(), t.weights(), t.out_view()); },
-                                 [&] { layer->forward(t.inputs(), t.weights(), t.out_view()); }, o.warmup, o.iters, s);
+  const Paired fwd = time_paired([&] { fused->forward(t.inputs(), t.weights(), t.out_view(), Stream{s}); },
+                                 [&] { layer->forward(t.inputs(), t.weights(), t.out_view(), Stream{s}); }, o.warmup, o.iters, s);
 
   BenchRow row;
   row.shape = ns.name;
@@ -330,8 +328,8 @@ void serve_cuda_steps(const NamedShape& ns, int64_t tokens, const CudaBenchOptio
   randomize_uniform(t, sh, tokens, o.seed);
   auto layer = make_moe_layer(sh, Backend::cuda, nullptr, LayerOptions{o.tile_rows, 0});
   auto step = [&] {
-    auto c = layer->forward(t.inputs(), t.weights(), t.out_view());
-    layer->backward(*c, t.d_out_view(), t.weights(), t.gradients());
+    auto c = layer->forward(t.inputs(), t.weights(), t.out_view(), Stream{stream.s});
+    layer->backward(*c, t.d_out_view(), t.weights(), t.gradients(), Stream{stream.s});
   };
   for (int i = 0; i < o.warmup; ++i) step();
   MOKA_CUDA_CHECK(cudaStreamSynchronize(stream.s));
@@ -357,13 +355,13 @@ LinkTiming time_links(DeviceGroup& g, size_t bytes_per_peer, const CudaBenchOpti
   Dev send(bytes_per_peer * R), recv(bytes_per_peer * R);
   std::vector<size_t> counts(R, bytes_per_peer), offsets(R);
   for (int p = 0; p < R; ++p) offsets[p] = p * bytes_per_peer;
-  t.all_to_all_ms = time_ms([&] { g.all_to_all_v(send.p, counts.data(), offsets.data(), recv.p, counts.data(), offsets.data(), s); },
+  t.all_to_all_ms = time_ms([&] { g.all_to_all_v(send.data(), counts.data(), offsets.data(), recv.data(), counts.data(), offsets.data(), s); },
                             o.warmup, o.iters, s);
   const SymmetricBuffer& peer = g.allocate_symmetric(bytes_per_peer * (R - 1));
   const int next = (g.rank() + 1) % R;
   g.device_barrier(s, 30.0);
   t.peer_copy_ms = time_ms([&] {
-    MOKA_CUDA_CHECK(cudaMemcpyAsync(recv.p, peer.peers[next], bytes_per_peer * (R - 1), cudaMemcpyDeviceToDevice, s));
+    MOKA_CUDA_CHECK(cudaMemcpyAsync(recv.data(), peer.peers[next], bytes_per_peer * (R - 1), cudaMemcpyDeviceToDevice, s));
   }, o.warmup, o.iters, s);
   g.device_barrier(s, 30.0);
   MOKA_CUDA_CHECK(cudaStreamSynchronize(s));
@@ -456,28 +454,40 @@ struct MegakernelTiming {
   Paired fwd;  // a: all-to-all path, b: megakernel
   double max_rel_diff = 0;
 };
+// A megakernel-path layer with these knobs for up to `max_tokens` tokens per rank.
+std::unique_ptr<MoeLayer> megakernel_layer(const MoeShape& shape, DeviceGroup* group, const MegakernelConfig& config,
+                                           int64_t max_tokens) {
+  LayerOptions options;
+  options.path = LayerPath::megakernel;
+  options.max_tokens = max_tokens;
+  options.megakernel = config;
+  options.tile_rows = config.tile_rows;
+  options.row_order = config.row_order;
+  return make_moe_layer(shape, group, options);
+}
+
 MegakernelTiming time_megakernel(MoeLayer& layer, DeviceGroup* group, const NamedShape& ns, const LayerTensors& t,
                                  const CudaBenchOptions& o, cudaStream_t s) {
-  auto mk = make_megakernel_forward(ns.shape, group, o.megakernel, t.T);
+  auto mk = megakernel_layer(ns.shape, group, o.megakernel, t.T);
   MegakernelTiming r;
-  layer.forward(t.inputs(), t.weights(), t.out_view());
+  layer.forward(t.inputs(), t.weights(), t.out_view(), Stream{s});
   MOKA_CUDA_CHECK(cudaStreamSynchronize(s));
   const auto want = read_bf16(t.out);
-  mk->forward(t.inputs(), t.weights(), t.out_view());
+  mk->forward(t.inputs(), t.weights(), t.out_view(), Stream{s});
   MOKA_CUDA_CHECK(cudaStreamSynchronize(s));
   mk->check_errors();
   r.max_rel_diff = rel_diff(read_bf16(t.out), want);
-  r.fwd = time_paired([&] { layer.forward(t.inputs(), t.weights(), t.out_view()); },
-                      [&] { mk->forward(t.inputs(), t.weights(), t.out_view()); }, o.warmup, o.iters, s);
+  r.fwd = time_paired([&] { layer.forward(t.inputs(), t.weights(), t.out_view(), Stream{s}); },
+                      [&] { mk->forward(t.inputs(), t.weights(), t.out_view(), Stream{s}); }, o.warmup, o.iters, s);
   MOKA_CUDA_CHECK(cudaStreamSynchronize(s));
   mk->check_errors();
   if (!o.timeline.empty()) {
-    mk->record_timeline(true);
-    mk->forward(t.inputs(), t.weights(), t.out_view());
+    mk->megakernel()->record_timeline(true);
+    mk->forward(t.inputs(), t.weights(), t.out_view(), Stream{s});
     MOKA_CUDA_CHECK(cudaStreamSynchronize(s));
     mk->check_errors();
     const int rank = group ? group->rank() : 0;
-    if (rank == 0) write_timeline(o.timeline, ns.name, t.T, group ? group->size() : 1, mk->timeline());
+    if (rank == 0) write_timeline(o.timeline, ns.name, t.T, group ? group->size() : 1, mk->megakernel()->timeline());
   }
   return r;
 }
@@ -492,7 +502,6 @@ std::optional<BenchRow> run_cuda_ep_case(ProcessGroup& workers, const NamedShape
   const int R = workers.size();
   cudaStream_t s;
   MOKA_CUDA_CHECK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
-  cuda::set_stream(s);
   LayerTensors t(sh, tokens, R);
   const std::vector<int32_t> ids = ep_routing(o, sh, tokens, workers.rank(), R);
   t.randomize(o.seed * 1000 + workers.rank(), ids);
@@ -505,7 +514,9 @@ std::optional<BenchRow> run_cuda_ep_case(ProcessGroup& workers, const NamedShape
     if (workers.rank() == 0) dump_routing(o.dump_routing, ns, tokens, R, per_rank);
   }
   auto group = make_nccl_group(workers, t.device);
-  auto layer = make_moe_layer(sh, *group, LayerOptions{o.tile_rows, 0});
+  LayerOptions all_to_all{o.tile_rows, 0};
+  all_to_all.path = LayerPath::all_to_all;
+  auto layer = make_moe_layer(sh, group.get(), all_to_all);
   const Timing m = time_layer(*layer, t, o, s);
   // Uniform routing sends about T*k/R rows to each rank: time that much through NCCL and
   // through a plain peer copy.
@@ -514,7 +525,6 @@ std::optional<BenchRow> run_cuda_ep_case(ProcessGroup& workers, const NamedShape
   const double peak = dense_peak_tflops(s);
   const MegakernelTiming mk = time_megakernel(*layer, group.get(), ns, t, o, s);
   layer.reset();
-  cuda::set_stream(nullptr);
   MOKA_CUDA_CHECK(cudaStreamDestroy(s));
   const double fwd = max_over_ranks(workers, m.fwd), bwd = max_over_ranks(workers, m.bwd);
   const double total = max_over_ranks(workers, m.total);
@@ -565,7 +575,6 @@ std::vector<BenchRow> run_megakernel_tune(ProcessGroup* workers, const NamedShap
   const int R = workers ? workers->size() : 1, rank = workers ? workers->rank() : 0;
   cudaStream_t s;
   MOKA_CUDA_CHECK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
-  cuda::set_stream(s);
   LayerTensors t(sh, tokens, R);
   t.randomize(o.seed * 1000 + rank,
               core::sample_topk_ids({core::RoutingKind::uniform, 0.3, o.seed}, tokens, sh.top_k, sh.num_experts,
@@ -579,8 +588,8 @@ std::vector<BenchRow> run_megakernel_tune(ProcessGroup* workers, const NamedShap
       cfg.num_comm_sms = comm;
       cfg.minibatch_size = minibatch;
       cfg.macrobatch_size = std::max(cfg.macrobatch_size / minibatch, int64_t(1)) * minibatch;
-      auto mk = make_megakernel_forward(sh, group.get(), cfg, tokens);
-      double ms = time_ms([&] { mk->forward(t.inputs(), t.weights(), t.out_view()); }, o.warmup, o.iters, s);
+      auto mk = megakernel_layer(sh, group.get(), cfg, tokens);
+      double ms = time_ms([&] { mk->forward(t.inputs(), t.weights(), t.out_view(), Stream{s}); }, o.warmup, o.iters, s);
       MOKA_CUDA_CHECK(cudaStreamSynchronize(s));
       mk->check_errors();
       if (workers) ms = max_over_ranks(*workers, ms);
@@ -594,7 +603,6 @@ std::vector<BenchRow> run_megakernel_tune(ProcessGroup* workers, const NamedShap
     }
   }
   group.reset();
-  cuda::set_stream(nullptr);
   MOKA_CUDA_CHECK(cudaStreamDestroy(s));
   if (rank != 0) rows.clear();
   return rows;
@@ -639,7 +647,7 @@ std::vector<IncastRow> run_incast(ProcessGroup& workers, size_t bytes, int iters
   MOKA_CUDA_CHECK(cudaStreamCreateWithFlags(&victim_stream, cudaStreamNonBlocking));
   auto copy_to = [&](int peer, const Dev& from, cudaStream_t s) {
     char* slot = static_cast<char*>(inbox.peers[peer]) + size_t(rank) * bytes;
-    MOKA_CUDA_CHECK(cudaMemcpyAsync(slot, from.p, bytes, cudaMemcpyDeviceToDevice, s));
+    MOKA_CUDA_CHECK(cudaMemcpyAsync(slot, from.data(), bytes, cudaMemcpyDeviceToDevice, s));
   };
   std::vector<IncastRow> rows;
   for (int k = 0; k < R; ++k) {

@@ -71,7 +71,7 @@ void make_routing(const NamedShape& ns, const BenchOptions& o, int rank, cpu::La
     RouterOutputs out{TensorView(b.topk_ids.data(), DType::i32, {b.tokens, s.top_k}),
                       TensorView(b.topk_weights.data(), DType::f64, {b.tokens, s.top_k}), {}};
     router->forward(TensorView(b.x.data(), DType::f64, {b.tokens, s.hidden}),
-                    TensorView(w_router.data(), DType::f64, {s.num_experts, s.hidden}), {}, out);
+                    TensorView(w_router.data(), DType::f64, {s.num_experts, s.hidden}), {}, out, Stream{});
     return;
   }
   core::RoutingSpec spec{core::parse_routing_kind(o.routing), o.gini, o.seed};
@@ -121,11 +121,11 @@ std::optional<BenchRow> run_cpu_case_on(ProcessGroup& g, const NamedShape& ns, i
     if (rank == 0) progress.update(ns.name + " T=" + std::to_string(tokens), it + 1, o.warmup + o.iters);
     g.barrier();
     const auto t0 = Clock::now();
-    auto ctx = layer->forward(f32.inputs(), f32.weights(), f32.out_view());
+    auto ctx = layer->forward(f32.inputs(), f32.weights(), f32.out_view(), Stream{});
     g.barrier();
     const double tf = ms_since(t0);
     const auto t1 = Clock::now();
-    layer->backward(*ctx, f32.d_out_view(), f32.weights(), f32.gradients());
+    layer->backward(*ctx, f32.d_out_view(), f32.weights(), f32.gradients(), Stream{});
     g.barrier();
     const double tb = ms_since(t1);
     if (it >= o.warmup) {
@@ -134,8 +134,8 @@ std::optional<BenchRow> run_cpu_case_on(ProcessGroup& g, const NamedShape& ns, i
       total.push_back(tf + tb);
     }
   }
-  auto ctx = layer->forward(ref.inputs(), ref.weights(), ref.out_view());
-  layer->backward(*ctx, ref.d_out_view(), ref.weights(), ref.gradients());
+  auto ctx = layer->forward(ref.inputs(), ref.weights(), ref.out_view(), Stream{});
+  layer->backward(*ctx, ref.d_out_view(), ref.weights(), ref.gradients(), Stream{});
   const double error = cpu::max_layer_error(f32, ref);
   std::vector<double> errors(world);
   g.all_gather(&error, errors.data(), sizeof(double));

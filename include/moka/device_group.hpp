@@ -67,10 +67,9 @@ std::unique_ptr<DeviceGroup> wrap_nccl_comm(void* nccl_comm, int device);
 struct MoeShape;
 struct LayerOptions;
 class MoeLayer;
-// The CUDA layer with its experts split over `group` (which must outlive it): the
-// expert-parallel all-to-all path (NCCL all-to-all-v of token rows; split sizes go through
-// the host). make_moe_layer(shape, Backend::cuda, host_group) builds the same over a new
-// communicator.
-std::unique_ptr<MoeLayer> make_moe_layer(const MoeShape& shape, DeviceGroup& group, const LayerOptions& options);
+// The CUDA layer with its experts split over `group` (which must outlive it; null: one GPU), on
+// the path LayerOptions::path picks. make_moe_layer(shape, Backend::cuda, host_group) builds the
+// same over a new communicator.
+std::unique_ptr<MoeLayer> make_moe_layer(const MoeShape& shape, DeviceGroup* group, const LayerOptions& options);
 
 }  // namespace moka

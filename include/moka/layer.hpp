@@ -6,7 +6,9 @@
 #include <vector>
 
 #include "moka/config.hpp"
+#include "moka/megakernel.hpp"
 #include "moka/process_group.hpp"
+#include "moka/stream.hpp"
 #include "moka/tensor.hpp"
 
 namespace moka {
@@ -41,6 +43,16 @@ struct MoeGradients {
   TensorView d_ws_gate, d_ws_up, d_ws_down;
 };
 
+// Which CUDA path runs a layer (docs/ARCHITECTURE.md, "Choosing the path").
+//   single_gpu: the staged kernels on one GPU (no group, or a group of one);
+//   all_to_all: experts split over a group, token rows moved by NCCL all-to-all (the host reads
+//     the split sizes: one synchronization per call);
+//   megakernel: one persistent kernel per call overlapping NVLink dispatch/combine with the expert
+//     GEMMs (forward; its backward runs the staged path's forward stages, then its backward);
+//   automatic: the megakernel where it applies and was measured faster, else the staged path.
+enum class LayerPath : uint8_t { automatic, single_gpu, all_to_all, megakernel };
+const char* to_string(LayerPath path);
+
 struct LayerOptions {
   int64_t tile_rows = 128;  // each expert's rows are padded to a multiple (the GEMM M tile)
   int num_threads = 0;      // CPU backend worker threads per rank; 0 = hardware concurrency
@@ -50,13 +62,19 @@ struct LayerOptions {
   // bits either way. Off by default: on an H200 the fused forward measured 0.70-0.86x the speed
   // of the unfused one (docs/BENCHMARKS.md); `moka bench --backend cuda` times both.
   bool fused_swiglu = false;
+  LayerPath path = LayerPath::automatic;  // CUDA backend (the CPU backend has one path)
+  // The megakernel path: tokens per rank its buffers hold (it requires >= 1; with 0, automatic
+  // never picks it) and its knobs (tile_rows and row_order come from the fields above).
+  int64_t max_tokens = 0;
+  MegakernelConfig megakernel;
 };
 
 // State saved by forward for backward. Opaque; backend-specific.
 class MoeContext {
  public:
   virtual ~MoeContext() = default;
-  // Routed (token, expert) rows each local expert received in that forward pass.
+  // Routed (token, expert) rows each local expert received in that forward pass (GPU: waits for
+  // the forward's stream).
   virtual std::vector<int64_t> local_expert_rows() const = 0;
 };
 
@@ -70,11 +88,21 @@ class MoeLayer {
   int64_t num_local_experts() const { return shape().num_experts / world_size(); }
   int64_t first_local_expert() const { return rank() * num_local_experts(); }
 
-  // out: [T, H], same dtype as x. Collective over the group: every rank calls it.
+  // out: [T, H], same dtype as x. Collective over the group: every rank calls it. GPU work is
+  // enqueued on `stream`; backward of a context must use the stream of its forward (or one
+  // ordered after it).
   virtual std::unique_ptr<MoeContext> forward(const MoeInputs& in, const MoeWeights& weights,
-                                              const TensorView& out) = 0;
+                                              const TensorView& out, Stream stream) = 0;
   virtual void backward(const MoeContext& saved, const TensorView& d_out,
-                        const MoeWeights& weights, const MoeGradients& grads) = 0;
+                        const MoeWeights& weights, const MoeGradients& grads, Stream stream) = 0;
+
+  // Errors the device found in calls that have finished (a bad routing, a megakernel wait that
+  // timed out, token counts that disagree across ranks), on every rank, naming the rank and the
+  // entry: call after synchronizing the stream; the next forward or backward raises them too.
+  // The CPU backend raises every error in the call itself.
+  virtual void check_errors() {}
+  // The megakernel path's extension (config, timeline); null on every other path.
+  virtual MegakernelExtension* megakernel() { return nullptr; }
 };
 
 // `group` may be null for a single rank. The layer keeps a reference to it.

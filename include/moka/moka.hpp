@@ -5,6 +5,7 @@
 #include "moka/layer.hpp"
 #include "moka/process_group.hpp"
 #include "moka/router.hpp"
+#include "moka/stream.hpp"
 #include "moka/tensor.hpp"
 
 namespace moka {

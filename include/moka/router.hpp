@@ -27,21 +27,22 @@ struct RouterOutputs {
 class RouterContext {
  public:
   virtual ~RouterContext() = default;
-  virtual RouterLosses losses() const = 0;
+  virtual RouterLosses losses() const = 0;  // GPU: waits for the forward's stream
 };
 
 class Router {
  public:
   virtual ~Router() = default;
   virtual const RouterConfig& config() const = 0;
-  // x: [T, H]; w_router: [E, H]; selection_bias: [E] or empty.
+  // x: [T, H]; w_router: [E, H]; selection_bias: [E] or empty. GPU work goes on `stream`.
   virtual std::unique_ptr<RouterContext> forward(const TensorView& x, const TensorView& w_router,
                                                  const TensorView& selection_bias,
-                                                 const RouterOutputs& out) = 0;
+                                                 const RouterOutputs& out, Stream stream) = 0;
   // d_topk_weights: [T, k]. The auxiliary losses enter with gradient 1 (they are added to the
-  // training loss). Overwrites d_x [T, H] and d_w_router [E, H].
+  // training loss). Overwrites d_x [T, H] and d_w_router [E, H]. `stream`: the forward's (its
+  // scratch is freed in that stream's order).
   virtual void backward(const RouterContext& saved, const TensorView& d_topk_weights,
-                        const TensorView& d_x, const TensorView& d_w_router) = 0;
+                        const TensorView& d_x, const TensorView& d_w_router, Stream stream) = 0;
 };
 
 std::unique_ptr<Router> make_router(const RouterConfig& config, Backend backend,

@@ -4,7 +4,7 @@
 
 #include <string>
 
-#include "cuda/check.hpp"
+#include "cuda/common/check.hpp"
 
 namespace moka::comm {
 [[noreturn]] inline void fail_nccl(ncclResult_t r, const char* what, const char* file, int line) {

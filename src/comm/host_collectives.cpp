@@ -5,6 +5,7 @@
 #include <vector>
 
 #include "comm/cuda_check.hpp"
+#include "cuda/common/device_memory.hpp"
 #include "moka/device_group.hpp"
 
 namespace moka {
@@ -13,7 +14,6 @@ namespace {
 class DeviceStagedGroup final : public ProcessGroup {
  public:
   explicit DeviceStagedGroup(DeviceGroup& g) : g_(g) {}
-  ~DeviceStagedGroup() override { cudaFree(staging_); }
   int rank() const override { return g_.rank(); }
   int size() const override { return g_.size(); }
 
@@ -49,18 +49,15 @@ class DeviceStagedGroup final : public ProcessGroup {
 
  private:
   char* reserve(size_t bytes) {
-    if (bytes > capacity_) {
-      cudaFree(staging_);
-      staging_ = nullptr;
-      MOKA_CUDA_CHECK(cudaMalloc(&staging_, bytes));
-      capacity_ = bytes;
+    if (bytes > staging_.size()) {
+      staging_ = {};  // freed before the larger one is allocated
+      staging_ = cuda::DeviceArray<char>(bytes);
     }
-    return static_cast<char*>(staging_);
+    return staging_.data();
   }
 
   DeviceGroup& g_;
-  void* staging_ = nullptr;
-  size_t capacity_ = 0;
+  cuda::DeviceArray<char> staging_;
 };
 
 }  // namespace

@@ -11,6 +11,7 @@
 
 #include "comm/cuda_check.hpp"
 #include "comm/device_barrier.cuh"
+#include "cuda/common/device_memory.hpp"
 #include "moka/device_group.hpp"
 
 namespace moka {
@@ -27,12 +28,7 @@ class NcclGroup final : public DeviceGroup {
 
   ~NcclGroup() override {
     cudaSetDevice(device_);
-    for (auto& b : buffers_) {
-      for (int r = 0; r < size_; ++r)
-        if (r != rank_ && b.peers[r]) cudaIpcCloseMemHandle(b.peers[r]);
-      cudaFree(b.peers_device);
-      cudaFree(b.local);
-    }
+    buffers_.clear();  // unmapped and freed on this group's device, before the communicator goes
     if (owned_) ncclCommDestroy(comm_);
   }
 
@@ -67,22 +63,29 @@ class NcclGroup final : public DeviceGroup {
 
   const SymmetricBuffer& allocate_symmetric(size_t bytes) override {
     MOKA_CUDA_CHECK(cudaSetDevice(device_));
-    SymmetricBuffer b;
-    b.bytes = bytes;
-    MOKA_CUDA_CHECK(cudaMalloc(&b.local, bytes));
-    MOKA_CUDA_CHECK(cudaMemset(b.local, 0, bytes));
-    cudaIpcMemHandle_t mine;
-    MOKA_CUDA_CHECK(cudaIpcGetMemHandle(&mine, b.local));
-    const std::vector<cudaIpcMemHandle_t> all = gather_handles(mine);
-    b.peers.assign(size_, nullptr);
-    for (int r = 0; r < size_; ++r) {
-      if (r == rank_) b.peers[r] = b.local;
-      else MOKA_CUDA_CHECK(cudaIpcOpenMemHandle(&b.peers[r], all[r], cudaIpcMemLazyEnablePeerAccess));
+    OwnedSymmetric& o = buffers_.emplace_back();
+    try {
+      o.local = cuda::DeviceArray<std::byte>(bytes);
+      MOKA_CUDA_CHECK(cudaMemset(o.local.data(), 0, bytes));
+      cudaIpcMemHandle_t mine;
+      MOKA_CUDA_CHECK(cudaIpcGetMemHandle(&mine, o.local.data()));
+      const std::vector<cudaIpcMemHandle_t> all = gather_handles(mine);
+      o.view.bytes = bytes;
+      o.view.local = o.local.data();
+      o.view.peers.assign(size_, nullptr);
+      o.mappings.resize(size_);
+      for (int r = 0; r < size_; ++r) {
+        if (r != rank_) o.mappings[r] = cuda::IpcMapping(all[r]);
+        o.view.peers[r] = r == rank_ ? o.view.local : o.mappings[r].data();
+      }
+      o.peers_device = cuda::DeviceArray<void*>(size_);
+      o.peers_device.upload(o.view.peers);
+      o.view.peers_device = o.peers_device.data();
+    } catch (...) {
+      buffers_.pop_back();
+      throw;
     }
-    MOKA_CUDA_CHECK(cudaMalloc(&b.peers_device, size_ * sizeof(void*)));
-    MOKA_CUDA_CHECK(cudaMemcpy(b.peers_device, b.peers.data(), size_ * sizeof(void*), cudaMemcpyHostToDevice));
-    buffers_.push_back(std::move(b));
-    return buffers_.back();
+    return o.view;
   }
 
   void device_barrier(void* stream, double timeout_seconds) override {
@@ -104,14 +107,12 @@ class NcclGroup final : public DeviceGroup {
  private:
   // IPC handles travel through an NCCL all-gather, so no host channel is needed.
   std::vector<cudaIpcMemHandle_t> gather_handles(const cudaIpcMemHandle_t& mine) {
-    void* dev = nullptr;
     const size_t h = sizeof(cudaIpcMemHandle_t);
-    MOKA_CUDA_CHECK(cudaMalloc(&dev, h * (size_ + 1)));
-    MOKA_CUDA_CHECK(cudaMemcpy(static_cast<char*>(dev) + h * size_, &mine, h, cudaMemcpyHostToDevice));
-    all_gather(static_cast<char*>(dev) + h * size_, dev, h, nullptr);
+    cuda::DeviceArray<cudaIpcMemHandle_t> dev(size_ + 1);
+    MOKA_CUDA_CHECK(cudaMemcpy(dev.data() + size_, &mine, h, cudaMemcpyHostToDevice));
+    all_gather(dev.data() + size_, dev.data(), h, nullptr);
     std::vector<cudaIpcMemHandle_t> all(size_);
-    MOKA_CUDA_CHECK(cudaMemcpy(all.data(), dev, h * size_, cudaMemcpyDeviceToHost));  // syncs the gather
-    MOKA_CUDA_CHECK(cudaFree(dev));
+    MOKA_CUDA_CHECK(cudaMemcpy(all.data(), dev.data(), h * size_, cudaMemcpyDeviceToHost));  // syncs the gather
     return all;
   }
 
@@ -119,7 +120,14 @@ class NcclGroup final : public DeviceGroup {
   int device_;
   bool owned_;
   int rank_ = 0, size_ = 1;
-  std::deque<SymmetricBuffer> buffers_;  // deque: references stay valid as buffers are added
+  // A symmetric buffer with what backs it (the view's pointers point into these).
+  struct OwnedSymmetric {
+    cuda::DeviceArray<std::byte> local;
+    std::vector<cuda::IpcMapping> mappings;  // [rank]; this rank's entry is empty
+    cuda::DeviceArray<void*> peers_device;
+    SymmetricBuffer view;
+  };
+  std::deque<OwnedSymmetric> buffers_;  // deque: references stay valid as buffers are added
   const SymmetricBuffer* barrier_ = nullptr;
 };
 

@@ -15,7 +15,7 @@ void require_config(bool ok, const std::string& message) { require(ok, ErrorCode
 int64_t capacity_rows(const MegakernelConfig& c, const MegakernelDims& d) {
   const auto shares = static_cast<int64_t>(std::ceil(d.world_size * c.capacity_multiplier));
   const int64_t routed = d.tokens * d.top_k * min_i64(d.world_size, shares > 2 ? shares : 2);
-  return routed + d.num_local_experts * (c.tile_m - 1);
+  return routed + d.num_local_experts * (c.tile_rows - 1);
 }
 
 // Shortest form of a double ("0.25", not "0.250000").
@@ -42,11 +42,11 @@ void add_tiles(std::vector<Task>& order, TaskKind kind, int64_t step, int64_t ro
 void validate_megakernel_config(const MegakernelConfig& c) {
   require_config(c.num_comm_sms >= 1, "num_comm_sms must be >= 1 (dispatch and combine need a CTA), got " +
                                           std::to_string(c.num_comm_sms));
-  require_config(c.tile_m >= 1 && c.tile_n >= 1, "tile_m and tile_n must be >= 1, got " + std::to_string(c.tile_m) +
+  require_config(c.tile_rows >= 1 && c.tile_n >= 1, "tile_rows and tile_n must be >= 1, got " + std::to_string(c.tile_rows) +
                                                      " and " + std::to_string(c.tile_n));
-  require_config(c.minibatch_size >= c.tile_m && c.minibatch_size % c.tile_m == 0,
-                 "minibatch_size (" + std::to_string(c.minibatch_size) + ") must be a positive multiple of tile_m (" +
-                     std::to_string(c.tile_m) + ")");
+  require_config(c.minibatch_size >= c.tile_rows && c.minibatch_size % c.tile_rows == 0,
+                 "minibatch_size (" + std::to_string(c.minibatch_size) + ") must be a positive multiple of tile_rows (" +
+                     std::to_string(c.tile_rows) + ")");
   require_config(c.macrobatch_size >= c.minibatch_size && c.macrobatch_size % c.minibatch_size == 0,
                  "macrobatch_size (" + std::to_string(c.macrobatch_size) +
                      ") must be a positive multiple of minibatch_size (" + std::to_string(c.minibatch_size) + ")");
@@ -65,20 +65,20 @@ void validate_megakernel_grid(const MegakernelConfig& c, int num_sms) {
 MegakernelPlan build_megakernel_plan(const MegakernelConfig& c, const MegakernelDims& d) {
   validate_megakernel_config(c);
   MegakernelPlan p;
-  p.tile_m = c.tile_m;
+  p.tile_m = c.tile_rows;
   p.tile_n = c.tile_n;
   p.minibatch_rows = c.minibatch_size;
   p.macrobatch_rows = c.macrobatch_size;
   p.capacity_rows = capacity_rows(c, d);
   p.max_steps = ceil_div(p.capacity_rows, p.minibatch_rows);
   p.ring_rows = min_i64(p.macrobatch_rows, p.max_steps * p.minibatch_rows);
-  p.row_tiles_per_minibatch = c.minibatch_size / c.tile_m;
+  p.row_tiles_per_minibatch = c.minibatch_size / c.tile_rows;
   p.minibatches_per_macrobatch = c.macrobatch_size / c.minibatch_size;
   p.gate_up_col_tiles = ceil_div(d.intermediate, c.tile_n);
   p.down_col_tiles = ceil_div(d.hidden, c.tile_n);
   p.tokens = d.tokens;
   if (d.shared_intermediate > 0) {
-    p.shared_row_tiles = ceil_div(d.tokens, c.tile_m);
+    p.shared_row_tiles = ceil_div(d.tokens, c.tile_rows);
     p.shared_gate_up_col_tiles = ceil_div(d.shared_intermediate, c.tile_n);
   }
   return p;

@@ -124,8 +124,8 @@ class CpuMoeLayer final : public MoeLayer {
   int world_size() const override { return group_ ? group_->size() : 1; }
   const char* backend_name() const override { return "cpu"; }
 
-  std::unique_ptr<MoeContext> forward(const MoeInputs& in, const MoeWeights& w,
-                                      const TensorView& out) override {
+  std::unique_ptr<MoeContext> forward(const MoeInputs& in, const MoeWeights& w, const TensorView& out,
+                                      Stream) override {
     const DType dt = dtype();
     const int64_t T_ = in.x.rank == 2 ? in.x.dim(0) : 0;
     core::validate_collectively(group_, signature(T_), [&] {
@@ -160,7 +160,7 @@ class CpuMoeLayer final : public MoeLayer {
   }
 
   void backward(const MoeContext& saved, const TensorView& d_out_view, const MoeWeights& w,
-                const MoeGradients& g) override {
+                const MoeGradients& g, Stream) override {
     const auto* ctx_ptr = dynamic_cast<const CpuContext<T>*>(&saved);
     require(ctx_ptr != nullptr, ErrorCode::invalid_argument, "backward got a context from another layer type");
     const auto& ctx = *ctx_ptr;
@@ -373,12 +373,13 @@ class CpuLayerByDtype final : public MoeLayer {
   int rank() const override { return f32_.rank(); }
   int world_size() const override { return f32_.world_size(); }
   const char* backend_name() const override { return "cpu"; }
-  std::unique_ptr<MoeContext> forward(const MoeInputs& in, const MoeWeights& w, const TensorView& out) override {
-    return pick(in.x.dtype).forward(in, w, out);
+  std::unique_ptr<MoeContext> forward(const MoeInputs& in, const MoeWeights& w, const TensorView& out,
+                                      Stream stream) override {
+    return pick(in.x.dtype).forward(in, w, out, stream);
   }
-  void backward(const MoeContext& saved, const TensorView& d_out, const MoeWeights& w,
-                const MoeGradients& g) override {
-    pick(d_out.dtype).backward(saved, d_out, w, g);
+  void backward(const MoeContext& saved, const TensorView& d_out, const MoeWeights& w, const MoeGradients& g,
+                Stream stream) override {
+    pick(d_out.dtype).backward(saved, d_out, w, g, stream);
   }
 
  private:

@@ -248,13 +248,13 @@ class CpuRouterByDtype final : public Router {
   }
   const RouterConfig& config() const override { return config_; }
   std::unique_ptr<RouterContext> forward(const TensorView& x, const TensorView& w, const TensorView& bias,
-                                         const RouterOutputs& out) override {
+                                         const RouterOutputs& out, Stream) override {
     if (x.dtype == DType::f64) return f64_.forward(x, w, bias, out);
     require(x.dtype == DType::f32, ErrorCode::invalid_argument, "the CPU router computes in f32 or f64");
     return f32_.forward(x, w, bias, out);
   }
-  void backward(const RouterContext& saved, const TensorView& dw, const TensorView& dx,
-                const TensorView& dwr) override {
+  void backward(const RouterContext& saved, const TensorView& dw, const TensorView& dx, const TensorView& dwr,
+                Stream) override {
     if (dx.dtype == DType::f64) return f64_.backward(saved, dw, dx, dwr);
     f32_.backward(saved, dw, dx, dwr);
   }

@@ -11,13 +11,13 @@ namespace moka::cuda {
 
 int device_count();
 
-// The bf16 layer on the current device; with a group of several ranks its experts are split over
-// them (a new NCCL communicator; the all-to-all path). Inputs, weights and gradients are device
+// The bf16 layer on the current device, on the path LayerOptions::path picks; with a group of
+// several ranks its experts are split over them (a new NCCL communicator). Inputs, weights and gradients are device
 // TensorViews: bf16, topk_weights/d_topk_weights f32.
 // One forward may be in flight per layer: its context refers to the layer's workspace, and
 // backward with an older context is an error. On one rank the first call with a token count
 // allocates the workspace (not capturable); later calls with that count only launch kernels on
-// the current stream and can be captured in a CUDA graph. Across ranks each call synchronizes once
+// the given stream and can be captured in a CUDA graph. Across ranks each call synchronizes once
 // (the exchanged count table), so it is not capturable.
 std::unique_ptr<MoeLayer> make_cuda_moe_layer(const MoeShape& shape, ProcessGroup* group,
                                               const LayerOptions& options);
@@ -26,10 +26,5 @@ std::unique_ptr<MoeLayer> make_cuda_moe_layer(const MoeShape& shape, ProcessGrou
 std::unique_ptr<MoeLayer> make_cuda_baseline_layer(const MoeShape& shape, const LayerOptions& options);
 
 std::unique_ptr<Router> make_cuda_router(const RouterConfig& config, const LayerOptions& options);
-
-// The stream the calling thread's layer and router calls launch on (default: the legacy
-// default stream). Set a non-default stream to capture calls in a graph.
-void set_stream(cudaStream_t stream);
-cudaStream_t current_stream();
 
 }  // namespace moka::cuda

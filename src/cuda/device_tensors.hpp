@@ -10,24 +10,23 @@
 #include <random>
 #include <vector>
 
-#include "cuda/check.hpp"
-#include "cuda/layer_kernels.hpp"
+#include "cuda/common/check.hpp"
+#include "cuda/common/device_memory.hpp"
+#include "cuda/layer/layer_kernels.hpp"
 #include "moka/layer.hpp"
 
 namespace moka::cuda {
 
-struct DeviceMemory {
-  void* p = nullptr;
-  size_t bytes = 0;
-  explicit DeviceMemory(size_t n) : bytes(n) { MOKA_CUDA_CHECK(cudaMalloc(&p, std::max<size_t>(n, 16))); }
-  ~DeviceMemory() { cudaFree(p); }
-  DeviceMemory(const DeviceMemory&) = delete;
-  DeviceMemory& operator=(const DeviceMemory&) = delete;
+// Device bytes behind a tensor of any dtype (the fixtures hold tensors of several): a
+// DeviceArray, typed where it is used.
+class DeviceMemory : public DeviceArray<std::byte> {
+ public:
+  using DeviceArray<std::byte>::DeviceArray;
   template <typename T>
-  T* as() const { return static_cast<T*>(p); }
+  T* as() const { return reinterpret_cast<T*>(data()); }
   // N(0, stddev) bf16 contents (never zeros: they hide unwritten outputs and time faster).
   void fill_normal(double stddev, uint64_t seed) {
-    fill_normal_bf16(as<bf16>(), int64_t(bytes / sizeof(bf16)), seed, float(stddev), nullptr);
+    fill_normal_bf16(as<bf16>(), int64_t(bytes() / sizeof(bf16)), seed, float(stddev), nullptr);
   }
 };
 
@@ -40,10 +39,10 @@ struct DeviceLayerTensors {
   // `world`: the experts are split over that many ranks; this rank holds E / world of them.
   DeviceLayerTensors(const MoeShape& sh, int64_t t, int world = 1)
       : s(sh), T(t), E(sh.num_experts / world), device(current_device()), x(t * sh.hidden * 2),
-        ids(t * sh.top_k * 4), w(t * sh.top_k * 4), out(x.bytes), d_out(x.bytes), d_x(x.bytes), d_w(w.bytes),
+        ids(t * sh.top_k * 4), w(t * sh.top_k * 4), out(x.bytes()), d_out(x.bytes()), d_x(x.bytes()), d_w(w.bytes()),
         wg(E * sh.intermediate * sh.hidden * 2),
-        wu(wg.bytes), wd(wg.bytes), wsg(sh.shared_intermediate * sh.hidden * 2), wsu(wsg.bytes), wsd(wsg.bytes),
-        dwg(wg.bytes), dwu(wg.bytes), dwd(wg.bytes), dwsg(wsg.bytes), dwsu(wsg.bytes), dwsd(wsg.bytes) {}
+        wu(wg.bytes()), wd(wg.bytes()), wsg(sh.shared_intermediate * sh.hidden * 2), wsu(wsg.bytes()), wsd(wsg.bytes()),
+        dwg(wg.bytes()), dwu(wg.bytes()), dwd(wg.bytes()), dwsg(wsg.bytes()), dwsu(wsg.bytes()), dwsd(wsg.bytes()) {}
 
   // Random x, d_out, weights N(0, 1/fan_in), router weights U(0.1, 1), the given routing.
   void randomize(uint64_t seed, const std::vector<int32_t>& topk_ids) {
@@ -62,14 +61,14 @@ struct DeviceLayerTensors {
     std::vector<float> wt(topk_ids.size());
     std::uniform_real_distribution<float> uw(0.1f, 1.0f);
     for (auto& v : wt) v = uw(rng);
-    MOKA_CUDA_CHECK(cudaMemcpy(ids.p, topk_ids.data(), ids.bytes, cudaMemcpyHostToDevice));
-    MOKA_CUDA_CHECK(cudaMemcpy(w.p, wt.data(), w.bytes, cudaMemcpyHostToDevice));
+    MOKA_CUDA_CHECK(cudaMemcpy(ids.data(), topk_ids.data(), ids.bytes(), cudaMemcpyHostToDevice));
+    MOKA_CUDA_CHECK(cudaMemcpy(w.data(), wt.data(), w.bytes(), cudaMemcpyHostToDevice));
   }
 
   // 0xFF bytes (NaN in bf16 and f32) in every output.
   void poison() {
     for (DeviceMemory* m : {&out, &d_x, &d_w, &dwg, &dwu, &dwd, &dwsg, &dwsu, &dwsd})
-      MOKA_CUDA_CHECK(cudaMemset(m->p, 0xFF, m->bytes));
+      MOKA_CUDA_CHECK(cudaMemset(m->data(), 0xFF, m->bytes()));
   }
 
   MoeInputs inputs() const {
@@ -103,7 +102,7 @@ struct DeviceLayerTensors {
   TensorView d_out_view() const { return view(d_out, DType::bf16, {T, s.hidden}); }
 
   TensorView view(const DeviceMemory& m, DType t, std::initializer_list<int64_t> dims) const {
-    return TensorView(m.p, t, dims, Device::cuda(device));
+    return TensorView(m.data(), t, dims, Device::cuda(device));
   }
   static int current_device() {
     int d = 0;

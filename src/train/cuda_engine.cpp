@@ -9,7 +9,8 @@
 #include <cstring>
 #include <utility>
 
-#include "cuda/check.hpp"
+#include "cuda/common/check.hpp"
+#include "cuda/common/device_memory.hpp"
 #include "train/cuda_kernels.cuh"
 
 namespace moka::train {
@@ -17,35 +18,7 @@ namespace {
 
 using cuda::bf16;
 
-template <typename T>
-class DeviceArray {
- public:
-  DeviceArray() = default;
-  explicit DeviceArray(int64_t count) : n_(count) { MOKA_CUDA_CHECK(cudaMalloc(&p_, std::max<int64_t>(count, 1) * sizeof(T))); }
-  ~DeviceArray() { cudaFree(p_); }
-  DeviceArray(DeviceArray&& o) noexcept : p_(std::exchange(o.p_, nullptr)), n_(std::exchange(o.n_, 0)) {}
-  DeviceArray& operator=(DeviceArray&& o) noexcept {
-    std::swap(p_, o.p_);
-    std::swap(n_, o.n_);
-    return *this;
-  }
-  T* get() const { return p_; }
-  int64_t size() const { return n_; }
-  explicit operator bool() const { return p_ != nullptr; }
-  void upload(const T* host, int64_t count) {
-    require(count <= n_, ErrorCode::shape_mismatch, "device upload larger than its buffer");
-    MOKA_CUDA_CHECK(cudaMemcpy(p_, host, count * sizeof(T), cudaMemcpyHostToDevice));
-  }
-  std::vector<T> download() const {
-    std::vector<T> out(n_);
-    MOKA_CUDA_CHECK(cudaMemcpy(out.data(), p_, n_ * sizeof(T), cudaMemcpyDeviceToHost));
-    return out;
-  }
-
- private:
-  T* p_ = nullptr;
-  int64_t n_ = 0;
-};
+using ::moka::cuda::DeviceArray;
 
 // The FFN and router tensors are read by moka's bf16 layers: they keep a bf16 copy of the
 // master weights and receive bf16 gradients.
@@ -67,8 +40,8 @@ struct DeviceParam {
   int64_t n = 0;
   DeviceArray<float> value, m, v, ema, grad;  // grad: tensors of the dense path
   DeviceArray<bf16> shadow, grad16;           // tensors of the moka layers
-  bool bf16_path() const { return bool(shadow); }
-  const void* grad_data() const { return bf16_path() ? static_cast<const void*>(grad16.get()) : grad.get(); }
+  bool bf16_path() const { return !shadow.empty(); }
+  const void* grad_data() const { return bf16_path() ? static_cast<const void*>(grad16.data()) : grad.data(); }
   float fwd() const { return float(rule.forward_multiplier); }
 };
 
@@ -112,7 +85,9 @@ struct CudaEngine::Impl {
   std::vector<Layer> layers;
   std::vector<std::vector<double>> selection_bias;
   int64_t steps_taken = 0;
-  cudaStream_t stream = nullptr;  // the legacy default stream, where the moka layers launch
+  // The engine's stream: every kernel, cuBLAS call and moka layer/router call of a step. A
+  // blocking stream, so the engine's host copies (cudaMemcpy) stay ordered with it.
+  cudaStream_t stream = nullptr;
 
   // Batch and scratch.
   DeviceArray<int32_t> tokens, targets, embed_offsets, embed_positions;
@@ -127,6 +102,7 @@ struct CudaEngine::Impl {
             "--backend cuda: no CUDA device is visible (or moka was built without CUDA)");
     c.validate();
     MOKA_CUDA_CHECK(cudaGetDevice(&device));
+    MOKA_CUDA_CHECK(cudaStreamCreate(&stream));
     MOKA_CUBLAS_CHECK(cublasCreate(&cublas));
     MOKA_CUBLAS_CHECK(cublasSetStream(cublas, stream));
     N = cfg.batch * cfg.seq;
@@ -144,11 +120,11 @@ struct CudaEngine::Impl {
       p.value.upload(host[i].value.data(), p.n);
       p.m = DeviceArray<float>(p.n);
       p.v = DeviceArray<float>(p.n);
-      MOKA_CUDA_CHECK(cudaMemset(p.m.get(), 0, p.n * sizeof(float)));
-      MOKA_CUDA_CHECK(cudaMemset(p.v.get(), 0, p.n * sizeof(float)));
+      MOKA_CUDA_CHECK(cudaMemset(p.m.data(), 0, p.n * sizeof(float)));
+      MOKA_CUDA_CHECK(cudaMemset(p.v.data(), 0, p.n * sizeof(float)));
       if (cfg.ema_decay > 0) {
         p.ema = DeviceArray<float>(p.n);
-        MOKA_CUDA_CHECK(cudaMemcpy(p.ema.get(), p.value.get(), p.n * sizeof(float), cudaMemcpyDeviceToDevice));
+        MOKA_CUDA_CHECK(cudaMemcpy(p.ema.data(), p.value.data(), p.n * sizeof(float), cudaMemcpyDeviceToDevice));
       }
       if (read_by_moka_layer(rules[i].spec.cls)) {
         require(rules[i].forward_multiplier == 1.0, ErrorCode::invalid_argument,
@@ -168,7 +144,10 @@ struct CudaEngine::Impl {
     allocate_scratch();
   }
 
-  ~Impl() { cublasDestroy(cublas); }
+  ~Impl() {
+    cublasDestroy(cublas);
+    cudaStreamDestroy(stream);
+  }
 
   DeviceParam& at(const std::string& name) {
     for (auto& p : params)
@@ -269,7 +248,7 @@ struct CudaEngine::Impl {
 
   void refresh_shadows() {
     for (auto& p : params)
-      if (p.bf16_path()) cuda::to_bf16(p.value.get(), p.n, p.shadow.get(), stream);
+      if (p.bf16_path()) cuda::to_bf16(p.value.data(), p.n, p.shadow.data(), stream);
     MOKA_CUDA_CHECK_LAUNCH();
   }
 
@@ -283,13 +262,13 @@ struct CudaEngine::Impl {
   // y [rows, out] = fwd * x W^T;  W: [out, in].
   void linear(const float* x, const DeviceParam& w, float* y) {
     const int64_t out = w.rule.spec.shape[0], in = w.rule.spec.shape[1];
-    gemm(CUBLAS_OP_T, CUBLAS_OP_N, out, N, in, w.fwd(), w.value.get(), in, x, in, 0.0f, y, out);
+    gemm(CUBLAS_OP_T, CUBLAS_OP_N, out, N, in, w.fwd(), w.value.data(), in, x, in, 0.0f, y, out);
   }
   // dx = fwd * dy W (added to dx when `accumulate`); dW = fwd * dy^T x (overwritten).
   void linear_backward(const float* x, DeviceParam& w, const float* dy, float* dx, bool accumulate) {
     const int64_t out = w.rule.spec.shape[0], in = w.rule.spec.shape[1];
-    gemm(CUBLAS_OP_N, CUBLAS_OP_N, in, N, out, w.fwd(), w.value.get(), in, dy, out, accumulate ? 1.0f : 0.0f, dx, in);
-    gemm(CUBLAS_OP_N, CUBLAS_OP_T, in, out, N, w.fwd(), x, in, dy, out, 0.0f, w.grad.get(), in);
+    gemm(CUBLAS_OP_N, CUBLAS_OP_N, in, N, out, w.fwd(), w.value.data(), in, dy, out, accumulate ? 1.0f : 0.0f, dx, in);
+    gemm(CUBLAS_OP_N, CUBLAS_OP_T, in, out, N, w.fwd(), x, in, dy, out, 0.0f, w.grad.data(), in);
   }
   void add(const float* x, int64_t n, float* y) {
     const float one = 1.0f;
@@ -299,10 +278,10 @@ struct CudaEngine::Impl {
     MOKA_CUDA_CHECK(cudaMemcpyAsync(dst, src, n * sizeof(float), cudaMemcpyDeviceToDevice, stream));
   }
   double mean_abs(const void* x, bool is_bf16, int64_t n) {
-    cuda::reduce_partials(cuda::ReduceOp::abs, x, is_bf16, n, partials.get(), stream);
-    cuda::reduce_finish(partials.get(), cuda::kReduceBlocks, 1.0 / double(n), scalars.get() + 2, stream);
+    cuda::reduce_partials(cuda::ReduceOp::abs, x, is_bf16, n, partials.data(), stream);
+    cuda::reduce_finish(partials.data(), cuda::kReduceBlocks, 1.0 / double(n), scalars.data() + 2, stream);
     double out = 0;
-    MOKA_CUDA_CHECK(cudaMemcpy(&out, scalars.get() + 2, sizeof(double), cudaMemcpyDeviceToHost));
+    MOKA_CUDA_CHECK(cudaMemcpy(&out, scalars.data() + 2, sizeof(double), cudaMemcpyDeviceToHost));
     return out;
   }
 
@@ -311,7 +290,7 @@ struct CudaEngine::Impl {
   std::array<TensorView, 6> ffn_views(const Layer& L, bool grads) const {
     const int64_t H = c.d_model, E = L.experts, I = L.intermediate, Is = c.shared_intermediate;
     auto view = [&](const DeviceParam* p, std::initializer_list<int64_t> dims) {
-      return p ? dev_view(grads ? p->grad16.get() : p->shadow.get(), DType::bf16, dims) : TensorView();
+      return p ? dev_view(grads ? p->grad16.data() : p->shadow.data(), DType::bf16, dims) : TensorView();
     };
     return {view(L.gate, {E, I, H}),          view(L.up, {E, I, H}),          view(L.down, {E, H, I}),
             view(L.shared_gate, {Is, H}), view(L.shared_up, {Is, H}), view(L.shared_down, {H, Is})};
@@ -353,92 +332,92 @@ struct CudaEngine::Impl {
   }
 
   void attention_forward(Layer& L) {
-    const float* x = L.attn_x.get();
+    const float* x = L.attn_x.data();
     if (c.attention == AttentionKind::mla) {
-      linear(x, *L.attn[0], L.q_latent.get());
-      linear(L.q_latent.get(), *L.attn[1], L.q.get());
-      linear(x, *L.attn[2], L.kv_latent.get());
-      linear(L.kv_latent.get(), *L.attn[3], L.k.get());
-      linear(L.kv_latent.get(), *L.attn[4], L.v.get());
+      linear(x, *L.attn[0], L.q_latent.data());
+      linear(L.q_latent.data(), *L.attn[1], L.q.data());
+      linear(x, *L.attn[2], L.kv_latent.data());
+      linear(L.kv_latent.data(), *L.attn[3], L.k.data());
+      linear(L.kv_latent.data(), *L.attn[4], L.v.data());
     } else {
-      linear(x, *L.attn[0], L.q.get());
-      linear(x, *L.attn[1], L.k.get());
-      linear(x, *L.attn[2], L.v.get());
+      linear(x, *L.attn[0], L.q.data());
+      linear(x, *L.attn[1], L.k.data());
+      linear(x, *L.attn[2], L.v.data());
     }
-    cuda::attention_forward(L.q.get(), L.k.get(), L.v.get(), config.batch, config.seq, c.num_heads, c.head_dim,
-                            L.probs.get(), L.context.get(), stream);
+    cuda::attention_forward(L.q.data(), L.k.data(), L.v.data(), config.batch, config.seq, c.num_heads, c.head_dim,
+                            L.probs.data(), L.context.data(), stream);
     MOKA_CUDA_CHECK_LAUNCH();
-    linear(L.context.get(), *L.attn_out, branch.get());
+    linear(L.context.data(), *L.attn_out, branch.data());
   }
 
   // d_res holds the gradient of the attention branch output; adds the gradient of attn_x's
   // RMSNorm input into d_res.
   void attention_backward(Layer& L) {
-    linear_backward(L.context.get(), *L.attn_out, d_res.get(), d_context.get(), false);
-    cuda::attention_backward(L.q.get(), L.k.get(), L.v.get(), L.probs.get(), d_context.get(), config.batch,
-                             config.seq, c.num_heads, c.head_dim, d_scores.get(), dq.get(), dk.get(), dv.get(), stream);
+    linear_backward(L.context.data(), *L.attn_out, d_res.data(), d_context.data(), false);
+    cuda::attention_backward(L.q.data(), L.k.data(), L.v.data(), L.probs.data(), d_context.data(), config.batch,
+                             config.seq, c.num_heads, c.head_dim, d_scores.data(), dq.data(), dk.data(), dv.data(), stream);
     MOKA_CUDA_CHECK_LAUNCH();
-    const float* x = L.attn_x.get();
-    float* dx = d_tmp.get();
+    const float* x = L.attn_x.data();
+    float* dx = d_tmp.data();
     if (c.attention == AttentionKind::mla) {
-      linear_backward(L.kv_latent.get(), *L.attn[3], dk.get(), d_kv_latent.get(), false);
-      linear_backward(L.kv_latent.get(), *L.attn[4], dv.get(), d_kv_latent.get(), true);
-      linear_backward(x, *L.attn[2], d_kv_latent.get(), dx, false);
-      linear_backward(L.q_latent.get(), *L.attn[1], dq.get(), d_q_latent.get(), false);
-      linear_backward(x, *L.attn[0], d_q_latent.get(), dx, true);
+      linear_backward(L.kv_latent.data(), *L.attn[3], dk.data(), d_kv_latent.data(), false);
+      linear_backward(L.kv_latent.data(), *L.attn[4], dv.data(), d_kv_latent.data(), true);
+      linear_backward(x, *L.attn[2], d_kv_latent.data(), dx, false);
+      linear_backward(L.q_latent.data(), *L.attn[1], dq.data(), d_q_latent.data(), false);
+      linear_backward(x, *L.attn[0], d_q_latent.data(), dx, true);
     } else {
-      linear_backward(x, *L.attn[0], dq.get(), dx, false);
-      linear_backward(x, *L.attn[1], dk.get(), dx, true);
-      linear_backward(x, *L.attn[2], dv.get(), dx, true);
+      linear_backward(x, *L.attn[0], dq.data(), dx, false);
+      linear_backward(x, *L.attn[1], dk.data(), dx, true);
+      linear_backward(x, *L.attn[2], dv.data(), dx, true);
     }
-    cuda::rmsnorm_backward(L.attn_in.get(), L.attn_norm->value.get(), L.attn_inv_rms.get(), dx, N, c.d_model, true,
-                           d_res.get(), L.attn_norm->grad.get(), stream);
+    cuda::rmsnorm_backward(L.attn_in.data(), L.attn_norm->value.data(), L.attn_inv_rms.data(), dx, N, c.d_model, true,
+                           d_res.data(), L.attn_norm->grad.data(), stream);
     MOKA_CUDA_CHECK_LAUNCH();
   }
 
   void ffn_forward(Layer& L, ActivationStats* stats) {
     const int64_t H = c.d_model, k = L.top_k, E = L.experts;
     if (L.is_moe) {
-      const RouterOutputs out{dev_view(L.topk_ids.get(), DType::i32, {N, k}),
-                              dev_view(L.topk_weights.get(), DType::f32, {N, k}),
-                              dev_view(L.counts.get(), DType::i32, {E})};
-      L.router_ctx = L.router_op->forward(dev_view(L.ffn_x.get(), DType::bf16, {N, H}), dev_view(L.router->shadow.get(), DType::bf16, {E, H}),
-                                          dev_view(L.bias.get(), DType::f32, {E}), out);
+      const RouterOutputs out{dev_view(L.topk_ids.data(), DType::i32, {N, k}),
+                              dev_view(L.topk_weights.data(), DType::f32, {N, k}),
+                              dev_view(L.counts.data(), DType::i32, {E})};
+      L.router_ctx = L.router_op->forward(dev_view(L.ffn_x.data(), DType::bf16, {N, H}), dev_view(L.router->shadow.data(), DType::bf16, {E, H}),
+                                          dev_view(L.bias.data(), DType::f32, {E}), out, Stream{stream});
       if (stats) {
         // The CPU reference's router logits: the fp32 normed input times the fp32 router.
-        cuda::rmsnorm_forward(L.ffn_in.get(), L.ffn_norm->value.get(), N, H, float(c.norm_eps), stats_x.get(), nullptr,
-                              L.ffn_inv_rms.get(), stream);
-        gemm(CUBLAS_OP_T, CUBLAS_OP_N, E, N, H, 1.0f, L.router->value.get(), H, stats_x.get(), H, 0.0f,
-             stats_logits.get(), E);
-        stats->router_logits += mean_abs(stats_logits.get(), false, N * E);
+        cuda::rmsnorm_forward(L.ffn_in.data(), L.ffn_norm->value.data(), N, H, float(c.norm_eps), stats_x.data(), nullptr,
+                              L.ffn_inv_rms.data(), stream);
+        gemm(CUBLAS_OP_T, CUBLAS_OP_N, E, N, H, 1.0f, L.router->value.data(), H, stats_x.data(), H, 0.0f,
+             stats_logits.data(), E);
+        stats->router_logits += mean_abs(stats_logits.data(), false, N * E);
       }
     }
-    const MoeInputs in{dev_view(L.ffn_x.get(), DType::bf16, {N, H}), dev_view(L.topk_ids.get(), DType::i32, {N, k}),
-                       dev_view(L.topk_weights.get(), DType::f32, {N, k})};
-    L.ffn_ctx = L.ffn->forward(in, ffn_weights(L), dev_view(moe_out.get(), DType::bf16, {N, H}));
-    if (stats && L.is_moe) stats->moe_output += mean_abs(moe_out.get(), true, N * H);
+    const MoeInputs in{dev_view(L.ffn_x.data(), DType::bf16, {N, H}), dev_view(L.topk_ids.data(), DType::i32, {N, k}),
+                       dev_view(L.topk_weights.data(), DType::f32, {N, k})};
+    L.ffn_ctx = L.ffn->forward(in, ffn_weights(L), dev_view(moe_out.data(), DType::bf16, {N, H}), Stream{stream});
+    if (stats && L.is_moe) stats->moe_output += mean_abs(moe_out.data(), true, N * H);
   }
 
   // d_res holds the gradient of the FFN branch output; adds the gradient of the FFN's RMSNorm
   // input into d_res.
   void ffn_backward(Layer& L) {
     const int64_t H = c.d_model, k = L.top_k, E = L.experts;
-    cuda::to_bf16(d_res.get(), N * H, d_out16.get(), stream);
+    cuda::to_bf16(d_res.data(), N * H, d_out16.data(), stream);
     MOKA_CUDA_CHECK_LAUNCH();
     const auto d = ffn_views(L, true);
-    const MoeGradients g{dev_view(dx16.get(), DType::bf16, {N, H}), dev_view(d_topk_weights.get(), DType::f32, {N, k}),
+    const MoeGradients g{dev_view(dx16.data(), DType::bf16, {N, H}), dev_view(d_topk_weights.data(), DType::f32, {N, k}),
                          d[0], d[1], d[2], d[3], d[4], d[5]};
-    L.ffn->backward(*L.ffn_ctx, dev_view(d_out16.get(), DType::bf16, {N, H}), ffn_weights(L), g);
+    L.ffn->backward(*L.ffn_ctx, dev_view(d_out16.data(), DType::bf16, {N, H}), ffn_weights(L), g, Stream{stream});
     // d_tmp = dx (+ the router's dx), summed in fp32 in that order as on the CPU.
-    MOKA_CUDA_CHECK(cudaMemsetAsync(d_tmp.get(), 0, N * H * sizeof(float), stream));
-    cuda::add_bf16(dx16.get(), N * H, d_tmp.get(), stream);
+    MOKA_CUDA_CHECK(cudaMemsetAsync(d_tmp.data(), 0, N * H * sizeof(float), stream));
+    cuda::add_bf16(dx16.data(), N * H, d_tmp.data(), stream);
     if (L.is_moe) {
-      L.router_op->backward(*L.router_ctx, dev_view(d_topk_weights.get(), DType::f32, {N, k}),
-                            dev_view(dx_router16.get(), DType::bf16, {N, H}), dev_view(L.router->grad16.get(), DType::bf16, {E, H}));
-      cuda::add_bf16(dx_router16.get(), N * H, d_tmp.get(), stream);
+      L.router_op->backward(*L.router_ctx, dev_view(d_topk_weights.data(), DType::f32, {N, k}),
+                            dev_view(dx_router16.data(), DType::bf16, {N, H}), dev_view(L.router->grad16.data(), DType::bf16, {E, H}), Stream{stream});
+      cuda::add_bf16(dx_router16.data(), N * H, d_tmp.data(), stream);
     }
-    cuda::rmsnorm_backward(L.ffn_in.get(), L.ffn_norm->value.get(), L.ffn_inv_rms.get(), d_tmp.get(), N, H, true,
-                           d_res.get(), L.ffn_norm->grad.get(), stream);
+    cuda::rmsnorm_backward(L.ffn_in.data(), L.ffn_norm->value.data(), L.ffn_inv_rms.data(), d_tmp.data(), N, H, true,
+                           d_res.data(), L.ffn_norm->grad.data(), stream);
     MOKA_CUDA_CHECK_LAUNCH();
   }
 
@@ -446,56 +425,56 @@ struct CudaEngine::Impl {
   void forward(const Batch& b, ActivationStats* stats) {
     upload_batch(b);
     const int64_t H = c.d_model, V = c.vocab;
-    cuda::embed_forward(tokens.get(), embed->value.get(), embed->fwd(), N, H, h.get(), stream);
+    cuda::embed_forward(tokens.data(), embed->value.data(), embed->fwd(), N, H, h.data(), stream);
     MOKA_CUDA_CHECK_LAUNCH();
-    if (stats) *stats = ActivationStats{mean_abs(h.get(), false, N * H)};
+    if (stats) *stats = ActivationStats{mean_abs(h.data(), false, N * H)};
     for (auto& L : layers) {
-      copy(h.get(), N * H, L.attn_in.get());
-      cuda::rmsnorm_forward(L.attn_in.get(), L.attn_norm->value.get(), N, H, float(c.norm_eps), L.attn_x.get(),
-                            nullptr, L.attn_inv_rms.get(), stream);
+      copy(h.data(), N * H, L.attn_in.data());
+      cuda::rmsnorm_forward(L.attn_in.data(), L.attn_norm->value.data(), N, H, float(c.norm_eps), L.attn_x.data(),
+                            nullptr, L.attn_inv_rms.data(), stream);
       attention_forward(L);
-      if (stats) stats->attention += mean_abs(branch.get(), false, N * H);
-      add(branch.get(), N * H, h.get());
-      copy(h.get(), N * H, L.ffn_in.get());
-      cuda::rmsnorm_forward(L.ffn_in.get(), L.ffn_norm->value.get(), N, H, float(c.norm_eps), nullptr, L.ffn_x.get(),
-                            L.ffn_inv_rms.get(), stream);
+      if (stats) stats->attention += mean_abs(branch.data(), false, N * H);
+      add(branch.data(), N * H, h.data());
+      copy(h.data(), N * H, L.ffn_in.data());
+      cuda::rmsnorm_forward(L.ffn_in.data(), L.ffn_norm->value.data(), N, H, float(c.norm_eps), nullptr, L.ffn_x.data(),
+                            L.ffn_inv_rms.data(), stream);
       MOKA_CUDA_CHECK_LAUNCH();
       ffn_forward(L, stats);
-      cuda::add_bf16(moe_out.get(), N * H, h.get(), stream);
+      cuda::add_bf16(moe_out.data(), N * H, h.data(), stream);
       MOKA_CUDA_CHECK_LAUNCH();
     }
-    cuda::rmsnorm_forward(h.get(), final_norm->value.get(), N, H, float(c.norm_eps), final_x.get(), nullptr,
-                          final_inv_rms.get(), stream);
-    linear(final_x.get(), *head, logits.get());
-    cuda::cross_entropy(logits.get(), targets.get(), N, V, row_loss.get(), d_logits.get(), stream);
-    cuda::reduce_partials(cuda::ReduceOp::sum, row_loss.get(), false, N, partials.get(), stream);
-    cuda::reduce_finish(partials.get(), cuda::kReduceBlocks, 1.0 / double(N), scalars.get(), stream);
+    cuda::rmsnorm_forward(h.data(), final_norm->value.data(), N, H, float(c.norm_eps), final_x.data(), nullptr,
+                          final_inv_rms.data(), stream);
+    linear(final_x.data(), *head, logits.data());
+    cuda::cross_entropy(logits.data(), targets.data(), N, V, row_loss.data(), d_logits.data(), stream);
+    cuda::reduce_partials(cuda::ReduceOp::sum, row_loss.data(), false, N, partials.data(), stream);
+    cuda::reduce_finish(partials.data(), cuda::kReduceBlocks, 1.0 / double(N), scalars.data(), stream);
     MOKA_CUDA_CHECK_LAUNCH();
     if (stats) {
       stats->average_over_layers(c.num_layers);
-      stats->residual = mean_abs(h.get(), false, N * H);
-      stats->logits = mean_abs(logits.get(), false, N * V);
+      stats->residual = mean_abs(h.data(), false, N * H);
+      stats->logits = mean_abs(logits.data(), false, N * V);
     }
   }
 
   void backward() {
     const int64_t H = c.d_model;
-    linear_backward(final_x.get(), *head, d_logits.get(), d_tmp.get(), false);
-    cuda::rmsnorm_backward(h.get(), final_norm->value.get(), final_inv_rms.get(), d_tmp.get(), N, H, false,
-                           d_res.get(), final_norm->grad.get(), stream);
+    linear_backward(final_x.data(), *head, d_logits.data(), d_tmp.data(), false);
+    cuda::rmsnorm_backward(h.data(), final_norm->value.data(), final_inv_rms.data(), d_tmp.data(), N, H, false,
+                           d_res.data(), final_norm->grad.data(), stream);
     MOKA_CUDA_CHECK_LAUNCH();
     for (auto it = layers.rbegin(); it != layers.rend(); ++it) {
       ffn_backward(*it);
       attention_backward(*it);
     }
-    cuda::embed_backward(embed_offsets.get(), embed_positions.get(), d_res.get(), embed->fwd(), c.vocab, H,
-                         embed->grad.get(), stream);
+    cuda::embed_backward(embed_offsets.data(), embed_positions.data(), d_res.data(), embed->fwd(), c.vocab, H,
+                         embed->grad.data(), stream);
     MOKA_CUDA_CHECK_LAUNCH();
   }
 
   double read_scalar(int i) const {
     double out = 0;
-    MOKA_CUDA_CHECK(cudaMemcpy(&out, scalars.get() + i, sizeof(double), cudaMemcpyDeviceToHost));
+    MOKA_CUDA_CHECK(cudaMemcpy(&out, scalars.data() + i, sizeof(double), cudaMemcpyDeviceToHost));
     return out;
   }
 
@@ -510,8 +489,8 @@ struct CudaEngine::Impl {
   double adamw_step(double lr_factor) {
     for (size_t i = 0; i < params.size(); ++i)
       cuda::reduce_partials(cuda::ReduceOp::square, params[i].grad_data(), params[i].bf16_path(), params[i].n,
-                            partials.get() + i * cuda::kReduceBlocks, stream);
-    cuda::reduce_finish(partials.get(), int64_t(params.size()) * cuda::kReduceBlocks, 1.0, scalars.get() + 1, stream);
+                            partials.data() + i * cuda::kReduceBlocks, stream);
+    cuda::reduce_finish(partials.data(), int64_t(params.size()) * cuda::kReduceBlocks, 1.0, scalars.data() + 1, stream);
     ++steps_taken;
     const auto& a = config.adam;
     cuda::AdamWArgs args;
@@ -527,8 +506,8 @@ struct CudaEngine::Impl {
     for (auto& p : params) {
       args.lr_multiplier = p.rule.lr_multiplier;
       args.weight_decay_multiplier = p.rule.weight_decay_multiplier;
-      cuda::adamw_update(args, scalars.get() + 1, p.grad_data(), p.bf16_path(), p.n, p.value.get(), p.m.get(),
-                         p.v.get(), p.ema ? p.ema.get() : nullptr, p.bf16_path() ? p.shadow.get() : nullptr, stream);
+      cuda::adamw_update(args, scalars.data() + 1, p.grad_data(), p.bf16_path(), p.n, p.value.data(), p.m.data(),
+                         p.v.data(), p.ema.data(), p.bf16_path() ? p.shadow.data() : nullptr, stream);
     }
     MOKA_CUDA_CHECK_LAUNCH();
     return std::sqrt(read_scalar(1));
@@ -588,7 +567,7 @@ TrainState CudaEngine::state() const {
     s.values.push_back(p.value.download());
     s.adam_m.push_back(p.m.download());
     s.adam_v.push_back(p.v.download());
-    if (p.ema) s.ema.push_back(p.ema.download());
+    if (!p.ema.empty()) s.ema.push_back(p.ema.download());
   }
   s.selection_biases = I.selection_bias;
   s.steps = I.steps_taken;
@@ -602,7 +581,7 @@ void CudaEngine::set_state(const TrainState& s) {
     p.value.upload(s.values[i].data(), p.n);
     p.m.upload(s.adam_m[i].data(), p.n);
     p.v.upload(s.adam_v[i].data(), p.n);
-    if (p.ema) p.ema.upload(s.ema[i].data(), p.n);
+    if (!p.ema.empty()) p.ema.upload(s.ema[i].data(), p.n);
   }
   I.refresh_shadows();
   I.selection_bias = s.selection_biases;
@@ -644,9 +623,9 @@ void CudaEngine::poison_gradients() {
   // All-ones bytes are a NaN in both f32 and bf16.
   for (auto& p : impl_->params) {
     if (p.bf16_path())
-      MOKA_CUDA_CHECK(cudaMemset(p.grad16.get(), 0xFF, p.n * sizeof(bf16)));
+      MOKA_CUDA_CHECK(cudaMemset(p.grad16.data(), 0xFF, p.n * sizeof(bf16)));
     else
-      MOKA_CUDA_CHECK(cudaMemset(p.grad.get(), 0xFF, p.n * sizeof(float)));
+      MOKA_CUDA_CHECK(cudaMemset(p.grad.data(), 0xFF, p.n * sizeof(float)));
   }
 }
 

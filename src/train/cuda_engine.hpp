@@ -3,8 +3,9 @@
 // with fp32 accumulation; attention, RMSNorm, embedding, cross-entropy and AdamW are the kernels
 // of cuda_kernels.cuh; the FFNs and routers are moka's CUDA MoE layer and router (bf16 in and out,
 // fed from bf16 copies of the master weights that the AdamW kernel refreshes). Everything runs on
-// the legacy default stream, where the moka layers launch; each step synchronizes once, to read
-// the loss, the gradient norm and the expert counts the router-bias update needs.
+// the engine's own stream (cuBLAS is set to it and the moka layers and routers are given it);
+// each step synchronizes once, to read the loss, the gradient norm and the expert counts the
+// router-bias update needs.
 #pragma once
 #include <memory>
 #include <vector>

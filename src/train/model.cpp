@@ -210,12 +210,12 @@ std::vector<T> Model<T>::ffn_forward(Layer& L, const std::vector<T>& x, Activati
     std::vector<T> bias(bias_d.begin(), bias_d.end());
     L.counts.assign(E, 0);
     RouterOutputs out{view_of(L.topk_ids, {Tn, k}), view_of(L.topk_weights, {Tn, k}), view_of(L.counts, {E})};
-    L.router_ctx = L.router_op->forward(view_of(x, {Tn, H}), L.router->view({E, H}), view_of(bias, {E}), out);
+    L.router_ctx = L.router_op->forward(view_of(x, {Tn, H}), L.router->view({E, H}), view_of(bias, {E}), out, Stream{});
     if (stats) stats->router_logits += dense::mean_abs(project(x, *L.router));
   }
   std::vector<T> y(Tn * H);
   MoeInputs in{view_of(x, {Tn, H}), view_of(L.topk_ids, {Tn, k}), view_of(L.topk_weights, {Tn, k})};
-  L.ffn_ctx = L.ffn->forward(in, ffn_weights(L), view_of(y, {Tn, H}));
+  L.ffn_ctx = L.ffn->forward(in, ffn_weights(L), view_of(y, {Tn, H}), Stream{});
   if (stats && L.is_moe) stats->moe_output += dense::mean_abs(y);
   return y;
 }
@@ -235,11 +235,11 @@ std::vector<T> Model<T>::ffn_backward(Layer& L, const std::vector<T>& d_out) {
     g.d_ws_up = L.shared_up->grad_view({Is, H});
     g.d_ws_down = L.shared_down->grad_view({H, Is});
   }
-  L.ffn->backward(*L.ffn_ctx, view_of(d_out, {Tn, H}), ffn_weights(L), g);
+  L.ffn->backward(*L.ffn_ctx, view_of(d_out, {Tn, H}), ffn_weights(L), g, Stream{});
   if (!L.is_moe) return dx;
   std::vector<T> dx_router(Tn * H);
   L.router_op->backward(*L.router_ctx, view_of(d_weights, {Tn, k}), view_of(dx_router, {Tn, H}),
-                        L.router->grad_view({E, H}));
+                        L.router->grad_view({E, H}), Stream{});
   add_into(dx, dx_router);
   return dx;
 }

@@ -77,7 +77,7 @@ std::unique_ptr<TrainEngine> make_engine(const TrainConfig& c, const std::vector
 
 }  // namespace
 
-#ifndef MOKA_TRAIN_CUDA
+#if !MOKA_HAVE_CUDA
 std::unique_ptr<TrainEngine> make_cuda_engine(const TrainConfig&, const std::vector<TensorRule>&) {
   throw Error(ErrorCode::backend_unavailable, "moka was built without CUDA: train with --backend cpu");
 }

@@ -11,12 +11,12 @@
 #include <vector>
 
 #include "comm/cuda_check.hpp"
+#include "cuda/common/device_memory.hpp"
 #include "core/routing_gen.hpp"
 #include "cuda/cuda_backend.hpp"
 #include "gpu_case.hpp"
 #include "moka/device_group.hpp"
 #include "moka/distributed.hpp"
-#include "moka/megakernel.hpp"
 #include "moka/moka.hpp"
 
 using namespace moka;
@@ -50,21 +50,17 @@ void all_to_all_v_matches(DeviceGroup& g, ProcessGroup& host, uint64_t seed) {
     rb[s] = counts[s * R + me] * 4;
     total += rb[s];
   }
-  int32_t *d_send, *d_recv;
-  MOKA_CUDA_CHECK(cudaMalloc(&d_send, send.size() * 4 + 4));
-  MOKA_CUDA_CHECK(cudaMalloc(&d_recv, total + 4));
-  MOKA_CUDA_CHECK(cudaMemset(d_recv, 0xff, total + 4));  // poison
-  MOKA_CUDA_CHECK(cudaMemcpy(d_send, send.data(), send.size() * 4, cudaMemcpyHostToDevice));
-  g.all_to_all_v(d_send, sb.data(), so.data(), d_recv, rb.data(), ro.data(), nullptr);
+  cuda::DeviceArray<int32_t> d_send(send.size() + 1), d_recv(total / 4 + 1);
+  MOKA_CUDA_CHECK(cudaMemset(d_recv.data(), 0xff, d_recv.bytes()));  // poison
+  d_send.upload(send);
+  g.all_to_all_v(d_send.data(), sb.data(), so.data(), d_recv.data(), rb.data(), ro.data(), nullptr);
   std::vector<int32_t> recv(total / 4);
-  MOKA_CUDA_CHECK(cudaMemcpy(recv.data(), d_recv, total, cudaMemcpyDeviceToHost));
+  MOKA_CUDA_CHECK(cudaMemcpy(recv.data(), d_recv.data(), total, cudaMemcpyDeviceToHost));
   bool ok = true;
   size_t i = 0;
   for (int s = 0; s < R; ++s)
     for (int c = 0; c < counts[s * R + me]; ++c) ok &= recv[i++] == s * 1000 + me * 10 + c % 7;
   check(ok, "all_to_all_v seed " + std::to_string(seed), me);
-  cudaFree(d_send);
-  cudaFree(d_recv);
   host.barrier();
 }
 
@@ -151,8 +147,8 @@ std::vector<cpu::LayerBuffers<double>> reference_of(const MoeShape& s, std::vect
   run_emulated_ranks(static_cast<int>(ranks.size()), [&](ProcessGroup& g) {
     auto layer = make_moe_layer(s, Backend::cpu, &g, LayerOptions{128, 1});
     auto& b = ranks[g.rank()];
-    auto ctx = layer->forward(b.inputs(), b.weights(), b.out_view());
-    if (backward) layer->backward(*ctx, b.d_out_view(), b.weights(), b.gradients());
+    auto ctx = layer->forward(b.inputs(), b.weights(), b.out_view(), Stream{});
+    if (backward) layer->backward(*ctx, b.d_out_view(), b.weights(), b.gradients(), Stream{});
   });
   return ranks;
 }
@@ -168,8 +164,8 @@ void layer_matches_reference(ProcessGroup& host, const MoeShape& s, int64_t T, S
   auto layer = make_moe_layer(s, Backend::cuda, &host, LayerOptions{128, 0});
   auto run = [&] {
     c.poison();
-    auto ctx = layer->forward(c.inputs(), c.weights(), c.out_view());
-    layer->backward(*ctx, c.d_out_view(), c.weights(), c.gradients());
+    auto ctx = layer->forward(c.inputs(), c.weights(), c.out_view(), Stream{});
+    layer->backward(*ctx, c.d_out_view(), c.weights(), c.gradients(), Stream{});
     MOKA_CUDA_CHECK(cudaDeviceSynchronize());
   };
   run();
@@ -214,7 +210,7 @@ void bad_routing_on_one_rank_is_reported_everywhere(ProcessGroup& host) {
   auto layer = make_moe_layer(s, Backend::cuda, &host, LayerOptions{128, 0});
   std::string error;
   try {
-    layer->forward(c.inputs(), c.weights(), c.out_view());
+    layer->forward(c.inputs(), c.weights(), c.out_view(), Stream{});
   } catch (const Error& e) {
     error = e.what();
   }
@@ -225,7 +221,7 @@ void bad_routing_on_one_rank_is_reported_everywhere(ProcessGroup& host) {
   good.upload();
   bool recovered = true;
   try {
-    auto ctx = layer->forward(good.inputs(), good.weights(), good.out_view());
+    auto ctx = layer->forward(good.inputs(), good.weights(), good.out_view(), Stream{});
     MOKA_CUDA_CHECK(cudaDeviceSynchronize());
   } catch (const Error&) {
     recovered = false;
@@ -246,14 +242,14 @@ void megakernel_matches_reference(ProcessGroup& host, DeviceGroup& g, const MoeS
   const auto ref = reference_of(s, ranks, false);
   gpu_test::GpuCase c(ranks[me]);
   c.upload();
-  auto run = [&](MegakernelForward& mk) {
+  auto run = [&](MoeLayer& mk) {
     c.poison();
-    mk.forward(c.inputs(), c.weights(), c.out_view());
+    mk.forward(c.inputs(), c.weights(), c.out_view(), Stream{});
     MOKA_CUDA_CHECK(cudaDeviceSynchronize());
     mk.check_errors();
     return gpu_test::bytes_of(c.out);
   };
-  auto mk = make_megakernel_forward(s, &g, megakernel_config(32, 4096, 131072), T);
+  auto mk = make_moe_layer(s, &g, gpu_test::megakernel_options(megakernel_config(32, 4096, 131072), T));
   const auto bits = run(*mk);
   const double e = cpu::max_rel_error(c.download().out, ref[me].out);
   check(e <= 2e-2, std::string(name) + ": megakernel out relative error " + std::to_string(e), me);
@@ -261,14 +257,14 @@ void megakernel_matches_reference(ProcessGroup& host, DeviceGroup& g, const MoeS
   for (int i = 0; i < 3; ++i) same &= run(*mk) == bits;
   for (const auto& cfg :
        {megakernel_config(1, 128, 128), megakernel_config(8, 256, 512), megakernel_config(64, 1024, 2048)}) {
-    auto other = make_megakernel_forward(s, &g, cfg, T);
+    auto other = make_moe_layer(s, &g, gpu_test::megakernel_options(cfg, T));
     same &= run(*other) == bits;
   }
   check(same, std::string(name) + ": megakernel bits equal over runs, SM splits and batch sizes", me);
 
   bool replayed = true;
   c.poison();
-  gpu_test::replay_in_graph([&] { mk->forward(c.inputs(), c.weights(), c.out_view()); }, 3, [&](int) {
+  gpu_test::replay_in_graph([&](Stream s) { mk->forward(c.inputs(), c.weights(), c.out_view(), s); }, 3, [&](int) {
     mk->check_errors();
     replayed &= gpu_test::bytes_of(c.out) == bits;
     c.poison();
@@ -285,7 +281,7 @@ void megakernel_input_errors_are_reported_everywhere(ProcessGroup& host, DeviceG
   const int me = host.rank();
   gpu_test::GpuCase c(bad_routing_on_rank1(host, s)[me]);
   c.upload();
-  auto mk = make_megakernel_forward(s, &g, megakernel_config(8, 256, 512), 64);
+  auto mk = make_moe_layer(s, &g, gpu_test::megakernel_options(megakernel_config(8, 256, 512), 64));
   auto error_of = [&](const std::function<void()>& call) {
     std::string error;
     try {
@@ -297,7 +293,7 @@ void megakernel_input_errors_are_reported_everywhere(ProcessGroup& host, DeviceG
     }
     return error;
   };
-  std::string error = error_of([&] { mk->forward(c.inputs(), c.weights(), c.out_view()); });
+  std::string error = error_of([&] { mk->forward(c.inputs(), c.weights(), c.out_view(), Stream{}); });
   check(error.find("routing of rank 1") != std::string::npos && error.find("token 3, choice 1") != std::string::npos,
         "megakernel: bad expert id on rank 1 reported here: " + error, me);
   gpu_test::GpuCase good(group_inputs(s, host.size(), 64, 6, Skew::uniform)[me]);
@@ -308,20 +304,20 @@ void megakernel_input_errors_are_reported_everywhere(ProcessGroup& host, DeviceG
     for (TensorView* v : {&inputs.x, &inputs.topk_ids, &inputs.topk_weights}) v->shape[0] = 63;
     out.shape[0] = 63;
   }
-  error = error_of([&] { mk->forward(inputs, good.weights(), out); });
+  error = error_of([&] { mk->forward(inputs, good.weights(), out, Stream{}); });
   check(error.find("token counts disagree") != std::string::npos && error.find("rank 1 has 63") != std::string::npos,
         "megakernel: token counts that disagree are reported here: " + error, me);
-  error = error_of([&] { mk->forward(good.inputs(), good.weights(), good.out_view()); });
+  error = error_of([&] { mk->forward(good.inputs(), good.weights(), good.out_view(), Stream{}); });
   check(error.empty(), "megakernel runs again after the errors: " + error, me);
   if (host.size() >= 4) {
     gpu_test::GpuCase skewed(group_inputs(s, host.size(), 64, 7, Skew::all_to_rank0)[me]);
     skewed.upload();
     MegakernelConfig small = megakernel_config(8, 256, 512);
     small.capacity_multiplier = 0.25;
-    auto tight = make_megakernel_forward(s, &g, small, 64);
+    auto tight = make_moe_layer(s, &g, gpu_test::megakernel_options(small, 64));
     std::string overflow;
     try {
-      tight->forward(skewed.inputs(), skewed.weights(), skewed.out_view());
+      tight->forward(skewed.inputs(), skewed.weights(), skewed.out_view(), Stream{});
       MOKA_CUDA_CHECK(cudaDeviceSynchronize());
       tight->check_errors();
     } catch (const Error& e) {
@@ -330,6 +326,34 @@ void megakernel_input_errors_are_reported_everywhere(ProcessGroup& host, DeviceG
     check(overflow.find("rank 0") != std::string::npos && overflow.find("capacity") != std::string::npos,
           "megakernel: capacity overflow on rank 0 reported here: " + overflow, me);
   }
+  host.barrier();
+}
+
+// The megakernel path of MoeLayer over the group, forward and backward (its backward runs the
+// all-to-all path's forward stages on the context's inputs, then its backward), against the
+// all-to-all path on the same inputs: out and every gradient bit for bit.
+void megakernel_path_matches_all_to_all_bitwise(ProcessGroup& host, DeviceGroup& g, const MoeShape& s, int64_t T,
+                                                const char* name) {
+  const int me = host.rank();
+  gpu_test::GpuCase c(group_inputs(s, host.size(), T, 41 + T, Skew::zipf)[me]);
+  c.upload();
+  auto run = [&](MoeLayer& layer) {
+    c.poison();
+    auto ctx = layer.forward(c.inputs(), c.weights(), c.out_view(), Stream{});
+    layer.backward(*ctx, c.d_out_view(), c.weights(), c.gradients(), Stream{});
+    MOKA_CUDA_CHECK(cudaDeviceSynchronize());
+    layer.check_errors();
+    return c.output_bytes();
+  };
+  LayerOptions all_to_all{128, 0};
+  all_to_all.path = LayerPath::all_to_all;
+  auto staged = make_moe_layer(s, &g, all_to_all);
+  const auto want = run(*staged);
+  staged.reset();
+  auto mk = make_moe_layer(s, &g, gpu_test::megakernel_options(megakernel_config(16, 256, 1024), T));
+  bool same = mk->megakernel() != nullptr;
+  for (int i = 0; i < 2; ++i) same &= run(*mk) == want;
+  check(same, std::string(name) + ": megakernel path forward and every gradient equal the all-to-all path's bits", me);
   host.barrier();
 }
 
@@ -379,6 +403,10 @@ int main() {
                                  1, Skew::uniform, "megakernel, T=1 k=8 clamped");
     megakernel_matches_reference(*host, *g, MoeShape{2048, 768, 8 * int64_t(rv.world_size), 8, 0, Activation::swiglu, 7.0f},
                                  1000, Skew::zipf, "megakernel, qwen3-30b dims zipf");
+    megakernel_path_matches_all_to_all_bitwise(*host, *g, shaped, 300, "megakernel path, shared expert");
+    megakernel_path_matches_all_to_all_bitwise(
+        *host, *g, MoeShape{512, 256, 8 * int64_t(rv.world_size), 8, 0, Activation::swiglu_clamped, 7.0f}, 1,
+        "megakernel path, T=1 k=8 clamped");
     megakernel_input_errors_are_reported_everywhere(*host, *g);
     symmetric_stores_are_visible_after_the_barrier(*g);
     barrier_replays_in_a_cuda_graph(*g);

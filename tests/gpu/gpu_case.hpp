@@ -13,9 +13,11 @@
 #include <vector>
 
 #include "cpu/layer_buffers.hpp"
-#include "cuda/check.hpp"
+#include "cuda/common/check.hpp"
 #include "cuda/cuda_backend.hpp"
-#include "moka/megakernel.hpp"
+#include "cuda/device_tensors.hpp"
+#include "moka/device_group.hpp"
+#include "moka/layer.hpp"
 
 namespace moka::gpu_test {
 
@@ -50,16 +52,26 @@ inline MegakernelConfig megakernel_config(int comm_sms, int64_t minibatch, int64
   return c;
 }
 
-// Captures `enqueue` (moka calls, on a fresh stream set as moka's) into a CUDA graph, then
+// The options of a megakernel-path layer with these knobs, for up to `max_tokens` tokens per rank.
+inline LayerOptions megakernel_options(const MegakernelConfig& c, int64_t max_tokens) {
+  LayerOptions o;
+  o.path = LayerPath::megakernel;
+  o.max_tokens = max_tokens;
+  o.megakernel = c;
+  o.tile_rows = c.tile_rows;
+  o.row_order = c.row_order;
+  return o;
+}
+
+// Captures enqueue(stream) (moka calls on the given fresh stream) into a CUDA graph, then
 // replays it `replays` times; after(i) runs once replay i has finished.
 template <class Enqueue, class After>
 void replay_in_graph(Enqueue&& enqueue, int replays, After&& after) {
   cudaStream_t stream;
   MOKA_CUDA_CHECK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
-  cuda::set_stream(stream);
   cudaGraph_t graph;
   MOKA_CUDA_CHECK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal));
-  enqueue();
+  enqueue(Stream{stream});
   MOKA_CUDA_CHECK(cudaStreamEndCapture(stream, &graph));
   cudaGraphExec_t exec;
   MOKA_CUDA_CHECK(cudaGraphInstantiate(&exec, graph, 0));
@@ -69,25 +81,12 @@ void replay_in_graph(Enqueue&& enqueue, int replays, After&& after) {
     MOKA_CUDA_CHECK(cudaStreamSynchronize(stream));
     after(i);
   }
-  cuda::set_stream(nullptr);
   cudaGraphExecDestroy(exec);
   cudaGraphDestroy(graph);
   cudaStreamDestroy(stream);
 }
 
-struct DeviceTensor {
-  void* ptr = nullptr;
-  size_t bytes = 0;
-  DeviceTensor() = default;
-  explicit DeviceTensor(size_t n) : bytes(n) { MOKA_CUDA_CHECK(cudaMalloc(&ptr, std::max<size_t>(n, 16))); }
-  ~DeviceTensor() { cudaFree(ptr); }
-  DeviceTensor(const DeviceTensor&) = delete;
-  DeviceTensor& operator=(DeviceTensor&& o) noexcept {
-    std::swap(ptr, o.ptr);
-    std::swap(bytes, o.bytes);
-    return *this;
-  }
-};
+using DeviceTensor = cuda::DeviceMemory;
 
 // A layer case: host reference buffers and device bf16 copies of inputs, weights and outputs.
 inline int current_device() {
@@ -98,8 +97,8 @@ inline int current_device() {
 
 // Raw bytes of a device tensor (determinism checks compare bits).
 inline std::vector<uint8_t> bytes_of(const DeviceTensor& t) {
-  std::vector<uint8_t> b(t.bytes);
-  MOKA_CUDA_CHECK(cudaMemcpy(b.data(), t.ptr, b.size(), cudaMemcpyDeviceToHost));
+  std::vector<uint8_t> b(t.bytes());
+  MOKA_CUDA_CHECK(cudaMemcpy(b.data(), t.data(), b.size(), cudaMemcpyDeviceToHost));
   return b;
 }
 
@@ -144,14 +143,14 @@ struct GpuCase {
       *dev_in[i] = DeviceTensor(h.size() * element_bytes(i));
       if (i == kScalars) {
         const std::vector<float> f(h.begin(), h.end());
-        MOKA_CUDA_CHECK(cudaMemcpy(dev_in[i]->ptr, f.data(), dev_in[i]->bytes, cudaMemcpyHostToDevice));
+        MOKA_CUDA_CHECK(cudaMemcpy(dev_in[i]->data(), f.data(), dev_in[i]->bytes(), cudaMemcpyHostToDevice));
       } else {
         const auto b = to_bf16(h);
-        MOKA_CUDA_CHECK(cudaMemcpy(dev_in[i]->ptr, b.data(), dev_in[i]->bytes, cudaMemcpyHostToDevice));
+        MOKA_CUDA_CHECK(cudaMemcpy(dev_in[i]->data(), b.data(), dev_in[i]->bytes(), cudaMemcpyHostToDevice));
       }
     }
     ids = DeviceTensor(ref.topk_ids.size() * 4);
-    MOKA_CUDA_CHECK(cudaMemcpy(ids.ptr, ref.topk_ids.data(), ids.bytes, cudaMemcpyHostToDevice));
+    MOKA_CUDA_CHECK(cudaMemcpy(ids.data(), ref.topk_ids.data(), ids.bytes(), cudaMemcpyHostToDevice));
     const auto host_out = ref.outputs();
     const auto dev_out = device_outputs();
     for (size_t i = 0; i < dev_out.size(); ++i) *dev_out[i] = DeviceTensor(host_out[i]->size() * element_bytes(i));
@@ -160,13 +159,13 @@ struct GpuCase {
 
   // 0xFF bytes: NaN in bf16 and f32, so an unwritten element fails every comparison.
   void poison() {
-    for (DeviceTensor* t : device_outputs()) MOKA_CUDA_CHECK(cudaMemset(t->ptr, 0xFF, t->bytes));
+    for (DeviceTensor* t : device_outputs()) MOKA_CUDA_CHECK(cudaMemset(t->data(), 0xFF, t->bytes()));
   }
 
   // The reference's views (shapes), moved onto the device copies.
   TensorView on_device(TensorView v, const DeviceTensor& d, DType dtype) const {
     if (v.empty()) return v;  // an absent shared expert stays absent
-    v.data = d.ptr;
+    v.data = d.data();
     v.dtype = dtype;
     v.device = Device::cuda(device);
     return v;
@@ -201,11 +200,11 @@ struct GpuCase {
       std::vector<double>& h = *host_out[i];
       if (i == kScalars) {
         std::vector<float> f(h.size());
-        MOKA_CUDA_CHECK(cudaMemcpy(f.data(), dev_out[i]->ptr, f.size() * 4, cudaMemcpyDeviceToHost));
+        MOKA_CUDA_CHECK(cudaMemcpy(f.data(), dev_out[i]->data(), f.size() * 4, cudaMemcpyDeviceToHost));
         h.assign(f.begin(), f.end());
       } else {
         std::vector<__nv_bfloat16> b(h.size());
-        MOKA_CUDA_CHECK(cudaMemcpy(b.data(), dev_out[i]->ptr, b.size() * 2, cudaMemcpyDeviceToHost));
+        MOKA_CUDA_CHECK(cudaMemcpy(b.data(), dev_out[i]->data(), b.size() * 2, cudaMemcpyDeviceToHost));
         for (size_t j = 0; j < h.size(); ++j) h[j] = __bfloat162float(b[j]);
       }
     }

@@ -27,8 +27,8 @@ void route(GpuCase& c, core::RoutingKind kind, uint64_t seed) {
 }
 
 void run_gpu(MoeLayer& layer, GpuCase& c) {
-  auto ctx = layer.forward(c.inputs(), c.weights(), c.out_view());
-  layer.backward(*ctx, c.d_out_view(), c.weights(), c.gradients());
+  auto ctx = layer.forward(c.inputs(), c.weights(), c.out_view(), Stream{});
+  layer.backward(*ctx, c.d_out_view(), c.weights(), c.gradients(), Stream{});
   MOKA_CUDA_CHECK(cudaDeviceSynchronize());
 }
 
@@ -52,8 +52,8 @@ void expect_close(const cpu::LayerBuffers<double>& got, const cpu::LayerBuffers<
 
 void reference(GpuCase& c) {
   auto cpu = make_moe_layer(c.ref.shape, Backend::cpu);
-  auto ctx = cpu->forward(c.ref.inputs(), c.ref.weights(), c.ref.out_view());
-  cpu->backward(*ctx, c.ref.d_out_view(), c.ref.weights(), c.ref.gradients());
+  auto ctx = cpu->forward(c.ref.inputs(), c.ref.weights(), c.ref.out_view(), Stream{});
+  cpu->backward(*ctx, c.ref.d_out_view(), c.ref.weights(), c.ref.gradients(), Stream{});
 }
 
 struct Case {
@@ -124,8 +124,8 @@ TEST(CudaLayer, NamedShapesMatchBaselineAndSampledReference) {
     t.randomize(seed, ids);
     t.poison();
     auto run = [&](MoeLayer& l) {
-      auto ctx = l.forward(t.inputs(), t.weights(), t.out_view());
-      l.backward(*ctx, t.d_out_view(), t.weights(), t.gradients());
+      auto ctx = l.forward(t.inputs(), t.weights(), t.out_view(), Stream{});
+      l.backward(*ctx, t.d_out_view(), t.weights(), t.gradients(), Stream{});
       MOKA_CUDA_CHECK(cudaDeviceSynchronize());
     };
     // What is compared: whole small outputs, sampled experts' slices of the routed gradients.
@@ -133,11 +133,11 @@ TEST(CudaLayer, NamedShapesMatchBaselineAndSampledReference) {
     auto snapshot = [&] {
       std::vector<std::vector<double>> v;
       for (const cuda::DeviceMemory* m : {&t.out, &t.d_x, &t.dwsg, &t.dwsu, &t.dwsd})
-        v.push_back(download_bf16(m->p, int64_t(m->bytes / 2)));
+        v.push_back(download_bf16(m->data(), int64_t(m->bytes() / 2)));
       for (const cuda::DeviceMemory* m : {&t.dwg, &t.dwu, &t.dwd})
         for (int64_t e : experts) v.push_back(download_bf16(m->as<__nv_bfloat16>() + e * per_expert, per_expert));
       std::vector<float> dw(T * k);
-      MOKA_CUDA_CHECK(cudaMemcpy(dw.data(), t.d_w.p, t.d_w.bytes, cudaMemcpyDeviceToHost));
+      MOKA_CUDA_CHECK(cudaMemcpy(dw.data(), t.d_w.data(), t.d_w.bytes(), cudaMemcpyDeviceToHost));
       v.emplace_back(dw.begin(), dw.end());
       return v;
     };
@@ -181,13 +181,13 @@ TEST(CudaLayer, NamedShapesMatchBaselineAndSampledReference) {
         }
       }
       if (sh.has_shared()) {
-        r.ws_gate = download_bf16(t.wsg.p, Is * H);
-        r.ws_up = download_bf16(t.wsu.p, Is * H);
-        r.ws_down = download_bf16(t.wsd.p, H * Is);
+        r.ws_gate = download_bf16(t.wsg.data(), Is * H);
+        r.ws_up = download_bf16(t.wsu.data(), Is * H);
+        r.ws_down = download_bf16(t.wsd.data(), H * Is);
       }
       auto cpu = make_moe_layer(one, Backend::cpu);
-      auto ctx = cpu->forward(r.inputs(), r.weights(), r.out_view());
-      cpu->backward(*ctx, r.d_out_view(), r.weights(), r.gradients());
+      auto ctx = cpu->forward(r.inputs(), r.weights(), r.out_view(), Stream{});
+      cpu->backward(*ctx, r.d_out_view(), r.weights(), r.gradients(), Stream{});
       const std::vector<double> out_t(got[0].begin() + tok * H, got[0].begin() + (tok + 1) * H);
       const std::vector<double> dx_t(got[1].begin() + tok * H, got[1].begin() + (tok + 1) * H);
       const std::vector<double> dw_t(dw_got.begin() + tok * k, dw_got.begin() + (tok + 1) * k);
@@ -259,9 +259,9 @@ TEST(CudaLayer, GraphCaptureReplaysForwardAndBackward) {
   const auto eager = c.output_bytes();
   c.poison();
   gpu_test::replay_in_graph(
-      [&] {
-        auto ctx = layer->forward(c.inputs(), c.weights(), c.out_view());
-        layer->backward(*ctx, c.d_out_view(), c.weights(), c.gradients());
+      [&](Stream s) {
+        auto ctx = layer->forward(c.inputs(), c.weights(), c.out_view(), s);
+        layer->backward(*ctx, c.d_out_view(), c.weights(), c.gradients(), s);
       },
       3,
       [&](int i) {
@@ -277,10 +277,10 @@ TEST(CudaLayer, BadRoutingIsReportedNamingTheEntry) {
   c.ref.topk_ids[3 * 4 + 2] = 99;
   c.upload();
   auto layer = make_moe_layer(s, Backend::cuda);
-  auto ctx = layer->forward(c.inputs(), c.weights(), c.out_view());
+  auto ctx = layer->forward(c.inputs(), c.weights(), c.out_view(), Stream{});
   MOKA_CUDA_CHECK(cudaDeviceSynchronize());
   try {
-    layer->forward(c.inputs(), c.weights(), c.out_view());
+    layer->forward(c.inputs(), c.weights(), c.out_view(), Stream{});
     FAIL() << "no error";
   } catch (const Error& e) {
     EXPECT_EQ(e.code(), ErrorCode::expert_out_of_range);
@@ -296,10 +296,10 @@ TEST(CudaLayer, RejectsHostTensorsAndWrongDtypes) {
   auto layer = make_moe_layer(s, Backend::cuda);
   auto in = c.inputs();
   in.x.device = Device::cpu();
-  EXPECT_THROW(layer->forward(in, c.weights(), c.out_view()), Error);
+  EXPECT_THROW(layer->forward(in, c.weights(), c.out_view(), Stream{}), Error);
   in = c.inputs();
   in.topk_weights.dtype = DType::bf16;
-  EXPECT_THROW(layer->forward(in, c.weights(), c.out_view()), Error);
+  EXPECT_THROW(layer->forward(in, c.weights(), c.out_view(), Stream{}), Error);
 }
 
 // A token whose router scores are all NaN (NaN input) must not index past the experts: every
@@ -315,18 +315,19 @@ TEST(CudaRouter, NanScoresGiveValidIdsAndNanWeights) {
   for (size_t i = 0; i < x.size(); ++i) xb[i] = __float2bfloat16(x[i]);
   for (size_t i = 0; i < w.size(); ++i) wb[i] = __float2bfloat16(w[i]);
   gpu_test::DeviceTensor gx(T * H * 2), gw(E * H * 2), gids(T * k * 4), gwt(T * k * 4), gc(E * 4);
-  MOKA_CUDA_CHECK(cudaMemcpy(gx.ptr, xb.data(), gx.bytes, cudaMemcpyHostToDevice));
-  MOKA_CUDA_CHECK(cudaMemcpy(gw.ptr, wb.data(), gw.bytes, cudaMemcpyHostToDevice));
+  MOKA_CUDA_CHECK(cudaMemcpy(gx.data(), xb.data(), gx.bytes(), cudaMemcpyHostToDevice));
+  MOKA_CUDA_CHECK(cudaMemcpy(gw.data(), wb.data(), gw.bytes(), cudaMemcpyHostToDevice));
   const Device d = Device::cuda(0);
   auto gpu = make_router(rc, Backend::cuda);
-  gpu->forward(TensorView(gx.ptr, DType::bf16, {T, H}, d), TensorView(gw.ptr, DType::bf16, {E, H}, d), TensorView(),
-               {TensorView(gids.ptr, DType::i32, {T, k}, d), TensorView(gwt.ptr, DType::f32, {T, k}, d),
-                TensorView(gc.ptr, DType::i32, {E}, d)});
+  gpu->forward(TensorView(gx.data(), DType::bf16, {T, H}, d), TensorView(gw.data(), DType::bf16, {E, H}, d), TensorView(),
+               {TensorView(gids.data(), DType::i32, {T, k}, d), TensorView(gwt.data(), DType::f32, {T, k}, d),
+                TensorView(gc.data(), DType::i32, {E}, d)},
+               Stream{});
   MOKA_CUDA_CHECK(cudaDeviceSynchronize());
   std::vector<int32_t> ids(T * k);
   std::vector<float> wt(T * k);
-  MOKA_CUDA_CHECK(cudaMemcpy(ids.data(), gids.ptr, gids.bytes, cudaMemcpyDeviceToHost));
-  MOKA_CUDA_CHECK(cudaMemcpy(wt.data(), gwt.ptr, gwt.bytes, cudaMemcpyDeviceToHost));
+  MOKA_CUDA_CHECK(cudaMemcpy(ids.data(), gids.data(), gids.bytes(), cudaMemcpyDeviceToHost));
+  MOKA_CUDA_CHECK(cudaMemcpy(wt.data(), gwt.data(), gwt.bytes(), cudaMemcpyDeviceToHost));
   for (int64_t i = 0; i < T * k; ++i) {
     EXPECT_TRUE(ids[i] >= 0 && ids[i] < E) << "id " << ids[i] << " at " << i;
     EXPECT_EQ(std::isnan(wt[i]), i / k == 3) << "weight " << wt[i] << " at " << i;
@@ -361,27 +362,29 @@ TEST(CudaRouter, MatchesReferenceForEveryNamedStyle) {
     auto cctx = cpu->forward(TensorView(x.data(), DType::f64, {T, H}), TensorView(w.data(), DType::f64, {E, H}),
                              rc.use_selection_bias ? TensorView(bias.data(), DType::f64, {E}) : TensorView(),
                              {TensorView(ids.data(), DType::i32, {T, k}), TensorView(wt.data(), DType::f64, {T, k}),
-                              TensorView(counts.data(), DType::i32, {E})});
+                              TensorView(counts.data(), DType::i32, {E})},
+                             Stream{});
     // The GPU uses the reference's own selection for its backward comparison to be meaningful.
     gpu_test::DeviceTensor gx(T * H * 2), gw(E * H * 2), gb(E * 4), gids(T * k * 4), gwt(T * k * 4), gc(E * 4),
         gdwt(T * k * 4), gdx(T * H * 2), gdw(E * H * 2);
     const auto xb = gpu_test::to_bf16(x), wb = gpu_test::to_bf16(w);
-    MOKA_CUDA_CHECK(cudaMemcpy(gx.ptr, xb.data(), gx.bytes, cudaMemcpyHostToDevice));
-    MOKA_CUDA_CHECK(cudaMemcpy(gw.ptr, wb.data(), gw.bytes, cudaMemcpyHostToDevice));
+    MOKA_CUDA_CHECK(cudaMemcpy(gx.data(), xb.data(), gx.bytes(), cudaMemcpyHostToDevice));
+    MOKA_CUDA_CHECK(cudaMemcpy(gw.data(), wb.data(), gw.bytes(), cudaMemcpyHostToDevice));
     const std::vector<float> bf(bias.begin(), bias.end()), dwf(dwt.begin(), dwt.end());
-    MOKA_CUDA_CHECK(cudaMemcpy(gb.ptr, bf.data(), gb.bytes, cudaMemcpyHostToDevice));
-    MOKA_CUDA_CHECK(cudaMemcpy(gdwt.ptr, dwf.data(), gdwt.bytes, cudaMemcpyHostToDevice));
+    MOKA_CUDA_CHECK(cudaMemcpy(gb.data(), bf.data(), gb.bytes(), cudaMemcpyHostToDevice));
+    MOKA_CUDA_CHECK(cudaMemcpy(gdwt.data(), dwf.data(), gdwt.bytes(), cudaMemcpyHostToDevice));
     const Device d = Device::cuda(0);
     auto gpu = make_router(rc, Backend::cuda);
-    auto gctx = gpu->forward(TensorView(gx.ptr, DType::bf16, {T, H}, d), TensorView(gw.ptr, DType::bf16, {E, H}, d),
-                             rc.use_selection_bias ? TensorView(gb.ptr, DType::f32, {E}, d) : TensorView(),
-                             {TensorView(gids.ptr, DType::i32, {T, k}, d), TensorView(gwt.ptr, DType::f32, {T, k}, d),
-                              TensorView(gc.ptr, DType::i32, {E}, d)});
+    auto gctx = gpu->forward(TensorView(gx.data(), DType::bf16, {T, H}, d), TensorView(gw.data(), DType::bf16, {E, H}, d),
+                             rc.use_selection_bias ? TensorView(gb.data(), DType::f32, {E}, d) : TensorView(),
+                             {TensorView(gids.data(), DType::i32, {T, k}, d), TensorView(gwt.data(), DType::f32, {T, k}, d),
+                              TensorView(gc.data(), DType::i32, {E}, d)},
+                             Stream{});
     std::vector<int32_t> hid(T * k), hc(E);
     std::vector<float> hw(T * k);
-    MOKA_CUDA_CHECK(cudaMemcpy(hid.data(), gids.ptr, gids.bytes, cudaMemcpyDeviceToHost));
-    MOKA_CUDA_CHECK(cudaMemcpy(hw.data(), gwt.ptr, gwt.bytes, cudaMemcpyDeviceToHost));
-    MOKA_CUDA_CHECK(cudaMemcpy(hc.data(), gc.ptr, gc.bytes, cudaMemcpyDeviceToHost));
+    MOKA_CUDA_CHECK(cudaMemcpy(hid.data(), gids.data(), gids.bytes(), cudaMemcpyDeviceToHost));
+    MOKA_CUDA_CHECK(cudaMemcpy(hw.data(), gwt.data(), gwt.bytes(), cudaMemcpyDeviceToHost));
+    MOKA_CUDA_CHECK(cudaMemcpy(hc.data(), gc.data(), gc.bytes(), cudaMemcpyDeviceToHost));
     int64_t same = 0;
     for (int64_t i = 0; i < T * k; ++i) same += hid[i] == ids[i];
     EXPECT_GE(double(same) / double(T * k), 0.97) << "top-k ids differ beyond near-ties";
@@ -396,12 +399,12 @@ TEST(CudaRouter, MatchesReferenceForEveryNamedStyle) {
     EXPECT_NEAR(gl.aux_loss, cl.aux_loss, 1e-3 * std::abs(cl.aux_loss) + 1e-6);
     EXPECT_NEAR(gl.z_loss, cl.z_loss, 1e-2 * std::abs(cl.z_loss) + 1e-6);
     cpu->backward(*cctx, TensorView(dwt.data(), DType::f64, {T, k}), TensorView(dx.data(), DType::f64, {T, H}),
-                  TensorView(dw.data(), DType::f64, {E, H}));
-    gpu->backward(*gctx, TensorView(gdwt.ptr, DType::f32, {T, k}, d), TensorView(gdx.ptr, DType::bf16, {T, H}, d),
-                  TensorView(gdw.ptr, DType::bf16, {E, H}, d));
+                  TensorView(dw.data(), DType::f64, {E, H}), Stream{});
+    gpu->backward(*gctx, TensorView(gdwt.data(), DType::f32, {T, k}, d), TensorView(gdx.data(), DType::bf16, {T, H}, d),
+                  TensorView(gdw.data(), DType::bf16, {E, H}, d), Stream{});
     std::vector<__nv_bfloat16> hdx(T * H), hdw(E * H);
-    MOKA_CUDA_CHECK(cudaMemcpy(hdx.data(), gdx.ptr, gdx.bytes, cudaMemcpyDeviceToHost));
-    MOKA_CUDA_CHECK(cudaMemcpy(hdw.data(), gdw.ptr, gdw.bytes, cudaMemcpyDeviceToHost));
+    MOKA_CUDA_CHECK(cudaMemcpy(hdx.data(), gdx.data(), gdx.bytes(), cudaMemcpyDeviceToHost));
+    MOKA_CUDA_CHECK(cudaMemcpy(hdw.data(), gdw.data(), gdw.bytes(), cudaMemcpyDeviceToHost));
     std::vector<double> ddx(hdx.size()), ddw(hdw.size());
     for (size_t i = 0; i < hdx.size(); ++i) ddx[i] = __bfloat162float(hdx[i]);
     for (size_t i = 0; i < hdw.size(); ++i) ddw[i] = __bfloat162float(hdw[i]);

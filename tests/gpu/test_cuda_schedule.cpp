@@ -4,8 +4,8 @@
 
 #include "core/routing_gen.hpp"
 #include "core/schedule.hpp"
-#include "cuda/check.hpp"
-#include "cuda/layer_kernels.hpp"
+#include "cuda/common/check.hpp"
+#include "cuda/layer/layer_kernels.hpp"
 #include "gpu_case.hpp"
 
 using namespace moka;
@@ -22,29 +22,24 @@ TEST_P(DeviceSchedule, EqualsTheCpuSchedule) {
   gpu_test::DeviceTensor d_ids(slots * 4), d_w(slots * 4), chunk(cuda::schedule_chunks(slots) * E * 4),
       counts(E * 4), offsets((E + 1) * 4), rows(slots * 4);
   std::vector<float> w(slots, 0.5f);
-  MOKA_CUDA_CHECK(cudaMemcpy(d_ids.ptr, ids.data(), slots * 4, cudaMemcpyHostToDevice));
-  MOKA_CUDA_CHECK(cudaMemcpy(d_w.ptr, w.data(), slots * 4, cudaMemcpyHostToDevice));
-  unsigned long long* err = nullptr;
-  MOKA_CUDA_CHECK(cudaHostAlloc(&err, sizeof(*err), cudaHostAllocMapped));
-  *err = ~0ull;
-  unsigned long long* dev_err = nullptr;
-  MOKA_CUDA_CHECK(cudaHostGetDevicePointer(reinterpret_cast<void**>(&dev_err), err, 0));
+  MOKA_CUDA_CHECK(cudaMemcpy(d_ids.data(), ids.data(), slots * 4, cudaMemcpyHostToDevice));
+  MOKA_CUDA_CHECK(cudaMemcpy(d_w.data(), w.data(), slots * 4, cudaMemcpyHostToDevice));
+  cuda::PinnedWord<unsigned long long> err(cuda::kNoRoutingError);
   cuda::DeviceSchedule s;
   s.slots = slots, s.num_experts = E, s.global_experts = E, s.tile_rows = tile, s.top_k = k;
-  s.chunk_counts = static_cast<int32_t*>(chunk.ptr);
-  s.counts = static_cast<int32_t*>(counts.ptr);
-  s.offsets = static_cast<int32_t*>(offsets.ptr);
-  s.row_of_slot = static_cast<int32_t*>(rows.ptr);
-  s.error = dev_err;
-  cuda::build_schedule(s, static_cast<int32_t*>(d_ids.ptr), static_cast<float*>(d_w.ptr), nullptr);
+  s.chunk_counts = chunk.as<int32_t>();
+  s.counts = counts.as<int32_t>();
+  s.offsets = offsets.as<int32_t>();
+  s.row_of_slot = rows.as<int32_t>();
+  s.error = err.device();
+  cuda::build_schedule(s, d_ids.as<int32_t>(), d_w.as<float>(), nullptr);
   MOKA_CUDA_CHECK(cudaDeviceSynchronize());
-  EXPECT_EQ(*err, ~0ull);
-  cudaFreeHost(err);
+  EXPECT_EQ(err.load(), cuda::kNoRoutingError);
 
   std::vector<int32_t> hc(E), ho(E + 1), hr(slots);
-  MOKA_CUDA_CHECK(cudaMemcpy(hc.data(), counts.ptr, E * 4, cudaMemcpyDeviceToHost));
-  MOKA_CUDA_CHECK(cudaMemcpy(ho.data(), offsets.ptr, (E + 1) * 4, cudaMemcpyDeviceToHost));
-  MOKA_CUDA_CHECK(cudaMemcpy(hr.data(), rows.ptr, slots * 4, cudaMemcpyDeviceToHost));
+  MOKA_CUDA_CHECK(cudaMemcpy(hc.data(), counts.data(), E * 4, cudaMemcpyDeviceToHost));
+  MOKA_CUDA_CHECK(cudaMemcpy(ho.data(), offsets.data(), (E + 1) * 4, cudaMemcpyDeviceToHost));
+  MOKA_CUDA_CHECK(cudaMemcpy(hr.data(), rows.data(), slots * 4, cudaMemcpyDeviceToHost));
   for (int64_t e = 0; e < E; ++e) {
     ASSERT_EQ(hc[e], ref.expert_rows[e]) << "expert " << e;
     ASSERT_EQ(ho[e], ref.expert_offset[e]) << "expert " << e;
@@ -78,23 +73,23 @@ TEST_P(DeviceScheduleAcrossRanks, EqualsTheCpuSchedule) {
     const auto ref = core::build_receive_schedule({R, T, k, El, rank * El, tile, order, rank}, all.data());
     gpu_test::DeviceTensor d_ids(R * slots * 4), chunk(cuda::schedule_chunks(R * slots) * El * R * 4),
         counts(El * 4), source_counts(El * R * 4), offsets((El + 1) * 4), rows(R * slots * 4);
-    MOKA_CUDA_CHECK(cudaMemcpy(d_ids.ptr, all.data(), R * slots * 4, cudaMemcpyHostToDevice));
+    MOKA_CUDA_CHECK(cudaMemcpy(d_ids.data(), all.data(), R * slots * 4, cudaMemcpyHostToDevice));
     cuda::DeviceSchedule s;
     s.slots = slots, s.num_experts = El, s.first_expert = rank * El, s.global_experts = E, s.tile_rows = tile;
     s.top_k = k, s.world_size = R, s.rank = rank, s.row_order = order;
-    s.chunk_counts = static_cast<int32_t*>(chunk.ptr);
-    s.counts = static_cast<int32_t*>(counts.ptr);
-    s.source_counts = static_cast<int32_t*>(source_counts.ptr);
-    s.offsets = static_cast<int32_t*>(offsets.ptr);
-    s.row_of_slot = static_cast<int32_t*>(rows.ptr);
-    cuda::build_schedule(s, static_cast<int32_t*>(d_ids.ptr), nullptr, nullptr);
+    s.chunk_counts = chunk.as<int32_t>();
+    s.counts = counts.as<int32_t>();
+    s.source_counts = source_counts.as<int32_t>();
+    s.offsets = offsets.as<int32_t>();
+    s.row_of_slot = rows.as<int32_t>();
+    cuda::build_schedule(s, d_ids.as<int32_t>(), nullptr, nullptr);
     MOKA_CUDA_CHECK(cudaDeviceSynchronize());
 
     std::vector<int32_t> hc(El), hs(El * R), ho(El + 1), hr(R * slots);
-    MOKA_CUDA_CHECK(cudaMemcpy(hc.data(), counts.ptr, El * 4, cudaMemcpyDeviceToHost));
-    MOKA_CUDA_CHECK(cudaMemcpy(hs.data(), source_counts.ptr, El * R * 4, cudaMemcpyDeviceToHost));
-    MOKA_CUDA_CHECK(cudaMemcpy(ho.data(), offsets.ptr, (El + 1) * 4, cudaMemcpyDeviceToHost));
-    MOKA_CUDA_CHECK(cudaMemcpy(hr.data(), rows.ptr, R * slots * 4, cudaMemcpyDeviceToHost));
+    MOKA_CUDA_CHECK(cudaMemcpy(hc.data(), counts.data(), El * 4, cudaMemcpyDeviceToHost));
+    MOKA_CUDA_CHECK(cudaMemcpy(hs.data(), source_counts.data(), El * R * 4, cudaMemcpyDeviceToHost));
+    MOKA_CUDA_CHECK(cudaMemcpy(ho.data(), offsets.data(), (El + 1) * 4, cudaMemcpyDeviceToHost));
+    MOKA_CUDA_CHECK(cudaMemcpy(hr.data(), rows.data(), R * slots * 4, cudaMemcpyDeviceToHost));
     for (int64_t e = 0; e < El; ++e) {
       ASSERT_EQ(hc[e], ref.expert_rows[e]) << "expert " << e;
       ASSERT_EQ(ho[e], ref.expert_offset[e]) << "expert " << e;

@@ -17,8 +17,8 @@
 
 #include "core/activation.hpp"
 #include "cuda/device_tensors.hpp"
-#include "cuda/grouped_gemm.hpp"
-#include "cuda/layer_kernels.hpp"
+#include "cuda/gemm/grouped_gemm.hpp"
+#include "cuda/layer/layer_kernels.hpp"
 #include "gpu_case.hpp"
 
 using namespace moka;
@@ -46,7 +46,7 @@ struct Operand {
     for (auto& v : host) v = nd(rng);
     gpu_test::round_bf16(host);
     const auto b = gpu_test::to_bf16(host);
-    MOKA_CUDA_CHECK(cudaMemcpy(dev.p, b.data(), dev.bytes, cudaMemcpyHostToDevice));
+    MOKA_CUDA_CHECK(cudaMemcpy(dev.data(), b.data(), dev.bytes(), cudaMemcpyHostToDevice));
   }
 };
 
@@ -115,7 +115,7 @@ void reference(const std::vector<GroupSpec>& groups, GemmLayout layout, const st
 // untouched ones still holding the poison (0xFFFF).
 void expect_matches(const DeviceMemory& got_dev, const std::vector<double>& ref, double tol, const char* what) {
   std::vector<uint16_t> bits(ref.size());
-  MOKA_CUDA_CHECK(cudaMemcpy(bits.data(), got_dev.p, bits.size() * 2, cudaMemcpyDeviceToHost));
+  MOKA_CUDA_CHECK(cudaMemcpy(bits.data(), got_dev.data(), bits.size() * 2, cudaMemcpyDeviceToHost));
   double diff = 0, scale = 0;
   int64_t written = 0, clobbered = 0, unwritten = 0;
   for (size_t i = 0; i < ref.size(); ++i) {
@@ -157,8 +157,8 @@ TEST_P(GroupedGemmLayouts, MatchCpuReference) {
   for (const auto& counts : rounds) {
     std::vector<int32_t> offsets(E + 1, 0);
     for (int e = 0; e < E; ++e) offsets[e + 1] = offsets[e] + (counts[e] + kPad - 1) / kPad * kPad;
-    MOKA_CUDA_CHECK(cudaMemcpy(d_counts.p, counts.data(), E * 4, cudaMemcpyHostToDevice));
-    MOKA_CUDA_CHECK(cudaMemcpy(d_offsets.p, offsets.data(), (E + 1) * 4, cudaMemcpyHostToDevice));
+    MOKA_CUDA_CHECK(cudaMemcpy(d_counts.data(), counts.data(), E * 4, cudaMemcpyHostToDevice));
+    MOKA_CUDA_CHECK(cudaMemcpy(d_offsets.data(), offsets.data(), (E + 1) * 4, cudaMemcpyHostToDevice));
     // Fresh inputs every call: a result left over from the previous call cannot pass.
     Operand grouped(rows * P, rng, 1.0), other(by_m ? E * P * Q : rows * Q, rng, by_m ? 0.05 : 1.0),
         fixed_a(kFixedRows * P, rng, 1.0), fixed_b(by_m ? P * Q : kFixedRows * Q, rng, by_m ? 0.05 : 1.0);
@@ -172,11 +172,11 @@ TEST_P(GroupedGemmLayouts, MatchCpuReference) {
       SCOPED_TRACE(std::string(c.name) + (gemm == &cutlass_gemm ? ", CUTLASS" : ", cuBLAS loop") +
                    (&counts == &rounds[0] ? ", first counts" : ", second counts"));
       DeviceMemory out(out_elems * 2), fixed_out(fixed_out_elems * 2);
-      MOKA_CUDA_CHECK(cudaMemset(out.p, 0xFF, out.bytes));  // bf16 NaN
-      MOKA_CUDA_CHECK(cudaMemset(fixed_out.p, 0xFF, fixed_out.bytes));
+      MOKA_CUDA_CHECK(cudaMemset(out.data(), 0xFF, out.bytes()));  // bf16 NaN
+      MOKA_CUDA_CHECK(cudaMemset(fixed_out.data(), 0xFF, fixed_out.bytes()));
       BufferTable t;
-      t.ptr[kGrouped] = grouped.dev.p, t.ptr[kOther] = other.dev.p, t.ptr[kOut] = out.p;
-      t.ptr[kFixedA] = fixed_a.dev.p, t.ptr[kFixedB] = fixed_b.dev.p, t.ptr[kFixedOut] = fixed_out.p;
+      t.ptr[kGrouped] = grouped.dev.data(), t.ptr[kOther] = other.dev.data(), t.ptr[kOut] = out.data();
+      t.ptr[kFixedA] = fixed_a.dev.data(), t.ptr[kFixedB] = fixed_b.dev.data(), t.ptr[kFixedOut] = fixed_out.data();
       gemm->run(t, d_counts.as<int32_t>(), d_offsets.as<int32_t>(), nullptr);
       MOKA_CUDA_CHECK(cudaDeviceSynchronize());
       expect_matches(out, ref[kOut], 1e-2, "expert groups");
@@ -221,8 +221,8 @@ std::vector<double> activation_reference(const std::vector<double>& g, const std
 }
 
 std::vector<uint16_t> download_bits(const DeviceMemory& d) {
-  std::vector<uint16_t> b(d.bytes / 2);
-  MOKA_CUDA_CHECK(cudaMemcpy(b.data(), d.p, d.bytes, cudaMemcpyDeviceToHost));
+  std::vector<uint16_t> b(d.bytes() / 2);
+  MOKA_CUDA_CHECK(cudaMemcpy(b.data(), d.data(), d.bytes(), cudaMemcpyDeviceToHost));
   return b;
 }
 std::vector<double> as_double(const std::vector<uint16_t>& bits) {
@@ -279,10 +279,10 @@ TEST_P(GroupedGemmSwiglu, EqualsUnfusedBitsAndMatchesCpuReference) {
       offsets[e + 1] = offsets[e] + (counts[e] + kPad - 1) / kPad * kPad;
       for (int32_t r = 0; r < counts[e]; ++r) real_rows.push_back(offsets[e] + r);
     }
-    MOKA_CUDA_CHECK(cudaMemcpy(d_counts.p, counts.data(), E * 4, cudaMemcpyHostToDevice));
-    MOKA_CUDA_CHECK(cudaMemcpy(d_offsets.p, offsets.data(), (E + 1) * 4, cudaMemcpyHostToDevice));
+    MOKA_CUDA_CHECK(cudaMemcpy(d_counts.data(), counts.data(), E * 4, cudaMemcpyHostToDevice));
+    MOKA_CUDA_CHECK(cudaMemcpy(d_offsets.data(), offsets.data(), (E + 1) * 4, cudaMemcpyHostToDevice));
     DeviceMemory d_rows(real_rows.size() * 4);
-    MOKA_CUDA_CHECK(cudaMemcpy(d_rows.p, real_rows.data(), d_rows.bytes, cudaMemcpyHostToDevice));
+    MOKA_CUDA_CHECK(cudaMemcpy(d_rows.data(), real_rows.data(), d_rows.bytes(), cudaMemcpyHostToDevice));
     // Fresh inputs every call; weights ~ 1/sqrt(P), so the products are O(1) and cross the clamp.
     Operand x(rows * P, rng, 1.0), wg(E * N * P, rng, 0.05), wu(E * N * P, rng, 0.05), xs(kFixedRows * P, rng, 1.0),
         wsg(NS * P, rng, 0.05), wsu(NS * P, rng, 0.05);
@@ -291,11 +291,11 @@ TEST_P(GroupedGemmSwiglu, EqualsUnfusedBitsAndMatchesCpuReference) {
     for (int slot : {sU, sG, sH, sGPlain, sHPlain, sSU, sSG, sSH, sSGPlain, sSHPlain}) {
       const bool shared = slot >= sXS;
       outs[slot] = std::make_unique<DeviceMemory>((shared ? kFixedRows * NS : rows * N) * 2);
-      MOKA_CUDA_CHECK(cudaMemset(outs[slot]->p, 0xFF, outs[slot]->bytes));  // bf16 NaN
-      t.ptr[slot] = outs[slot]->p;
+      MOKA_CUDA_CHECK(cudaMemset(outs[slot]->data(), 0xFF, outs[slot]->bytes()));  // bf16 NaN
+      t.ptr[slot] = outs[slot]->data();
     }
-    t.ptr[sX] = x.dev.p, t.ptr[sWG] = wg.dev.p, t.ptr[sWU] = wu.dev.p;
-    t.ptr[sXS] = xs.dev.p, t.ptr[sWSG] = wsg.dev.p, t.ptr[sWSU] = wsu.dev.p;
+    t.ptr[sX] = x.dev.data(), t.ptr[sWG] = wg.dev.data(), t.ptr[sWU] = wu.dev.data();
+    t.ptr[sXS] = xs.dev.data(), t.ptr[sWSG] = wsg.dev.data(), t.ptr[sWSU] = wsu.dev.data();
     const auto* cn = d_counts.as<int32_t>();
     const auto* of = d_offsets.as<int32_t>();
     up_gemm.run(t, cn, of, nullptr);

@@ -9,7 +9,6 @@
 #include "core/routing_gen.hpp"
 #include "cuda/cuda_backend.hpp"
 #include "gpu_case.hpp"
-#include "moka/megakernel.hpp"
 #include "moka/moka.hpp"
 
 using namespace moka;
@@ -31,20 +30,20 @@ void route_and_upload(GpuCase& c, core::RoutingKind kind, uint64_t seed) {
   c.upload();
 }
 
-void forward(MegakernelForward& mk, GpuCase& c) {
+void forward(MoeLayer& mk, GpuCase& c) {
   c.poison();
-  mk.forward(c.inputs(), c.weights(), c.out_view());
+  mk.forward(c.inputs(), c.weights(), c.out_view(), Stream{});
   MOKA_CUDA_CHECK(cudaDeviceSynchronize());
   mk.check_errors();
 }
 
 using gpu_test::bytes_of;
 
-double forward_error(GpuCase& c, MegakernelForward& mk) {
+double forward_error(GpuCase& c, MoeLayer& mk) {
   forward(mk, c);
   const auto got = c.download();
   auto cpu = make_moe_layer(c.ref.shape, Backend::cpu);
-  cpu->forward(c.ref.inputs(), c.ref.weights(), c.ref.out_view());
+  cpu->forward(c.ref.inputs(), c.ref.weights(), c.ref.out_view(), Stream{});
   return cpu::max_rel_error(got.out, c.ref.out);
 }
 
@@ -65,7 +64,7 @@ TEST_P(MegakernelVsReference, Forward) {
   const uint64_t seed = fresh_seed();
   GpuCase c(p.shape, p.tokens, seed);
   route_and_upload(c, p.routing, seed + 1);
-  auto mk = make_megakernel_forward(p.shape, nullptr, p.cfg, p.tokens);
+  auto mk = make_moe_layer(p.shape, nullptr, gpu_test::megakernel_options(p.cfg, p.tokens));
   EXPECT_LE(forward_error(c, *mk), 2e-2);
 }
 
@@ -97,7 +96,7 @@ TEST(Megakernel, BitsDoNotDependOnRunsSplitsOrBatchSizes) {
   const uint64_t seed = fresh_seed();
   GpuCase c(s, T, seed);
   route_and_upload(c, Z, seed + 1);
-  auto first = make_megakernel_forward(s, nullptr, kDefault, T);
+  auto first = make_moe_layer(s, nullptr, gpu_test::megakernel_options(kDefault, T));
   forward(*first, c);
   const auto bits = bytes_of(c.out);
   for (int i = 0; i < 9; ++i) {
@@ -107,7 +106,7 @@ TEST(Megakernel, BitsDoNotDependOnRunsSplitsOrBatchSizes) {
   for (const MegakernelConfig& cfg :
        {megakernel_config(1, 128, 128), megakernel_config(8, 512, 1024), megakernel_config(64, 1024, 8192),
         megakernel_config(100, 128, 256)}) {
-    auto mk = make_megakernel_forward(s, nullptr, cfg, T);
+    auto mk = make_moe_layer(s, nullptr, gpu_test::megakernel_options(cfg, T));
     forward(*mk, c);
     EXPECT_EQ(bytes_of(c.out), bits) << "comm " << cfg.num_comm_sms << " minibatch " << cfg.minibatch_size
                                   << " macrobatch " << cfg.macrobatch_size;
@@ -119,11 +118,11 @@ TEST(Megakernel, GraphCaptureReplays) {
   const uint64_t seed = fresh_seed();
   GpuCase c(s, 700, seed);
   route_and_upload(c, U, seed + 1);
-  auto mk = make_megakernel_forward(s, nullptr, kRingReuse, 700);
+  auto mk = make_moe_layer(s, nullptr, gpu_test::megakernel_options(kRingReuse, 700));
   forward(*mk, c);
   const auto eager = bytes_of(c.out);
   c.poison();
-  gpu_test::replay_in_graph([&] { mk->forward(c.inputs(), c.weights(), c.out_view()); }, 3, [&](int i) {
+  gpu_test::replay_in_graph([&](Stream s) { mk->forward(c.inputs(), c.weights(), c.out_view(), s); }, 3, [&](int i) {
     mk->check_errors();
     EXPECT_EQ(bytes_of(c.out), eager) << "replay " << i;
     c.poison();
@@ -136,10 +135,10 @@ TEST(Megakernel, TimelineHoldsEveryTask) {
   const uint64_t seed = fresh_seed();
   GpuCase c(s, 2000, seed);
   route_and_upload(c, U, seed + 1);
-  auto mk = make_megakernel_forward(s, nullptr, megakernel_config(8, 512, 2048), 2000);
-  mk->record_timeline(true);
+  auto mk = make_moe_layer(s, nullptr, gpu_test::megakernel_options(megakernel_config(8, 512, 2048), 2000));
+  mk->megakernel()->record_timeline(true);
   forward(*mk, c);
-  const auto spans = mk->timeline();
+  const auto spans = mk->megakernel()->timeline();
   std::map<std::string, int> kinds;
   for (const auto& t : spans) {
     kinds[t.kind]++;
@@ -157,8 +156,8 @@ TEST(Megakernel, BadExpertIdIsReportedNamingTheEntry) {
   c.ref.topk_ids = core::sample_topk_ids({U, 0.5, 2}, 10, 4, 16);
   c.ref.topk_ids[3 * 4 + 2] = 99;
   c.upload();
-  auto mk = make_megakernel_forward(s, nullptr, kDefault, 10);
-  mk->forward(c.inputs(), c.weights(), c.out_view());
+  auto mk = make_moe_layer(s, nullptr, gpu_test::megakernel_options(kDefault, 10));
+  mk->forward(c.inputs(), c.weights(), c.out_view(), Stream{});
   MOKA_CUDA_CHECK(cudaDeviceSynchronize());
   try {
     mk->check_errors();
@@ -176,8 +175,8 @@ TEST(Megakernel, SpinTimeoutIsReportedNotHung) {
   route_and_upload(c, U, 3 + 1);
   MegakernelConfig cfg = megakernel_config(1, 128, 256);
   cfg.spin_timeout_seconds = 1e-9;
-  auto mk = make_megakernel_forward(s, nullptr, cfg, 2000);
-  mk->forward(c.inputs(), c.weights(), c.out_view());
+  auto mk = make_moe_layer(s, nullptr, gpu_test::megakernel_options(cfg, 2000));
+  mk->forward(c.inputs(), c.weights(), c.out_view(), Stream{});
   MOKA_CUDA_CHECK(cudaDeviceSynchronize());
   try {
     mk->check_errors();
@@ -189,7 +188,7 @@ TEST(Megakernel, SpinTimeoutIsReportedNotHung) {
   }
   // The next call runs normally.
   MegakernelConfig ok = megakernel_config(8, 512, 1024);
-  auto again = make_megakernel_forward(s, nullptr, ok, 2000);
+  auto again = make_moe_layer(s, nullptr, gpu_test::megakernel_options(ok, 2000));
   forward(*again, c);
 }
 
@@ -197,19 +196,71 @@ TEST(Megakernel, RejectsBadConfigAndTooManyTokens) {
   const MoeShape s = shape(256, 128, 16, 4);
   MegakernelConfig cfg = kDefault;
   cfg.tile_n = 64;
-  EXPECT_THROW(make_megakernel_forward(s, nullptr, cfg, 10), Error);
+  EXPECT_THROW(make_moe_layer(s, nullptr, gpu_test::megakernel_options(cfg, 10)), Error);
   cfg = kDefault;
   cfg.num_comm_sms = 100000;
-  EXPECT_THROW(make_megakernel_forward(s, nullptr, cfg, 10), Error);
+  EXPECT_THROW(make_moe_layer(s, nullptr, gpu_test::megakernel_options(cfg, 10)), Error);
   GpuCase c(s, 20, 4);
   route_and_upload(c, U, 4 + 1);
-  auto mk = make_megakernel_forward(s, nullptr, kDefault, 10);
+  auto mk = make_moe_layer(s, nullptr, gpu_test::megakernel_options(kDefault, 10));
   try {
-    mk->forward(c.inputs(), c.weights(), c.out_view());
+    mk->forward(c.inputs(), c.weights(), c.out_view(), Stream{});
     FAIL() << "20 tokens accepted by a layer built for 10";
   } catch (const Error& e) {
     EXPECT_NE(std::string(e.what()).find("at most 10"), std::string::npos) << e.what();
   }
+}
+
+}  // namespace
+
+namespace {
+
+// The megakernel path of MoeLayer, forward and backward (the backward runs the staged path's
+// forward stages on the context's inputs, then its backward) against the single-GPU path on the
+// same inputs: out and every gradient bit for bit, and the same routed rows per expert.
+TEST(MegakernelPath, ForwardAndBackwardEqualTheStagedPathBitwise) {
+  const MoeShape s = shape(1024, 512, 32, 4, 256);
+  const int64_t T = 700;
+  const uint64_t seed = fresh_seed();
+  GpuCase c(s, T, seed);
+  route_and_upload(c, Z, seed + 1);
+  auto run = [&](MoeLayer& layer) {
+    c.poison();
+    auto ctx = layer.forward(c.inputs(), c.weights(), c.out_view(), Stream{});
+    layer.backward(*ctx, c.d_out_view(), c.weights(), c.gradients(), Stream{});
+    MOKA_CUDA_CHECK(cudaDeviceSynchronize());
+    layer.check_errors();
+    return std::pair{c.output_bytes(), ctx->local_expert_rows()};
+  };
+  LayerOptions single;
+  single.path = LayerPath::single_gpu;
+  auto staged = make_moe_layer(s, nullptr, single);
+  ASSERT_EQ(staged->megakernel(), nullptr);
+  const auto want = run(*staged);
+  staged.reset();
+  auto mk = make_moe_layer(s, nullptr, gpu_test::megakernel_options(kRingReuse, T));
+  ASSERT_NE(mk->megakernel(), nullptr);
+  for (int i = 0; i < 2; ++i) {  // twice: the second backward recomputes over a used workspace
+    const auto got = run(*mk);
+    EXPECT_TRUE(got.first == want.first) << "run " << i << ": out or a gradient differs from the single-GPU path's";
+    EXPECT_EQ(got.second, want.second) << "run " << i;
+  }
+}
+
+// LayerPath::automatic takes the megakernel where it applies and was measured faster.
+TEST(MegakernelPath, AutomaticPicksTheMegakernelWhereItApplies) {
+  const MoeShape narrow = shape(1024, 512, 32, 4, 256), wide = shape(1024, 14336, 8, 2);
+  LayerOptions o;
+  EXPECT_EQ(make_moe_layer(narrow, nullptr, o)->megakernel(), nullptr) << "no max_tokens: its buffers have no size";
+  o.max_tokens = 64;
+  EXPECT_NE(make_moe_layer(narrow, nullptr, o)->megakernel(), nullptr);
+  EXPECT_EQ(make_moe_layer(wide, nullptr, o)->megakernel(), nullptr) << "intermediate 14336: measured slower";
+  o.tile_rows = 64;
+  EXPECT_EQ(make_moe_layer(narrow, nullptr, o)->megakernel(), nullptr) << "tile_rows other than its 128";
+  o.path = LayerPath::megakernel;
+  EXPECT_THROW(make_moe_layer(narrow, nullptr, o), Error);
+  o.path = LayerPath::all_to_all;
+  EXPECT_THROW(make_moe_layer(narrow, nullptr, o), Error) << "all_to_all on one GPU";
 }
 
 }  // namespace

@@ -9,6 +9,7 @@
 #include <cmath>
 #include <random>
 
+#include "cuda/common/device_memory.hpp"
 #include "train/cuda_engine.hpp"
 #include "train/cuda_kernels.cuh"
 #include "train/dense_math.hpp"
@@ -19,20 +20,13 @@ namespace kern = moka::train::cuda;
 
 namespace {
 
+// A device copy of `host` (poisoned with NaN when made from a count).
 struct DeviceFloats {
-  float* p = nullptr;
-  size_t n = 0;
-  explicit DeviceFloats(const std::vector<float>& host) : n(host.size()) {
-    EXPECT_EQ(cudaMalloc(&p, n * sizeof(float)), cudaSuccess);
-    cudaMemcpy(p, host.data(), n * sizeof(float), cudaMemcpyHostToDevice);
-  }
-  explicit DeviceFloats(size_t count) : DeviceFloats(std::vector<float>(count, NAN)) {}  // poisoned
-  ~DeviceFloats() { cudaFree(p); }
-  std::vector<float> host() const {
-    std::vector<float> out(n);
-    EXPECT_EQ(cudaMemcpy(out.data(), p, n * sizeof(float), cudaMemcpyDeviceToHost), cudaSuccess);
-    return out;
-  }
+  moka::cuda::DeviceArray<float> array;
+  float* p;
+  explicit DeviceFloats(const std::vector<float>& host) : array(host.size()), p(array.data()) { array.upload(host); }
+  explicit DeviceFloats(size_t count) : DeviceFloats(std::vector<float>(count, NAN)) {}
+  std::vector<float> host() const { return array.download(); }
 };
 
 std::vector<float> normal(size_t n, std::mt19937_64& rng, float std = 1.0f) {
@@ -122,11 +116,11 @@ TEST(TrainGpuStages, CrossEntropyAndItsGradient) {
     std::vector<float> d_logits(rows * vocab);
     const double loss = dense::cross_entropy(logits.data(), targets.data(), rows, vocab, d_logits.data());
     DeviceFloats gl(logits), grow(rows), gd(rows * vocab);
-    int32_t* gt = nullptr;
-    double* partial = nullptr;
-    ASSERT_EQ(cudaMalloc(&gt, rows * sizeof(int32_t)), cudaSuccess);
-    ASSERT_EQ(cudaMalloc(&partial, (kern::kReduceBlocks + 1) * sizeof(double)), cudaSuccess);
-    cudaMemcpy(gt, targets.data(), rows * sizeof(int32_t), cudaMemcpyHostToDevice);
+    moka::cuda::DeviceArray<int32_t> device_targets(rows);
+    moka::cuda::DeviceArray<double> device_partial(kern::kReduceBlocks + 1);
+    device_targets.upload(targets);
+    int32_t* gt = device_targets.data();
+    double* partial = device_partial.data();
     kern::cross_entropy(gl.p, gt, rows, vocab, grow.p, gd.p, nullptr);
     kern::reduce_partials(kern::ReduceOp::sum, grow.p, false, rows, partial, nullptr);
     kern::reduce_finish(partial, kern::kReduceBlocks, 1.0 / double(rows), partial + kern::kReduceBlocks, nullptr);
@@ -135,8 +129,6 @@ TEST(TrainGpuStages, CrossEntropyAndItsGradient) {
               cudaSuccess);
     EXPECT_NEAR(gpu_loss, loss, kFp32Tolerance * loss) << "vocab " << vocab;
     EXPECT_LT(rel_error(gd.host(), d_logits), kFp32Tolerance) << "vocab " << vocab;
-    cudaFree(gt);
-    cudaFree(partial);
   }
 }
 
@@ -158,8 +150,8 @@ TEST(TrainGpuStages, AdamWWithClippingAndEmaMatchesTheHostOptimizer) {
   const int64_t n = rule.spec.numel();
   DeviceFloats value(host[0].value), m(std::vector<float>(n, 0.0f)), v(std::vector<float>(n, 0.0f)),
       shadow_ema(host[0].value);
-  double* ss = nullptr;
-  ASSERT_EQ(cudaMalloc(&ss, (kern::kReduceBlocks + 1) * sizeof(double)), cudaSuccess);
+  moka::cuda::DeviceArray<double> sum_of_squares(kern::kReduceBlocks + 1);
+  double* ss = sum_of_squares.data();
   for (int step = 1; step <= 3; ++step) {
     host[0].grad = normal(n, rng);
     DeviceFloats grad(host[0].grad);
@@ -183,7 +175,6 @@ TEST(TrainGpuStages, AdamWWithClippingAndEmaMatchesTheHostOptimizer) {
                        nullptr);
     ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
   }
-  cudaFree(ss);
   EXPECT_LT(rel_error(value.host(), host[0].value), kFp32Tolerance);
   EXPECT_LT(rel_error(m.host(), adam.m[0]), kFp32Tolerance);
   EXPECT_LT(rel_error(v.host(), adam.v[0]), kFp32Tolerance);

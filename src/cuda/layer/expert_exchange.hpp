@@ -12,7 +12,8 @@
 #include <vector>
 
 #include "core/exchange_blocks.hpp"
-#include "cuda/layer_kernels.hpp"
+#include "cuda/common/device_memory.hpp"
+#include "cuda/layer/layer_kernels.hpp"
 #include "moka/config.hpp"
 #include "moka/device_group.hpp"
 
@@ -23,19 +24,18 @@ class ExpertExchange {
   ExpertExchange(DeviceGroup& group, const MoeShape& shape, int64_t tile_rows);
   ExpertExchange(const ExpertExchange&) = delete;
   ExpertExchange& operator=(const ExpertExchange&) = delete;
-  ~ExpertExchange();
 
   // Plans one call from this rank's routing (device [T, k] ids and weights). Synchronizes on the
   // count table. The device's routing check is read then: routing_error() (kNoRoutingError = fine).
   void plan(const int32_t* topk_ids, const float* topk_weights, int64_t tokens, cudaStream_t stream);
-  unsigned long long routing_error() const { return *error_; }
+  unsigned long long routing_error() const { return error_.load(); }
 
   // Padded rows of this rank's grouped buffer, and its schedule for the grouped GEMMs:
   // counts [E_local] and offsets [E_local + 1].
   int64_t grouped_rows() const { return blocks_.expert_offset.back(); }
   void upload_schedule(int32_t* counts, int32_t* offsets) const;
   // Position in the send order of slot token*k+j ([T*k]): where combined rows come back.
-  const int32_t* send_position_of_slot() const { return send_position_; }
+  const int32_t* send_position_of_slot() const { return send_position_.data(); }
 
   // grouped[row of each route] = tokens[route's token] (x or d_out rows of `width` bf16).
   void dispatch(const bf16* tokens, bf16* grouped, int64_t width, cudaStream_t stream);
@@ -58,15 +58,14 @@ class ExpertExchange {
   MoeShape shape_;
   int64_t tile_rows_, local_experts_;
   int64_t tokens_ = 0;
-  DeviceSchedule sort_;              // this rank's slots by global expert (tile 1): the send order
-  int32_t* send_position_ = nullptr;  // = sort_.row_of_slot
-  int32_t* received_counts_ = nullptr;  // device [world][E_local]
-  int32_t* host_counts_ = nullptr;      // pinned: [E] sent per expert, then [world][E_local] received
-  unsigned long long* error_ = nullptr;  // mapped host memory the routing check writes
+  // This rank's slots sorted by global expert (the single-rank schedule with tile 1): the send
+  // order. send_position_ is its row_of_slot ([T*k], grown with the token count).
+  DeviceArray<int32_t> sort_counts_, sort_offsets_, sort_chunk_counts_, send_position_;
+  DeviceArray<int32_t> received_counts_;  // [world][E_local]
+  PinnedArray<int32_t> host_counts_;      // [E] sent per expert, then [world][E_local] received
+  PinnedWord<unsigned long long> error_;  // mapped: the routing check's first bad slot
   core::ExchangeBlocks blocks_{{}, {}, {}, {0}};
-  size_t slot_capacity_ = 0;
-  void* staging_[2] = {};
-  size_t staging_bytes_[2] = {};
+  DeviceArray<std::byte> staging_[2];
 };
 
 }  // namespace moka::cuda

@@ -6,9 +6,11 @@
 #include <cmath>
 
 #include "core/activation.hpp"
-#include "cuda/check.hpp"
+#include "cuda/common/check.hpp"
+#include "cuda/common/device_memory.hpp"
+#include "cuda/common/stream.hpp"
 #include "cuda/cuda_backend.hpp"
-#include "cuda/layer_kernels.hpp"
+#include "cuda/layer/layer_kernels.hpp"
 
 namespace moka::cuda {
 namespace {
@@ -176,29 +178,19 @@ __global__ void __launch_bounds__(kThreads) router_backward_tokens(RouterParams 
   }
 }
 
-// Stream-ordered scratch (cudaMallocAsync / cudaFreeAsync on the stream it was made on): no
-// device-wide synchronization per call, as cudaFree would force, and capturable in a graph.
-// Forward and backward of one context run on the same stream (as the layer's do).
-struct Scratch {
-  void* p = nullptr;
-  cudaStream_t stream = nullptr;
-  explicit Scratch(size_t bytes) : stream(current_stream()) { MOKA_CUDA_CHECK(cudaMallocAsync(&p, bytes, stream)); }
-  ~Scratch() { cudaFreeAsync(p, stream); }
-  Scratch(const Scratch&) = delete;
-  Scratch& operator=(const Scratch&) = delete;
-  template <typename T>
-  T* as() const { return static_cast<T*>(p); }
-};
-
 struct CudaRouterState final : RouterContext {
   RouterParams params{};
   const void* x = nullptr;
   const void* w_router = nullptr;
-  std::unique_ptr<Scratch> logits, scores, p, lse, ids, counts, mean_p, losses_dev;
+  cudaStream_t stream = nullptr;  // the forward's
+  // Stream-ordered scratch: forward and backward of one context run on the same stream.
+  std::unique_ptr<StreamScratch<float>> logits, scores, p, lse;
+  std::unique_ptr<StreamScratch<int32_t>> ids, counts;
+  std::unique_ptr<StreamScratch<double>> mean_p, losses_dev;
   RouterLosses losses() const override {
     double h[2];
-    MOKA_CUDA_CHECK(cudaStreamSynchronize(current_stream()));
-    MOKA_CUDA_CHECK(cudaMemcpy(h, losses_dev->p, sizeof(h), cudaMemcpyDeviceToHost));
+    MOKA_CUDA_CHECK(cudaStreamSynchronize(stream));
+    MOKA_CUDA_CHECK(cudaMemcpy(h, losses_dev->data(), sizeof(h), cudaMemcpyDeviceToHost));
     return {h[0], h[1]};
   }
 };
@@ -218,7 +210,7 @@ class CudaRouter final : public Router {
   const RouterConfig& config() const override { return c_; }
 
   std::unique_ptr<RouterContext> forward(const TensorView& x, const TensorView& w, const TensorView& bias,
-                                         const RouterOutputs& out) override {
+                                         const RouterOutputs& out, Stream stream) override {
     const Device dev = Device::cuda(device_);
     require(x.rank == 2, ErrorCode::shape_mismatch, "router x must be [T, H], got " + x.shape_string());
     const int64_t T = x.dim(0), H = c_.hidden, E = c_.num_experts, k = c_.top_k;
@@ -235,41 +227,42 @@ class CudaRouter final : public Router {
                   c_.aux_loss_coef, c_.z_loss_coef};
     st->x = x.data;
     st->w_router = w.data;
-    st->logits = std::make_unique<Scratch>(T * E * sizeof(float));
-    st->scores = std::make_unique<Scratch>(T * E * sizeof(float));
-    st->p = std::make_unique<Scratch>(T * E * sizeof(float));
-    st->lse = std::make_unique<Scratch>(T * sizeof(float));
-    st->ids = std::make_unique<Scratch>(T * k * sizeof(int32_t));
-    st->counts = std::make_unique<Scratch>(E * sizeof(int32_t));
-    st->mean_p = std::make_unique<Scratch>(E * sizeof(double));
-    st->losses_dev = std::make_unique<Scratch>(2 * sizeof(double));
-    const cudaStream_t s = current_stream();
+    const cudaStream_t s = to_cuda(stream);
+    st->stream = s;
+    st->logits = std::make_unique<StreamScratch<float>>(T * E, s);
+    st->scores = std::make_unique<StreamScratch<float>>(T * E, s);
+    st->p = std::make_unique<StreamScratch<float>>(T * E, s);
+    st->lse = std::make_unique<StreamScratch<float>>(T, s);
+    st->ids = std::make_unique<StreamScratch<int32_t>>(T * k, s);
+    st->counts = std::make_unique<StreamScratch<int32_t>>(E, s);
+    st->mean_p = std::make_unique<StreamScratch<double>>(E, s);
+    st->losses_dev = std::make_unique<StreamScratch<double>>(2, s);
     MOKA_CUBLAS_CHECK(cublasSetStream(cublas_, s));
     const float one = 1.0f, zero = 0.0f;
     // Column-major logits^T [E, T] = W (as [H, E])^T x (as [H, T]).
     MOKA_CUBLAS_CHECK(cublasGemmEx(cublas_, CUBLAS_OP_T, CUBLAS_OP_N, int(E), int(T), int(H), &one, w.data,
-                                   CUDA_R_16BF, int(H), x.data, CUDA_R_16BF, int(H), &zero, st->logits->p,
+                                   CUDA_R_16BF, int(H), x.data, CUDA_R_16BF, int(H), &zero, st->logits->data(),
                                    CUDA_R_32F, int(E), CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT));
-    MOKA_CUDA_CHECK(cudaMemsetAsync(st->counts->p, 0, E * sizeof(int32_t), s));
-    route_tokens<<<unsigned(T), kThreads, 0, s>>>(st->params, st->logits->as<float>(),
+    MOKA_CUDA_CHECK(cudaMemsetAsync(st->counts->data(), 0, E * sizeof(int32_t), s));
+    route_tokens<<<unsigned(T), kThreads, 0, s>>>(st->params, st->logits->data(),
                                                   c_.use_selection_bias ? bias.as<float>() : nullptr,
-                                                  st->scores->as<float>(), st->p->as<float>(), st->lse->as<float>(),
+                                                  st->scores->data(), st->p->data(), st->lse->data(),
                                                   out.topk_ids.as<int32_t>(), out.topk_weights.as<float>(),
-                                                  st->counts->as<int32_t>());
+                                                  st->counts->data());
     MOKA_CUDA_CHECK_LAUNCH();
-    MOKA_CUDA_CHECK(cudaMemcpyAsync(st->ids->p, out.topk_ids.data, T * k * sizeof(int32_t),
+    MOKA_CUDA_CHECK(cudaMemcpyAsync(st->ids->data(), out.topk_ids.data, T * k * sizeof(int32_t),
                                     cudaMemcpyDeviceToDevice, s));
     if (!out.expert_counts.empty())
-      MOKA_CUDA_CHECK(cudaMemcpyAsync(out.expert_counts.data, st->counts->p, E * sizeof(int32_t),
+      MOKA_CUDA_CHECK(cudaMemcpyAsync(out.expert_counts.data, st->counts->data(), E * sizeof(int32_t),
                                       cudaMemcpyDeviceToDevice, s));
-    router_losses<<<1, 256, 0, s>>>(st->params, st->p->as<float>(), st->lse->as<float>(), st->counts->as<int32_t>(),
-                                    st->mean_p->as<double>(), st->losses_dev->as<double>());
+    router_losses<<<1, 256, 0, s>>>(st->params, st->p->data(), st->lse->data(), st->counts->data(),
+                                    st->mean_p->data(), st->losses_dev->data());
     MOKA_CUDA_CHECK_LAUNCH();
     return st;
   }
 
   void backward(const RouterContext& saved, const TensorView& d_weights, const TensorView& d_x,
-                const TensorView& d_w) override {
+                const TensorView& d_w, Stream stream) override {
     const auto* st = dynamic_cast<const CudaRouterState*>(&saved);
     require(st != nullptr, ErrorCode::invalid_argument, "router backward got a context from another router");
     const Device dev = Device::cuda(device_);
@@ -277,23 +270,24 @@ class CudaRouter final : public Router {
     expect_tensor(d_weights, "d_topk_weights", DType::f32, dev, {T, k});
     expect_tensor(d_x, "d_x", DType::bf16, dev, {T, H});
     expect_tensor(d_w, "d_w_router", DType::bf16, dev, {E, H});
-    const cudaStream_t s = current_stream();
-    Scratch ds(T * E * sizeof(float)), d_logits(T * E * sizeof(bf16));
-    router_backward_tokens<<<unsigned(T), kThreads, 0, s>>>(st->params, st->logits->as<float>(),
-                                                            st->scores->as<float>(), st->lse->as<float>(),
-                                                            st->ids->as<int32_t>(), st->counts->as<int32_t>(),
-                                                            d_weights.as<float>(), ds.as<float>(),
-                                                            d_logits.as<bf16>());
+    const cudaStream_t s = to_cuda(stream);
+    StreamScratch<float> ds(T * E, s);
+    StreamScratch<bf16> d_logits(T * E, s);
+    router_backward_tokens<<<unsigned(T), kThreads, 0, s>>>(st->params, st->logits->data(),
+                                                            st->scores->data(), st->lse->data(),
+                                                            st->ids->data(), st->counts->data(),
+                                                            d_weights.as<float>(), ds.data(),
+                                                            d_logits.data());
     MOKA_CUDA_CHECK_LAUNCH();
     MOKA_CUBLAS_CHECK(cublasSetStream(cublas_, s));
     const float one = 1.0f, zero = 0.0f;
     // d_x^T [H, T] = W^T (W as column-major [H, E]) d_logits^T (as [E, T]).
     MOKA_CUBLAS_CHECK(cublasGemmEx(cublas_, CUBLAS_OP_N, CUBLAS_OP_N, int(H), int(T), int(E), &one, st->w_router,
-                                   CUDA_R_16BF, int(H), d_logits.p, CUDA_R_16BF, int(E), &zero, d_x.data, CUDA_R_16BF,
+                                   CUDA_R_16BF, int(H), d_logits.data(), CUDA_R_16BF, int(E), &zero, d_x.data, CUDA_R_16BF,
                                    int(H), CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT));
     // d_W^T [H, E] = x^T (as [H, T]) d_logits (as [E, T])^T.
     MOKA_CUBLAS_CHECK(cublasGemmEx(cublas_, CUBLAS_OP_N, CUBLAS_OP_T, int(H), int(E), int(T), &one, st->x,
-                                   CUDA_R_16BF, int(H), d_logits.p, CUDA_R_16BF, int(E), &zero, d_w.data, CUDA_R_16BF,
+                                   CUDA_R_16BF, int(H), d_logits.data(), CUDA_R_16BF, int(E), &zero, d_w.data, CUDA_R_16BF,
                                    int(H), CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT));
     // The scratch is freed at scope exit in stream order, after the kernels above.
   }

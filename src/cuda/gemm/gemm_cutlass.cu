@@ -20,9 +20,10 @@
 
 #include <string>
 
-#include "cuda/check.hpp"
-#include "cuda/gemm_runner.hpp"
-#include "cuda/swiglu_epilogue.cuh"
+#include "cuda/common/check.hpp"
+#include "cuda/common/device_memory.hpp"
+#include "cuda/gemm/gemm_runner.hpp"
+#include "cuda/gemm/swiglu_epilogue.cuh"
 
 // CUTLASS's sm90 epilogue builder names cute functions (size<1>(...)) unqualified; its own
 // examples make them visible this way, and without it g++ misparses the builder.
@@ -151,37 +152,30 @@ class CutlassGemmRunner final : public GemmRunner {
       sb[g] = pitched<StrideB>(specs[g].ldb);
       sd[g] = pitched<StrideD>(specs[g].ldd);
     }
-    MOKA_CUDA_CHECK(cudaMalloc(&strides_a_, G * sizeof(StrideA)));
-    MOKA_CUDA_CHECK(cudaMalloc(&strides_b_, G * sizeof(StrideB)));
-    MOKA_CUDA_CHECK(cudaMalloc(&strides_d_, G * sizeof(StrideD)));
-    MOKA_CUDA_CHECK(cudaMemcpy(strides_a_, sa.data(), G * sizeof(StrideA), cudaMemcpyHostToDevice));
-    MOKA_CUDA_CHECK(cudaMemcpy(strides_b_, sb.data(), G * sizeof(StrideB), cudaMemcpyHostToDevice));
-    MOKA_CUDA_CHECK(cudaMemcpy(strides_d_, sd.data(), G * sizeof(StrideD), cudaMemcpyHostToDevice));
+    strides_a_ = DeviceArray<StrideA>(G);
+    strides_b_ = DeviceArray<StrideB>(G);
+    strides_d_ = DeviceArray<StrideD>(G);
+    strides_a_.upload(sa);
+    strides_b_.upload(sb);
+    strides_d_.upload(sd);
 
     cutlass::KernelHardwareInfo hw = cutlass::KernelHardwareInfo::make_kernel_hardware_info<Kernel>(device);
     // Host problem shapes are null: the scheduler reads the sizes on the device.
     const typename Gemm::Arguments args{
         cutlass::gemm::GemmUniversalMode::kGrouped,
         {static_cast<int>(G), reinterpret_cast<Shape3*>(arrays.problems), nullptr},
-        {reinterpret_cast<const Element**>(arrays.a), strides_a_, reinterpret_cast<const Element**>(arrays.b),
-         strides_b_},
+        {reinterpret_cast<const Element**>(arrays.a), strides_a_.data(), reinterpret_cast<const Element**>(arrays.b),
+         strides_b_.data()},
         epilogue_arguments(arrays, epilogue),
         hw};
     const cutlass::Status ok = gemm_.can_implement(args);
     require(ok == cutlass::Status::kSuccess, ErrorCode::unsupported_size,
             std::string("grouped GEMM cannot take these operands: ") + cutlassGetStatusString(ok));
     const size_t ws = Gemm::get_workspace_size(args);
-    if (ws > 0) MOKA_CUDA_CHECK(cudaMalloc(&workspace_, ws));
-    const cutlass::Status init = gemm_.initialize(args, workspace_);
+    if (ws > 0) workspace_ = DeviceArray<std::byte>(ws);
+    const cutlass::Status init = gemm_.initialize(args, workspace_.data());
     require(init == cutlass::Status::kSuccess, ErrorCode::cuda,
             std::string("grouped GEMM initialize failed: ") + cutlassGetStatusString(init));
-  }
-
-  ~CutlassGemmRunner() override {
-    cudaFree(strides_a_);
-    cudaFree(strides_b_);
-    cudaFree(strides_d_);
-    cudaFree(workspace_);
   }
 
   // C and aux (SwiGLU epilogue) are laid out like D, so D's per-group strides serve all three.
@@ -189,10 +183,10 @@ class CutlassGemmRunner final : public GemmRunner {
     EpilogueArguments e{};
     if constexpr (kEpilogue == GemmEpilogue::swiglu) {
       static_assert(cute::is_same_v<StrideD, SwigluParts::StrideD>);
-      e.thread = {{}, {reinterpret_cast<Element* const*>(arrays.aux), strides_d_, epilogue.act.clamped,
+      e.thread = {{}, {reinterpret_cast<Element* const*>(arrays.aux), strides_d_.data(), epilogue.act.clamped,
                        epilogue.act.limit}};  // {Sm90SrcFetch's, SwigluGateStore's}
       e.ptr_C = reinterpret_cast<const Element**>(arrays.c);
-      e.dC = strides_d_;
+      e.dC = strides_d_.data();
     } else {
       e.thread.alpha = 1.0f;
       e.thread.beta = 0.0f;
@@ -206,7 +200,7 @@ class CutlassGemmRunner final : public GemmRunner {
       e.dC = nullptr;
     }
     e.ptr_D = reinterpret_cast<Element**>(arrays.d);
-    e.dD = strides_d_;
+    e.dD = strides_d_.data();
     return e;
   }
 
@@ -219,10 +213,10 @@ class CutlassGemmRunner final : public GemmRunner {
 
  private:
   Gemm gemm_;
-  StrideA* strides_a_ = nullptr;
-  StrideB* strides_b_ = nullptr;
-  StrideD* strides_d_ = nullptr;
-  void* workspace_ = nullptr;
+  DeviceArray<StrideA> strides_a_;
+  DeviceArray<StrideB> strides_b_;
+  DeviceArray<StrideD> strides_d_;
+  DeviceArray<std::byte> workspace_;  // empty when the kernel needs none
 };
 
 }  // namespace

@@ -2,8 +2,8 @@
 
 #include "core/activation.hpp"
 #include "core/schedule.hpp"
-#include "cuda/check.hpp"
-#include "cuda/layer_kernels.hpp"
+#include "cuda/common/check.hpp"
+#include "cuda/layer/layer_kernels.hpp"
 
 namespace moka::cuda {
 namespace {

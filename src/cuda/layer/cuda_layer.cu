@@ -17,59 +17,63 @@
 
 #include "core/schedule.hpp"
 #include "core/validate.hpp"
-#include "cuda/check.hpp"
+#include "cuda/common/check.hpp"
+#include "cuda/common/device_memory.hpp"
+#include "cuda/common/stream.hpp"
 #include "cuda/cuda_backend.hpp"
-#include "cuda/expert_exchange.hpp"
-#include "cuda/grouped_gemm.hpp"
-#include "cuda/layer_kernels.hpp"
+#include "cuda/layer/expert_exchange.hpp"
+#include "cuda/gemm/grouped_gemm.hpp"
+#include "cuda/layer/layer_kernels.hpp"
+#include "cuda/layer_paths.hpp"
 
 namespace moka::cuda {
 namespace {
 
-thread_local cudaStream_t g_stream = nullptr;
-
-// Indices of the BufferTable every grouped GEMM of the layer shares.
+// Indices of the BufferTable every grouped GEMM of the layer shares. "Grouped" buffers hold one
+// row per routed (token, expert) pair in expert segments; "Shared" names the shared expert.
 enum Buf : int {
-  kX, kXG, kWG, kWU, kWD, kGate, kUp, kHid, kY, kWSG, kWSU, kWSD, kSG, kSU, kSH, kSY,
-  kDOut, kDYG, kDHU, kDG, kDU, kHS, kDXA, kDXB, kDHS, kDGS, kDUS, kDXSA, kDXSB,
-  kDWG, kDWU, kDWD, kDWSG, kDWSU, kDWSD,
+  // Forward: the caller's x and weights, then what the stages write.
+  kInput, kGroupedInput, kGateWeight, kUpWeight, kDownWeight,
+  kGateOut, kUpOut, kHidden, kExpertOut,
+  kSharedGateWeight, kSharedUpWeight, kSharedDownWeight,
+  kSharedGateOut, kSharedUpOut, kSharedHidden, kSharedOut,
+  // Backward: d_out, dh_u = dY W_down (before the route weight), dG, dU, w * hidden, and the two
+  // halves of d_x (through W_gate and through W_up), for the routed and the shared expert.
+  kOutGrad, kGroupedOutGrad, kHiddenGradUnweighted, kGateGrad, kUpGrad, kWeightedHidden,
+  kInputGradViaGate, kInputGradViaUp,
+  kSharedHiddenGrad, kSharedGateGrad, kSharedUpGrad, kSharedInputGradViaGate, kSharedInputGradViaUp,
+  // The caller's weight gradients.
+  kGateWeightGrad, kUpWeightGrad, kDownWeightGrad,
+  kSharedGateWeightGrad, kSharedUpWeightGrad, kSharedDownWeightGrad,
   kNumBufs
 };
 static_assert(kNumBufs <= kMaxGemmBuffers);
-
-struct DeviceBuffer {
-  void* ptr = nullptr;
-  DeviceBuffer() = default;
-  explicit DeviceBuffer(size_t bytes) { MOKA_CUDA_CHECK(cudaMalloc(&ptr, std::max<size_t>(bytes, 16))); }
-  ~DeviceBuffer() { cudaFree(ptr); }
-  DeviceBuffer(const DeviceBuffer&) = delete;
-  DeviceBuffer& operator=(DeviceBuffer&& o) noexcept {
-    std::swap(ptr, o.ptr);
-    return *this;
-  }
-  template <typename T>
-  T* as() const { return static_cast<T*>(ptr); }
-};
 
 // Everything sized by the token count (and, across ranks, by the grouped rows received):
 // allocated on the first call that needs more.
 struct Workspace {
   int64_t tokens = 0, rows = 0;
-  DeviceBuffer chunk_counts, counts, offsets, row_of_slot;
+  DeviceArray<int32_t> chunk_counts, counts, offsets, row_of_slot;
   // Expert-parallel path only: rows back in send order (y, the two halves of d_x), and the router
   // weight and its gradient per grouped row.
-  DeviceBuffer returned_y, returned_dxa, returned_dxb, row_weight, row_d_weight;
-  DeviceBuffer bufs[kNumBufs];  // workspace-owned entries of the buffer table (others stay empty)
+  DeviceArray<bf16> returned_y, returned_dxa, returned_dxb;
+  DeviceArray<float> row_weight, row_d_weight;
+  DeviceArray<bf16> bufs[kNumBufs];  // workspace-owned entries of the buffer table (others stay empty)
   // Forward gate/up: `up` then `gate` (SwiGLU epilogue) when fused, else `gate_up` (both plain).
   std::unique_ptr<GroupedGemm> up, gate, gate_up;
   std::unique_ptr<GroupedGemm> down, data_grad_h, data_grad_x, weight_grad;
 };
 
+// The one context type of the CUDA layer, whichever path ran the forward.
 struct CudaContext final : MoeContext {
-  const class CudaMoeLayer* layer = nullptr;
+  const class CudaMoeLayer* layer = nullptr;  // the staged layer that runs the backward
   uint64_t generation = 0;
   int64_t tokens = 0;
+  cudaStream_t stream = nullptr;  // the forward's
   MoeInputs inputs;  // the forward's views (the caller keeps them alive, as autograd does)
+  // Set when another path (the megakernel) ran the forward: the device counts it left, and the
+  // backward must first run the staged forward stages (the workspace holds none of it).
+  const int32_t* recompute_expert_rows = nullptr;
   std::vector<int64_t> local_expert_rows() const override;
 };
 
@@ -79,14 +83,15 @@ struct RowMap {
   int64_t entries;
 };
 
-class CudaMoeLayer final : public MoeLayer {
+class CudaMoeLayer final : public StagedLayer {
  public:
-  // `group` null: one rank. Otherwise the experts are split over it (it must outlive the layer).
-  CudaMoeLayer(const MoeShape& shape, DeviceGroup* group, const LayerOptions& options, GemmEngine engine)
-      : shape_(shape), options_(options), engine_(engine),
-        act_(ActParams::of(shape)),
+  // `group` null: one rank. Otherwise the experts are split over it (it must outlive the layer,
+  // or be `owned`).
+  CudaMoeLayer(const MoeShape& shape, DeviceGroup* group, std::unique_ptr<DeviceGroup> owned,
+               const LayerOptions& options, GemmEngine engine)
+      : shape_(shape), options_(options), engine_(engine), act_(ActParams::of(shape)),
         fused_swiglu_(options.fused_swiglu && engine == GemmEngine::cutlass), world_(group ? group->size() : 1),
-        rank_(group ? group->rank() : 0), local_experts_(shape.num_experts / world_) {
+        rank_(group ? group->rank() : 0), local_experts_(shape.num_experts / world_), owned_group_(std::move(owned)) {
     core::validate_shape(shape_, world_);
     require(options_.tile_rows >= 1 && options_.tile_rows <= (1 << 16), ErrorCode::invalid_argument,
             "tile_rows must be in [1, 65536]");
@@ -98,32 +103,24 @@ class CudaMoeLayer final : public MoeLayer {
                 std::to_string(options_.tile_rows));
     require(shape_.num_experts <= 8192, ErrorCode::unsupported_size, "the CUDA backend takes at most 8192 experts");
     MOKA_CUDA_CHECK(cudaGetDevice(&device_));
-    MOKA_CUDA_CHECK(cudaHostAlloc(&error_, sizeof(unsigned long long), cudaHostAllocMapped));
-    *error_ = ~0ull;
     if (world_ > 1) {
       require(engine_ == GemmEngine::cutlass, ErrorCode::invalid_argument, "the cuBLAS-loop baseline is single-rank");
       control_ = host_collectives(*group);
       exchange_ = std::make_unique<ExpertExchange>(*group, shape_, options_.tile_rows);
     }
   }
-  // A layer over a communicator it made itself (from a host group) keeps it alive.
-  CudaMoeLayer(const MoeShape& shape, std::unique_ptr<DeviceGroup> group, const LayerOptions& options)
-      : CudaMoeLayer(shape, group.get(), options, GemmEngine::cutlass) {
-    owned_group_ = std::move(group);
-  }
-  ~CudaMoeLayer() override { cudaFreeHost(error_); }
-
   const MoeShape& shape() const override { return shape_; }
   int rank() const override { return rank_; }
   int world_size() const override { return world_; }
   const char* backend_name() const override { return engine_ == GemmEngine::cutlass ? "cuda" : "cuda-cublas-loop"; }
 
-  std::unique_ptr<MoeContext> forward(const MoeInputs& in, const MoeWeights& w, const TensorView& out) override {
+  std::unique_ptr<MoeContext> forward(const MoeInputs& in, const MoeWeights& w, const TensorView& out,
+                                      Stream stream) override {
     report_device_errors();
     const Device dev = Device::cuda(device_);
     const int64_t T = in.x.rank == 2 ? in.x.dim(0) : 0, H = shape_.hidden, I = shape_.intermediate;
     const int64_t k = shape_.top_k, Is = shape_.shared_intermediate;
-    const cudaStream_t s = g_stream;
+    const cudaStream_t s = to_cuda(stream);
     auto check_tensors = [&] {
       core::validate_layer_tensors(shape_, world_, in, w, DType::bf16, dev);
       require(T >= 1, ErrorCode::invalid_argument, "the CUDA layer needs at least one token");
@@ -135,51 +132,76 @@ class CudaMoeLayer final : public MoeLayer {
       check_tensors();
     }
     Workspace& ws = workspace(T, exchange_ ? exchange_->grouped_rows() : T * k + local_experts_ * (options_.tile_rows - 1));
-    if (exchange_) exchange_->dispatch_scalars(in.topk_weights.as<float>(), ws.row_weight.as<float>(), s);
+    if (exchange_) exchange_->dispatch_scalars(in.topk_weights.as<float>(), ws.row_weight.data(), s);
     const BufferTable table = buffer_table(ws, in.x, w);
 
     if (exchange_) {
-      exchange_->upload_schedule(ws.counts.as<int32_t>(), ws.offsets.as<int32_t>());
+      exchange_->upload_schedule(ws.counts.data(), ws.offsets.data());
     } else {
       build_schedule(schedule(ws), in.topk_ids.as<int32_t>(), in.topk_weights.as<float>(), s);
     }
     const RowMap map = routed_rows(ws);
-    dispatch(in.x.as<bf16>(), buf(ws, kXG), ws, s);
-    const int32_t* counts = ws.counts.as<int32_t>();
-    const int32_t* offsets = ws.offsets.as<int32_t>();
+    dispatch(in.x.as<bf16>(), buf(ws, kGroupedInput), ws, s);
+    const int32_t* counts = ws.counts.data();
+    const int32_t* offsets = ws.offsets.data();
     if (fused_swiglu_) {
       ws.up->run(table, counts, offsets, s);
       ws.gate->run(table, counts, offsets, s);  // G and H, from U
     } else {
       ws.gate_up->run(table, counts, offsets, s);
-      swiglu_forward_rows(buf(ws, kGate), buf(ws, kUp), buf(ws, kHid), map.rows, map.entries, I, act_, s);
-      if (shape_.has_shared()) swiglu_forward_rows(buf(ws, kSG), buf(ws, kSU), buf(ws, kSH), nullptr, T, Is, act_, s);
+      swiglu_forward_rows(buf(ws, kGateOut), buf(ws, kUpOut), buf(ws, kHidden), map.rows, map.entries, I, act_, s);
+      if (shape_.has_shared()) swiglu_forward_rows(buf(ws, kSharedGateOut), buf(ws, kSharedUpOut), buf(ws, kSharedHidden), nullptr, T, Is, act_, s);
     }
     ws.down->run(table, counts, offsets, s);
-    const bf16* y = buf(ws, kY);
+    const bf16* y = buf(ws, kExpertOut);
     if (exchange_) {
-      exchange_->combine(y, ws.returned_y.as<bf16>(), H, s);
-      y = ws.returned_y.as<bf16>();
+      exchange_->combine(y, ws.returned_y.data(), H, s);
+      y = ws.returned_y.data();
     }
-    combine_tokens(y, in.topk_weights.as<float>(), shape_.has_shared() ? buf(ws, kSY) : nullptr, out.as<bf16>(),
+    combine_tokens(y, in.topk_weights.as<float>(), shape_.has_shared() ? buf(ws, kSharedOut) : nullptr, out.as<bf16>(),
                    slot_map(ws), T, k, H, s);
 
     auto ctx = std::make_unique<CudaContext>();
     ctx->layer = this;
     ctx->generation = ++generation_;
     ctx->tokens = T;
+    ctx->stream = s;
     ctx->inputs = in;
     return ctx;
   }
 
-  void backward(const MoeContext& saved, const TensorView& d_out, const MoeWeights& w,
-                const MoeGradients& g) override {
+  std::unique_ptr<MoeContext> context_to_recompute(const MoeInputs& in, Stream stream,
+                                                   const int32_t* expert_rows) override {
+    auto ctx = std::make_unique<CudaContext>();
+    ctx->layer = this;
+    ctx->tokens = in.x.dim(0);
+    ctx->stream = to_cuda(stream);
+    ctx->inputs = in;
+    ctx->recompute_expert_rows = expert_rows;
+    return ctx;
+  }
+
+  void check_errors() override { report_device_errors(); }
+
+  void backward(const MoeContext& saved, const TensorView& d_out, const MoeWeights& w, const MoeGradients& g,
+                Stream stream) override {
     const auto* ctx = dynamic_cast<const CudaContext*>(&saved);
     require(ctx != nullptr && ctx->layer == this, ErrorCode::invalid_argument,
             "backward got a context from another layer");
-    require(ctx->generation == generation_, ErrorCode::invalid_argument,
-            "backward got the context of an older forward: the CUDA layer keeps the activations of its "
-            "latest forward only");
+    if (ctx->recompute_expert_rows) {
+      // The megakernel ran this forward: its activations sit in its ring, laid out for its
+      // tiles. This path's forward stages recompute what backward reads (the schedule, the
+      // grouped x, gate/up/hidden) on the same inputs, into a scratch output: one staged
+      // forward more per backward, until the backward megakernel exists.
+      const int64_t T = ctx->tokens;
+      if (recompute_out_.size() < size_t(T * shape_.hidden)) recompute_out_ = DeviceArray<bf16>(T * shape_.hidden);
+      forward(ctx->inputs, w, TensorView(recompute_out_.data(), DType::bf16, {T, shape_.hidden}, Device::cuda(device_)),
+              stream);
+    } else {
+      require(ctx->generation == generation_, ErrorCode::invalid_argument,
+              "backward got the context of an older forward: the CUDA layer keeps the activations of its "
+              "latest forward only");
+    }
     report_device_errors();
     const Device dev = Device::cuda(device_);
     const int64_t T = ctx->tokens, H = shape_.hidden, I = shape_.intermediate, k = shape_.top_k;
@@ -190,55 +212,55 @@ class CudaMoeLayer final : public MoeLayer {
       core::validate_layer_tensors(shape_, world_, ctx->inputs, w, DType::bf16, dev);
     });
     Workspace& ws = *ws_;
-    const cudaStream_t s = g_stream;
+    const cudaStream_t s = to_cuda(stream);
     BufferTable table = buffer_table(ws, ctx->inputs.x, w);
-    table.ptr[kDOut] = d_out.data;
-    table.ptr[kDWG] = g.d_w_gate.data;
-    table.ptr[kDWU] = g.d_w_up.data;
-    table.ptr[kDWD] = g.d_w_down.data;
-    table.ptr[kDWSG] = g.d_ws_gate.data;
-    table.ptr[kDWSU] = g.d_ws_up.data;
-    table.ptr[kDWSD] = g.d_ws_down.data;
+    table.ptr[kOutGrad] = d_out.data;
+    table.ptr[kGateWeightGrad] = g.d_w_gate.data;
+    table.ptr[kUpWeightGrad] = g.d_w_up.data;
+    table.ptr[kDownWeightGrad] = g.d_w_down.data;
+    table.ptr[kSharedGateWeightGrad] = g.d_ws_gate.data;
+    table.ptr[kSharedUpWeightGrad] = g.d_ws_up.data;
+    table.ptr[kSharedDownWeightGrad] = g.d_ws_down.data;
 
     const RowMap map = routed_rows(ws);
-    const int32_t* counts = ws.counts.as<int32_t>();
-    const int32_t* offsets = ws.offsets.as<int32_t>();
+    const int32_t* counts = ws.counts.data();
+    const int32_t* offsets = ws.offsets.data();
     const bool shared = shape_.has_shared();
-    dispatch(d_out.as<bf16>(), buf(ws, kDYG), ws, s);
+    dispatch(d_out.as<bf16>(), buf(ws, kGroupedOutGrad), ws, s);
     ws.data_grad_h->run(table, counts, offsets, s);
     // Route weights and d_w per visited entry: per slot on one rank, per received route across ranks.
-    const float* route_w = exchange_ ? ws.row_weight.as<float>() : ctx->inputs.topk_weights.as<float>();
-    float* route_dw = exchange_ ? ws.row_d_weight.as<float>() : g.d_topk_weights.as<float>();
-    swiglu_backward_rows(buf(ws, kGate), buf(ws, kUp), buf(ws, kHid), buf(ws, kDHU), route_w, route_dw,
-                         buf(ws, kHS), buf(ws, kDG), buf(ws, kDU), map.rows, map.entries, I, act_, s);
+    const float* route_w = exchange_ ? ws.row_weight.data() : ctx->inputs.topk_weights.as<float>();
+    float* route_dw = exchange_ ? ws.row_d_weight.data() : g.d_topk_weights.as<float>();
+    swiglu_backward_rows(buf(ws, kGateOut), buf(ws, kUpOut), buf(ws, kHidden), buf(ws, kHiddenGradUnweighted), route_w, route_dw,
+                         buf(ws, kWeightedHidden), buf(ws, kGateGrad), buf(ws, kUpGrad), map.rows, map.entries, I, act_, s);
     if (shared)
-      swiglu_backward_rows(buf(ws, kSG), buf(ws, kSU), buf(ws, kSH), buf(ws, kDHS), nullptr, nullptr, nullptr,
-                           buf(ws, kDGS), buf(ws, kDUS), nullptr, T, Is, act_, s);
+      swiglu_backward_rows(buf(ws, kSharedGateOut), buf(ws, kSharedUpOut), buf(ws, kSharedHidden), buf(ws, kSharedHiddenGrad), nullptr, nullptr, nullptr,
+                           buf(ws, kSharedGateGrad), buf(ws, kSharedUpGrad), nullptr, T, Is, act_, s);
     ws.data_grad_x->run(table, counts, offsets, s);
-    const bf16 *dxa = buf(ws, kDXA), *dxb = buf(ws, kDXB);
+    const bf16 *dxa = buf(ws, kInputGradViaGate), *dxb = buf(ws, kInputGradViaUp);
     if (exchange_) {
-      exchange_->combine(dxa, ws.returned_dxa.as<bf16>(), H, s);
-      exchange_->combine(dxb, ws.returned_dxb.as<bf16>(), H, s);
+      exchange_->combine(dxa, ws.returned_dxa.data(), H, s);
+      exchange_->combine(dxb, ws.returned_dxb.data(), H, s);
       exchange_->combine_scalars(route_dw, g.d_topk_weights.as<float>(), s);
-      dxa = ws.returned_dxa.as<bf16>();
-      dxb = ws.returned_dxb.as<bf16>();
+      dxa = ws.returned_dxa.data();
+      dxb = ws.returned_dxb.data();
     }
-    reduce_input_grads(dxa, dxb, shared ? buf(ws, kDXSA) : nullptr, shared ? buf(ws, kDXSB) : nullptr,
+    reduce_input_grads(dxa, dxb, shared ? buf(ws, kSharedInputGradViaGate) : nullptr, shared ? buf(ws, kSharedInputGradViaUp) : nullptr,
                        g.d_x.as<bf16>(), slot_map(ws), T, k, H, s);
     zero_empty_experts(counts, E, g.d_w_gate.as<bf16>(), g.d_w_up.as<bf16>(), g.d_w_down.as<bf16>(), I * H, s);
     ws.weight_grad->run(table, counts, offsets, s);
   }
 
-  // Reads the routed row counts (a synchronization: for tests and statistics only).
-  std::vector<int64_t> read_counts() const {
+  // Reads the routed row counts after `stream` (a synchronization: for tests and statistics only).
+  std::vector<int64_t> read_counts(cudaStream_t stream) const {
     std::vector<int32_t> c(local_experts_);
-    MOKA_CUDA_CHECK(cudaStreamSynchronize(g_stream));
-    MOKA_CUDA_CHECK(cudaMemcpy(c.data(), ws_->counts.ptr, c.size() * sizeof(int32_t), cudaMemcpyDeviceToHost));
+    MOKA_CUDA_CHECK(cudaStreamSynchronize(stream));
+    MOKA_CUDA_CHECK(cudaMemcpy(c.data(), ws_->counts.data(), c.size() * sizeof(int32_t), cudaMemcpyDeviceToHost));
     return {c.begin(), c.end()};
   }
 
  private:
-  static bf16* buf(const Workspace& ws, Buf b) { return ws.bufs[b].as<bf16>(); }
+  static bf16* buf(const Workspace& ws, Buf b) { return ws.bufs[b].data(); }
 
   core::LayerSignature signature(int64_t tokens) const {
     return {tokens, shape_.hidden, shape_.intermediate, shape_.num_experts, shape_.top_k,
@@ -262,7 +284,7 @@ class CudaMoeLayer final : public MoeLayer {
     if (exchange_) {
       exchange_->dispatch(tokens, grouped, shape_.hidden, s);
     } else {
-      gather_rows(tokens, grouped, ws.row_of_slot.as<int32_t>(), ws.tokens * shape_.top_k, shape_.top_k,
+      gather_rows(tokens, grouped, ws.row_of_slot.data(), ws.tokens * shape_.top_k, shape_.top_k,
                   shape_.hidden, s);
     }
   }
@@ -271,19 +293,19 @@ class CudaMoeLayer final : public MoeLayer {
   // included (padding rows compute on garbage no product reads: the GEMMs take real rows only).
   RowMap routed_rows(const Workspace& ws) const {
     if (exchange_) return {nullptr, exchange_->grouped_rows()};
-    return {ws.row_of_slot.as<int32_t>(), ws.tokens * shape_.top_k};
+    return {ws.row_of_slot.data(), ws.tokens * shape_.top_k};
   }
   // Where slot token*k+j's routed row is read by the combine and the d_x reduction.
   const int32_t* slot_map(const Workspace& ws) const {
-    return exchange_ ? exchange_->send_position_of_slot() : ws.row_of_slot.as<int32_t>();
+    return exchange_ ? exchange_->send_position_of_slot() : ws.row_of_slot.data();
   }
 
   // A routing error found by the device check of an earlier call (the host reads mapped
   // memory; it never waits for the device here). Reported once, then cleared.
   void report_device_errors() {
-    const unsigned long long e = *const_cast<volatile unsigned long long*>(error_);
+    const unsigned long long e = error_.load();
     if (e == kNoRoutingError) return;
-    *error_ = kNoRoutingError;
+    error_.store(kNoRoutingError);
     throw routing_error(e, shape_.top_k, shape_.num_experts,
                         "an earlier call's routing was invalid (that call's outputs are invalid) at ");
   }
@@ -296,27 +318,25 @@ class CudaMoeLayer final : public MoeLayer {
     d.global_experts = shape_.num_experts;
     d.tile_rows = options_.tile_rows;
     d.top_k = shape_.top_k;
-    d.chunk_counts = ws.chunk_counts.as<int32_t>();
-    d.counts = ws.counts.as<int32_t>();
-    d.offsets = ws.offsets.as<int32_t>();
-    d.row_of_slot = ws.row_of_slot.as<int32_t>();
-    unsigned long long* dev_error = nullptr;
-    MOKA_CUDA_CHECK(cudaHostGetDevicePointer(reinterpret_cast<void**>(&dev_error), error_, 0));
-    d.error = dev_error;
+    d.chunk_counts = ws.chunk_counts.data();
+    d.counts = ws.counts.data();
+    d.offsets = ws.offsets.data();
+    d.row_of_slot = ws.row_of_slot.data();
+    d.error = error_.device();
     return d;
   }
 
   // The workspace's buffers plus the caller's x and weights.
   static BufferTable buffer_table(const Workspace& ws, const TensorView& x, const MoeWeights& w) {
     BufferTable t;
-    for (int b = 0; b < kNumBufs; ++b) t.ptr[b] = ws.bufs[b].ptr;
-    t.ptr[kX] = x.data;
-    t.ptr[kWG] = w.w_gate.data;
-    t.ptr[kWU] = w.w_up.data;
-    t.ptr[kWD] = w.w_down.data;
-    t.ptr[kWSG] = w.ws_gate.data;
-    t.ptr[kWSU] = w.ws_up.data;
-    t.ptr[kWSD] = w.ws_down.data;
+    for (int b = 0; b < kNumBufs; ++b) t.ptr[b] = ws.bufs[b].data();
+    t.ptr[kInput] = x.data;
+    t.ptr[kGateWeight] = w.w_gate.data;
+    t.ptr[kUpWeight] = w.w_up.data;
+    t.ptr[kDownWeight] = w.w_down.data;
+    t.ptr[kSharedGateWeight] = w.ws_gate.data;
+    t.ptr[kSharedUpWeight] = w.ws_up.data;
+    t.ptr[kSharedDownWeight] = w.ws_down.data;
     return t;
   }
 
@@ -331,24 +351,24 @@ class CudaMoeLayer final : public MoeLayer {
     ws->tokens = T;
     ws->rows = exchange_ ? std::max<int64_t>(rows + rows / 4, 8) : rows;
     if (exchange_) {
-      ws->returned_y = DeviceBuffer(T * k * H * sizeof(bf16));
-      ws->returned_dxa = DeviceBuffer(T * k * H * sizeof(bf16));
-      ws->returned_dxb = DeviceBuffer(T * k * H * sizeof(bf16));
-      ws->row_weight = DeviceBuffer(ws->rows * sizeof(float));
-      ws->row_d_weight = DeviceBuffer(ws->rows * sizeof(float));
+      ws->returned_y = DeviceArray<bf16>(T * k * H);
+      ws->returned_dxa = DeviceArray<bf16>(T * k * H);
+      ws->returned_dxb = DeviceArray<bf16>(T * k * H);
+      ws->row_weight = DeviceArray<float>(ws->rows);
+      ws->row_d_weight = DeviceArray<float>(ws->rows);
     }
     require(ws->rows < (int64_t(1) << 31), ErrorCode::unsupported_size, "too many routed rows for int32 offsets");
-    ws->chunk_counts = DeviceBuffer(schedule_chunks(T * k) * E * sizeof(int32_t));
-    ws->counts = DeviceBuffer(E * sizeof(int32_t));
-    ws->offsets = DeviceBuffer((E + 1) * sizeof(int32_t));
-    ws->row_of_slot = DeviceBuffer(T * k * sizeof(int32_t));
+    ws->chunk_counts = DeviceArray<int32_t>(schedule_chunks(T * k) * E);
+    ws->counts = DeviceArray<int32_t>(E);
+    ws->offsets = DeviceArray<int32_t>(E + 1);
+    ws->row_of_slot = DeviceArray<int32_t>(T * k);
     const int64_t R = ws->rows;
-    auto alloc = [&](Buf b, int64_t elems) { ws->bufs[b] = DeviceBuffer(elems * sizeof(bf16)); };
-    for (Buf b : {kXG, kY, kDYG, kDXA, kDXB}) alloc(b, R * H);
-    for (Buf b : {kGate, kUp, kHid, kDHU, kDG, kDU, kHS}) alloc(b, R * I);
+    auto alloc = [&](Buf b, int64_t elems) { ws->bufs[b] = DeviceArray<bf16>(elems); };
+    for (Buf b : {kGroupedInput, kExpertOut, kGroupedOutGrad, kInputGradViaGate, kInputGradViaUp}) alloc(b, R * H);
+    for (Buf b : {kGateOut, kUpOut, kHidden, kHiddenGradUnweighted, kGateGrad, kUpGrad, kWeightedHidden}) alloc(b, R * I);
     if (shape_.has_shared()) {
-      for (Buf b : {kSG, kSU, kSH, kDHS, kDGS, kDUS}) alloc(b, T * Is);
-      for (Buf b : {kSY, kDXSA, kDXSB}) alloc(b, T * H);
+      for (Buf b : {kSharedGateOut, kSharedUpOut, kSharedHidden, kSharedHiddenGrad, kSharedGateGrad, kSharedUpGrad}) alloc(b, T * Is);
+      for (Buf b : {kSharedOut, kSharedInputGradViaGate, kSharedInputGradViaUp}) alloc(b, T * H);
     }
     build_gemms(*ws);
     ws_ = std::move(ws);
@@ -395,29 +415,29 @@ class CudaMoeLayer final : public MoeLayer {
     std::vector<GroupSpec> gate, up, down, dh, dx, wgrad;
     for (int e = 0; e < E; ++e) {
       // Forward: x_g W_gate^T, x_g W_up^T, hidden W_down^T (W [out, in] = [n, k]: K-major).
-      gate.push_back(rows_of(e, kXG, H, kWG, e * I * H, H, kGate, I, Ii, Hi));
-      up.push_back(rows_of(e, kXG, H, kWU, e * I * H, H, kUp, I, Ii, Hi));
-      down.push_back(rows_of(e, kHid, I, kWD, e * H * I, I, kY, H, Hi, Ii));
+      gate.push_back(rows_of(e, kGroupedInput, H, kGateWeight, e * I * H, H, kGateOut, I, Ii, Hi));
+      up.push_back(rows_of(e, kGroupedInput, H, kUpWeight, e * I * H, H, kUpOut, I, Ii, Hi));
+      down.push_back(rows_of(e, kHidden, I, kDownWeight, e * H * I, I, kExpertOut, H, Hi, Ii));
       // Data gradients: dY_g W_down, dG W_gate, dU W_up (W [out, in] = [k, n]: MN-major).
-      dh.push_back(rows_of(e, kDYG, H, kWD, e * H * I, I, kDHU, I, Ii, Hi));
-      dx.push_back(rows_of(e, kDG, I, kWG, e * I * H, H, kDXA, H, Hi, Ii));
-      dx.push_back(rows_of(e, kDU, I, kWU, e * I * H, H, kDXB, H, Hi, Ii));
+      dh.push_back(rows_of(e, kGroupedOutGrad, H, kDownWeight, e * H * I, I, kHiddenGradUnweighted, I, Ii, Hi));
+      dx.push_back(rows_of(e, kGateGrad, I, kGateWeight, e * I * H, H, kInputGradViaGate, H, Hi, Ii));
+      dx.push_back(rows_of(e, kUpGrad, I, kUpWeight, e * I * H, H, kInputGradViaUp, H, Hi, Ii));
       // Weight gradients: dG^T x_g, dU^T x_g, dY_g^T (w * hidden).
-      wgrad.push_back(sum_over_rows(e, kDG, kXG, kDWG, e * I * H, Ii, Hi));
-      wgrad.push_back(sum_over_rows(e, kDU, kXG, kDWU, e * I * H, Ii, Hi));
-      wgrad.push_back(sum_over_rows(e, kDYG, kHS, kDWD, e * H * I, Hi, Ii));
+      wgrad.push_back(sum_over_rows(e, kGateGrad, kGroupedInput, kGateWeightGrad, e * I * H, Ii, Hi));
+      wgrad.push_back(sum_over_rows(e, kUpGrad, kGroupedInput, kUpWeightGrad, e * I * H, Ii, Hi));
+      wgrad.push_back(sum_over_rows(e, kGroupedOutGrad, kWeightedHidden, kDownWeightGrad, e * H * I, Hi, Ii));
     }
     if (shape_.has_shared()) {
-      gate.push_back(fixed(kX, H, kWSG, H, kSG, Is, Ti, Isi, Hi));
-      up.push_back(fixed(kX, H, kWSU, H, kSU, Is, Ti, Isi, Hi));
-      down.push_back(fixed(kSH, Is, kWSD, Is, kSY, H, Ti, Hi, Isi));
-      dh.push_back(fixed(kDOut, H, kWSD, Is, kDHS, Is, Ti, Isi, Hi));
-      dx.push_back(fixed(kDGS, Is, kWSG, H, kDXSA, H, Ti, Hi, Isi));
-      dx.push_back(fixed(kDUS, Is, kWSU, H, kDXSB, H, Ti, Hi, Isi));
+      gate.push_back(fixed(kInput, H, kSharedGateWeight, H, kSharedGateOut, Is, Ti, Isi, Hi));
+      up.push_back(fixed(kInput, H, kSharedUpWeight, H, kSharedUpOut, Is, Ti, Isi, Hi));
+      down.push_back(fixed(kSharedHidden, Is, kSharedDownWeight, Is, kSharedOut, H, Ti, Hi, Isi));
+      dh.push_back(fixed(kOutGrad, H, kSharedDownWeight, Is, kSharedHiddenGrad, Is, Ti, Isi, Hi));
+      dx.push_back(fixed(kSharedGateGrad, Is, kSharedGateWeight, H, kSharedInputGradViaGate, H, Ti, Hi, Isi));
+      dx.push_back(fixed(kSharedUpGrad, Is, kSharedUpWeight, H, kSharedInputGradViaUp, H, Ti, Hi, Isi));
       // k = T: the token-major tensors [T, features] are the MN-major operands.
-      wgrad.push_back(fixed(kDGS, Is, kX, H, kDWSG, H, Isi, Hi, Ti));
-      wgrad.push_back(fixed(kDUS, Is, kX, H, kDWSU, H, Isi, Hi, Ti));
-      wgrad.push_back(fixed(kDOut, H, kSH, Is, kDWSD, Is, Hi, Isi, Ti));
+      wgrad.push_back(fixed(kSharedGateGrad, Is, kInput, H, kSharedGateWeightGrad, H, Isi, Hi, Ti));
+      wgrad.push_back(fixed(kSharedUpGrad, Is, kInput, H, kSharedUpWeightGrad, H, Isi, Hi, Ti));
+      wgrad.push_back(fixed(kOutGrad, H, kSharedHidden, Is, kSharedDownWeightGrad, Is, Hi, Isi, Ti));
     }
     const GemmLayout forward{Major::k, Major::k}, data_grad{Major::k, Major::mn}, weight_grad{Major::mn, Major::mn};
     if (fused_swiglu_) {
@@ -425,7 +445,7 @@ class CudaMoeLayer final : public MoeLayer {
       // (aux) and H (D): three buffers laid out alike.
       for (GroupSpec& g : gate) {
         const bool routed = g.expert >= 0;
-        g.aux = g.d, g.c = routed ? kUp : kSU, g.d = routed ? kHid : kSH;
+        g.aux = g.d, g.c = routed ? kUpOut : kSharedUpOut, g.d = routed ? kHidden : kSharedHidden;
       }
       ws.up = std::make_unique<GroupedGemm>(up, forward, device_, engine_);
       ws.gate = std::make_unique<GroupedGemm>(gate, forward, device_, engine_, GemmEpilogue{GemmEpilogue::swiglu, act_});
@@ -451,12 +471,19 @@ class CudaMoeLayer final : public MoeLayer {
   std::unique_ptr<ProcessGroup> control_;        // host collectives over the device group (ranks > 1)
   std::unique_ptr<ExpertExchange> exchange_;     // null on one rank
   int device_ = 0;
-  unsigned long long* error_ = nullptr;
+  PinnedWord<unsigned long long> error_{kNoRoutingError};  // the device routing check's first bad slot
   uint64_t generation_ = 0;
   std::unique_ptr<Workspace> ws_;
+  DeviceArray<bf16> recompute_out_;  // the discarded output of a recomputed forward
 };
 
-std::vector<int64_t> CudaContext::local_expert_rows() const { return layer->read_counts(); }
+std::vector<int64_t> CudaContext::local_expert_rows() const {
+  if (!recompute_expert_rows) return layer->read_counts(stream);
+  std::vector<int32_t> c(layer->num_local_experts());
+  MOKA_CUDA_CHECK(cudaStreamSynchronize(stream));
+  MOKA_CUDA_CHECK(cudaMemcpy(c.data(), recompute_expert_rows, c.size() * sizeof(int32_t), cudaMemcpyDeviceToHost));
+  return {c.begin(), c.end()};
+}
 
 }  // namespace
 
@@ -469,26 +496,14 @@ int device_count() {
   return n;
 }
 
-void set_stream(cudaStream_t stream) { g_stream = stream; }
-cudaStream_t current_stream() { return g_stream; }
-
-std::unique_ptr<MoeLayer> make_cuda_moe_layer(const MoeShape& shape, ProcessGroup* group,
-                                              const LayerOptions& options) {
-  if (group == nullptr || group->size() == 1)
-    return std::make_unique<CudaMoeLayer>(shape, static_cast<DeviceGroup*>(nullptr), options, GemmEngine::cutlass);
-  int device = 0;
-  MOKA_CUDA_CHECK(cudaGetDevice(&device));
-  return std::make_unique<CudaMoeLayer>(shape, make_nccl_group(*group, device), options);
+std::unique_ptr<StagedLayer> make_staged_layer(const MoeShape& shape, DeviceGroup* group,
+                                               std::unique_ptr<DeviceGroup> owned, const LayerOptions& options,
+                                               GemmEngine engine) {
+  return std::make_unique<CudaMoeLayer>(shape, group, std::move(owned), options, engine);
 }
 
 std::unique_ptr<MoeLayer> make_cuda_baseline_layer(const MoeShape& shape, const LayerOptions& options) {
-  return std::make_unique<CudaMoeLayer>(shape, static_cast<DeviceGroup*>(nullptr), options, GemmEngine::cublas_loop);
+  return make_staged_layer(shape, nullptr, nullptr, options, GemmEngine::cublas_loop);
 }
 
 }  // namespace moka::cuda
-
-namespace moka {
-std::unique_ptr<MoeLayer> make_moe_layer(const MoeShape& shape, DeviceGroup& group, const LayerOptions& options) {
-  return std::make_unique<cuda::CudaMoeLayer>(shape, &group, options, cuda::GemmEngine::cutlass);
-}
-}  // namespace moka

@@ -1,9 +1,10 @@
-#include "cuda/grouped_gemm.hpp"
+#include "cuda/gemm/grouped_gemm.hpp"
 
 #include <algorithm>
 
-#include "cuda/check.hpp"
-#include "cuda/gemm_runner.hpp"
+#include "cuda/common/check.hpp"
+#include "cuda/common/device_memory.hpp"
+#include "cuda/gemm/gemm_runner.hpp"
 
 namespace moka::cuda {
 namespace {
@@ -42,27 +43,23 @@ __global__ void setup_groups(const GroupSpec* specs, int groups, const BufferTab
 
 struct GroupedGemm::Impl {
   GemmLayout layout;
-  GroupSpec* specs = nullptr;
+  DeviceArray<GroupSpec> specs;
+  // Storage behind `arrays` (c and aux only with the SwiGLU epilogue: null otherwise).
+  DeviceArray<int> problems;
+  DeviceArray<const void*> a, b, c;
+  DeviceArray<void*> d, aux;
   GroupArrays arrays;
   std::unique_ptr<GemmRunner> runner;
   // cublas_loop only
   std::vector<GroupSpec> host_specs;
   cublasHandle_t cublas = nullptr;
-  int32_t* host_counts = nullptr;  // pinned [2][max expert + 2]: counts, then offsets
+  PinnedArray<int32_t> host_counts;  // [2][max expert + 2]: counts, then offsets
   int experts = 0;
 
   void run_cublas_loop(const BufferTable& buffers, const int32_t* counts, const int32_t* offsets,
                        cudaStream_t stream);
   ~Impl() {
     if (cublas) cublasDestroy(cublas);
-    cudaFreeHost(host_counts);
-    cudaFree(specs);
-    cudaFree(arrays.problems);
-    cudaFree(arrays.a);
-    cudaFree(arrays.b);
-    cudaFree(arrays.d);
-    cudaFree(arrays.c);
-    cudaFree(arrays.aux);
   }
 };
 
@@ -93,20 +90,22 @@ GroupedGemm::GroupedGemm(const std::vector<GroupSpec>& groups, GemmLayout layout
   if (engine == GemmEngine::cublas_loop) {
     impl_->host_specs = groups;
     for (const auto& g : groups) impl_->experts = std::max(impl_->experts, g.expert + 1);
-    MOKA_CUDA_CHECK(cudaMallocHost(&impl_->host_counts, 2 * (impl_->experts + 2) * sizeof(int32_t)));
+    impl_->host_counts = PinnedArray<int32_t>(2 * (impl_->experts + 2), PinnedArray<int32_t>::unmapped);
     MOKA_CUBLAS_CHECK(cublasCreate(&impl_->cublas));
     return;
   }
-  MOKA_CUDA_CHECK(cudaMalloc(&impl_->specs, G * sizeof(GroupSpec)));
-  MOKA_CUDA_CHECK(cudaMemcpy(impl_->specs, groups.data(), G * sizeof(GroupSpec), cudaMemcpyHostToDevice));
-  MOKA_CUDA_CHECK(cudaMalloc(&impl_->arrays.problems, G * 3 * sizeof(int)));
-  MOKA_CUDA_CHECK(cudaMalloc(&impl_->arrays.a, G * sizeof(void*)));
-  MOKA_CUDA_CHECK(cudaMalloc(&impl_->arrays.b, G * sizeof(void*)));
-  MOKA_CUDA_CHECK(cudaMalloc(&impl_->arrays.d, G * sizeof(void*)));
+  Impl& im = *impl_;
+  im.specs = DeviceArray<GroupSpec>(G);
+  im.specs.upload(groups);
+  im.problems = DeviceArray<int>(G * 3);
+  im.a = DeviceArray<const void*>(G);
+  im.b = DeviceArray<const void*>(G);
+  im.d = DeviceArray<void*>(G);
   if (swiglu) {
-    MOKA_CUDA_CHECK(cudaMalloc(&impl_->arrays.c, G * sizeof(void*)));
-    MOKA_CUDA_CHECK(cudaMalloc(&impl_->arrays.aux, G * sizeof(void*)));
+    im.c = DeviceArray<const void*>(G);
+    im.aux = DeviceArray<void*>(G);
   }
+  im.arrays = {im.problems.data(), im.a.data(), im.b.data(), im.d.data(), im.c.data(), im.aux.data()};
   impl_->runner = make_gemm_runner(impl_->arrays, groups, layout, epilogue, device);
 }
 
@@ -114,8 +113,8 @@ GroupedGemm::~GroupedGemm() = default;
 
 void GroupedGemm::Impl::run_cublas_loop(const BufferTable& buffers, const int32_t* counts, const int32_t* offsets,
                                         cudaStream_t stream) {
-  int32_t* h_counts = host_counts;
-  int32_t* h_offsets = host_counts + experts + 2;
+  int32_t* h_counts = host_counts.host();
+  int32_t* h_offsets = h_counts + experts + 2;
   if (experts > 0) {
     // The host-side sizes this baseline needs: a device-to-host copy and a synchronization.
     MOKA_CUDA_CHECK(cudaMemcpyAsync(h_counts, counts, experts * sizeof(int32_t), cudaMemcpyDeviceToHost, stream));
@@ -155,7 +154,7 @@ void GroupedGemm::run(const BufferTable& buffers, const int32_t* counts, const i
     return;
   }
   const int G = static_cast<int>(groups_);
-  setup_groups<<<(G + 127) / 128, 128, 0, stream>>>(impl_->specs, G, buffers, counts, offsets, impl_->arrays);
+  setup_groups<<<(G + 127) / 128, 128, 0, stream>>>(impl_->specs.data(), G, buffers, counts, offsets, impl_->arrays);
   MOKA_CUDA_CHECK_LAUNCH();
   impl_->runner->run(stream);
 }

@@ -12,57 +12,47 @@
 
 #include "core/megakernel_plan.hpp"
 #include "core/validate.hpp"
-#include "cuda/check.hpp"
-#include "cuda/cuda_backend.hpp"
-#include "cuda/device_tensors.hpp"
-#include "cuda/megakernel_launch.hpp"
+#include "cuda/common/check.hpp"
+#include "cuda/layer_paths.hpp"
+#include "cuda/common/device_memory.hpp"
+#include "cuda/common/stream.hpp"
+#include "cuda/megakernel/megakernel_launch.hpp"
 #include "moka/device_group.hpp"
-#include "moka/megakernel.hpp"
 
 namespace moka::cuda {
 namespace {
 
-// A buffer every rank of the group can address (or a plain one on a single GPU).
-class Shared {
+// One buffer on every rank of the group, each addressable by every rank (or a plain allocation
+// on a single GPU, with a one-entry peer table).
+class SymmetricBuffers {
  public:
-  Shared(DeviceGroup* group, size_t bytes) {
+  SymmetricBuffers(DeviceGroup* group, size_t bytes) {
     if (group) {
       buffer_ = &group->allocate_symmetric(bytes);
       return;
     }
-    local_ = std::make_unique<DeviceMemory>(bytes);
-    table_ = std::make_unique<DeviceMemory>(sizeof(void*));
-    MOKA_CUDA_CHECK(cudaMemcpy(table_->p, &local_->p, sizeof(void*), cudaMemcpyHostToDevice));
+    local_ = DeviceArray<std::byte>(bytes);
+    table_ = DeviceArray<void*>(1);
+    void* local = local_.data();
+    table_.upload(&local, 1);
   }
   template <typename T>
-  T* local() const { return static_cast<T*>(buffer_ ? buffer_->local : local_->p); }
+  T* local() const { return static_cast<T*>(buffer_ ? buffer_->local : static_cast<void*>(local_.data())); }
   template <typename T>
-  T* const* peers() const { return reinterpret_cast<T* const*>(buffer_ ? buffer_->peers_device : table_->p); }
+  T* const* peers() const { return reinterpret_cast<T* const*>(buffer_ ? buffer_->peers_device : table_.data()); }
 
  private:
   const SymmetricBuffer* buffer_ = nullptr;
-  std::unique_ptr<DeviceMemory> local_, table_;
-};
-
-template <typename T>
-struct PinnedWord {
-  T* host = nullptr;
-  T* device = nullptr;
-  PinnedWord() {
-    MOKA_CUDA_CHECK(cudaHostAlloc(&host, sizeof(T), cudaHostAllocMapped));
-    MOKA_CUDA_CHECK(cudaHostGetDevicePointer(reinterpret_cast<void**>(&device), host, 0));
-    *host = T{};
-  }
-  ~PinnedWord() { cudaFreeHost(host); }
-  PinnedWord(const PinnedWord&) = delete;
-  PinnedWord& operator=(const PinnedWord&) = delete;
+  DeviceArray<std::byte> local_;
+  DeviceArray<void*> table_;
 };
 
 core::MegakernelDims dims_of(const MoeShape& s, int world, int64_t tokens) {
   return {world, tokens, s.top_k, s.hidden, s.intermediate, s.shared_intermediate, s.num_experts / world};
 }
 
-class CudaMegakernelForward final : public MegakernelForward {
+// The megakernel forward of one layer: its buffers, launch sequence and error reports.
+class CudaMegakernelForward final : public MegakernelExtension {
  public:
   CudaMegakernelForward(const MoeShape& shape, DeviceGroup* group, const MegakernelConfig& config, int64_t max_tokens)
       : shape_(shape), config_(config), group_(group), world_(group ? group->size() : 1),
@@ -72,75 +62,75 @@ class CudaMegakernelForward final : public MegakernelForward {
         routing_(group, world_ * routing_region_ints(max_tokens, shape.top_k) * sizeof(int32_t)),
         combine_(group, max_tokens * shape.top_k * shape.hidden * sizeof(bf16)),
         status_(group, sizeof(core::MegakernelStatus)),
-        ids_(world_ * max_tokens * shape.top_k * sizeof(int32_t)),
-        chunk_counts_(schedule_chunks(world_ * max_tokens * shape.top_k) * experts_ * world_ * sizeof(int32_t)),
-        counts_(experts_ * sizeof(int32_t)), source_counts_(experts_ * world_ * sizeof(int32_t)),
-        offsets_((experts_ + 1) * sizeof(int32_t)), row_of_slot_(world_ * max_tokens * shape.top_k * sizeof(int32_t)),
-        slot_of_row_(worst_.capacity_rows * sizeof(int32_t)),
-        ring_x_(worst_.ring_rows * shape.hidden * sizeof(bf16)),
-        ring_gate_(worst_.ring_rows * shape.intermediate * sizeof(bf16)),
-        ring_up_(worst_.ring_rows * shape.intermediate * sizeof(bf16)),
-        ring_hidden_(worst_.ring_rows * shape.intermediate * sizeof(bf16)),
-        ring_y_(worst_.ring_rows * shape.hidden * sizeof(bf16)),
-        shared_gate_(max_tokens * shape.shared_intermediate * sizeof(bf16)),
-        shared_up_(max_tokens * shape.shared_intermediate * sizeof(bf16)),
-        shared_hidden_(max_tokens * shape.shared_intermediate * sizeof(bf16)),
-        shared_out_(max_tokens * shape.hidden * sizeof(bf16)),
-        counters_(core::counter_count(worst_) * sizeof(int64_t)), control_(sizeof(MegakernelControl)) {
+        ids_(world_ * max_tokens * shape.top_k),
+        chunk_counts_(schedule_chunks(world_ * max_tokens * shape.top_k) * experts_ * world_),
+        counts_(experts_), source_counts_(experts_ * world_),
+        offsets_(experts_ + 1), row_of_slot_(world_ * max_tokens * shape.top_k),
+        slot_of_row_(worst_.capacity_rows),
+        ring_x_(worst_.ring_rows * shape.hidden),
+        ring_gate_(worst_.ring_rows * shape.intermediate),
+        ring_up_(worst_.ring_rows * shape.intermediate),
+        ring_hidden_(worst_.ring_rows * shape.intermediate),
+        ring_y_(worst_.ring_rows * shape.hidden),
+        shared_gate_(max_tokens * shape.shared_intermediate),
+        shared_up_(max_tokens * shape.shared_intermediate),
+        shared_hidden_(max_tokens * shape.shared_intermediate),
+        shared_out_(max_tokens * shape.hidden),
+        counters_(core::counter_count(worst_)), control_(1), routing_error_(kNoRoutingError) {
     MOKA_CUDA_CHECK(cudaGetDevice(&device_));
     MOKA_CUDA_CHECK(cudaDeviceGetAttribute(&num_sms_, cudaDevAttrMultiProcessorCount, device_));
     core::validate_megakernel_grid(config_, num_sms_);
     require(megakernel_ctas_per_sm() >= 1, ErrorCode::cuda, "the megakernel's CTA does not fit on an SM");
     MOKA_CUDA_CHECK(cudaEventCreateWithFlags(&done_, cudaEventDisableTiming));
-    *routing_error_.host = kNoRoutingError;
   }
   ~CudaMegakernelForward() override { cudaEventDestroy(done_); }
 
   const MegakernelConfig& config() const override { return config_; }
 
-  void forward(const MoeInputs& in, const MoeWeights& w, const TensorView& out) override {
+  void forward(const MoeInputs& in, const MoeWeights& w, const TensorView& out, Stream stream) {
     raise_finished_errors();
     const int64_t T = in.x.rank == 2 ? in.x.dim(0) : 0, H = shape_.hidden, k = shape_.top_k;
     check_inputs(in, w, out, T);
-    const cudaStream_t s = current_stream();
+    const cudaStream_t s = to_cuda(stream);
+    last_stream_ = s;
     const core::MegakernelPlan plan = core::build_megakernel_plan(config_, dims_of(shape_, world_, T));
     last_plan_ = plan;
 
-    MOKA_CUDA_CHECK(cudaMemsetAsync(control_.p, 0, sizeof(MegakernelControl), s));
-    MOKA_CUDA_CHECK(cudaMemsetAsync(counters_.p, 0, core::counter_count(plan) * sizeof(int64_t), s));
+    MOKA_CUDA_CHECK(cudaMemsetAsync(control_.data(), 0, sizeof(MegakernelControl), s));
+    MOKA_CUDA_CHECK(cudaMemsetAsync(counters_.data(), 0, core::counter_count(plan) * sizeof(int64_t), s));
     MOKA_CUDA_CHECK(cudaMemcpyAsync(x_.local<bf16>(), in.x.data, T * H * sizeof(bf16), cudaMemcpyDeviceToDevice, s));
     exchange_routing({routing_.peers<int32_t>(), world_, rank_, T, k, max_tokens_}, in.topk_ids.as<int32_t>(), s);
     barrier(s);
 
     const ScheduleCheck check{routing_.local<int32_t>(), world_, T, k, max_tokens_, shape_.num_experts, experts_,
-                              plan.capacity_rows, offsets_.as<int32_t>(), row_of_slot_.as<int32_t>(),
-                              slot_of_row_.as<int32_t>(), control_.as<MegakernelControl>()};
-    gather_source_ids(check, ids_.as<int32_t>(), s);
-    build_schedule(device_schedule(T), ids_.as<int32_t>(), world_ == 1 ? in.topk_weights.as<float>() : nullptr, s);
+                              plan.capacity_rows, offsets_.data(), row_of_slot_.data(),
+                              slot_of_row_.data(), control_.data()};
+    gather_source_ids(check, ids_.data(), s);
+    build_schedule(device_schedule(T), ids_.data(), world_ == 1 ? in.topk_weights.as<float>() : nullptr, s);
     finish_schedule(check, s);
 
     launch_megakernel(launch(plan, T, w), s);
-    publish_status(control_.as<MegakernelControl>(), status_.local<core::MegakernelStatus>(), s);
+    publish_status(control_.data(), status_.local<core::MegakernelStatus>(), s);
     barrier(s);
     combine_tokens(combine_.local<bf16>(), in.topk_weights.as<float>(),
-                   shape_.has_shared() ? shared_out_.as<bf16>() : nullptr, out.as<bf16>(), nullptr, T, k, H, s);
-    merge_status(status_.peers<core::MegakernelStatus>(), world_, merged_.device, s);
+                   shape_.has_shared() ? shared_out_.data() : nullptr, out.as<bf16>(), nullptr, T, k, H, s);
+    merge_status(status_.peers<core::MegakernelStatus>(), world_, merged_.device(), s);
     MOKA_CUDA_CHECK(cudaEventRecord(done_, s));
     pending_ = true;
   }
 
-  void check_errors() override {
+  void check_errors() {
     if (group_) group_->check_device_errors();
     pending_ = false;
-    raise(*merged_.host, *routing_error_.host);
+    raise(merged_.load(), routing_error_.load());
   }
 
   void record_timeline(bool on) override {
-    if (on && !timeline_compute_) {
+    if (on && timeline_compute_.empty()) {
       // One record per ticket of the largest schedule the tables hold.
       const core::MegakernelPlan full = core::trim_to_rows(worst_, worst_.capacity_rows);
-      timeline_compute_ = std::make_unique<DeviceMemory>(core::compute_task_count(full) * sizeof(TimelineRecord));
-      timeline_comm_ = std::make_unique<DeviceMemory>(core::comm_task_count(full) * sizeof(TimelineRecord));
+      timeline_compute_ = DeviceArray<TimelineRecord>(core::compute_task_count(full));
+      timeline_comm_ = DeviceArray<TimelineRecord>(core::comm_task_count(full));
     }
     timeline_on_ = on;
   }
@@ -149,25 +139,22 @@ class CudaMegakernelForward final : public MegakernelForward {
     std::vector<MegakernelTaskSpan> spans;
     if (!timeline_on_ || last_plan_.tokens == 0) return spans;
     const core::MegakernelPlan plan = trimmed_last_plan();
-    append_spans(*timeline_comm_, core::comm_task_count(plan), spans);
-    append_spans(*timeline_compute_, core::compute_task_count(plan), spans);
+    append_spans(timeline_comm_, core::comm_task_count(plan), spans);
+    append_spans(timeline_compute_, core::compute_task_count(plan), spans);
     return spans;
   }
 
-  std::vector<int64_t> local_expert_rows() override {
-    std::vector<int32_t> counts(experts_);
-    MOKA_CUDA_CHECK(cudaStreamSynchronize(current_stream()));
-    MOKA_CUDA_CHECK(cudaMemcpy(counts.data(), counts_.p, experts_ * sizeof(int32_t), cudaMemcpyDeviceToHost));
-    return {counts.begin(), counts.end()};
-  }
+  // Routed rows per local expert of the last call (device, [E_local]).
+  const int32_t* expert_rows() const { return counts_.data(); }
 
  private:
   static core::MegakernelPlan validated_plan(const MoeShape& s, const MegakernelConfig& c, int world, int64_t max_tokens) {
     core::validate_shape(s, world);
     core::validate_megakernel_config(c);
-    require(max_tokens >= 1, ErrorCode::invalid_argument, "megakernel max_tokens must be >= 1");
-    require(c.tile_m == 128 && c.tile_n == 128, ErrorCode::unsupported_size,
-            "the GPU megakernel's GEMM tile is 128 x 128: tile_m and tile_n must be 128");
+    require(max_tokens >= 1, ErrorCode::invalid_argument,
+            "the megakernel path needs LayerOptions::max_tokens >= 1 (tokens per rank its buffers hold)");
+    require(c.tile_rows == 128 && c.tile_n == 128, ErrorCode::unsupported_size,
+            "the GPU megakernel's GEMM tile is 128 x 128: tile_rows and megakernel.tile_n must be 128");
     require(s.hidden % 8 == 0 && s.intermediate % 8 == 0 && s.shared_intermediate % 8 == 0,
             ErrorCode::unsupported_size,
             "the megakernel needs hidden, intermediate and shared sizes that are multiples of 8 (16-byte rows)");
@@ -182,7 +169,7 @@ class CudaMegakernelForward final : public MegakernelForward {
     require(T >= 1, ErrorCode::invalid_argument, "the megakernel needs at least one token");
     require(T <= max_tokens_, ErrorCode::capacity_exceeded,
             "megakernel call has " + std::to_string(T) + " tokens but was built for at most " +
-                std::to_string(max_tokens_) + " (make_megakernel_forward's max_tokens)");
+                std::to_string(max_tokens_) + " (LayerOptions::max_tokens)");
     expect_tensor(out, "out", DType::bf16, dev, {T, shape_.hidden});
   }
 
@@ -192,17 +179,17 @@ class CudaMegakernelForward final : public MegakernelForward {
     d.num_experts = experts_;
     d.first_expert = rank_ * experts_;
     d.global_experts = shape_.num_experts;
-    d.tile_rows = config_.tile_m;
+    d.tile_rows = config_.tile_rows;
     d.top_k = shape_.top_k;
     d.world_size = world_;
     d.rank = rank_;
     d.row_order = config_.row_order;
-    d.chunk_counts = chunk_counts_.as<int32_t>();
-    d.counts = counts_.as<int32_t>();
-    d.source_counts = source_counts_.as<int32_t>();
-    d.offsets = offsets_.as<int32_t>();
-    d.row_of_slot = row_of_slot_.as<int32_t>();
-    d.error = routing_error_.device;
+    d.chunk_counts = chunk_counts_.data();
+    d.counts = counts_.data();
+    d.source_counts = source_counts_.data();
+    d.offsets = offsets_.data();
+    d.row_of_slot = row_of_slot_.data();
+    d.error = routing_error_.device();
     return d;
   }
 
@@ -219,8 +206,8 @@ class CudaMegakernelForward final : public MegakernelForward {
     l.local_experts = experts_;
     l.act = core::ActParams::of(shape_);
     l.timeout_ns = static_cast<uint64_t>(config_.spin_timeout_seconds * 1e9);
-    l.offsets = offsets_.as<int32_t>();
-    l.slot_of_row = slot_of_row_.as<int32_t>();
+    l.offsets = offsets_.data();
+    l.slot_of_row = slot_of_row_.data();
     l.x_peers = x_.peers<bf16>();
     l.combine_peers = combine_.peers<bf16>();
     l.x_local = x_.local<bf16>();
@@ -232,20 +219,20 @@ class CudaMegakernelForward final : public MegakernelForward {
       l.ws_up = w.ws_up.as<bf16>();
       l.ws_down = w.ws_down.as<bf16>();
     }
-    l.ring_x = ring_x_.as<bf16>();
-    l.ring_gate = ring_gate_.as<bf16>();
-    l.ring_up = ring_up_.as<bf16>();
-    l.ring_hidden = ring_hidden_.as<bf16>();
-    l.ring_y = ring_y_.as<bf16>();
-    l.shared_gate = shared_gate_.as<bf16>();
-    l.shared_up = shared_up_.as<bf16>();
-    l.shared_hidden = shared_hidden_.as<bf16>();
-    l.shared_out = shared_out_.as<bf16>();
-    l.counters = counters_.as<int64_t>();
-    l.control = control_.as<MegakernelControl>();
+    l.ring_x = ring_x_.data();
+    l.ring_gate = ring_gate_.data();
+    l.ring_up = ring_up_.data();
+    l.ring_hidden = ring_hidden_.data();
+    l.ring_y = ring_y_.data();
+    l.shared_gate = shared_gate_.data();
+    l.shared_up = shared_up_.data();
+    l.shared_hidden = shared_hidden_.data();
+    l.shared_out = shared_out_.data();
+    l.counters = counters_.data();
+    l.control = control_.data();
     if (timeline_on_) {
-      l.timeline_compute = timeline_compute_->as<TimelineRecord>();
-      l.timeline_comm = timeline_comm_->as<TimelineRecord>();
+      l.timeline_compute = timeline_compute_.data();
+      l.timeline_comm = timeline_comm_.data();
     }
     return l;
   }
@@ -262,12 +249,12 @@ class CudaMegakernelForward final : public MegakernelForward {
 
   void raise(const MergedStatus& merged, unsigned long long routing_code) {
     if (routing_code != kNoRoutingError) {
-      *routing_error_.host = kNoRoutingError;
+      routing_error_.store(kNoRoutingError);
       throw routing_error(routing_code, shape_.top_k, shape_.num_experts, "megakernel routing");
     }
     if (merged.rank < 0) return;
     const MergedStatus failure = merged;
-    *merged_.host = MergedStatus{};
+    merged_.store(MergedStatus{});
     try {
       core::throw_megakernel_status(failure.status, config_);
     } catch (const Error& e) {
@@ -280,13 +267,14 @@ class CudaMegakernelForward final : public MegakernelForward {
 
   core::MegakernelPlan trimmed_last_plan() const {
     std::vector<int32_t> offsets(experts_ + 1);
-    MOKA_CUDA_CHECK(cudaMemcpy(offsets.data(), offsets_.p, offsets.size() * sizeof(int32_t), cudaMemcpyDeviceToHost));
+    MOKA_CUDA_CHECK(cudaMemcpy(offsets.data(), offsets_.data(), offsets.size() * sizeof(int32_t), cudaMemcpyDeviceToHost));
     return core::trim_to_rows(last_plan_, offsets.back());
   }
 
-  static void append_spans(const DeviceMemory& records, int64_t count, std::vector<MegakernelTaskSpan>& spans) {
+  static void append_spans(const DeviceArray<TimelineRecord>& records, int64_t count,
+                           std::vector<MegakernelTaskSpan>& spans) {
     std::vector<TimelineRecord> host(count);
-    MOKA_CUDA_CHECK(cudaMemcpy(host.data(), records.p, count * sizeof(TimelineRecord), cudaMemcpyDeviceToHost));
+    MOKA_CUDA_CHECK(cudaMemcpy(host.data(), records.data(), count * sizeof(TimelineRecord), cudaMemcpyDeviceToHost));
     for (const TimelineRecord& r : host)
       spans.push_back({r.start_ns, r.end_ns, r.cta, core::to_string(static_cast<core::TaskKind>(r.kind)), r.step,
                        r.row_tile});
@@ -299,27 +287,68 @@ class CudaMegakernelForward final : public MegakernelForward {
   const int64_t experts_, max_tokens_;
   const core::MegakernelPlan worst_;
   int device_ = 0, num_sms_ = 0;
-  Shared x_, routing_, combine_, status_;
-  DeviceMemory ids_, chunk_counts_, counts_, source_counts_, offsets_, row_of_slot_, slot_of_row_;
-  DeviceMemory ring_x_, ring_gate_, ring_up_, ring_hidden_, ring_y_;
-  DeviceMemory shared_gate_, shared_up_, shared_hidden_, shared_out_;
-  DeviceMemory counters_, control_;
+  SymmetricBuffers x_, routing_, combine_, status_;
+  DeviceArray<int32_t> ids_, chunk_counts_, counts_, source_counts_, offsets_, row_of_slot_, slot_of_row_;
+  DeviceArray<bf16> ring_x_, ring_gate_, ring_up_, ring_hidden_, ring_y_;
+  DeviceArray<bf16> shared_gate_, shared_up_, shared_hidden_, shared_out_;
+  DeviceArray<int64_t> counters_;
+  DeviceArray<MegakernelControl> control_;
   PinnedWord<MergedStatus> merged_;
   PinnedWord<unsigned long long> routing_error_;
-  std::unique_ptr<DeviceMemory> timeline_compute_, timeline_comm_;
+  DeviceArray<TimelineRecord> timeline_compute_, timeline_comm_;  // empty until a timeline is asked for
   bool timeline_on_ = false, pending_ = false;
   core::MegakernelPlan last_plan_;  // the last forward's worst-case plan (trimmed by its row count)
   cudaEvent_t done_ = nullptr;
+  cudaStream_t last_stream_ = nullptr;  // the last forward's
+};
+
+// The megakernel path of MoeLayer: forward through the megakernel; backward through a staged
+// layer over the same group, which recomputes its forward stages from the context first.
+class MegakernelMoeLayer final : public MoeLayer {
+ public:
+  MegakernelMoeLayer(const MoeShape& shape, DeviceGroup* group, std::unique_ptr<DeviceGroup> owned,
+                     const LayerOptions& options)
+      : owned_group_(std::move(owned)), kernel_(shape, group, config_of(options), options.max_tokens),
+        stages_(make_staged_layer(shape, group, nullptr, options, GemmEngine::cutlass)) {}
+
+  const MoeShape& shape() const override { return stages_->shape(); }
+  int rank() const override { return stages_->rank(); }
+  int world_size() const override { return stages_->world_size(); }
+  const char* backend_name() const override { return "cuda"; }
+
+  std::unique_ptr<MoeContext> forward(const MoeInputs& in, const MoeWeights& w, const TensorView& out,
+                                      Stream stream) override {
+    kernel_.forward(in, w, out, stream);
+    return stages_->context_to_recompute(in, stream, kernel_.expert_rows());
+  }
+  void backward(const MoeContext& saved, const TensorView& d_out, const MoeWeights& w, const MoeGradients& g,
+                Stream stream) override {
+    stages_->backward(saved, d_out, w, g, stream);
+  }
+  void check_errors() override {
+    kernel_.check_errors();
+    stages_->check_errors();
+  }
+  MegakernelExtension* megakernel() override { return &kernel_; }
+
+ private:
+  static MegakernelConfig config_of(const LayerOptions& o) {
+    MegakernelConfig c = o.megakernel;
+    c.tile_rows = o.tile_rows;
+    c.row_order = o.row_order;
+    return c;
+  }
+
+  std::unique_ptr<DeviceGroup> owned_group_;  // destroyed last: both parts use it
+  CudaMegakernelForward kernel_;
+  std::unique_ptr<StagedLayer> stages_;
 };
 
 }  // namespace
-}  // namespace moka::cuda
 
-namespace moka {
-
-std::unique_ptr<MegakernelForward> make_megakernel_forward(const MoeShape& shape, DeviceGroup* group,
-                                                           const MegakernelConfig& config, int64_t max_tokens) {
-  return std::make_unique<cuda::CudaMegakernelForward>(shape, group, config, max_tokens);
+std::unique_ptr<MoeLayer> make_megakernel_layer(const MoeShape& shape, DeviceGroup* group,
+                                                std::unique_ptr<DeviceGroup> owned, const LayerOptions& options) {
+  return std::make_unique<MegakernelMoeLayer>(shape, group, std::move(owned), options);
 }
 
-}  // namespace moka
+}  // namespace moka::cuda

@@ -6,7 +6,7 @@
 #include <memory>
 #include <vector>
 
-#include "cuda/grouped_gemm.hpp"
+#include "cuda/gemm/grouped_gemm.hpp"
 
 namespace moka::cuda {
 

@@ -2,11 +2,11 @@
 // communication role (mk_comm.cuh), the others the compute role (mk_compute.cuh). Each role
 // takes tasks in the plan's global order through its own atomic ticket (core/megakernel_plan.hpp)
 // and waits only on counters that earlier tasks release, so it finishes for any routing.
-#include "cuda/check.hpp"
-#include "cuda/megakernel_launch.hpp"
-#include "cuda/mk_comm.cuh"
-#include "cuda/mk_compute.cuh"
-#include "cuda/mk_sync.cuh"
+#include "cuda/common/check.hpp"
+#include "cuda/megakernel/megakernel_launch.hpp"
+#include "cuda/megakernel/mk_comm.cuh"
+#include "cuda/megakernel/mk_compute.cuh"
+#include "cuda/megakernel/mk_sync.cuh"
 
 namespace moka::cuda {
 namespace {

@@ -1,7 +1,7 @@
 // The megakernel's routing exchange, schedule checks and status merge: small kernels around the
 // persistent kernel (the receive schedule itself is build_schedule, layer_kernels.cu).
-#include "cuda/check.hpp"
-#include "cuda/megakernel_launch.hpp"
+#include "cuda/common/check.hpp"
+#include "cuda/megakernel/megakernel_launch.hpp"
 
 namespace moka::cuda {
 namespace {

@@ -8,7 +8,7 @@
 #include <cstdint>
 
 #include "core/megakernel_plan.hpp"
-#include "cuda/layer_kernels.hpp"
+#include "cuda/layer/layer_kernels.hpp"
 
 namespace moka::cuda {
 

@@ -5,7 +5,7 @@
 #include <cstdint>
 
 #include "core/megakernel_plan.hpp"
-#include "cuda/megakernel_launch.hpp"
+#include "cuda/megakernel/megakernel_launch.hpp"
 
 namespace moka::cuda::mk {
 

@@ -1,64 +1,55 @@
-#include "cuda/expert_exchange.hpp"
+#include "cuda/layer/expert_exchange.hpp"
 
-#include "cuda/check.hpp"
+#include "cuda/common/check.hpp"
 
 namespace moka::cuda {
 
 ExpertExchange::ExpertExchange(DeviceGroup& group, const MoeShape& shape, int64_t tile_rows)
-    : group_(group), shape_(shape), tile_rows_(tile_rows), local_experts_(shape.num_experts / group.size()) {
-  const int64_t E = shape_.num_experts;
-  MOKA_CUDA_CHECK(cudaMalloc(&sort_.counts, E * sizeof(int32_t)));
-  MOKA_CUDA_CHECK(cudaMalloc(&sort_.offsets, (E + 1) * sizeof(int32_t)));
-  MOKA_CUDA_CHECK(cudaMalloc(&received_counts_, group_.size() * local_experts_ * sizeof(int32_t)));
-  MOKA_CUDA_CHECK(cudaHostAlloc(&host_counts_, (E + group_.size() * local_experts_) * sizeof(int32_t), 0));
-  MOKA_CUDA_CHECK(cudaHostAlloc(&error_, sizeof(unsigned long long), cudaHostAllocMapped));
-  *error_ = kNoRoutingError;
-  MOKA_CUDA_CHECK(cudaHostGetDevicePointer(reinterpret_cast<void**>(&sort_.error), error_, 0));
-}
-
-ExpertExchange::~ExpertExchange() {
-  for (void* p : {static_cast<void*>(sort_.counts), static_cast<void*>(sort_.offsets),
-                  static_cast<void*>(sort_.chunk_counts), static_cast<void*>(sort_.row_of_slot),
-                  static_cast<void*>(received_counts_), staging_[0], staging_[1]})
-    cudaFree(p);
-  cudaFreeHost(host_counts_);
-  cudaFreeHost(error_);
-}
+    : group_(group), shape_(shape), tile_rows_(tile_rows), local_experts_(shape.num_experts / group.size()),
+      sort_counts_(shape.num_experts), sort_offsets_(shape.num_experts + 1),
+      received_counts_(group.size() * local_experts_),
+      host_counts_(shape.num_experts + group.size() * local_experts_, PinnedArray<int32_t>::unmapped),
+      error_(kNoRoutingError) {}
 
 void ExpertExchange::plan(const int32_t* topk_ids, const float* topk_weights, int64_t tokens, cudaStream_t stream) {
   const int R = group_.size();
   const int64_t k = shape_.top_k, E = shape_.num_experts, El = local_experts_, slots = tokens * k;
   tokens_ = tokens;
-  if (size_t(slots) > slot_capacity_) {
-    cudaFree(sort_.chunk_counts);
-    cudaFree(sort_.row_of_slot);
-    sort_.chunk_counts = sort_.row_of_slot = nullptr;
-    MOKA_CUDA_CHECK(cudaMalloc(&sort_.chunk_counts, schedule_chunks(slots) * E * sizeof(int32_t)));
-    MOKA_CUDA_CHECK(cudaMalloc(&sort_.row_of_slot, slots * sizeof(int32_t)));
-    slot_capacity_ = slots;
+  if (size_t(slots) > send_position_.size()) {
+    sort_chunk_counts_ = {};  // freed before the larger arrays are allocated
+    send_position_ = {};
+    sort_chunk_counts_ = DeviceArray<int32_t>(schedule_chunks(slots) * E);
+    send_position_ = DeviceArray<int32_t>(slots);
   }
-  *error_ = kNoRoutingError;  // the stream is idle here: the previous plan synchronized
+  error_.store(kNoRoutingError);  // the stream is idle here: the previous plan synchronized
   // Sorting by global expert with tile 1 is the single-rank schedule over all E experts.
-  sort_.slots = slots;
-  sort_.num_experts = E;
-  sort_.first_expert = 0;
-  sort_.global_experts = E;
-  sort_.tile_rows = 1;
-  sort_.top_k = k;
-  send_position_ = sort_.row_of_slot;
-  build_schedule(sort_, topk_ids, topk_weights, stream);
+  DeviceSchedule sort;
+  sort.slots = slots;
+  sort.num_experts = E;
+  sort.first_expert = 0;
+  sort.global_experts = E;
+  sort.tile_rows = 1;
+  sort.top_k = k;
+  sort.chunk_counts = sort_chunk_counts_.data();
+  sort.counts = sort_counts_.data();
+  sort.offsets = sort_offsets_.data();
+  sort.row_of_slot = send_position_.data();
+  sort.error = error_.device();
+  build_schedule(sort, topk_ids, topk_weights, stream);
 
   // Counts per expert to every owner: rank p receives [source][its E_local experts].
   std::vector<size_t> bytes(R, El * sizeof(int32_t)), offsets(R);
   for (int p = 0; p < R; ++p) offsets[p] = p * El * sizeof(int32_t);
-  group_.all_to_all_v(sort_.counts, bytes.data(), offsets.data(), received_counts_, bytes.data(), offsets.data(),
-                      stream);
-  MOKA_CUDA_CHECK(cudaMemcpyAsync(host_counts_, sort_.counts, E * sizeof(int32_t), cudaMemcpyDeviceToHost, stream));
-  MOKA_CUDA_CHECK(cudaMemcpyAsync(host_counts_ + E, received_counts_, R * El * sizeof(int32_t),
+  group_.all_to_all_v(sort_counts_.data(), bytes.data(), offsets.data(), received_counts_.data(), bytes.data(),
+                      offsets.data(), stream);
+  int32_t* host_counts = host_counts_.host();
+  MOKA_CUDA_CHECK(cudaMemcpyAsync(host_counts, sort_counts_.data(), E * sizeof(int32_t), cudaMemcpyDeviceToHost,
+                                  stream));
+  MOKA_CUDA_CHECK(cudaMemcpyAsync(host_counts + E, received_counts_.data(), R * El * sizeof(int32_t),
                                   cudaMemcpyDeviceToHost, stream));
   MOKA_CUDA_CHECK(cudaStreamSynchronize(stream));
 
-  blocks_ = core::plan_exchange_blocks(host_counts_, host_counts_ + E, R, El, tile_rows_);
+  blocks_ = core::plan_exchange_blocks(host_counts, host_counts + E, R, El, tile_rows_);
 }
 
 void ExpertExchange::upload_schedule(int32_t* counts, int32_t* offsets) const {
@@ -72,13 +63,11 @@ void ExpertExchange::upload_schedule(int32_t* counts, int32_t* offsets) const {
 template <typename T>
 T* ExpertExchange::staging(int which, size_t elems) {
   const size_t bytes = std::max<size_t>(elems, 1) * sizeof(T);
-  if (bytes > staging_bytes_[which]) {
-    cudaFree(staging_[which]);
-    staging_[which] = nullptr;
-    MOKA_CUDA_CHECK(cudaMalloc(&staging_[which], bytes));
-    staging_bytes_[which] = bytes;
+  if (bytes > staging_[which].size()) {
+    staging_[which] = {};  // freed before the larger one is allocated
+    staging_[which] = DeviceArray<std::byte>(bytes);
   }
-  return static_cast<T*>(staging_[which]);
+  return reinterpret_cast<T*>(staging_[which].data());
 }
 
 void ExpertExchange::move(const void* src, const std::vector<core::TransferBlock>& from_blocks, void* dst,
@@ -94,14 +83,14 @@ void ExpertExchange::move(const void* src, const std::vector<core::TransferBlock
 void ExpertExchange::dispatch(const bf16* tokens, bf16* grouped, int64_t width, cudaStream_t stream) {
   const int64_t slots = tokens_ * shape_.top_k;
   bf16* send = staging<bf16>(0, slots * width);
-  gather_rows(tokens, send, send_position_, slots, shape_.top_k, width, stream);
+  gather_rows(tokens, send, send_position_.data(), slots, shape_.top_k, width, stream);
   move(send, blocks_.sends, grouped, blocks_.receives, width * sizeof(bf16), stream);
 }
 
 void ExpertExchange::dispatch_scalars(const float* per_slot, float* per_row, cudaStream_t stream) {
   const int64_t slots = tokens_ * shape_.top_k;
   float* send = staging<float>(1, slots);
-  scatter_scalars(per_slot, send, send_position_, slots, stream);
+  scatter_scalars(per_slot, send, send_position_.data(), slots, stream);
   move(send, blocks_.sends, per_row, blocks_.receives, sizeof(float), stream);
 }
 
@@ -113,7 +102,7 @@ void ExpertExchange::combine_scalars(const float* per_row, float* per_slot, cuda
   const int64_t slots = tokens_ * shape_.top_k;
   float* back = staging<float>(1, slots);
   move(per_row, blocks_.receives, back, blocks_.sends, sizeof(float), stream);
-  gather_scalars(back, per_slot, send_position_, slots, stream);
+  gather_scalars(back, per_slot, send_position_.data(), slots, stream);
 }
 
 }  // namespace moka::cuda

@@ -1,0 +1,171 @@
+// Owners of CUDA memory. Every allocation of the CUDA backend, the GPU side of src/comm and the
+// CUDA training engine goes through these: an object whose later allocation throws frees what
+// it already holds, and nothing is freed by hand.
+#pragma once
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cstddef>
+#include <string>
+#include <type_traits>
+#include <utility>
+#include <vector>
+
+#include "cuda/common/check.hpp"
+
+namespace moka::cuda {
+
+// `count` elements of T in device memory (cudaMalloc, at least 16 bytes so that even an empty
+// array has a TMA-aligned address). Default-constructed: empty, data() == nullptr. Move-only;
+// freed in the destructor.
+template <typename T>
+class DeviceArray {
+ public:
+  DeviceArray() = default;
+  explicit DeviceArray(size_t count) : count_(count) {
+    void* p = nullptr;
+    MOKA_CUDA_CHECK(cudaMalloc(&p, std::max<size_t>(count * sizeof(T), 16)));
+    data_ = static_cast<T*>(p);
+  }
+  ~DeviceArray() { cudaFree(data_); }
+  DeviceArray(DeviceArray&& o) noexcept : data_(std::exchange(o.data_, nullptr)), count_(std::exchange(o.count_, 0)) {}
+  DeviceArray& operator=(DeviceArray&& o) noexcept {
+    std::swap(data_, o.data_);
+    std::swap(count_, o.count_);
+    return *this;
+  }
+  DeviceArray(const DeviceArray&) = delete;
+  DeviceArray& operator=(const DeviceArray&) = delete;
+
+  T* data() const { return data_; }
+  size_t size() const { return count_; }
+  size_t bytes() const { return count_ * sizeof(T); }
+  bool empty() const { return data_ == nullptr; }
+
+  // Blocking copies (they order with the legacy default stream).
+  void upload(const T* host, size_t count) {
+    require(count <= count_, ErrorCode::shape_mismatch,
+            "device upload of " + std::to_string(count) + " elements into an array of " + std::to_string(count_));
+    MOKA_CUDA_CHECK(cudaMemcpy(data_, host, count * sizeof(T), cudaMemcpyHostToDevice));
+  }
+  void upload(const std::vector<T>& host) { upload(host.data(), host.size()); }
+  std::vector<T> download() const {
+    std::vector<T> host(count_);
+    MOKA_CUDA_CHECK(cudaMemcpy(host.data(), data_, bytes(), cudaMemcpyDeviceToHost));
+    return host;
+  }
+
+ private:
+  T* data_ = nullptr;
+  size_t count_ = 0;
+};
+
+// `count` elements of T in page-locked host memory (cudaHostAlloc). Mapped: the device reads and
+// writes it through device() without a copy (error words the host polls without synchronizing).
+template <typename T>
+class PinnedArray {
+ public:
+  enum Mapping { unmapped, mapped };
+  PinnedArray() = default;
+  PinnedArray(size_t count, Mapping mapping) : count_(count) {
+    void* p = nullptr;
+    MOKA_CUDA_CHECK(cudaHostAlloc(&p, std::max<size_t>(count, 1) * sizeof(T),
+                                  mapping == mapped ? cudaHostAllocMapped : cudaHostAllocDefault));
+    host_ = static_cast<T*>(p);
+    if (mapping == mapped) {
+      void* d = nullptr;
+      MOKA_CUDA_CHECK(cudaHostGetDevicePointer(&d, p, 0));
+      device_ = static_cast<T*>(d);
+    }
+  }
+  ~PinnedArray() { cudaFreeHost(host_); }
+  PinnedArray(PinnedArray&& o) noexcept
+      : host_(std::exchange(o.host_, nullptr)), device_(std::exchange(o.device_, nullptr)),
+        count_(std::exchange(o.count_, 0)) {}
+  PinnedArray& operator=(PinnedArray&& o) noexcept {
+    std::swap(host_, o.host_);
+    std::swap(device_, o.device_);
+    std::swap(count_, o.count_);
+    return *this;
+  }
+  PinnedArray(const PinnedArray&) = delete;
+  PinnedArray& operator=(const PinnedArray&) = delete;
+
+  T* host() const { return host_; }
+  T* device() const { return device_; }  // null unless mapped
+  size_t size() const { return count_; }
+
+ private:
+  T* host_ = nullptr;
+  T* device_ = nullptr;
+  size_t count_ = 0;
+};
+
+// One mapped host word the device writes (a status or error code) and the host reads without
+// synchronizing. Starts as `initial`.
+template <typename T>
+class PinnedWord {
+ public:
+  explicit PinnedWord(T initial = T{}) : word_(1, PinnedArray<T>::mapped) { *word_.host() = initial; }
+  T* host() const { return word_.host(); }
+  T* device() const { return word_.device(); }
+  // The current value (the device may have written it since the last read).
+  T load() const {
+    if constexpr (std::is_scalar_v<T>) {
+      return *const_cast<const volatile T*>(word_.host());
+    } else {
+      return *word_.host();
+    }
+  }
+  void store(const T& value) { *word_.host() = value; }
+
+ private:
+  PinnedArray<T> word_;
+};
+
+// `count` elements of T allocated and freed in stream order (cudaMallocAsync / cudaFreeAsync on
+// `stream`): no device-wide synchronization per call, as cudaFree would force, and capturable in
+// a CUDA graph. Every use must be ordered on `stream` (or after it).
+template <typename T>
+class StreamScratch {
+ public:
+  StreamScratch(size_t count, cudaStream_t stream) : stream_(stream) {
+    void* p = nullptr;
+    MOKA_CUDA_CHECK(cudaMallocAsync(&p, count * sizeof(T), stream_));
+    data_ = static_cast<T*>(p);
+  }
+  ~StreamScratch() { cudaFreeAsync(data_, stream_); }
+  StreamScratch(const StreamScratch&) = delete;
+  StreamScratch& operator=(const StreamScratch&) = delete;
+  T* data() const { return data_; }
+
+ private:
+  T* data_ = nullptr;
+  cudaStream_t stream_;
+};
+
+// A peer's device buffer mapped into this process (cudaIpcOpenMemHandle); unmapped in the
+// destructor. Move-only.
+class IpcMapping {
+ public:
+  IpcMapping() = default;
+  explicit IpcMapping(const cudaIpcMemHandle_t& handle) {
+    MOKA_CUDA_CHECK(cudaIpcOpenMemHandle(&ptr_, handle, cudaIpcMemLazyEnablePeerAccess));
+  }
+  ~IpcMapping() {
+    if (ptr_) cudaIpcCloseMemHandle(ptr_);
+  }
+  IpcMapping(IpcMapping&& o) noexcept : ptr_(std::exchange(o.ptr_, nullptr)) {}
+  IpcMapping& operator=(IpcMapping&& o) noexcept {
+    std::swap(ptr_, o.ptr_);
+    return *this;
+  }
+  IpcMapping(const IpcMapping&) = delete;
+  IpcMapping& operator=(const IpcMapping&) = delete;
+  void* data() const { return ptr_; }
+
+ private:
+  void* ptr_ = nullptr;
+};
+
+}  // namespace moka::cuda

@@ -1,0 +1,38 @@
+// The CUDA layer's paths (LayerOptions::path) and how one is chosen. The staged layer
+// (layer/cuda_layer.cu) is the single_gpu and all_to_all paths; the megakernel layer
+// (megakernel/megakernel_layer.cu) runs its forward as one persistent kernel and hands its
+// contexts to a staged layer for backward.
+#pragma once
+#include <cstdint>
+#include <memory>
+
+#include "cuda/gemm/grouped_gemm.hpp"
+#include "moka/device_group.hpp"
+#include "moka/layer.hpp"
+
+namespace moka::cuda {
+
+class StagedLayer : public MoeLayer {
+ public:
+  // The context of a forward that ran on another path (the megakernel): inputs as given to it,
+  // and `expert_rows`, the device counts [E_local] that forward left (they stay valid while its
+  // layer lives). Its backward first runs this path's forward stages on those inputs: the
+  // workspace holds none of that forward's activations.
+  virtual std::unique_ptr<MoeContext> context_to_recompute(const MoeInputs& in, Stream stream,
+                                                           const int32_t* expert_rows) = 0;
+};
+
+// `group` null or of one rank: single_gpu, else all_to_all. `owned`: a group the layer keeps
+// alive (the one `group` points to), or null.
+std::unique_ptr<StagedLayer> make_staged_layer(const MoeShape& shape, DeviceGroup* group,
+                                               std::unique_ptr<DeviceGroup> owned, const LayerOptions& options,
+                                               GemmEngine engine);
+std::unique_ptr<MoeLayer> make_megakernel_layer(const MoeShape& shape, DeviceGroup* group,
+                                                std::unique_ptr<DeviceGroup> owned, const LayerOptions& options);
+
+// The path LayerOptions::path resolves to for a layer over `world` ranks on `device`. Raises
+// invalid_argument when an explicit path cannot run there (single_gpu over several ranks,
+// all_to_all on one); the megakernel layer checks its own requirements when built.
+LayerPath choose_path(const MoeShape& shape, int world, int device, const LayerOptions& options);
+
+}  // namespace moka::cuda
