@@ -8,9 +8,15 @@
 // routed activation buffer holds one macrobatch; row r lives at ring row r % macrobatch_rows).
 //
 // Steps: minibatches in processing order. Macrobatches run last to first (so macrobatch 0's
-// activations stay in the ring as the context backward reads); inside a macrobatch, minibatches
-// run first to last. Every per-minibatch counter is indexed by step, so each counter is written
-// by one minibatch only and rises monotonically to its target: no counter is ever reused.
+// activations stay in the ring as the context backward reads), and inside each macrobatch the
+// minibatches run last to first too. The first macrobatch processed (the highest) may be
+// partial and then fills only the low ring slots; running every macrobatch backwards makes the
+// next one start on the slots nobody used yet and reach the reused low slots last, so the step
+// that reuses step s's slot is always s + minibatches_per_macrobatch. Slot-reusing dispatches
+// therefore queue in step order right behind the prologue (the first minibatches_per_macrobatch
+// steps): no compute step waits on a dispatch queued behind the dispatches of later steps.
+// Every per-minibatch counter is indexed by step, so each counter is written by one minibatch
+// only and rises monotonically to its target: no counter is ever reused.
 //
 // Tasks, in the one global topological order `plan_order` (see docs/MEGAKERNEL.md):
 //   shared-expert gate|up tiles, shared-expert down tiles            (compute)
@@ -118,39 +124,25 @@ MOKA_HD bool fits_capacity(const MegakernelPlan& p, int64_t total_rows) { return
 // Index of the minibatch (in row order) that step `s` processes.
 MOKA_HD int64_t minibatch_of_step(const MegakernelPlan& p, int64_t s) {
   const int64_t per_macro = p.minibatches_per_macrobatch;
-  if (s < p.first_macrobatch_steps) return (p.num_macrobatches - 1) * per_macro + s;
+  if (s < p.first_macrobatch_steps) return (p.num_macrobatches - 1) * per_macro + p.first_macrobatch_steps - 1 - s;
   const int64_t later = s - p.first_macrobatch_steps;
   const int64_t macrobatch = p.num_macrobatches - 2 - later / per_macro;
-  return macrobatch * per_macro + later % per_macro;
+  return macrobatch * per_macro + per_macro - 1 - later % per_macro;
 }
 
-// Steps of macrobatch 0, the last processed; the ring slots they use are never reused.
-MOKA_HD int64_t final_macrobatch_steps(const MegakernelPlan& p) {
-  return p.num_macrobatches >= 2 ? p.minibatches_per_macrobatch : p.num_steps;
-}
+// Ring slots in use: the steps of the prologue, and of macrobatch 0 (processed last, its slots
+// never reused).
+MOKA_HD int64_t slot_steps(const MegakernelPlan& p) { return min_i64(p.minibatches_per_macrobatch, p.num_steps); }
 
 // The next step that reuses step s's ring slot (same minibatch of the previous macrobatch), or -1.
 MOKA_HD int64_t successor_step(const MegakernelPlan& p, int64_t s) {
-  if (s >= p.num_steps - final_macrobatch_steps(p)) return -1;
-  return s + (s < p.first_macrobatch_steps ? p.first_macrobatch_steps : p.minibatches_per_macrobatch);
+  const int64_t next = s + p.minibatches_per_macrobatch;
+  return next < p.num_steps ? next : -1;
 }
 
-// The step that used step s's ring slot before it, or -1 when s is the slot's first user. The
-// first macrobatch processed may be partial, so some slots are first used by the second.
+// The step that used step s's ring slot before it, or -1 when s is the slot's first user.
 MOKA_HD int64_t predecessor_step(const MegakernelPlan& p, int64_t s) {
-  const int64_t first = p.first_macrobatch_steps, per_macro = p.minibatches_per_macrobatch;
-  if (s < first) return -1;
-  if (s < first + per_macro) return s - first < first ? s - first : -1;
-  return s - per_macro;
-}
-
-// Steps whose ring slot is fresh, dispatched in the prologue: one per ring slot used.
-MOKA_HD int64_t prologue_steps(const MegakernelPlan& p) { return min_i64(p.minibatches_per_macrobatch, p.num_steps); }
-
-// The i-th prologue step: the first macrobatch's steps, then the second macrobatch's steps
-// whose slots the (partial) first macrobatch left unused.
-MOKA_HD int64_t prologue_step(const MegakernelPlan& p, int64_t i) {
-  return i < p.first_macrobatch_steps ? i : p.first_macrobatch_steps + i;
+  return s >= p.minibatches_per_macrobatch ? s - p.minibatches_per_macrobatch : -1;
 }
 
 // First row (of the grouped buffer) a routed task touches; its tile_m rows are all real rows
@@ -266,14 +258,15 @@ MOKA_HD int64_t comm_task_count(const MegakernelPlan& p) {
   return 2 * p.num_steps * p.row_tiles_per_minibatch;
 }
 
-// Comm ticket -> task: the prologue dispatches, then per step its combine blocks followed by the
-// dispatch blocks of the step that reuses its ring slot (steps of macrobatch 0 have none).
+// Comm ticket -> task: the prologue dispatches (steps 0 .. slot_steps - 1), then per step its
+// combine blocks followed by the dispatch blocks of the step that reuses its ring slot (the last
+// slot_steps steps have none).
 MOKA_HD Task comm_task(const MegakernelPlan& p, int64_t ticket) {
   const int64_t blocks = p.row_tiles_per_minibatch;
-  const int64_t prologue = prologue_steps(p) * blocks;
-  if (ticket < prologue) return {TaskKind::dispatch, prologue_step(p, ticket / blocks), ticket % blocks, 0};
+  const int64_t prologue = slot_steps(p) * blocks;
+  if (ticket < prologue) return {TaskKind::dispatch, ticket / blocks, ticket % blocks, 0};
   ticket -= prologue;
-  const int64_t reusing_steps = p.num_steps - final_macrobatch_steps(p);
+  const int64_t reusing_steps = p.num_steps - slot_steps(p);
   if (ticket < reusing_steps * 2 * blocks) {
     const int64_t step = ticket / (2 * blocks), i = ticket % (2 * blocks);
     if (i < blocks) return {TaskKind::combine, step, i, 0};

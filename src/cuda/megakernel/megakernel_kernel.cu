@@ -32,6 +32,7 @@ __global__ void __launch_bounds__(mk::kThreads, 1) megakernel(const __grid_const
   mk::ComputeState state{*smem};
   mk::task_loop(p, plan, &p.control->compute_ticket, core::compute_task_count(plan), p.timeline_compute,
                 core::compute_task, [&](const core::Task& t) { mk::run_compute_task(state, p, params.ops, plan, t); });
+  mk::drain_tile_pipeline(*smem, state.kblocks_done);
 }
 
 mk::Operands make_operands(const MegakernelLaunch& p) {

@@ -9,6 +9,8 @@
 
 namespace moka::cuda::mk {
 
+inline constexpr unsigned kMaxBackoffNs = 256;  // longest sleep between two counter polls
+
 __device__ inline uint64_t global_ns() {
   uint64_t t;
   asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
@@ -76,7 +78,9 @@ __device__ inline bool wait_for(const MegakernelLaunch& p, const core::Megakerne
       return false;
     }
     __nanosleep(sleep_ns);
-    if (sleep_ns < 1024) sleep_ns *= 2;
+    // Capped low: a counter is usually released within a few hundred ns of the first miss, and
+    // a longer sleep would leave the waiting CTA idle after its rows arrived.
+    if (sleep_ns < kMaxBackoffNs) sleep_ns *= 2;
   }
 }
 

@@ -9,9 +9,14 @@
 //
 // Pipeline: thread 0 is also the producer. It issues the first kStages k-blocks of a tile; each
 // consumed stage is refilled with the k-block kStages ahead once all 256 threads have arrived on
-// the stage's `empty` barrier; one k-block of MMAs stays in flight while the next is issued. Stage and phase follow one running k-block count that persists
-// across tiles, so the barriers are initialized once per CTA. Out-of-range rows, columns and K
-// (TMA boxes past the tensor's end) are zero-filled by the TMA unit.
+// the stage's `empty` barrier; one k-block of MMAs stays in flight while the next is issued.
+// Stage and phase follow one running k-block count that persists across tiles, so the barriers
+// are initialized once per CTA. The producer waits on every phase of every `empty` barrier
+// before it refills the stage, the first loads of a tile included (the previous tile's last
+// releases completed those phases), and drain_tile_pipeline waits on the last ones before the
+// CTA exits: no mbarrier phase completes unobserved, which compute-sanitizer's synccheck reports
+// as a missing wait. Out-of-range rows, columns and K (TMA boxes past the tensor's end) are
+// zero-filled by the TMA unit.
 #pragma once
 #include <cute/tensor.hpp>
 #include <cutlass/arch/barrier.h>
@@ -112,8 +117,10 @@ __device__ inline void mma_tile(TileSmem& sm, uint32_t& kblocks_done, const Tile
   const uint32_t bytes = kTileM * kTileK * sizeof(Element) * (b1 ? 3 : 2);
   auto stage_of = [&](int kb) { return int((kblocks_done + kb) % kStages); };
   auto phase_of = [&](int kb) { return uint32_t(((kblocks_done + kb) / kStages) & 1); };
+  // Thread 0: waits until every thread released the stage's previous k-block, then refills it.
   auto load = [&](int kb) {
     const int stage = stage_of(kb);
+    if (kblocks_done + kb >= uint32_t(kStages)) EmptyBarrier::wait(&sm.empty[stage], phase_of(kb) ^ 1u);
     FullBarrier::arrive_and_expect_tx(&sm.full[stage], bytes);
     issue_tma(a, sm.a, sm.full[stage], kb, stage);
     issue_tma(b0, sm.b0, sm.full[stage], kb, stage);
@@ -122,10 +129,7 @@ __device__ inline void mma_tile(TileSmem& sm, uint32_t& kblocks_done, const Tile
   // Stage of block kb is consumed: every thread arrives; thread 0 refills it kStages ahead.
   auto release = [&](int kb) {
     EmptyBarrier::arrive(&sm.empty[stage_of(kb)]);
-    if (threadIdx.x == 0 && kb + kStages < kblocks) {
-      EmptyBarrier::wait(&sm.empty[stage_of(kb)], phase_of(kb));
-      load(kb + kStages);
-    }
+    if (threadIdx.x == 0 && kb + kStages < kblocks) load(kb + kStages);
   };
   if (threadIdx.x == 0)
     for (int kb = 0; kb < kblocks && kb < kStages; ++kb) load(kb);
@@ -158,6 +162,15 @@ __device__ inline void mma_tile(TileSmem& sm, uint32_t& kblocks_done, const Tile
   warpgroup_fence_operand(acc1);
   if (kblocks > 0) release(kblocks - 1);
   kblocks_done += kblocks;
+}
+
+// Thread 0, before the CTA exits: waits on the `empty` phases the last k-blocks completed, so
+// every phase of the pipeline has been observed (all threads arrived before the CTA's last
+// __syncthreads, so this returns at once).
+__device__ inline void drain_tile_pipeline(TileSmem& sm, uint32_t kblocks_done) {
+  if (threadIdx.x != 0) return;
+  const uint32_t first = kblocks_done > uint32_t(kStages) ? kblocks_done - kStages : 0;
+  for (uint32_t n = first; n < kblocks_done; ++n) EmptyBarrier::wait(&sm.empty[n % kStages], (n / kStages) & 1u);
 }
 
 // Calls fn(row, col, i) for each pair of horizontally adjacent accumulator elements this thread
