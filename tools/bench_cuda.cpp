@@ -22,7 +22,7 @@
 #include "core/routing_gen.hpp"
 #include "cuda/common/check.hpp"
 #include "cuda/cuda_backend.hpp"
-#include "cuda/device_tensors.hpp"
+#include "testing/device_tensors.hpp"
 #include "cuda/gemm/grouped_gemm.hpp"
 #include "cuda/layer/layer_kernels.hpp"
 #include "moka/device_group.hpp"

@@ -12,10 +12,10 @@
 #include <random>
 #include <vector>
 
-#include "cpu/layer_buffers.hpp"
+#include "testing/layer_buffers.hpp"
 #include "cuda/common/check.hpp"
 #include "cuda/cuda_backend.hpp"
-#include "cuda/device_tensors.hpp"
+#include "testing/device_tensors.hpp"
 #include "moka/device_group.hpp"
 #include "moka/layer.hpp"
 
