@@ -229,7 +229,7 @@ void print_cuda_comparison(std::ostream& os, const std::vector<BenchRow>& rows) 
                 "torch_ms", "vs_torch", "vs_torch_paired");
   os << line;
   for (const auto& r : rows) {
-    const auto j = nlohmann::json::parse("{" + r.extra_json + "}");
+    const auto& j = r.extra;
     std::snprintf(line, sizeof(line),
                   "%-16s %7lld %4d %9.1f %10.1f %7.1f%% %10.2fx %9.2fx%s %10.1f %10.1f %10.2f %9.2fx %9.2fx (n=%d)\n",
                   r.shape.c_str(), static_cast<long long>(r.tokens_per_rank), r.ep, j.value("dense_peak_tflops", 0.0),
@@ -303,20 +303,28 @@ BenchRow run_cuda_case(const NamedShape& ns, int64_t tokens, const CudaBenchOpti
   row.tflops = 3.0 * sh.forward_flops(tokens) / (m.total * 1e-3) / 1e12;
   row.max_rel_error = err;
   const TorchResult torch = torch_result(o.torch_results, ns.name, tokens);
-  std::ostringstream extra;
-  extra << "\"dense_peak_tflops\": " << peak << ", \"grouped_gemm_tflops\": " << gemm
-        << ", \"grouped_gemm_pct_peak\": " << 100.0 * gemm / peak << ", \"baseline_fwd_ms\": " << b.fwd
-        << ", \"baseline_bwd_ms\": " << b.bwd << ", \"baseline_fwdbwd_ms\": " << b.total
-        << ", \"speedup_vs_cublas_loop\": " << b.total / m.total << ", \"error_vs\": \"cublas-loop\""
-        << ", \"fused_swiglu_fwd_ms\": " << fwd.a_ms << ", \"unfused_swiglu_fwd_ms\": " << fwd.b_ms
-        << ", \"fused_swiglu_fwd_speedup\": " << fwd.ratio
-        << ", \"fused_swiglu_identical\": " << (fused_identical ? "true" : "false");
-  if (torch.fwdbwd_ms > 0)
-    extra << ", \"torch_fwdbwd_ms\": " << torch.fwdbwd_ms << ", \"speedup_vs_torch\": " << torch.fwdbwd_ms / m.total;
-  if (torch.paired_runs > 0)
-    extra << ", \"speedup_vs_torch_paired\": " << torch.paired_ratio << ", \"paired_runs\": " << torch.paired_runs
-          << ", \"paired_moka_fwdbwd_ms\": " << torch.paired_moka_ms;
-  row.extra_json = extra.str();
+  auto& e = row.extra;
+  e["dense_peak_tflops"] = peak;
+  e["grouped_gemm_tflops"] = gemm;
+  e["grouped_gemm_pct_peak"] = 100.0 * gemm / peak;
+  e["baseline_fwd_ms"] = b.fwd;
+  e["baseline_bwd_ms"] = b.bwd;
+  e["baseline_fwdbwd_ms"] = b.total;
+  e["speedup_vs_cublas_loop"] = b.total / m.total;
+  e["error_vs"] = "cublas-loop";
+  e["fused_swiglu_fwd_ms"] = fwd.a_ms;
+  e["unfused_swiglu_fwd_ms"] = fwd.b_ms;
+  e["fused_swiglu_fwd_speedup"] = fwd.ratio;
+  e["fused_swiglu_identical"] = fused_identical;
+  if (torch.fwdbwd_ms > 0) {
+    e["torch_fwdbwd_ms"] = torch.fwdbwd_ms;
+    e["speedup_vs_torch"] = torch.fwdbwd_ms / m.total;
+  }
+  if (torch.paired_runs > 0) {
+    e["speedup_vs_torch_paired"] = torch.paired_ratio;
+    e["paired_runs"] = torch.paired_runs;
+    e["paired_moka_fwdbwd_ms"] = torch.paired_moka_ms;
+  }
   return row;
 }
 
@@ -538,33 +546,43 @@ std::optional<BenchRow> run_cuda_ep_case(ProcessGroup& workers, const NamedShape
   row.bwd_ms = bwd;
   row.fwdbwd_ms = total;
   row.tflops = 3.0 * sh.forward_flops(tokens) / (total * 1e-3) / 1e12;
-  row.max_rel_error = -1;  // checked against the CPU reference by moka_ep_gpu_check, not here
+  // max_rel_error stays unset: moka_ep_gpu_check checks this path against the CPU reference.
   const double gbs = [&](double ms) { return link.bytes_per_rank / (ms * 1e-3) / 1e9; }(a2a);
   const double copy_gbs = link.bytes_per_rank / (copy * 1e-3) / 1e9;
   // Torch routes uniformly: its times are comparable with uniform runs only.
   const TorchResult torch = o.routing == "uniform" ? torch_result(o.torch_results, ns.name, tokens, R) : TorchResult{};
   const double tms = torch.fwdbwd_ms;
-  std::ostringstream extra;
-  extra << "\"nccl_all_to_all_gbs\": " << gbs << ", \"peer_copy_gbs\": " << copy_gbs
-        << ", \"dispatch_bytes_per_rank\": " << link.bytes_per_rank
-        << ", \"times\": \"max over ranks of per-rank medians\"";
-  if (tms > 0) extra << ", \"torch_fwdbwd_ms\": " << tms << ", \"speedup_vs_torch\": " << tms / total;
+  auto& e = row.extra;
+  e["nccl_all_to_all_gbs"] = gbs;
+  e["peer_copy_gbs"] = copy_gbs;
+  e["dispatch_bytes_per_rank"] = link.bytes_per_rank;
+  e["times"] = "max over ranks of per-rank medians";
+  if (tms > 0) {
+    e["torch_fwdbwd_ms"] = tms;
+    e["speedup_vs_torch"] = tms / total;
+  }
   // The megakernel forward against its floor (both ceilings measured in this run).
   const Floor f = layer_floor(sh, tokens, routes, R, peak, copy_gbs);
   const double flops_floor = f.flops_ms, bytes_floor = f.bytes_ms;
   const double floor = std::max(flops_floor, bytes_floor);
   const double torch_fwd = torch.fwd_ms;
-  extra << ", \"megakernel_fwd_ms\": " << mk_fwd << ", \"all_to_all_fwd_ms_paired\": " << mk.fwd.a_ms
-        << ", \"megakernel_speedup_vs_all_to_all\": " << 1.0 / mk.fwd.ratio
-        << ", \"megakernel_max_rel_diff_vs_all_to_all\": " << mk.max_rel_diff << ", \"dense_peak_tflops\": " << peak
-        << ", \"floor_ms\": " << floor << ", \"floor_flops_ms\": " << flops_floor
-        << ", \"floor_bytes_ms\": " << bytes_floor << ", \"megakernel_vs_floor\": " << mk_fwd / floor
-        << ", \"megakernel_config\": \"comm_sms=" << o.megakernel.num_comm_sms
-        << " minibatch=" << o.megakernel.minibatch_size << " macrobatch=" << o.megakernel.macrobatch_size
-        << " row_order=" << (o.megakernel.row_order == RowOrder::rate_based ? "rate_based" : "round_robin") << "\"";
-  if (torch_fwd > 0)
-    extra << ", \"torch_fwd_ms\": " << torch_fwd << ", \"megakernel_speedup_vs_torch_fwd\": " << torch_fwd / mk_fwd;
-  row.extra_json = extra.str();
+  e["megakernel_fwd_ms"] = mk_fwd;
+  e["all_to_all_fwd_ms_paired"] = mk.fwd.a_ms;
+  e["megakernel_speedup_vs_all_to_all"] = 1.0 / mk.fwd.ratio;
+  e["megakernel_max_rel_diff_vs_all_to_all"] = mk.max_rel_diff;
+  e["dense_peak_tflops"] = peak;
+  e["floor_ms"] = floor;
+  e["floor_flops_ms"] = flops_floor;
+  e["floor_bytes_ms"] = bytes_floor;
+  e["megakernel_vs_floor"] = mk_fwd / floor;
+  e["megakernel_config"] = "comm_sms=" + std::to_string(o.megakernel.num_comm_sms) +
+                           " minibatch=" + std::to_string(o.megakernel.minibatch_size) +
+                           " macrobatch=" + std::to_string(o.megakernel.macrobatch_size) + " row_order=" +
+                           (o.megakernel.row_order == RowOrder::rate_based ? "rate_based" : "round_robin");
+  if (torch_fwd > 0) {
+    e["torch_fwd_ms"] = torch_fwd;
+    e["megakernel_speedup_vs_torch_fwd"] = torch_fwd / mk_fwd;
+  }
   return row;
 }
 
@@ -597,8 +615,7 @@ std::vector<BenchRow> run_megakernel_tune(ProcessGroup* workers, const NamedShap
                             t.device, R, tokens, o.iters);
       row.fwd_ms = ms;
       row.tflops = sh.forward_flops(tokens) / (ms * 1e-3) / 1e12;
-      row.extra_json = "\"num_comm_sms\": " + std::to_string(comm) + ", \"minibatch_size\": " +
-                       std::to_string(minibatch) + ", \"tflops_note\": \"forward only\"";
+      row.extra = {{"num_comm_sms", comm}, {"minibatch_size", minibatch}, {"tflops_note", "forward only"}};
       rows.push_back(row);
     }
   }

@@ -34,12 +34,11 @@ std::string bench_json(const BenchRow& r) {
   j["bwd_ms"] = r.bwd_ms;
   j["fwdbwd_ms"] = r.fwdbwd_ms;
   j["tflops"] = r.tflops;
-  j["max_rel_error"] = r.max_rel_error;
+  j["max_rel_error"] = r.max_rel_error ? nlohmann::ordered_json(*r.max_rel_error) : nlohmann::ordered_json();
   j["commit"] = build_commit();
   j["device"] = r.device;
-  std::string s = j.dump();
-  if (!r.extra_json.empty()) s = s.substr(0, s.size() - 1) + ", " + r.extra_json + "}";
-  return s;
+  j.update(r.extra);
+  return j.dump();
 }
 
 void print_table(std::ostream& os, const std::vector<BenchRow>& rows) {
@@ -52,7 +51,13 @@ void print_table(std::ostream& os, const std::vector<BenchRow>& rows) {
        << std::setw(4) << r.ep << std::right << std::setw(8) << r.tokens_per_rank << std::fixed
        << std::setprecision(3) << std::setw(11) << r.fwd_ms << std::setw(11) << r.bwd_ms << std::setw(11)
        << r.fwdbwd_ms << std::setprecision(4) << std::setw(10) << r.tflops << std::scientific
-       << std::setprecision(2) << std::setw(12) << r.max_rel_error << std::defaultfloat << "\n";
+       << std::setprecision(2) << std::setw(12);
+    if (r.max_rel_error) {
+      os << *r.max_rel_error;
+    } else {
+      os << "-";
+    }
+    os << std::defaultfloat << "\n";
   }
 }
 

@@ -3,6 +3,8 @@
 #pragma once
 #include <cstdint>
 #include <iosfwd>
+#include <nlohmann/json.hpp>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -17,8 +19,8 @@ struct BenchRow {
   int iters = 0;
   double fwd_ms = 0, bwd_ms = 0, fwdbwd_ms = 0;
   double tflops = 0;          // useful FLOPs of forward+backward per rank / fwdbwd time
-  double max_rel_error = -1;  // against the fp64 reference; -1 = not checked
-  std::string extra_json;     // further fields as `"key": value, ...` (may be empty)
+  std::optional<double> max_rel_error;  // against the reference; none: not checked (JSON null, table "-")
+  nlohmann::ordered_json extra = nlohmann::ordered_json::object();  // further fields, after the common ones
 };
 
 double median(std::vector<double> v);
