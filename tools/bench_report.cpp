@@ -41,6 +41,29 @@ std::string bench_json(const BenchRow& r) {
   return j.dump();
 }
 
+void print_cuda_comparison(std::ostream& os, const std::vector<BenchRow>& rows) {
+  // vs_torch: ratio of the two medians; vs_torch_paired: median of per-run ratios (see TorchResult).
+  char line[320];
+  // fused_fwd: forward speedup of the SwiGLU epilogue over the unfused path (median of paired
+  // runs; "!" when their bits differ).
+  std::snprintf(line, sizeof(line), "%-16s %7s %4s %9s %10s %8s %11s %10s %10s %10s %10s %10s %16s\n", "shape",
+                "tokens", "ep", "peak_TF", "gemm_TF", "gemm_%", "vs_cublas", "fused_fwd", "a2a_GB/s", "copy_GB/s",
+                "torch_ms", "vs_torch", "vs_torch_paired");
+  os << line;
+  for (const auto& r : rows) {
+    const auto& j = r.extra;
+    std::snprintf(line, sizeof(line),
+                  "%-16s %7lld %4d %9.1f %10.1f %7.1f%% %10.2fx %9.2fx%s %10.1f %10.1f %10.2f %9.2fx %9.2fx (n=%d)\n",
+                  r.shape.c_str(), static_cast<long long>(r.tokens_per_rank), r.ep, j.value("dense_peak_tflops", 0.0),
+                  j.value("grouped_gemm_tflops", 0.0), j.value("grouped_gemm_pct_peak", 0.0),
+                  j.value("speedup_vs_cublas_loop", 0.0), j.value("fused_swiglu_fwd_speedup", 0.0),
+                  j.value("fused_swiglu_identical", true) ? " " : "!", j.value("nccl_all_to_all_gbs", 0.0),
+                  j.value("peer_copy_gbs", 0.0), j.value("torch_fwdbwd_ms", 0.0), j.value("speedup_vs_torch", 0.0),
+                  j.value("speedup_vs_torch_paired", 0.0), j.value("paired_runs", 0));
+    os << line;
+  }
+}
+
 void print_table(std::ostream& os, const std::vector<BenchRow>& rows) {
   os << std::left << std::setw(16) << "shape" << std::setw(10) << "path" << std::setw(8) << "backend"
      << std::setw(4) << "ep" << std::right << std::setw(8) << "tokens" << std::setw(11) << "fwd ms"

@@ -29,6 +29,9 @@ void dump_routing(const std::string& path, const NamedShape& ns, int64_t tokens,
                   const std::vector<std::vector<int32_t>>& ids);
 std::string bench_json(const BenchRow& row);
 void print_table(std::ostream& os, const std::vector<BenchRow>& rows);
+// The CUDA rows' comparison columns (from their extra JSON): dense peak, grouped GEMM share of
+// it, and the speedups over the cuBLAS loop and over PyTorch.
+void print_cuda_comparison(std::ostream& os, const std::vector<BenchRow>& rows);
 
 // A progress line on stderr, redrawn in place on a terminal and printed once per case otherwise.
 class Progress {
