@@ -3,7 +3,7 @@
 #include <gtest/gtest.h>
 
 #include "core/routing_gen.hpp"
-#include "cpu/layer_buffers.hpp"
+#include "testing/layer_buffers.hpp"
 #include "moka/moka.hpp"
 
 namespace moka::test {

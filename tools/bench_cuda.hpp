@@ -65,8 +65,4 @@ std::vector<IncastRow> run_incast(ProcessGroup& workers, size_t bytes, int iters
 // A worker process uses the GPU of its local rank.
 void select_worker_device(int local_rank);
 
-// The CUDA rows' comparison columns (from their extra JSON): dense peak, grouped GEMM share of
-// it, and the speedups over the cuBLAS loop and over PyTorch.
-void print_cuda_comparison(std::ostream& os, const std::vector<BenchRow>& rows);
-
 }  // namespace moka::cli

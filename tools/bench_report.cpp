@@ -34,12 +34,34 @@ std::string bench_json(const BenchRow& r) {
   j["bwd_ms"] = r.bwd_ms;
   j["fwdbwd_ms"] = r.fwdbwd_ms;
   j["tflops"] = r.tflops;
-  j["max_rel_error"] = r.max_rel_error;
+  j["max_rel_error"] = r.max_rel_error ? nlohmann::ordered_json(*r.max_rel_error) : nlohmann::ordered_json();
   j["commit"] = build_commit();
   j["device"] = r.device;
-  std::string s = j.dump();
-  if (!r.extra_json.empty()) s = s.substr(0, s.size() - 1) + ", " + r.extra_json + "}";
-  return s;
+  j.update(r.extra);
+  return j.dump();
+}
+
+void print_cuda_comparison(std::ostream& os, const std::vector<BenchRow>& rows) {
+  // vs_torch: ratio of the two medians; vs_torch_paired: median of per-run ratios (see TorchResult).
+  char line[320];
+  // fused_fwd: forward speedup of the SwiGLU epilogue over the unfused path (median of paired
+  // runs; "!" when their bits differ).
+  std::snprintf(line, sizeof(line), "%-16s %7s %4s %9s %10s %8s %11s %10s %10s %10s %10s %10s %16s\n", "shape",
+                "tokens", "ep", "peak_TF", "gemm_TF", "gemm_%", "vs_cublas", "fused_fwd", "a2a_GB/s", "copy_GB/s",
+                "torch_ms", "vs_torch", "vs_torch_paired");
+  os << line;
+  for (const auto& r : rows) {
+    const auto& j = r.extra;
+    std::snprintf(line, sizeof(line),
+                  "%-16s %7lld %4d %9.1f %10.1f %7.1f%% %10.2fx %9.2fx%s %10.1f %10.1f %10.2f %9.2fx %9.2fx (n=%d)\n",
+                  r.shape.c_str(), static_cast<long long>(r.tokens_per_rank), r.ep, j.value("dense_peak_tflops", 0.0),
+                  j.value("grouped_gemm_tflops", 0.0), j.value("grouped_gemm_pct_peak", 0.0),
+                  j.value("speedup_vs_cublas_loop", 0.0), j.value("fused_swiglu_fwd_speedup", 0.0),
+                  j.value("fused_swiglu_identical", true) ? " " : "!", j.value("nccl_all_to_all_gbs", 0.0),
+                  j.value("peer_copy_gbs", 0.0), j.value("torch_fwdbwd_ms", 0.0), j.value("speedup_vs_torch", 0.0),
+                  j.value("speedup_vs_torch_paired", 0.0), j.value("paired_runs", 0));
+    os << line;
+  }
 }
 
 void print_table(std::ostream& os, const std::vector<BenchRow>& rows) {
@@ -52,7 +74,13 @@ void print_table(std::ostream& os, const std::vector<BenchRow>& rows) {
        << std::setw(4) << r.ep << std::right << std::setw(8) << r.tokens_per_rank << std::fixed
        << std::setprecision(3) << std::setw(11) << r.fwd_ms << std::setw(11) << r.bwd_ms << std::setw(11)
        << r.fwdbwd_ms << std::setprecision(4) << std::setw(10) << r.tflops << std::scientific
-       << std::setprecision(2) << std::setw(12) << r.max_rel_error << std::defaultfloat << "\n";
+       << std::setprecision(2) << std::setw(12);
+    if (r.max_rel_error) {
+      os << *r.max_rel_error;
+    } else {
+      os << "-";
+    }
+    os << std::defaultfloat << "\n";
   }
 }
 

@@ -4,6 +4,8 @@
 #include <chrono>
 #include <cstdint>
 #include <iosfwd>
+#include <nlohmann/json.hpp>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -18,8 +20,8 @@ struct BenchRow {
   int iters = 0;
   double fwd_ms = 0, bwd_ms = 0, fwdbwd_ms = 0;
   double tflops = 0;          // useful FLOPs of forward+backward per rank / fwdbwd time
-  double max_rel_error = -1;  // against the fp64 reference; -1 = not checked
-  std::string extra_json;     // further fields as `"key": value, ...` (may be empty)
+  std::optional<double> max_rel_error;  // against the reference; none: not checked (JSON null, table "-")
+  nlohmann::ordered_json extra = nlohmann::ordered_json::object();  // further fields, after the common ones
 };
 
 double median(std::vector<double> v);
@@ -28,6 +30,9 @@ void dump_routing(const std::string& path, const NamedShape& ns, int64_t tokens,
                   const std::vector<std::vector<int32_t>>& ids);
 std::string bench_json(const BenchRow& row);
 void print_table(std::ostream& os, const std::vector<BenchRow>& rows);
+// The CUDA rows' comparison columns (from their extra JSON): dense peak, grouped GEMM share of
+// it, and the speedups over the cuBLAS loop and over PyTorch.
+void print_cuda_comparison(std::ostream& os, const std::vector<BenchRow>& rows);
 
 // A progress line on stderr with the seconds since the start, redrawn in place on a terminal and
 // printed once per case otherwise.

@@ -13,7 +13,7 @@
 #include "bench_report.hpp"
 #include "commands.hpp"
 #include "core/routing_gen.hpp"
-#include "cpu/layer_buffers.hpp"
+#include "testing/layer_buffers.hpp"
 #include "moka/distributed.hpp"
 #include "moka/moka.hpp"
 #include "option_checks.hpp"

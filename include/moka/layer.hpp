@@ -66,7 +66,7 @@ struct LayerOptions {
   // The megakernel path: tokens per rank its buffers hold (it requires >= 1; with 0, automatic
   // never picks it) and its knobs (tile_rows and row_order come from the fields above).
   int64_t max_tokens = 0;
-  MegakernelConfig megakernel;
+  MegakernelConfig megakernel{};
 };
 
 // State saved by forward for backward. Opaque; backend-specific.

@@ -12,10 +12,11 @@
 #include <random>
 #include <vector>
 
-#include "cpu/layer_buffers.hpp"
+#include "testing/layer_buffers.hpp"
 #include "cuda/common/check.hpp"
 #include "cuda/cuda_backend.hpp"
-#include "cuda/device_tensors.hpp"
+#include "testing/device_tensors.hpp"
+#include "testing/megakernel_options.hpp"
 #include "moka/device_group.hpp"
 #include "moka/layer.hpp"
 
@@ -52,16 +53,7 @@ inline MegakernelConfig megakernel_config(int comm_sms, int64_t minibatch, int64
   return c;
 }
 
-// The options of a megakernel-path layer with these knobs, for up to `max_tokens` tokens per rank.
-inline LayerOptions megakernel_options(const MegakernelConfig& c, int64_t max_tokens) {
-  LayerOptions o;
-  o.path = LayerPath::megakernel;
-  o.max_tokens = max_tokens;
-  o.megakernel = c;
-  o.tile_rows = c.tile_rows;
-  o.row_order = c.row_order;
-  return o;
-}
+using fixtures::megakernel_options;
 
 // Captures enqueue(stream) (moka calls on the given fresh stream) into a CUDA graph, then
 // replays it `replays` times; after(i) runs once replay i has finished.

@@ -9,7 +9,7 @@
 
 #include "core/routing_gen.hpp"
 #include "cuda/cuda_backend.hpp"
-#include "cuda/device_tensors.hpp"
+#include "testing/device_tensors.hpp"
 #include "gpu_case.hpp"
 #include "moka/moka.hpp"
 

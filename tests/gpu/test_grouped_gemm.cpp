@@ -16,7 +16,7 @@
 #include <random>
 
 #include "core/activation.hpp"
-#include "cuda/device_tensors.hpp"
+#include "testing/device_tensors.hpp"
 #include "cuda/gemm/grouped_gemm.hpp"
 #include "cuda/layer/layer_kernels.hpp"
 #include "gpu_case.hpp"

@@ -14,7 +14,6 @@
 #include "moka/error.hpp"
 #include "moka/process_group.hpp"
 
-#if MOKA_HAVE_CUDA
 #include <cublas_v2.h>
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
@@ -22,58 +21,15 @@
 #include "core/routing_gen.hpp"
 #include "cuda/common/check.hpp"
 #include "cuda/cuda_backend.hpp"
-#include "cuda/device_tensors.hpp"
+#include "testing/device_tensors.hpp"
 #include "cuda/gemm/grouped_gemm.hpp"
 #include "cuda/layer/layer_kernels.hpp"
 #include "moka/device_group.hpp"
 #include "moka/moka.hpp"
-#endif
+#include "gpu/bench_timing.hpp"
 
 namespace moka::cli {
-
-#if MOKA_HAVE_CUDA
 namespace {
-
-using Dev = cuda::DeviceMemory;
-using LayerTensors = cuda::DeviceLayerTensors;
-
-// Median milliseconds of `fn` over iters, timed with events after warmup runs.
-template <typename Fn>
-double time_ms(Fn&& fn, int warmup, int iters, cudaStream_t s) {
-  for (int i = 0; i < warmup; ++i) fn();
-  cudaEvent_t a, b;
-  MOKA_CUDA_CHECK(cudaEventCreate(&a));
-  MOKA_CUDA_CHECK(cudaEventCreate(&b));
-  std::vector<double> ms;
-  for (int i = 0; i < iters; ++i) {
-    MOKA_CUDA_CHECK(cudaEventRecord(a, s));
-    fn();
-    MOKA_CUDA_CHECK(cudaEventRecord(b, s));
-    MOKA_CUDA_CHECK(cudaEventSynchronize(b));
-    float t = 0;
-    MOKA_CUDA_CHECK(cudaEventElapsedTime(&t, a, b));
-    ms.push_back(t);
-  }
-  cudaEventDestroy(a);
-  cudaEventDestroy(b);
-  return median(ms);
-}
-
-// Two functions timed alternately, iteration by iteration: the median of each and the median of
-// the per-iteration ratios b/a (side by side, so drifting clocks affect both alike).
-struct Paired {
-  double a_ms = 0, b_ms = 0, ratio = 0;
-};
-template <typename A, typename B>
-Paired time_paired(A&& a, B&& b, int warmup, int iters, cudaStream_t s) {
-  std::vector<double> ta, tb, ratio;
-  for (int i = 0; i < iters; ++i) {
-    ta.push_back(time_ms(a, i == 0 ? warmup : 0, 1, s));
-    tb.push_back(time_ms(b, i == 0 ? warmup : 0, 1, s));
-    ratio.push_back(tb.back() / ta.back());
-  }
-  return {median(ta), median(tb), median(ratio)};
-}
 
 // Dense bf16 cuBLAS peak of this GPU, now: 8192^3 on random data.
 double dense_peak_tflops(cudaStream_t s) {
@@ -199,18 +155,6 @@ TorchResult torch_result(const std::string& path, const std::string& shape, int6
   return r;
 }
 
-// The stream one single-GPU case runs on (every moka call of the case is given it).
-struct CaseStream {
-  cudaStream_t s = nullptr;
-  explicit CaseStream(const std::string& command) {
-    require(cuda_backend_available(), ErrorCode::backend_unavailable, command + " needs a GPU (none is visible)");
-    MOKA_CUDA_CHECK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
-  }
-  ~CaseStream() {
-    cudaStreamDestroy(s);
-  }
-};
-
 // Random tensors and uniform routing: torch_baseline.py routes uniformly at random too, so
 // expert loads match in distribution (the draws themselves differ).
 void randomize_uniform(LayerTensors& t, const MoeShape& sh, int64_t tokens, uint64_t seed) {
@@ -218,29 +162,6 @@ void randomize_uniform(LayerTensors& t, const MoeShape& sh, int64_t tokens, uint
 }
 
 }  // namespace
-
-void print_cuda_comparison(std::ostream& os, const std::vector<BenchRow>& rows) {
-  // vs_torch: ratio of the two medians; vs_torch_paired: median of per-run ratios (see TorchResult).
-  char line[320];
-  // fused_fwd: forward speedup of the SwiGLU epilogue over the unfused path (median of paired
-  // runs; "!" when their bits differ).
-  std::snprintf(line, sizeof(line), "%-16s %7s %4s %9s %10s %8s %11s %10s %10s %10s %10s %10s %16s\n", "shape",
-                "tokens", "ep", "peak_TF", "gemm_TF", "gemm_%", "vs_cublas", "fused_fwd", "a2a_GB/s", "copy_GB/s",
-                "torch_ms", "vs_torch", "vs_torch_paired");
-  os << line;
-  for (const auto& r : rows) {
-    const auto j = nlohmann::json::parse("{" + r.extra_json + "}");
-    std::snprintf(line, sizeof(line),
-                  "%-16s %7lld %4d %9.1f %10.1f %7.1f%% %10.2fx %9.2fx%s %10.1f %10.1f %10.2f %9.2fx %9.2fx (n=%d)\n",
-                  r.shape.c_str(), static_cast<long long>(r.tokens_per_rank), r.ep, j.value("dense_peak_tflops", 0.0),
-                  j.value("grouped_gemm_tflops", 0.0), j.value("grouped_gemm_pct_peak", 0.0),
-                  j.value("speedup_vs_cublas_loop", 0.0), j.value("fused_swiglu_fwd_speedup", 0.0),
-                  j.value("fused_swiglu_identical", true) ? " " : "!", j.value("nccl_all_to_all_gbs", 0.0),
-                  j.value("peer_copy_gbs", 0.0), j.value("torch_fwdbwd_ms", 0.0), j.value("speedup_vs_torch", 0.0),
-                  j.value("speedup_vs_torch_paired", 0.0), j.value("paired_runs", 0));
-    os << line;
-  }
-}
 
 BenchRow run_cuda_case(const NamedShape& ns, int64_t tokens, const CudaBenchOptions& o) {
   const CaseStream stream("moka bench --backend cuda");
@@ -303,20 +224,28 @@ BenchRow run_cuda_case(const NamedShape& ns, int64_t tokens, const CudaBenchOpti
   row.tflops = 3.0 * sh.forward_flops(tokens) / (m.total * 1e-3) / 1e12;
   row.max_rel_error = err;
   const TorchResult torch = torch_result(o.torch_results, ns.name, tokens);
-  std::ostringstream extra;
-  extra << "\"dense_peak_tflops\": " << peak << ", \"grouped_gemm_tflops\": " << gemm
-        << ", \"grouped_gemm_pct_peak\": " << 100.0 * gemm / peak << ", \"baseline_fwd_ms\": " << b.fwd
-        << ", \"baseline_bwd_ms\": " << b.bwd << ", \"baseline_fwdbwd_ms\": " << b.total
-        << ", \"speedup_vs_cublas_loop\": " << b.total / m.total << ", \"error_vs\": \"cublas-loop\""
-        << ", \"fused_swiglu_fwd_ms\": " << fwd.a_ms << ", \"unfused_swiglu_fwd_ms\": " << fwd.b_ms
-        << ", \"fused_swiglu_fwd_speedup\": " << fwd.ratio
-        << ", \"fused_swiglu_identical\": " << (fused_identical ? "true" : "false");
-  if (torch.fwdbwd_ms > 0)
-    extra << ", \"torch_fwdbwd_ms\": " << torch.fwdbwd_ms << ", \"speedup_vs_torch\": " << torch.fwdbwd_ms / m.total;
-  if (torch.paired_runs > 0)
-    extra << ", \"speedup_vs_torch_paired\": " << torch.paired_ratio << ", \"paired_runs\": " << torch.paired_runs
-          << ", \"paired_moka_fwdbwd_ms\": " << torch.paired_moka_ms;
-  row.extra_json = extra.str();
+  auto& e = row.extra;
+  e["dense_peak_tflops"] = peak;
+  e["grouped_gemm_tflops"] = gemm;
+  e["grouped_gemm_pct_peak"] = 100.0 * gemm / peak;
+  e["baseline_fwd_ms"] = b.fwd;
+  e["baseline_bwd_ms"] = b.bwd;
+  e["baseline_fwdbwd_ms"] = b.total;
+  e["speedup_vs_cublas_loop"] = b.total / m.total;
+  e["error_vs"] = "cublas-loop";
+  e["fused_swiglu_fwd_ms"] = fwd.a_ms;
+  e["unfused_swiglu_fwd_ms"] = fwd.b_ms;
+  e["fused_swiglu_fwd_speedup"] = fwd.ratio;
+  e["fused_swiglu_identical"] = fused_identical;
+  if (torch.fwdbwd_ms > 0) {
+    e["torch_fwdbwd_ms"] = torch.fwdbwd_ms;
+    e["speedup_vs_torch"] = torch.fwdbwd_ms / m.total;
+  }
+  if (torch.paired_runs > 0) {
+    e["speedup_vs_torch_paired"] = torch.paired_ratio;
+    e["paired_runs"] = torch.paired_runs;
+    e["paired_moka_fwdbwd_ms"] = torch.paired_moka_ms;
+  }
   return row;
 }
 
@@ -367,29 +296,6 @@ LinkTiming time_links(DeviceGroup& g, size_t bytes_per_peer, const CudaBenchOpti
   MOKA_CUDA_CHECK(cudaStreamSynchronize(s));
   g.check_device_errors();
   return t;
-}
-
-double max_over_ranks(ProcessGroup& g, double v) {
-  std::vector<double> all(g.size());
-  g.all_gather(&v, all.data(), sizeof(double));
-  return *std::max_element(all.begin(), all.end());
-}
-
-// The fields every expert-parallel CUDA row shares (bf16, uniform routing, "<R>x <GPU name>").
-BenchRow ep_row(const NamedShape& ns, const std::string& path, int device, int ranks, int64_t tokens, int iters) {
-  cudaDeviceProp prop;
-  MOKA_CUDA_CHECK(cudaGetDeviceProperties(&prop, device));
-  BenchRow row;
-  row.shape = ns.name;
-  row.backend = "cuda";
-  row.path = path;
-  row.device = std::to_string(ranks) + "x " + prop.name;
-  row.dtype = "bf16";
-  row.routing = "uniform";
-  row.ep = ranks;
-  row.tokens_per_rank = tokens;
-  row.iters = iters;
-  return row;
 }
 
 // This rank's top-k ids for an expert-parallel case (o.routing; see CudaBenchOptions).
@@ -454,18 +360,6 @@ struct MegakernelTiming {
   Paired fwd;  // a: all-to-all path, b: megakernel
   double max_rel_diff = 0;
 };
-// A megakernel-path layer with these knobs for up to `max_tokens` tokens per rank.
-std::unique_ptr<MoeLayer> megakernel_layer(const MoeShape& shape, DeviceGroup* group, const MegakernelConfig& config,
-                                           int64_t max_tokens) {
-  LayerOptions options;
-  options.path = LayerPath::megakernel;
-  options.max_tokens = max_tokens;
-  options.megakernel = config;
-  options.tile_rows = config.tile_rows;
-  options.row_order = config.row_order;
-  return make_moe_layer(shape, group, options);
-}
-
 MegakernelTiming time_megakernel(MoeLayer& layer, DeviceGroup* group, const NamedShape& ns, const LayerTensors& t,
                                  const CudaBenchOptions& o, cudaStream_t s) {
   auto mk = megakernel_layer(ns.shape, group, o.megakernel, t.T);
@@ -538,167 +432,44 @@ std::optional<BenchRow> run_cuda_ep_case(ProcessGroup& workers, const NamedShape
   row.bwd_ms = bwd;
   row.fwdbwd_ms = total;
   row.tflops = 3.0 * sh.forward_flops(tokens) / (total * 1e-3) / 1e12;
-  row.max_rel_error = -1;  // checked against the CPU reference by moka_ep_gpu_check, not here
+  // max_rel_error stays unset: moka_ep_gpu_check checks this path against the CPU reference.
   const double gbs = [&](double ms) { return link.bytes_per_rank / (ms * 1e-3) / 1e9; }(a2a);
   const double copy_gbs = link.bytes_per_rank / (copy * 1e-3) / 1e9;
   // Torch routes uniformly: its times are comparable with uniform runs only.
   const TorchResult torch = o.routing == "uniform" ? torch_result(o.torch_results, ns.name, tokens, R) : TorchResult{};
   const double tms = torch.fwdbwd_ms;
-  std::ostringstream extra;
-  extra << "\"nccl_all_to_all_gbs\": " << gbs << ", \"peer_copy_gbs\": " << copy_gbs
-        << ", \"dispatch_bytes_per_rank\": " << link.bytes_per_rank
-        << ", \"times\": \"max over ranks of per-rank medians\"";
-  if (tms > 0) extra << ", \"torch_fwdbwd_ms\": " << tms << ", \"speedup_vs_torch\": " << tms / total;
+  auto& e = row.extra;
+  e["nccl_all_to_all_gbs"] = gbs;
+  e["peer_copy_gbs"] = copy_gbs;
+  e["dispatch_bytes_per_rank"] = link.bytes_per_rank;
+  e["times"] = "max over ranks of per-rank medians";
+  if (tms > 0) {
+    e["torch_fwdbwd_ms"] = tms;
+    e["speedup_vs_torch"] = tms / total;
+  }
   // The megakernel forward against its floor (both ceilings measured in this run).
   const Floor f = layer_floor(sh, tokens, routes, R, peak, copy_gbs);
   const double flops_floor = f.flops_ms, bytes_floor = f.bytes_ms;
   const double floor = std::max(flops_floor, bytes_floor);
   const double torch_fwd = torch.fwd_ms;
-  extra << ", \"megakernel_fwd_ms\": " << mk_fwd << ", \"all_to_all_fwd_ms_paired\": " << mk.fwd.a_ms
-        << ", \"megakernel_speedup_vs_all_to_all\": " << 1.0 / mk.fwd.ratio
-        << ", \"megakernel_max_rel_diff_vs_all_to_all\": " << mk.max_rel_diff << ", \"dense_peak_tflops\": " << peak
-        << ", \"floor_ms\": " << floor << ", \"floor_flops_ms\": " << flops_floor
-        << ", \"floor_bytes_ms\": " << bytes_floor << ", \"megakernel_vs_floor\": " << mk_fwd / floor
-        << ", \"megakernel_config\": \"comm_sms=" << o.megakernel.num_comm_sms
-        << " minibatch=" << o.megakernel.minibatch_size << " macrobatch=" << o.megakernel.macrobatch_size
-        << " row_order=" << (o.megakernel.row_order == RowOrder::rate_based ? "rate_based" : "round_robin") << "\"";
-  if (torch_fwd > 0)
-    extra << ", \"torch_fwd_ms\": " << torch_fwd << ", \"megakernel_speedup_vs_torch_fwd\": " << torch_fwd / mk_fwd;
-  row.extra_json = extra.str();
+  e["megakernel_fwd_ms"] = mk_fwd;
+  e["all_to_all_fwd_ms_paired"] = mk.fwd.a_ms;
+  e["megakernel_speedup_vs_all_to_all"] = 1.0 / mk.fwd.ratio;
+  e["megakernel_max_rel_diff_vs_all_to_all"] = mk.max_rel_diff;
+  e["dense_peak_tflops"] = peak;
+  e["floor_ms"] = floor;
+  e["floor_flops_ms"] = flops_floor;
+  e["floor_bytes_ms"] = bytes_floor;
+  e["megakernel_vs_floor"] = mk_fwd / floor;
+  e["megakernel_config"] = "comm_sms=" + std::to_string(o.megakernel.num_comm_sms) +
+                           " minibatch=" + std::to_string(o.megakernel.minibatch_size) +
+                           " macrobatch=" + std::to_string(o.megakernel.macrobatch_size) + " row_order=" +
+                           (o.megakernel.row_order == RowOrder::rate_based ? "rate_based" : "round_robin");
+  if (torch_fwd > 0) {
+    e["torch_fwd_ms"] = torch_fwd;
+    e["megakernel_speedup_vs_torch_fwd"] = torch_fwd / mk_fwd;
+  }
   return row;
 }
-
-std::vector<BenchRow> run_megakernel_tune(ProcessGroup* workers, const NamedShape& ns, int64_t tokens,
-                                          const CudaBenchOptions& o, const std::vector<int>& comm_sms,
-                                          const std::vector<int64_t>& minibatches) {
-  const MoeShape& sh = ns.shape;
-  const int R = workers ? workers->size() : 1, rank = workers ? workers->rank() : 0;
-  cudaStream_t s;
-  MOKA_CUDA_CHECK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
-  LayerTensors t(sh, tokens, R);
-  t.randomize(o.seed * 1000 + rank,
-              core::sample_topk_ids({core::RoutingKind::uniform, 0.3, o.seed}, tokens, sh.top_k, sh.num_experts,
-                                    static_cast<uint64_t>(rank)));
-  std::unique_ptr<DeviceGroup> group;
-  if (workers) group = make_nccl_group(*workers, t.device);
-  std::vector<BenchRow> rows;
-  for (int comm : comm_sms) {
-    for (int64_t minibatch : minibatches) {
-      MegakernelConfig cfg = o.megakernel;
-      cfg.num_comm_sms = comm;
-      cfg.minibatch_size = minibatch;
-      cfg.macrobatch_size = std::max(cfg.macrobatch_size / minibatch, int64_t(1)) * minibatch;
-      auto mk = megakernel_layer(sh, group.get(), cfg, tokens);
-      double ms = time_ms([&] { mk->forward(t.inputs(), t.weights(), t.out_view(), Stream{s}); }, o.warmup, o.iters, s);
-      MOKA_CUDA_CHECK(cudaStreamSynchronize(s));
-      mk->check_errors();
-      if (workers) ms = max_over_ranks(*workers, ms);
-      BenchRow row = ep_row(ns, "megakernel comm_sms=" + std::to_string(comm) + " minibatch=" + std::to_string(minibatch),
-                            t.device, R, tokens, o.iters);
-      row.fwd_ms = ms;
-      row.tflops = sh.forward_flops(tokens) / (ms * 1e-3) / 1e12;
-      row.extra_json = "\"num_comm_sms\": " + std::to_string(comm) + ", \"minibatch_size\": " +
-                       std::to_string(minibatch) + ", \"tflops_note\": \"forward only\"";
-      rows.push_back(row);
-    }
-  }
-  group.reset();
-  MOKA_CUDA_CHECK(cudaStreamDestroy(s));
-  if (rank != 0) rows.clear();
-  return rows;
-}
-
-// One timed copy on a stream: events around it, read after it finished.
-class Flow {
- public:
-  Flow() {
-    MOKA_CUDA_CHECK(cudaEventCreate(&begin_));
-    MOKA_CUDA_CHECK(cudaEventCreate(&end_));
-  }
-  ~Flow() {
-    cudaEventDestroy(begin_);
-    cudaEventDestroy(end_);
-  }
-  Flow(const Flow&) = delete;
-  Flow& operator=(const Flow&) = delete;
-  void start(cudaStream_t s) { MOKA_CUDA_CHECK(cudaEventRecord(begin_, s)); }
-  void stop(cudaStream_t s) { MOKA_CUDA_CHECK(cudaEventRecord(end_, s)); }
-  double ms() const {
-    MOKA_CUDA_CHECK(cudaEventSynchronize(end_));
-    float t = 0;
-    MOKA_CUDA_CHECK(cudaEventElapsedTime(&t, begin_, end_));
-    return t;
-  }
-
- private:
-  cudaEvent_t begin_ = nullptr, end_ = nullptr;
-};
-
-std::vector<IncastRow> run_incast(ProcessGroup& workers, size_t bytes, int iters) {
-  const int R = workers.size(), rank = workers.rank();
-  require(R >= 3, ErrorCode::invalid_argument, "moka incast needs at least 3 GPUs (a receiver, senders, a victim's destination)");
-  int device = 0;
-  MOKA_CUDA_CHECK(cudaGetDevice(&device));
-  auto group = make_nccl_group(workers, device);
-  const SymmetricBuffer& inbox = group->allocate_symmetric(bytes * R);  // slot s: from rank s
-  Dev src(bytes), victim_src(bytes);
-  cudaStream_t incast_stream, victim_stream;
-  MOKA_CUDA_CHECK(cudaStreamCreateWithFlags(&incast_stream, cudaStreamNonBlocking));
-  MOKA_CUDA_CHECK(cudaStreamCreateWithFlags(&victim_stream, cudaStreamNonBlocking));
-  auto copy_to = [&](int peer, const Dev& from, cudaStream_t s) {
-    char* slot = static_cast<char*>(inbox.peers[peer]) + size_t(rank) * bytes;
-    MOKA_CUDA_CHECK(cudaMemcpyAsync(slot, from.data(), bytes, cudaMemcpyDeviceToDevice, s));
-  };
-  std::vector<IncastRow> rows;
-  for (int k = 0; k < R; ++k) {
-    const bool sends = rank >= 1 && rank <= k, victim = rank == 1;
-    std::vector<double> incast_ms, victim_ms;
-    for (int i = 0; i < iters + 1; ++i) {  // the first round warms up
-      workers.barrier();  // the flows start together (host barrier: tens of us against ms copies)
-      // Both of rank 1's flows are in flight together, each timed on its own stream.
-      Flow incast, victim_flow;
-      if (sends) incast.start(incast_stream), copy_to(0, src, incast_stream), incast.stop(incast_stream);
-      if (victim) victim_flow.start(victim_stream), copy_to(R - 1, victim_src, victim_stream), victim_flow.stop(victim_stream);
-      if (i > 0) incast_ms.push_back(sends ? incast.ms() : 0), victim_ms.push_back(victim ? victim_flow.ms() : 0);
-    }
-    const double slowest_sender = max_over_ranks(workers, sends ? median(incast_ms) : 0.0);
-    const double victim_time = max_over_ranks(workers, victim ? median(victim_ms) : 0.0);
-    rows.push_back({k, k == 0 ? 0.0 : double(k) * bytes / (slowest_sender * 1e-3) / 1e9,
-                    double(bytes) / (victim_time * 1e-3) / 1e9});
-  }
-  MOKA_CUDA_CHECK(cudaStreamDestroy(incast_stream));
-  MOKA_CUDA_CHECK(cudaStreamDestroy(victim_stream));
-  if (rank != 0) rows.clear();
-  return rows;
-}
-
-#else
-
-void select_worker_device(int) {}
-
-std::vector<IncastRow> run_incast(ProcessGroup&, size_t, int) {
-  throw Error(ErrorCode::backend_unavailable, "moka incast needs the CUDA backend (this build has none)");
-}
-
-std::vector<BenchRow> run_megakernel_tune(ProcessGroup*, const NamedShape&, int64_t, const CudaBenchOptions&,
-                                          const std::vector<int>&, const std::vector<int64_t>&) {
-  throw Error(ErrorCode::backend_unavailable, "moka tune needs the CUDA backend (this build has none)");
-}
-
-std::optional<BenchRow> run_cuda_ep_case(ProcessGroup&, const NamedShape&, int64_t, const CudaBenchOptions&) {
-  throw Error(ErrorCode::backend_unavailable, "this build has no CUDA backend");
-}
-
-void print_cuda_comparison(std::ostream&, const std::vector<BenchRow>&) {}
-
-BenchRow run_cuda_case(const NamedShape&, int64_t, const CudaBenchOptions&) {
-  throw Error(ErrorCode::backend_unavailable, "this build has no CUDA backend");
-}
-
-void serve_cuda_steps(const NamedShape&, int64_t, const CudaBenchOptions&, std::istream&, std::ostream&) {
-  throw Error(ErrorCode::backend_unavailable, "this build has no CUDA backend");
-}
-
-#endif
 
 }  // namespace moka::cli

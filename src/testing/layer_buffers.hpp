@@ -7,8 +7,8 @@
 #include <random>
 #include <vector>
 
-#include "cpu/compare.hpp"
 #include "moka/layer.hpp"
+#include "testing/compare.hpp"
 
 namespace moka::cpu {
 
