@@ -1,0 +1,34 @@
+"""Shared helpers of the moka Python tests (CPU backend unless marked cuda)."""
+import pytest
+import torch
+
+from moka.torch import MoE
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "cuda: needs a GPU and moka built with CUDA (skipped otherwise)")
+
+
+def pytest_collection_modifyitems(config, items):
+    import moka
+    skip = pytest.mark.skip(reason="no GPU, or moka built without CUDA")
+    for item in items:
+        if "cuda" in item.keywords and not moka.cuda_available():
+            item.add_marker(skip)
+
+
+def tiny_moe(dtype=torch.float64, shared=0, **kwargs) -> MoE:
+    """H=8, I=6, E=4, k=2: small enough for gradcheck."""
+    torch.manual_seed(0)
+    return MoE(8, 6, 4, 2, shared, dtype=dtype, **kwargs)
+
+
+def reference_of(moe: MoE) -> MoE:
+    """The pure-PyTorch block with moe's arguments and weights."""
+    from moka.reference import TorchMoE
+    ref = TorchMoE(moe.hidden, moe.intermediate, moe.experts, moe.top_k, moe.shared_intermediate,
+                   score=moe.score, renormalize=moe.renormalize, route_scale=moe.route_scale,
+                   selection_bias=moe.selection_bias is not None, activation=moe.activation,
+                   clamp_limit=moe.clamp_limit, dtype=moe.w_gate.dtype, device=moe.w_gate.device)
+    ref.load_state_dict(moe.state_dict())
+    return ref
