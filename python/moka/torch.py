@@ -30,7 +30,6 @@ from . import _moka
 
 __all__ = ["MoE", "moe_experts", "moka_group", "router_weight_dtype"]
 
-DEFAULT_CUDA_TILE_ROWS = 128  # the CUDA backend's GEMM row tile; each expert's rows pad to it
 _PATHS = ("auto",)
 
 
@@ -170,8 +169,8 @@ def _op_layer(x, topk_ids, w_gate, ws_gate, activation, clamp_limit, group_name)
 
 def _make_layer(backend, group, hidden, intermediate, experts, top_k, shared, activation, clamp_limit, path,
                 tile_rows) -> _moka.Layer:
-    if tile_rows is None:
-        tile_rows = DEFAULT_CUDA_TILE_ROWS if backend == "cuda" else 1
+    if tile_rows is None:  # the CUDA GEMMs' row tile; the CPU backend needs no padding
+        tile_rows = _moka.DEFAULT_TILE_ROWS if backend == "cuda" else 1
     return _moka.Layer(hidden, intermediate, experts, top_k, shared, activation, clamp_limit, backend, group,
                        torch.get_num_threads(), tile_rows, path)
 
@@ -264,7 +263,8 @@ class MoE(nn.Module):
 
     ``forward(x)`` takes x [..., H] and returns the layer's output of the same shape; backward gives
     the gradients of x, the router and every expert. ``group``: a torch.distributed group over
-    which the experts are split (expert parallelism; each rank passes its own tokens), or None.
+    which the experts are split (expert parallelism; each rank passes its own tokens, the same
+    number on every rank), or None.
     Routing: ``score`` "softmax" or "sigmoid" over the router logits, top-k (by score plus
     ``selection_bias`` when it is on), weights optionally renormalized over the k and scaled by
     ``route_scale``. ``path``: "auto" (moka picks its implementation).

@@ -254,6 +254,7 @@ class Router {
 NB_MODULE(_moka, m) {
   m.doc() = "moka's C++ MoE layer, router and process group (use moka.torch)";
   m.attr("__commit__") = moka::build_commit();
+  m.attr("DEFAULT_TILE_ROWS") = moka::LayerOptions{}.tile_rows;
   m.def("cuda_available", &moka::cuda_backend_available, "Built with CUDA and a GPU is visible.");
 
   nb::enum_<moka::ErrorCode>(m, "ErrorCode", "What a moka.Error is about (moka.Error.code).")
