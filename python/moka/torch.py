@@ -30,7 +30,6 @@ from . import _moka
 
 __all__ = ["MoE", "moe_experts", "moka_group", "router_weight_dtype"]
 
-_PATHS = ("auto",)
 
 
 def router_weight_dtype(x_dtype: torch.dtype) -> torch.dtype:
@@ -163,16 +162,16 @@ def _op_layer(x, topk_ids, w_gate, ws_gate, activation, clamp_limit, group_name)
     key = (backend, x.device.index, x.shape[-1], w_gate.shape[1], w_gate.shape[0] * world, topk_ids.shape[-1],
            shared, activation, clamp_limit, group_name)
     if key not in _op_layers:
-        _op_layers[key] = _make_layer(backend, group, *key[2:8], clamp_limit, "auto", None)
+        _op_layers[key] = _make_layer(backend, group, *key[2:8], clamp_limit, "automatic", None, 0)
     return _op_layers[key]
 
 
 def _make_layer(backend, group, hidden, intermediate, experts, top_k, shared, activation, clamp_limit, path,
-                tile_rows) -> _moka.Layer:
+                tile_rows, max_tokens) -> _moka.Layer:
     if tile_rows is None:  # the CUDA GEMMs' row tile; the CPU backend needs no padding
         tile_rows = _moka.DEFAULT_TILE_ROWS if backend == "cuda" else 1
     return _moka.Layer(hidden, intermediate, experts, top_k, shared, activation, clamp_limit, backend, group,
-                       torch.get_num_threads(), tile_rows, path)
+                       torch.get_num_threads(), tile_rows, path, max_tokens)
 
 
 @torch.library.custom_op("moka::moe_experts", mutates_args=())
@@ -267,17 +266,20 @@ class MoE(nn.Module):
     number on every rank), or None.
     Routing: ``score`` "softmax" or "sigmoid" over the router logits, top-k (by score plus
     ``selection_bias`` when it is on), weights optionally renormalized over the k and scaled by
-    ``route_scale``. ``path``: "auto" (moka picks its implementation).
+    ``route_scale``. ``path`` (CUDA backend): "automatic" (moka picks), "single_gpu", "all_to_all"
+    or "megakernel" (which holds ``max_tokens`` tokens per rank; automatic uses it only when
+    ``max_tokens`` is set). On the GPU, errors the kernels find (a bad expert id) surface at the
+    next call or at ``check_errors()`` after synchronizing.
     """
 
     def __init__(self, hidden: int, intermediate: int, experts: int, top_k: int, shared_intermediate: int = 0,
-                 group: Optional[dist.ProcessGroup] = None, path: str = "auto", *, score: str = "softmax",
+                 group: Optional[dist.ProcessGroup] = None, path: str = "automatic", *, score: str = "softmax",
                  renormalize: bool = False, route_scale: float = 1.0, selection_bias: bool = False,
                  activation: str = "swiglu", clamp_limit: float = 7.0, init_std: float = 0.02,
-                 tile_rows: Optional[int] = None, device=None, dtype=None):
+                 tile_rows: Optional[int] = None, max_tokens: int = 0, device=None, dtype=None):
         super().__init__()
-        if path not in _PATHS:
-            raise ValueError(f"moka: path '{path}' is not one of {', '.join(_PATHS)}")
+        if path not in _moka.LAYER_PATHS:
+            raise ValueError(f"moka: path '{path}' is not one of {', '.join(_moka.LAYER_PATHS)}")
         world = dist.get_world_size(group) if group is not None else 1
         rank = dist.get_rank(group) if group is not None else 0
         if experts % world:
@@ -287,6 +289,7 @@ class MoE(nn.Module):
         self.group, self.path = group, path
         self.score, self.renormalize, self.route_scale = score, renormalize, route_scale
         self.activation, self.clamp_limit, self.tile_rows = activation, clamp_limit, tile_rows
+        self.max_tokens = max_tokens
         self.local_experts = experts // world
         self.first_local_expert = rank * self.local_experts
         factory = {"device": device, "dtype": dtype}
@@ -327,7 +330,7 @@ class MoE(nn.Module):
                                   self.renormalize, self.route_scale, backend, group, torch.get_num_threads())
             layer = _make_layer(backend, group, self.hidden, self.intermediate, self.experts, self.top_k,
                                 self.shared_intermediate, self.activation, self.clamp_limit, self.path,
-                                self.tile_rows)
+                                self.tile_rows, self.max_tokens)
             self._engines[key] = (router, layer)
         return self._engines[key]
 
@@ -349,6 +352,11 @@ class MoE(nn.Module):
         out = _Experts.apply(tokens, ids, weights, self.w_gate, self.w_up, self.w_down, self.ws_gate, self.ws_up,
                              self.ws_down, layer)
         return out.reshape(x.shape)
+
+    def check_errors(self):
+        """Raises (as moka.Error) what the GPU kernels of finished calls found; synchronize first."""
+        for _, layer in self._engines.values():
+            layer.check_errors()
 
     @torch.no_grad()
     def update_selection_bias(self, rate: float = 1e-3) -> Tensor:

@@ -13,9 +13,6 @@
 
 #include "moka/distributed.hpp"
 #include "moka/moka.hpp"
-#if MOKA_PYTHON_WITH_CUDA
-#include "cuda/cuda_backend.hpp"
-#endif
 
 namespace nb = nanobind;
 using namespace nb::literals;
@@ -72,13 +69,18 @@ moka::TensorView view_of(const OptionalArray& a, const char* name) {
   return a ? view_of(*a, name) : moka::TensorView{};
 }
 
-// The stream every CUDA call of this thread launches on (ignored by the CPU backend).
-void use_stream(uintptr_t stream) {
-#if MOKA_PYTHON_WITH_CUDA
-  moka::cuda::set_stream(reinterpret_cast<cudaStream_t>(stream));
-#else
-  (void)stream;
-#endif
+moka::Stream stream_of(uintptr_t handle) { return moka::Stream{reinterpret_cast<void*>(handle)}; }
+
+constexpr moka::LayerPath kLayerPaths[] = {moka::LayerPath::automatic, moka::LayerPath::single_gpu,
+                                           moka::LayerPath::all_to_all, moka::LayerPath::megakernel};
+
+moka::LayerPath path_of(const std::string& name) {
+  std::string known;
+  for (moka::LayerPath p : kLayerPaths) {
+    if (name == moka::to_string(p)) return p;
+    known += std::string(known.empty() ? "" : ", ") + moka::to_string(p);
+  }
+  throw nb::value_error(("unknown path '" + name + "' (" + known + ")").c_str());
 }
 
 // Runs `body`, turning a moka::Error into a RankedError that names this rank. With a group,
@@ -143,15 +145,15 @@ class Layer {
  public:
   Layer(int64_t hidden, int64_t intermediate, int64_t experts, int64_t top_k, int64_t shared_intermediate,
         const std::string& activation, double clamp_limit, const std::string& backend, Group* group,
-        int num_threads, int64_t tile_rows, const std::string& path)
+        int num_threads, int64_t tile_rows, const std::string& path, int64_t max_tokens)
       : on_rank_{group ? group->get() : nullptr} {
     moka::MoeShape shape{hidden, intermediate, experts, top_k, shared_intermediate, activation_of(activation),
                          float(clamp_limit)};
     moka::LayerOptions options;
     options.num_threads = num_threads;
     options.tile_rows = tile_rows;
-    if (path != "auto")
-      throw nb::value_error(("path '" + path + "' is not available in this build (auto)").c_str());
+    options.path = path_of(path);
+    options.max_tokens = max_tokens;
     layer_ = on_rank_.run([&] {
       return moka::make_moe_layer(shape, moka::parse_backend(backend), on_rank_.group, options);
     });
@@ -163,8 +165,7 @@ class Layer {
       const moka::MoeInputs in{view_of(x, "x"), view_of(topk_ids, "topk_ids"), view_of(topk_weights, "topk_weights")};
       const moka::MoeWeights weights = w.view();
       const moka::TensorView out_view = view_of(out, "out");
-      use_stream(stream);
-      return std::make_unique<LayerContext>(LayerContext{layer_->forward(in, weights, out_view)});
+      return std::make_unique<LayerContext>(LayerContext{layer_->forward(in, weights, out_view, stream_of(stream))});
     });
   }
 
@@ -175,11 +176,13 @@ class Layer {
       const moka::MoeGradients gradients{view_of(d_x, "d_x"), view_of(d_topk_weights, "d_topk_weights"),
                                          g.w_gate, g.w_up, g.w_down, g.ws_gate, g.ws_up, g.ws_down};
       const moka::TensorView d_out_view = view_of(d_out, "d_out");
-      use_stream(stream);
-      layer_->backward(*saved.saved, d_out_view, weights, gradients);
+      layer_->backward(*saved.saved, d_out_view, weights, gradients, stream_of(stream));
     });
   }
 
+  void check_errors() {
+    on_rank_.run([&] { layer_->check_errors(); });
+  }
   int rank() const { return layer_->rank(); }
   int world_size() const { return layer_->world_size(); }
   const char* backend() const { return layer_->backend_name(); }
@@ -229,8 +232,7 @@ class Router {
                                     view_of(expert_counts, "expert_counts")};
       const moka::TensorView x_view = view_of(x, "x"), w = view_of(w_router, "w_router");
       const moka::TensorView b = view_of(bias, "selection_bias");
-      use_stream(stream);
-      return std::make_unique<RouterContext>(RouterContext{router_->forward(x_view, w, b, out)});
+      return std::make_unique<RouterContext>(RouterContext{router_->forward(x_view, w, b, out, stream_of(stream))});
     });
   }
 
@@ -239,8 +241,7 @@ class Router {
     on_rank_.run([&] {
       const moka::TensorView dw = view_of(d_topk_weights, "d_topk_weights"), dx = view_of(d_x, "d_x");
       const moka::TensorView dwr = view_of(d_w_router, "d_w_router");
-      use_stream(stream);
-      router_->backward(*saved.saved, dw, dx, dwr);
+      router_->backward(*saved.saved, dw, dx, dwr, stream_of(stream));
     });
   }
 
@@ -255,6 +256,9 @@ NB_MODULE(_moka, m) {
   m.doc() = "moka's C++ MoE layer, router and process group (use moka.torch)";
   m.attr("__commit__") = moka::build_commit();
   m.attr("DEFAULT_TILE_ROWS") = moka::LayerOptions{}.tile_rows;
+  nb::list paths;
+  for (moka::LayerPath p : kLayerPaths) paths.append(moka::to_string(p));
+  m.attr("LAYER_PATHS") = paths;
   m.def("cuda_available", &moka::cuda_backend_available, "Built with CUDA and a GPU is visible.");
 
   nb::enum_<moka::ErrorCode>(m, "ErrorCode", "What a moka.Error is about (moka.Error.code).")
@@ -298,15 +302,17 @@ NB_MODULE(_moka, m) {
   nb::class_<LayerContext>(m, "LayerContext").def("local_expert_rows", &LayerContext::local_expert_rows);
   nb::class_<Layer>(m, "Layer")
       .def(nb::init<int64_t, int64_t, int64_t, int64_t, int64_t, const std::string&, double, const std::string&,
-                    Group*, int, int64_t, const std::string&>(),
+                    Group*, int, int64_t, const std::string&, int64_t>(),
            "hidden"_a, "intermediate"_a, "experts"_a, "top_k"_a, "shared_intermediate"_a, "activation"_a,
-           "clamp_limit"_a, "backend"_a, "group"_a.none(), "num_threads"_a, "tile_rows"_a, "path"_a,
+           "clamp_limit"_a, "backend"_a, "group"_a.none(), "num_threads"_a, "tile_rows"_a, "path"_a, "max_tokens"_a,
            nb::keep_alive<1, 10>())
       .def("forward", &Layer::forward, "x"_a.noconvert(), "topk_ids"_a.noconvert(), "topk_weights"_a.noconvert(),
            "weights"_a, "out"_a.noconvert(), "stream"_a, nb::keep_alive<0, 1>(),
            nb::call_guard<nb::gil_scoped_release>())
       .def("backward", &Layer::backward, "saved"_a, "d_out"_a.noconvert(), "weights"_a, "d_x"_a.noconvert(),
            "d_topk_weights"_a.noconvert(), "grads"_a, "stream"_a, nb::call_guard<nb::gil_scoped_release>())
+      .def("check_errors", &Layer::check_errors, nb::call_guard<nb::gil_scoped_release>(),
+           "Raises the errors the GPU found in finished calls (after synchronizing the stream).")
       .def_prop_ro("rank", &Layer::rank)
       .def_prop_ro("world_size", &Layer::world_size)
       .def_prop_ro("backend", &Layer::backend)
