@@ -1,4 +1,10 @@
 """Shared helpers of the moka Python tests (CPU backend unless marked cuda)."""
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -32,3 +38,17 @@ def reference_of(moe: MoE) -> MoE:
                    clamp_limit=moe.clamp_limit, dtype=moe.w_gate.dtype, device=moe.w_gate.device)
     ref.load_state_dict(moe.state_dict())
     return ref
+
+
+def run_ep_worker(*args: str) -> str:
+    """Runs ep_worker.py on two ranks under torchrun on 127.0.0.1; returns its output (asserts rc 0)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "MOKA_COMM_TIMEOUT_S": "30"}
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr", "127.0.0.1",
+               "--master-port", str(port), str(Path(__file__).with_name("ep_worker.py")), *args]
+    result = subprocess.run(command, env=env, capture_output=True, text=True, timeout=240)
+    log = result.stdout + result.stderr
+    assert result.returncode == 0, log
+    return log

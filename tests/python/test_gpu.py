@@ -3,7 +3,7 @@ Marked cuda: skipped without a GPU or without moka's CUDA backend in the extensi
 import pytest
 import torch
 
-from conftest import reference_of
+from conftest import reference_of, run_ep_worker
 from moka import reference
 from moka.torch import MoE, moe_experts
 
@@ -78,3 +78,9 @@ def test_the_op_runs_on_the_current_stream_and_replays_in_a_cuda_graph():
     static_x.copy_(x)
     graph.replay()
     torch.testing.assert_close(static_out, want)
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
+def test_two_gpus_under_torchrun_match_one_gpu():
+    log = run_ep_worker("--cuda")
+    assert "rank 0: ok" in log and "rank 1: ok" in log, log
