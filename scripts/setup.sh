@@ -19,3 +19,5 @@ if ! command -v nvcc >/dev/null && [ -x /usr/local/cuda/bin/nvcc ]; then
 fi
 # The English text `moka train` and the training tests use.
 bash "$(dirname "$0")/fetch_data.sh"
+# The venv (outside the clone) the Python package's tests run with: torch, nanobind, pytest.
+bash "$(dirname "$0")/setup_python.sh"

@@ -1,0 +1,24 @@
+"""moka: Mixture-of-Experts layers (routing, expert parallelism, fused experts) for PyTorch.
+
+The layer itself is ``moka.torch.MoE``; ``moka.torch.moe_experts`` is the functional op for
+models that route themselves. Tensors cross into moka's C++ library through DLPack, without a
+copy; moka's CPU backend (float32/float64) runs where there is no GPU, its CUDA backend (bfloat16)
+on Hopper GPUs.
+"""
+from . import _moka
+
+
+class Error(RuntimeError):
+    """A failure moka reported: the message names the rank and the offending input; ``code`` is
+    a ``moka.ErrorCode`` (``shape_mismatch``, ``expert_out_of_range``, ``timeout``, ...)."""
+
+    def __init__(self, message: str, code: "ErrorCode"):
+        super().__init__(message)
+        self.code = code
+
+
+_moka._set_error_type(Error)
+ErrorCode = _moka.ErrorCode
+cuda_available = _moka.cuda_available
+__commit__ = _moka.__commit__
+__all__ = ["Error", "ErrorCode", "cuda_available"]

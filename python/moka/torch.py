@@ -1,0 +1,385 @@
+"""moka for PyTorch: the MoE layer as an ``nn.Module`` and the experts as a functional op.
+
+Layouts (row-major, contiguous), E experts over W expert-parallel ranks, E_local = E / W:
+  w_router [E, H]; w_gate, w_up [E_local, I, H]; w_down [E_local, H, I];
+  shared expert (optional): ws_gate, ws_up [Is, H]; ws_down [H, Is].
+  expert_e(v) = w_down[e] @ act(w_gate[e] @ v, w_up[e] @ v), act = SwiGLU: silu(g) * u.
+  out[t] = shared(x[t]) + sum_j topk_weights[t, j] * expert_{topk_ids[t, j]}(x[t]).
+Rank r holds experts [r * E_local, (r + 1) * E_local). Tokens stay on their rank; moka moves rows to
+the experts' ranks and back. The router and the shared expert are replicated: their gradients are
+this rank's share, to be all-reduced like any data-parallel parameter (DDP/FSDP do that).
+
+Dtypes: the CPU backend computes in float32 or float64, the CUDA backend in bfloat16; router
+weights (topk_weights) are float32, or float64 with float64 activations. Calls run on
+``torch.cuda.current_stream()``; outputs and gradients are allocated by torch's caching allocator
+(moka keeps one workspace per layer and token count, so a CUDA graph can replay a call captured
+after a first, allocating call with the same token count).
+"""
+from __future__ import annotations
+
+import os
+import socket
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+from torch.utils.dlpack import to_dlpack as _dlpack
+
+from . import _moka
+
+__all__ = ["MoE", "moe_experts", "moka_group", "router_weight_dtype"]
+
+
+
+def router_weight_dtype(x_dtype: torch.dtype) -> torch.dtype:
+    """The dtype of topk_weights (and their gradient) for activations of ``x_dtype``."""
+    return torch.float64 if x_dtype == torch.float64 else torch.float32
+
+
+def _dl(t: Optional[Tensor]):
+    # A capsule without the stream synchronization of Tensor.__dlpack__ (moka runs on the current
+    # stream already, and a synchronization would break CUDA graph capture).
+    return None if t is None else _dlpack(t)
+
+
+def _stream(t: Tensor) -> int:
+    return torch.cuda.current_stream(t.device).cuda_stream if t.is_cuda else 0
+
+
+def _backend(t: Tensor) -> str:
+    if t.is_cuda:
+        if t.device.index != torch.cuda.current_device():
+            raise ValueError(f"moka: x is on {t.device} but the current CUDA device is "
+                             f"cuda:{torch.cuda.current_device()}; call torch.cuda.set_device first")
+        return "cuda"
+    if t.device.type != "cpu":
+        raise ValueError(f"moka: x is on {t.device}; moka runs on CPU and CUDA tensors")
+    return "cpu"
+
+
+# --- expert parallelism: moka's own process group, bootstrapped over a torch.distributed group ---
+
+_groups: dict[str, _moka.Group] = {}
+
+
+def _free_port(addr: str) -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((addr, 0))
+        return s.getsockname()[1]
+
+
+def moka_group(group: Optional[dist.ProcessGroup]) -> Optional[_moka.Group]:
+    """moka's process group over the ranks of ``group`` (None, or a group of one rank: none).
+
+    Collective on first use for a group: every rank of it must call. Its rank 0 picks a free port
+    on its address (MASTER_ADDR for the default group, else its host name's address), the address
+    reaches the others through ``group`` and moka connects over TCP there; with the CUDA backend
+    moka makes its NCCL communicator from this group. Later calls return the same group.
+    """
+    if group is None or dist.get_world_size(group) == 1:
+        return None
+    name = group.group_name
+    if name not in _groups:
+        rank, size = dist.get_rank(group), dist.get_world_size(group)
+        leader = dist.get_global_rank(group, 0)
+        endpoint = [None]
+        if rank == 0:
+            addr = (os.environ.get("MASTER_ADDR", "127.0.0.1") if leader == 0
+                    else socket.gethostbyname(socket.gethostname()))
+            addr = socket.gethostbyname(addr)
+            endpoint = [(addr, _free_port(addr))]
+        dist.broadcast_object_list(endpoint, src=leader, group=group)
+        addr, port = endpoint[0]
+        timeout = float(os.environ.get("MOKA_COMM_TIMEOUT_S", "60"))
+        _groups[name] = _moka.Group(rank, size, addr, port, timeout)
+    return _groups[name]
+
+
+# --- the autograd functions of MoE (they keep moka's forward state for backward) ---
+
+def _weights(w_gate, w_up, w_down, ws_gate, ws_up, ws_down) -> _moka.Weights:
+    return _moka.Weights(_dl(w_gate), _dl(w_up), _dl(w_down), _dl(ws_gate), _dl(ws_up), _dl(ws_down))
+
+
+def _empty_like(t: Optional[Tensor]) -> Optional[Tensor]:
+    return None if t is None else torch.empty_like(t)
+
+
+class _Route(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, w_router, bias, router, top_k):
+        tokens, experts = x.shape[0], w_router.shape[0]
+        ids = torch.empty(tokens, top_k, dtype=torch.int32, device=x.device)
+        weights = torch.empty(tokens, top_k, dtype=router_weight_dtype(x.dtype), device=x.device)
+        counts = torch.empty(experts, dtype=torch.int32, device=x.device)
+        ctx.saved = router.forward(_dl(x), _dl(w_router), _dl(bias), _dl(ids), _dl(weights), _dl(counts),
+                                   _stream(x))
+        ctx.router = router
+        ctx.save_for_backward(x, w_router)  # moka's state points into them
+        ctx.mark_non_differentiable(ids, counts)
+        return ids, weights, counts
+
+    @staticmethod
+    def backward(ctx, _d_ids, d_weights, _d_counts):
+        x, w_router = ctx.saved_tensors
+        d_x, d_w_router = torch.empty_like(x), torch.empty_like(w_router)
+        ctx.router.backward(ctx.saved, _dl(d_weights.contiguous()), _dl(d_x), _dl(d_w_router), _stream(x))
+        return d_x, d_w_router, None, None, None
+
+
+class _Experts(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, topk_ids, topk_weights, w_gate, w_up, w_down, ws_gate, ws_up, ws_down, layer):
+        out = torch.empty_like(x)
+        weights = (w_gate, w_up, w_down, ws_gate, ws_up, ws_down)
+        ctx.saved = layer.forward(_dl(x), _dl(topk_ids), _dl(topk_weights), _weights(*weights), _dl(out),
+                                  _stream(x))
+        ctx.layer = layer
+        ctx.save_for_backward(x, topk_ids, topk_weights, *weights)
+        return out
+
+    @staticmethod
+    def backward(ctx, d_out):
+        x, _ids, topk_weights, *weights = ctx.saved_tensors
+        d_x, d_topk_weights = torch.empty_like(x), torch.empty_like(topk_weights)
+        d_weights = [_empty_like(w) for w in weights]
+        ctx.layer.backward(ctx.saved, _dl(d_out.contiguous()), _weights(*weights), _dl(d_x), _dl(d_topk_weights),
+                           _weights(*d_weights), _stream(x))
+        return (d_x, None, d_topk_weights, *d_weights, None)
+
+
+# --- the functional op, for models that route themselves (traceable by torch.compile) ---
+
+_op_layers: dict[tuple, _moka.Layer] = {}
+
+
+def _op_layer(x, topk_ids, w_gate, ws_gate, activation, clamp_limit, group_name) -> _moka.Layer:
+    group = _groups[group_name] if group_name else None
+    world = group.size if group else 1
+    backend = _backend(x)
+    shared = 0 if ws_gate is None else ws_gate.shape[0]
+    key = (backend, x.device.index, x.shape[-1], w_gate.shape[1], w_gate.shape[0] * world, topk_ids.shape[-1],
+           shared, activation, clamp_limit, group_name)
+    if key not in _op_layers:
+        _op_layers[key] = _make_layer(backend, group, *key[2:8], clamp_limit, "automatic", None, 0)
+    return _op_layers[key]
+
+
+def _make_layer(backend, group, hidden, intermediate, experts, top_k, shared, activation, clamp_limit, path,
+                tile_rows, max_tokens) -> _moka.Layer:
+    if tile_rows is None:  # the CUDA GEMMs' row tile; the CPU backend needs no padding
+        tile_rows = _moka.DEFAULT_TILE_ROWS if backend == "cuda" else 1
+    return _moka.Layer(hidden, intermediate, experts, top_k, shared, activation, clamp_limit, backend, group,
+                       torch.get_num_threads(), tile_rows, path, max_tokens)
+
+
+@torch.library.custom_op("moka::moe_experts", mutates_args=())
+def _moe_experts_op(x: Tensor, topk_ids: Tensor, topk_weights: Tensor, w_gate: Tensor, w_up: Tensor,
+                    w_down: Tensor, ws_gate: Optional[Tensor], ws_up: Optional[Tensor], ws_down: Optional[Tensor],
+                    activation: str, clamp_limit: float, group_name: str) -> Tensor:
+    layer = _op_layer(x, topk_ids, w_gate, ws_gate, activation, clamp_limit, group_name)
+    out = torch.empty_like(x)
+    layer.forward(_dl(x), _dl(topk_ids), _dl(topk_weights), _weights(w_gate, w_up, w_down, ws_gate, ws_up, ws_down),
+                  _dl(out), _stream(x))
+    return out
+
+
+@_moe_experts_op.register_fake
+def _(x, topk_ids, topk_weights, w_gate, w_up, w_down, ws_gate, ws_up, ws_down, activation, clamp_limit,
+      group_name):
+    return torch.empty_like(x)
+
+
+@torch.library.custom_op("moka::moe_experts_backward", mutates_args=())
+def _moe_experts_backward_op(d_out: Tensor, x: Tensor, topk_ids: Tensor, topk_weights: Tensor, w_gate: Tensor,
+                             w_up: Tensor, w_down: Tensor, ws_gate: Optional[Tensor], ws_up: Optional[Tensor],
+                             ws_down: Optional[Tensor], activation: str, clamp_limit: float,
+                             group_name: str) -> list[Tensor]:
+    # The op keeps no state between its forward and backward (a graph holds tensors only), so
+    # backward runs moka's forward again for the state it needs, like activation checkpointing.
+    layer = _op_layer(x, topk_ids, w_gate, ws_gate, activation, clamp_limit, group_name)
+    weights = _weights(w_gate, w_up, w_down, ws_gate, ws_up, ws_down)
+    stream = _stream(x)
+    saved = layer.forward(_dl(x), _dl(topk_ids), _dl(topk_weights), weights, _dl(torch.empty_like(x)), stream)
+    grads = _experts_grad_buffers(x, topk_weights, w_gate, w_up, w_down, ws_gate, ws_up, ws_down)
+    shared = grads[5:] if ws_gate is not None else (None, None, None)
+    layer.backward(saved, _dl(d_out), weights, _dl(grads[0]), _dl(grads[1]), _weights(*grads[2:5], *shared), stream)
+    return grads
+
+
+def _experts_grad_buffers(x, topk_weights, w_gate, w_up, w_down, ws_gate, ws_up, ws_down) -> list[Tensor]:
+    # Absent shared-expert weights get empty gradients (an op returns tensors only, none aliased).
+    return [torch.empty_like(t) if t is not None else x.new_empty(0)
+            for t in (x, topk_weights, w_gate, w_up, w_down, ws_gate, ws_up, ws_down)]
+
+
+@_moe_experts_backward_op.register_fake
+def _(d_out, x, topk_ids, topk_weights, w_gate, w_up, w_down, ws_gate, ws_up, ws_down, activation, clamp_limit,
+      group_name):
+    return _experts_grad_buffers(x, topk_weights, w_gate, w_up, w_down, ws_gate, ws_up, ws_down)
+
+
+def _setup_context(ctx, inputs, output):
+    ctx.save_for_backward(*inputs[:9])
+    ctx.attributes = inputs[9:]
+
+
+def _moe_experts_backward(ctx, d_out):
+    saved = ctx.saved_tensors
+    d_x, d_topk_weights, *d_weights = _moe_experts_backward_op(d_out.contiguous(), *saved, *ctx.attributes)
+    if saved[6] is None:
+        d_weights[3:] = [None, None, None]
+    return (d_x, None, d_topk_weights, *d_weights, None, None, None)
+
+
+_moe_experts_op.register_autograd(_moe_experts_backward, setup_context=_setup_context)
+
+
+def moe_experts(x: Tensor, topk_ids: Tensor, topk_weights: Tensor, w_gate: Tensor, w_up: Tensor, w_down: Tensor,
+                ws_gate: Optional[Tensor] = None, ws_up: Optional[Tensor] = None, ws_down: Optional[Tensor] = None,
+                *, activation: str = "swiglu", clamp_limit: float = 7.0,
+                group: Optional[dist.ProcessGroup] = None) -> Tensor:
+    """The routed experts (and shared expert) of an MoE layer for tokens routed by the caller.
+
+    x [T, H]; topk_ids [T, k] int32 global expert ids; topk_weights [T, k] (float32, float64 for
+    float64 x); expert weights in the module's layouts (this rank's experts with a ``group``).
+    Returns out [T, H]. Differentiable in x, topk_weights and every weight. A ``torch.library``
+    op (``torch.ops.moka.moe_experts``): ``torch.compile(fullgraph=True)`` traces it as one node.
+    Its backward runs the forward again (the op keeps no state); ``MoE`` keeps it instead.
+    """
+    group_name = ""
+    if moka_group(group) is not None:
+        group_name = group.group_name
+    return _moe_experts_op(x, topk_ids, topk_weights, w_gate, w_up, w_down, ws_gate, ws_up, ws_down,
+                           activation, clamp_limit, group_name)
+
+
+# --- the layer ---
+
+class MoE(nn.Module):
+    """A Mixture-of-Experts layer: router, routed SwiGLU experts, optional shared expert.
+
+    ``forward(x)`` takes x [..., H] and returns the layer's output of the same shape; backward gives
+    the gradients of x, the router and every expert. ``group``: a torch.distributed group over
+    which the experts are split (expert parallelism; each rank passes its own tokens, the same
+    number on every rank), or None.
+    Routing: ``score`` "softmax" or "sigmoid" over the router logits, top-k (by score plus
+    ``selection_bias`` when it is on), weights optionally renormalized over the k and scaled by
+    ``route_scale``. ``path`` (CUDA backend): "automatic" (moka picks), "single_gpu", "all_to_all"
+    or "megakernel" (which holds ``max_tokens`` tokens per rank; automatic uses it only when
+    ``max_tokens`` is set). On the GPU, errors the kernels find (a bad expert id) surface at the
+    next call or at ``check_errors()`` after synchronizing.
+    """
+
+    def __init__(self, hidden: int, intermediate: int, experts: int, top_k: int, shared_intermediate: int = 0,
+                 group: Optional[dist.ProcessGroup] = None, path: str = "automatic", *, score: str = "softmax",
+                 renormalize: bool = False, route_scale: float = 1.0, selection_bias: bool = False,
+                 activation: str = "swiglu", clamp_limit: float = 7.0, init_std: float = 0.02,
+                 tile_rows: Optional[int] = None, max_tokens: int = 0, device=None, dtype=None):
+        super().__init__()
+        if path not in _moka.LAYER_PATHS:
+            raise ValueError(f"moka: path '{path}' is not one of {', '.join(_moka.LAYER_PATHS)}")
+        world = dist.get_world_size(group) if group is not None else 1
+        rank = dist.get_rank(group) if group is not None else 0
+        if experts % world:
+            raise ValueError(f"moka: {experts} experts cannot be split evenly over {world} ranks")
+        self.hidden, self.intermediate, self.experts, self.top_k = hidden, intermediate, experts, top_k
+        self.shared_intermediate = shared_intermediate
+        self.group, self.path = group, path
+        self.score, self.renormalize, self.route_scale = score, renormalize, route_scale
+        self.activation, self.clamp_limit, self.tile_rows = activation, clamp_limit, tile_rows
+        self.max_tokens = max_tokens
+        self.local_experts = experts // world
+        self.first_local_expert = rank * self.local_experts
+        factory = {"device": device, "dtype": dtype}
+        self.w_router = nn.Parameter(torch.empty(experts, hidden, **factory))
+        self.w_gate = nn.Parameter(torch.empty(self.local_experts, intermediate, hidden, **factory))
+        self.w_up = nn.Parameter(torch.empty(self.local_experts, intermediate, hidden, **factory))
+        self.w_down = nn.Parameter(torch.empty(self.local_experts, hidden, intermediate, **factory))
+        for name, shape in (("ws_gate", (shared_intermediate, hidden)), ("ws_up", (shared_intermediate, hidden)),
+                            ("ws_down", (hidden, shared_intermediate))):
+            self.register_parameter(name, nn.Parameter(torch.empty(shape, **factory)) if shared_intermediate else None)
+        self.register_buffer("selection_bias", torch.zeros(experts, device=device) if selection_bias else None)
+        # Routes per expert since the last update_selection_bias (this rank's tokens).
+        self.register_buffer("expert_load", torch.zeros(experts, dtype=torch.int64, device=device), persistent=False)
+        self.reset_parameters(init_std)
+        self._engines: dict[tuple, tuple[_moka.Router, _moka.Layer]] = {}
+
+    @torch.no_grad()
+    def reset_parameters(self, std: float = 0.02):
+        """Normal(0, std) weights. Expert e's weights depend on the seed and e only, not on how the
+        experts are split over ranks, so an expert-parallel layer equals a one-rank layer."""
+        seed = int(torch.randint(0, 2**62, (1,)).item())
+        generator = torch.Generator(device="cpu")
+        self.w_router.copy_(torch.randn(self.w_router.shape, generator=generator.manual_seed(seed)) * std)
+        for name in ("ws_gate", "ws_up", "ws_down"):
+            if getattr(self, name) is not None:
+                getattr(self, name).copy_(torch.randn(getattr(self, name).shape, generator=generator) * std)
+        for local in range(self.local_experts):
+            generator.manual_seed(seed + 1 + self.first_local_expert + local)
+            for w in (self.w_gate, self.w_up, self.w_down):
+                w[local].copy_(torch.randn(w.shape[1:], generator=generator) * std)
+
+    def _engine(self, x: Tensor) -> tuple[_moka.Router, _moka.Layer]:
+        backend = _backend(x)
+        key = (backend, x.device.index)
+        if key not in self._engines:
+            group = moka_group(self.group)
+            router = _moka.Router(self.hidden, self.experts, self.top_k, self.score, self.selection_bias is not None,
+                                  self.renormalize, self.route_scale, backend, group, torch.get_num_threads())
+            layer = _make_layer(backend, group, self.hidden, self.intermediate, self.experts, self.top_k,
+                                self.shared_intermediate, self.activation, self.clamp_limit, self.path,
+                                self.tile_rows, self.max_tokens)
+            self._engines[key] = (router, layer)
+        return self._engines[key]
+
+    def route(self, x: Tensor) -> tuple[Tensor, Tensor]:
+        """topk_ids [T, k] int32 and topk_weights [T, k] for x [T, H] (differentiable in x and the
+        router weight through topk_weights)."""
+        router, _ = self._engine(x)
+        bias = self.selection_bias
+        if bias is not None:
+            bias = bias.to(torch.float32 if x.is_cuda else x.dtype)
+        ids, weights, counts = _Route.apply(x, self.w_router, bias, router, self.top_k)
+        self.expert_load += counts
+        return ids, weights
+
+    def forward(self, x: Tensor) -> Tensor:
+        tokens = x.reshape(-1, self.hidden).contiguous()
+        ids, weights = self.route(tokens)
+        _, layer = self._engine(tokens)
+        out = _Experts.apply(tokens, ids, weights, self.w_gate, self.w_up, self.w_down, self.ws_gate, self.ws_up,
+                             self.ws_down, layer)
+        return out.reshape(x.shape)
+
+    def check_errors(self):
+        """Raises (as moka.Error) what the GPU kernels of finished calls found; synchronize first."""
+        for _, layer in self._engines.values():
+            layer.check_errors()
+
+    @torch.no_grad()
+    def update_selection_bias(self, rate: float = 1e-3) -> Tensor:
+        """Auxiliary-loss-free load balancing (DeepSeek-V3): bias_e += rate * sign(mean - load_e),
+        the load summed over the group's ranks since the last update. Returns that load."""
+        if self.selection_bias is None:
+            raise ValueError("moka: this MoE was built without selection_bias=True")
+        load = self.expert_load.clone()
+        if self.group is not None:
+            dist.all_reduce(load, group=self.group)
+        load = load.to(torch.float64)
+        self.selection_bias += (rate * torch.sign(load.mean() - load)).to(self.selection_bias.dtype)
+        self.expert_load.zero_()
+        return load
+
+    @classmethod
+    def from_hf(cls, state_dict: dict, style: str, layer: int, top_k: int, **kwargs) -> "MoE":
+        """An MoE holding layer ``layer``'s router and experts from a Hugging Face state dict of
+        style "qwen3_moe", "mixtral" or "deepseek_v3" (see moka.hf)."""
+        from .hf import load_moe
+        return load_moe(cls, state_dict, style, layer, top_k, **kwargs)
+
+    def extra_repr(self) -> str:
+        return (f"hidden={self.hidden}, intermediate={self.intermediate}, experts={self.experts}, "
+                f"top_k={self.top_k}, shared_intermediate={self.shared_intermediate}, "
+                f"local_experts={self.local_experts}, score={self.score}")

@@ -1,0 +1,333 @@
+// moka._moka: the Python extension. Every call into moka's C++ API is in this file.
+// Tensors arrive as DLPack capsules (zero-copy, no torch headers); outputs are allocated by the
+// caller (torch's allocator) and passed in like inputs. A CUDA stream arrives as an integer.
+#include <nanobind/nanobind.h>
+#include <nanobind/ndarray.h>
+#include <nanobind/stl/optional.h>
+#include <nanobind/stl/string.h>
+#include <nanobind/stl/unique_ptr.h>
+#include <nanobind/stl/vector.h>
+
+#include <optional>
+#include <string>
+
+#include "moka/distributed.hpp"
+#include "moka/moka.hpp"
+
+namespace nb = nanobind;
+using namespace nb::literals;
+
+namespace {
+
+using Array = nb::ndarray<>;
+using OptionalArray = std::optional<Array>;
+
+PyObject* g_error_type = nullptr;  // moka.Error, set by the module init
+
+// A Python exception carrying the error's code and naming the rank that raised it; the message
+// moka gives already names the input (and, across ranks, the rank that had the bad input).
+struct RankedError {
+  moka::ErrorCode code;
+  std::string message;
+};
+
+moka::DType dtype_of(const Array& a, const char* name) {
+  const auto t = a.dtype();
+  if (t == nb::dtype<float>()) return moka::DType::f32;
+  if (t == nb::dtype<double>()) return moka::DType::f64;
+  if (t == nb::dtype<int32_t>()) return moka::DType::i32;
+  if (t.code == uint8_t(nb::dlpack::dtype_code::Bfloat) && t.bits == 16 && t.lanes == 1) return moka::DType::bf16;
+  static const char* codes[] = {"int", "uint", "float", "?", "bfloat"};
+  const std::string kind = t.code < 5 ? codes[t.code] : "code " + std::to_string(t.code);
+  throw nb::type_error((std::string(name) + " has dtype " + kind + std::to_string(t.bits) +
+                        "; moka takes bfloat16, float32 or float64 (int32 for topk_ids)").c_str());
+}
+
+moka::TensorView view_of(const Array& a, const char* name) {
+  if (a.ndim() < 1 || a.ndim() > size_t(moka::kMaxRank))
+    throw nb::value_error((std::string(name) + " must have 1 to 4 dimensions, got " + std::to_string(a.ndim())).c_str());
+  int64_t expected_stride = 1;
+  for (size_t i = a.ndim(); i-- > 0;) {
+    if (a.shape(i) > 1 && a.stride(i) != expected_stride)
+      throw nb::value_error((std::string(name) + " is not contiguous; pass tensor.contiguous()").c_str());
+    expected_stride *= int64_t(a.shape(i));
+  }
+  moka::TensorView v;
+  v.data = a.data();
+  v.dtype = dtype_of(a, name);
+  if (a.device_type() == nb::device::cuda::value) {
+    v.device = moka::Device::cuda(a.device_id());
+  } else if (a.device_type() != nb::device::cpu::value) {
+    throw nb::value_error((std::string(name) + " is on an unsupported device (CPU and CUDA only)").c_str());
+  }
+  v.rank = int(a.ndim());
+  for (size_t i = 0; i < a.ndim(); ++i) v.shape[i] = int64_t(a.shape(i));
+  return v;
+}
+
+moka::TensorView view_of(const OptionalArray& a, const char* name) {
+  return a ? view_of(*a, name) : moka::TensorView{};
+}
+
+moka::Stream stream_of(uintptr_t handle) { return moka::Stream{reinterpret_cast<void*>(handle)}; }
+
+constexpr moka::LayerPath kLayerPaths[] = {moka::LayerPath::automatic, moka::LayerPath::single_gpu,
+                                           moka::LayerPath::all_to_all, moka::LayerPath::megakernel};
+
+moka::LayerPath path_of(const std::string& name) {
+  std::string known;
+  for (moka::LayerPath p : kLayerPaths) {
+    if (name == moka::to_string(p)) return p;
+    known += std::string(known.empty() ? "" : ", ") + moka::to_string(p);
+  }
+  throw nb::value_error(("unknown path '" + name + "' (" + known + ")").c_str());
+}
+
+// Runs `body`, turning a moka::Error into a RankedError that names this rank. With a group,
+// a failure before moka's own (collective) validation aborts the group, so the peers stop with
+// an error naming this rank instead of waiting for a collective it will never join.
+template <typename F>
+auto on_rank(int rank, int size, moka::ProcessGroup* group, F&& body) {
+  try {
+    return body();
+  } catch (const moka::Error& e) {
+    throw RankedError{e.code(), "rank " + std::to_string(rank) + " of " + std::to_string(size) + ": " + e.what()};
+  } catch (const nb::builtin_exception& e) {
+    if (group) group->abort(e.what());
+    throw;
+  }
+}
+
+class Group {
+ public:
+  Group(int rank, int world_size, const std::string& master_addr, int master_port, double timeout_s) {
+    moka::Rendezvous r;
+    r.rank = rank;
+    r.world_size = world_size;
+    r.master_addr = master_addr;
+    r.master_port = master_port;
+    r.timeout_seconds = timeout_s;
+    group_ = on_rank(rank, world_size, nullptr, [&] { return moka::make_tcp_group(r); });
+  }
+  int rank() const { return group_->rank(); }
+  int size() const { return group_->size(); }
+  moka::ProcessGroup* get() const { return group_.get(); }
+
+ private:
+  std::unique_ptr<moka::ProcessGroup> group_;
+};
+
+// Where errors come from: this process's rank in its group (rank 0 of 1 without one).
+struct RankScope {
+  moka::ProcessGroup* group;
+  int rank() const { return group ? group->rank() : 0; }
+  int size() const { return group ? group->size() : 1; }
+  template <typename F>
+  auto run(F&& body) const {
+    return on_rank(rank(), size(), group, std::forward<F>(body));
+  }
+};
+
+struct LayerContext {
+  std::unique_ptr<moka::MoeContext> saved;
+  std::vector<int64_t> local_expert_rows() const { return saved->local_expert_rows(); }
+};
+
+struct Weights {
+  OptionalArray w_gate, w_up, w_down, ws_gate, ws_up, ws_down;
+  moka::MoeWeights view() const {
+    return {view_of(w_gate, "w_gate"), view_of(w_up, "w_up"), view_of(w_down, "w_down"),
+            view_of(ws_gate, "ws_gate"), view_of(ws_up, "ws_up"), view_of(ws_down, "ws_down")};
+  }
+};
+
+class Layer {
+ public:
+  Layer(int64_t hidden, int64_t intermediate, int64_t experts, int64_t top_k, int64_t shared_intermediate,
+        const std::string& activation, double clamp_limit, const std::string& backend, Group* group,
+        int num_threads, int64_t tile_rows, const std::string& path, int64_t max_tokens)
+      : on_rank_{group ? group->get() : nullptr} {
+    moka::MoeShape shape{hidden, intermediate, experts, top_k, shared_intermediate, activation_of(activation),
+                         float(clamp_limit)};
+    moka::LayerOptions options;
+    options.num_threads = num_threads;
+    options.tile_rows = tile_rows;
+    options.path = path_of(path);
+    options.max_tokens = max_tokens;
+    layer_ = on_rank_.run([&] {
+      return moka::make_moe_layer(shape, moka::parse_backend(backend), on_rank_.group, options);
+    });
+  }
+
+  std::unique_ptr<LayerContext> forward(const Array& x, const Array& topk_ids, const Array& topk_weights,
+                                        const Weights& w, const Array& out, uintptr_t stream) {
+    return on_rank_.run([&] {
+      const moka::MoeInputs in{view_of(x, "x"), view_of(topk_ids, "topk_ids"), view_of(topk_weights, "topk_weights")};
+      const moka::MoeWeights weights = w.view();
+      const moka::TensorView out_view = view_of(out, "out");
+      return std::make_unique<LayerContext>(LayerContext{layer_->forward(in, weights, out_view, stream_of(stream))});
+    });
+  }
+
+  void backward(const LayerContext& saved, const Array& d_out, const Weights& w, const Array& d_x,
+                const Array& d_topk_weights, const Weights& grads, uintptr_t stream) {
+    on_rank_.run([&] {
+      const moka::MoeWeights weights = w.view(), g = grads.view();
+      const moka::MoeGradients gradients{view_of(d_x, "d_x"), view_of(d_topk_weights, "d_topk_weights"),
+                                         g.w_gate, g.w_up, g.w_down, g.ws_gate, g.ws_up, g.ws_down};
+      const moka::TensorView d_out_view = view_of(d_out, "d_out");
+      layer_->backward(*saved.saved, d_out_view, weights, gradients, stream_of(stream));
+    });
+  }
+
+  void check_errors() {
+    on_rank_.run([&] { layer_->check_errors(); });
+  }
+  int rank() const { return layer_->rank(); }
+  int world_size() const { return layer_->world_size(); }
+  const char* backend() const { return layer_->backend_name(); }
+  int64_t num_local_experts() const { return layer_->num_local_experts(); }
+  int64_t first_local_expert() const { return layer_->first_local_expert(); }
+
+ private:
+  static moka::Activation activation_of(const std::string& name) {
+    if (name == "swiglu") return moka::Activation::swiglu;
+    if (name == "swiglu_clamped") return moka::Activation::swiglu_clamped;
+    throw nb::value_error(("unknown activation '" + name + "' (swiglu, swiglu_clamped)").c_str());
+  }
+
+  RankScope on_rank_;
+  std::unique_ptr<moka::MoeLayer> layer_;
+};
+
+struct RouterContext {
+  std::unique_ptr<moka::RouterContext> saved;
+};
+
+class Router {
+ public:
+  Router(int64_t hidden, int64_t experts, int64_t top_k, const std::string& score, bool selection_bias,
+         bool renormalize, double route_scale, const std::string& backend, Group* group, int num_threads)
+      : on_rank_{group ? group->get() : nullptr} {
+    moka::RouterConfig c;
+    c.hidden = hidden;
+    c.num_experts = experts;
+    c.top_k = top_k;
+    if (score != "softmax" && score != "sigmoid")
+      throw nb::value_error(("unknown score function '" + score + "' (softmax, sigmoid)").c_str());
+    c.score = score == "softmax" ? moka::ScoreFunction::softmax : moka::ScoreFunction::sigmoid;
+    c.use_selection_bias = selection_bias;
+    c.renormalize = renormalize;
+    c.route_scale = route_scale;
+    moka::LayerOptions options;
+    options.num_threads = num_threads;
+    router_ = on_rank_.run([&] { return moka::make_router(c, moka::parse_backend(backend), options); });
+  }
+
+  std::unique_ptr<RouterContext> forward(const Array& x, const Array& w_router, const OptionalArray& bias,
+                                         const Array& topk_ids, const Array& topk_weights,
+                                         const OptionalArray& expert_counts, uintptr_t stream) {
+    return on_rank_.run([&] {
+      const moka::RouterOutputs out{view_of(topk_ids, "topk_ids"), view_of(topk_weights, "topk_weights"),
+                                    view_of(expert_counts, "expert_counts")};
+      const moka::TensorView x_view = view_of(x, "x"), w = view_of(w_router, "w_router");
+      const moka::TensorView b = view_of(bias, "selection_bias");
+      return std::make_unique<RouterContext>(RouterContext{router_->forward(x_view, w, b, out, stream_of(stream))});
+    });
+  }
+
+  void backward(const RouterContext& saved, const Array& d_topk_weights, const Array& d_x, const Array& d_w_router,
+                uintptr_t stream) {
+    on_rank_.run([&] {
+      const moka::TensorView dw = view_of(d_topk_weights, "d_topk_weights"), dx = view_of(d_x, "d_x");
+      const moka::TensorView dwr = view_of(d_w_router, "d_w_router");
+      router_->backward(*saved.saved, dw, dx, dwr, stream_of(stream));
+    });
+  }
+
+ private:
+  RankScope on_rank_;
+  std::unique_ptr<moka::Router> router_;
+};
+
+}  // namespace
+
+NB_MODULE(_moka, m) {
+  m.doc() = "moka's C++ MoE layer, router and process group (use moka.torch)";
+  m.attr("__commit__") = moka::build_commit();
+  m.attr("DEFAULT_TILE_ROWS") = moka::LayerOptions{}.tile_rows;
+  nb::list paths;
+  for (moka::LayerPath p : kLayerPaths) paths.append(moka::to_string(p));
+  m.attr("LAYER_PATHS") = paths;
+  m.def("cuda_available", &moka::cuda_backend_available, "Built with CUDA and a GPU is visible.");
+
+  nb::enum_<moka::ErrorCode>(m, "ErrorCode", "What a moka.Error is about (moka.Error.code).")
+      .value("invalid_argument", moka::ErrorCode::invalid_argument)
+      .value("shape_mismatch", moka::ErrorCode::shape_mismatch)
+      .value("expert_out_of_range", moka::ErrorCode::expert_out_of_range)
+      .value("duplicate_expert", moka::ErrorCode::duplicate_expert)
+      .value("non_finite", moka::ErrorCode::non_finite)
+      .value("unsupported_size", moka::ErrorCode::unsupported_size)
+      .value("capacity_exceeded", moka::ErrorCode::capacity_exceeded)
+      .value("timeout", moka::ErrorCode::timeout)
+      .value("peer_failure", moka::ErrorCode::peer_failure)
+      .value("backend_unavailable", moka::ErrorCode::backend_unavailable)
+      .value("cuda", moka::ErrorCode::cuda)
+      .value("nccl", moka::ErrorCode::nccl)
+      .value("io", moka::ErrorCode::io)
+      .value("internal", moka::ErrorCode::internal);
+
+  // Filled in by moka/__init__.py with moka.Error, whose instances carry `code`.
+  m.def("_set_error_type", [](nb::handle type) { g_error_type = type.inc_ref().ptr(); });
+  nb::register_exception_translator([](const std::exception_ptr& p, void*) {
+    try {
+      std::rethrow_exception(p);
+    } catch (const RankedError& e) {
+      nb::object error = nb::handle(g_error_type)(e.message, e.code);
+      PyErr_SetObject(g_error_type, error.ptr());
+    }
+  });
+
+  nb::class_<Group>(m, "Group", "moka's TCP process group (rank 0 listens on master_addr:master_port)")
+      .def(nb::init<int, int, const std::string&, int, double>(), "rank"_a, "world_size"_a, "master_addr"_a,
+           "master_port"_a, "timeout_s"_a = 60.0, nb::call_guard<nb::gil_scoped_release>())
+      .def_prop_ro("rank", &Group::rank)
+      .def_prop_ro("size", &Group::size);
+
+  nb::class_<Weights>(m, "Weights")
+      .def(nb::init<OptionalArray, OptionalArray, OptionalArray, OptionalArray, OptionalArray, OptionalArray>(),
+           "w_gate"_a.noconvert(), "w_up"_a.noconvert(), "w_down"_a.noconvert(), "ws_gate"_a.noconvert() = nb::none(),
+           "ws_up"_a.noconvert() = nb::none(), "ws_down"_a.noconvert() = nb::none());
+
+  nb::class_<LayerContext>(m, "LayerContext").def("local_expert_rows", &LayerContext::local_expert_rows);
+  nb::class_<Layer>(m, "Layer")
+      .def(nb::init<int64_t, int64_t, int64_t, int64_t, int64_t, const std::string&, double, const std::string&,
+                    Group*, int, int64_t, const std::string&, int64_t>(),
+           "hidden"_a, "intermediate"_a, "experts"_a, "top_k"_a, "shared_intermediate"_a, "activation"_a,
+           "clamp_limit"_a, "backend"_a, "group"_a.none(), "num_threads"_a, "tile_rows"_a, "path"_a, "max_tokens"_a,
+           nb::keep_alive<1, 10>())
+      .def("forward", &Layer::forward, "x"_a.noconvert(), "topk_ids"_a.noconvert(), "topk_weights"_a.noconvert(),
+           "weights"_a, "out"_a.noconvert(), "stream"_a, nb::keep_alive<0, 1>(),
+           nb::call_guard<nb::gil_scoped_release>())
+      .def("backward", &Layer::backward, "saved"_a, "d_out"_a.noconvert(), "weights"_a, "d_x"_a.noconvert(),
+           "d_topk_weights"_a.noconvert(), "grads"_a, "stream"_a, nb::call_guard<nb::gil_scoped_release>())
+      .def("check_errors", &Layer::check_errors, nb::call_guard<nb::gil_scoped_release>(),
+           "Raises the errors the GPU found in finished calls (after synchronizing the stream).")
+      .def_prop_ro("rank", &Layer::rank)
+      .def_prop_ro("world_size", &Layer::world_size)
+      .def_prop_ro("backend", &Layer::backend)
+      .def_prop_ro("num_local_experts", &Layer::num_local_experts)
+      .def_prop_ro("first_local_expert", &Layer::first_local_expert);
+
+  nb::class_<RouterContext>(m, "RouterContext");
+  nb::class_<Router>(m, "Router")
+      .def(nb::init<int64_t, int64_t, int64_t, const std::string&, bool, bool, double, const std::string&, Group*,
+                    int>(),
+           "hidden"_a, "experts"_a, "top_k"_a, "score"_a, "selection_bias"_a, "renormalize"_a, "route_scale"_a,
+           "backend"_a, "group"_a.none(), "num_threads"_a, nb::keep_alive<1, 10>())
+      .def("forward", &Router::forward, "x"_a.noconvert(), "w_router"_a.noconvert(), "selection_bias"_a.noconvert().none(),
+           "topk_ids"_a.noconvert(), "topk_weights"_a.noconvert(), "expert_counts"_a.noconvert().none(), "stream"_a,
+           nb::keep_alive<0, 1>(), nb::call_guard<nb::gil_scoped_release>())
+      .def("backward", &Router::backward, "saved"_a, "d_topk_weights"_a.noconvert(), "d_x"_a.noconvert(),
+           "d_w_router"_a.noconvert(), "stream"_a, nb::call_guard<nb::gil_scoped_release>());
+}

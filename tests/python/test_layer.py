@@ -1,0 +1,89 @@
+"""moka.torch.MoE and moe_experts on the CPU backend against the pure-PyTorch reference."""
+import pytest
+import torch
+
+from conftest import reference_of, tiny_moe
+from moka import reference
+from moka.torch import moe_experts
+
+SHARED = [0, 5]
+
+
+def grads(module, x):
+    module.zero_grad()
+    x = x.detach().clone().requires_grad_()
+    out = module(x)
+    (out * torch.linspace(-1, 1, out.numel(), dtype=out.dtype).reshape(out.shape)).sum().backward()
+    return out.detach(), {"x": x.grad, **{n: p.grad for n, p in module.named_parameters()}}
+
+
+@pytest.mark.parametrize("shared", SHARED)
+@pytest.mark.parametrize("routing", [dict(), dict(score="sigmoid", renormalize=True, route_scale=2.5),
+                                     dict(activation="swiglu_clamped", clamp_limit=0.5)])
+def test_forward_and_every_gradient_match_the_reference_in_fp64(shared, routing):
+    moe = tiny_moe(shared=shared, **routing)
+    x = torch.randn(3, 7, 8, dtype=torch.float64)
+    out, got = grads(moe, x)
+    ref_out, want = grads(reference_of(moe), x)
+    torch.testing.assert_close(out, ref_out, rtol=1e-12, atol=1e-12)
+    assert set(got) == set(want) == {"x", "w_router", "w_gate", "w_up", "w_down"} | (
+        {"ws_gate", "ws_up", "ws_down"} if shared else set())
+    for name in want:
+        torch.testing.assert_close(got[name], want[name], rtol=1e-10, atol=1e-12, msg=name)
+
+
+@pytest.mark.parametrize("shared", SHARED)
+def test_gradcheck_of_the_layer(shared):
+    moe = tiny_moe(shared=shared, score="sigmoid", renormalize=True)
+    x = torch.randn(5, 8, dtype=torch.float64, requires_grad=True)
+    params = list(moe.parameters())
+    assert torch.autograd.gradcheck(lambda x, *_: moe(x), (x, *params), eps=1e-6, atol=1e-7)
+
+
+@pytest.mark.parametrize("shared", SHARED)
+def test_gradcheck_of_the_op(shared):
+    moe = tiny_moe(shared=shared)
+    x = torch.randn(6, 8, dtype=torch.float64, requires_grad=True)
+    ids, weights = reference.route(x.detach(), moe.w_router.detach(), moe.top_k)
+    weights.requires_grad_()
+    w = [p.detach().clone().requires_grad_() for p in (moe.w_gate, moe.w_up, moe.w_down)]
+    ws = [p.detach().clone().requires_grad_() for p in (moe.ws_gate, moe.ws_up, moe.ws_down)] if shared else []
+
+    def op(x, weights, *weights_and_shared):
+        return moe_experts(x, ids, weights, *weights_and_shared)
+
+    assert torch.autograd.gradcheck(op, (x, weights, *w, *ws), eps=1e-6, atol=1e-7)
+    torch.testing.assert_close(op(x, weights, *w, *ws), reference.experts(x, ids, weights, *w, *ws))
+
+
+def test_fp32_matches_the_fp64_reference():
+    moe = tiny_moe()
+    ref = reference_of(moe)
+    moe32 = tiny_moe(dtype=torch.float32)
+    moe32.load_state_dict(moe.state_dict())
+    x = torch.randn(33, 8, dtype=torch.float64)
+    out32, got = grads(moe32, x.float())
+    out, want = grads(ref, x)
+    torch.testing.assert_close(out32, out.float(), rtol=1e-5, atol=1e-6)
+    for name in want:
+        assert got[name].dtype == torch.float32
+        torch.testing.assert_close(got[name], want[name].float(), rtol=1e-4, atol=1e-5, msg=name)
+
+
+def test_selection_bias_steers_routing_and_balances_load():
+    moe = tiny_moe(selection_bias=True)
+    x = torch.randn(64, 8, dtype=torch.float64)
+    moe.selection_bias[2] = 10.0  # expert 2 wins every token's first slot
+    ids, _ = moe.route(x)
+    assert (ids[:, 0] == 2).all()
+    torch.testing.assert_close(moe(x), reference_of(moe)(x))
+    load = moe.update_selection_bias(rate=0.5)
+    assert load[2] == 128  # two forward passes of 64 tokens
+    assert moe.selection_bias[2] == 9.5 and (moe.expert_load == 0).all()
+    assert (moe.selection_bias[[0, 1, 3]] == 0.5).all()
+
+
+def test_tokens_keep_their_leading_dimensions():
+    moe = tiny_moe()
+    x = torch.randn(2, 3, 8, dtype=torch.float64)
+    assert moe(x).shape == (2, 3, 8)
