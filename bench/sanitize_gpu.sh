@@ -29,7 +29,8 @@ for tool in $TOOLS; do
       "$BIN/moka_gpu_tests" --gtest_color=no --gtest_filter="$suite" > "$log" 2>&1
     code=$?
     seconds=$(( $(date +%s) - start ))
-    errors=$(grep -oE "ERROR SUMMARY: [0-9]+" "$log" | tail -1 | grep -oE "[0-9]+$")
+    # racecheck reports hazards ("RACECHECK SUMMARY: N hazards displayed"), the others errors.
+    errors=$(grep -oE "(ERROR SUMMARY: [0-9]+|RACECHECK SUMMARY: [0-9]+)" "$log" | tail -1 | grep -oE "[0-9]+$")
     passed=$(grep -oE "^\[  PASSED  \] [0-9]+" "$log" | grep -oE "[0-9]+$")
     failed=$(grep -cE "^\[  FAILED  \] [A-Za-z]" "$log")
     echo "sanitize $tool '$suite': exit $code, sanitizer errors ${errors:-?}, tests passed ${passed:-0}, failed $failed, ${seconds}s"

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# Installs what moka's build and tests need on a Debian machine (idempotent). The CUDA backend's
-# CUTLASS headers are fetched by CMake into each build directory (scripts/fetch_cutlass.sh).
+# Installs what moka's build and tests need on a Debian machine (idempotent); --tests adds the
+# Python test environment. The CUDA backend's CUTLASS headers are fetched by CMake into each
+# build directory (scripts/fetch_cutlass.sh).
 set -euo pipefail
 packages=(cmake ninja-build g++ git python3 python3-pip python3-matplotlib unzip libgtest-dev libcli11-dev nlohmann-json3-dev)
 missing=()
@@ -19,5 +20,8 @@ if ! command -v nvcc >/dev/null && [ -x /usr/local/cuda/bin/nvcc ]; then
 fi
 # The English text `moka train` and the training tests use.
 bash "$(dirname "$0")/fetch_data.sh"
-# The venv (outside the clone) the Python package's tests run with: torch, nanobind, pytest.
-bash "$(dirname "$0")/setup_python.sh"
+# With --tests: the venv (outside the clone) the Python package's tests run with (torch,
+# nanobind, pytest; 3 GB), which `moka bench` alone does not need.
+if [[ ${1:-} == --tests ]]; then
+  bash "$(dirname "$0")/setup_python.sh"
+fi

@@ -35,6 +35,17 @@ TEST(Validation, ExpertIdOutOfRange) {
   expect_error(forward_error(s, b), ErrorCode::expert_out_of_range, "= -1");
 }
 
+// The code's name prefixes the message once, on one rank as across ranks.
+TEST(Validation, OneRankErrorNamesItsCodeOnce) {
+  const MoeShape s = small_shape();
+  auto b = random_buffers<float>(s, 1, 6, 1);
+  b.topk_ids[5] = 4;
+  const std::string what = forward_error(s, b).what();
+  const std::string code = to_string(ErrorCode::expert_out_of_range);
+  EXPECT_EQ(what.find(code), 0u) << what;
+  EXPECT_EQ(what.find(code, code.size()), std::string::npos) << what;
+}
+
 TEST(Validation, DuplicateExpertInTopK) {
   const MoeShape s = small_shape();
   auto b = random_buffers<float>(s, 1, 6, 1);

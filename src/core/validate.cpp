@@ -128,20 +128,21 @@ void validate_collectively(ProcessGroup* group, const LayerSignature& signature,
     mine.code = static_cast<int32_t>(e.code());
     std::strncpy(mine.message, e.what(), sizeof(mine.message) - 1);
   }
+  // The message without the "<code>: " prefix Error::what() carries; Error re-attaches it.
+  auto message_of = [](const Outcome& o) {
+    std::string msg = o.message;
+    const std::string prefix = std::string(to_string(static_cast<ErrorCode>(o.code))) + ": ";
+    return msg.rfind(prefix, 0) == 0 ? msg.substr(prefix.size()) : msg;
+  };
   if (group == nullptr || group->size() == 1) {
-    if (mine.failed) throw Error(static_cast<ErrorCode>(mine.code), mine.message);
+    if (mine.failed) throw Error(static_cast<ErrorCode>(mine.code), message_of(mine));
     return;
   }
   std::vector<Outcome> all(group->size());
   group->all_gather(&mine, all.data(), sizeof(Outcome));
   for (int r = 0; r < group->size(); ++r) {
-    if (all[r].failed) {
-      // Strip the "<code>: " prefix Error::what() carries; the code is re-attached.
-      std::string msg = all[r].message;
-      const std::string prefix = std::string(to_string(static_cast<ErrorCode>(all[r].code))) + ": ";
-      if (msg.rfind(prefix, 0) == 0) msg = msg.substr(prefix.size());
-      throw Error(static_cast<ErrorCode>(all[r].code), "rank " + std::to_string(r) + ": " + msg);
-    }
+    if (all[r].failed)
+      throw Error(static_cast<ErrorCode>(all[r].code), "rank " + std::to_string(r) + ": " + message_of(all[r]));
   }
   for (int r = 1; r < group->size(); ++r) {
     require(all[r].signature == all[0].signature, ErrorCode::shape_mismatch,
