@@ -24,6 +24,8 @@ struct RouterOutputs {
   TensorView expert_counts;
 };
 
+// GPU: holds scratch allocated on the forward's stream and freed there by the destructor, so a
+// context must be destroyed before that stream is.
 class RouterContext {
  public:
   virtual ~RouterContext() = default;

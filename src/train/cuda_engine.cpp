@@ -145,6 +145,10 @@ struct CudaEngine::Impl {
   }
 
   ~Impl() {
+    // The layers and routers (and their saved contexts) free stream-ordered scratch on `stream`:
+    // they go before it does.
+    cudaStreamSynchronize(stream);
+    layers.clear();
     cublasDestroy(cublas);
     cudaStreamDestroy(stream);
   }
