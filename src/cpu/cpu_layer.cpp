@@ -221,8 +221,9 @@ class CpuMoeLayer final : public MoeLayer {
     ctx.all_ids.resize(world_size() * slots);
     ctx.all_weights.resize(world_size() * slots);
     if (world_size() == 1) {
-      std::memcpy(ctx.all_ids.data(), in.topk_ids.data, slots * sizeof(int32_t));
-      std::memcpy(ctx.all_weights.data(), in.topk_weights.data, slots * sizeof(T));
+      // copy_n, not memcpy: with zero tokens both pointers may be null, which memcpy forbids.
+      std::copy_n(in.topk_ids.as<int32_t>(), slots, ctx.all_ids.data());
+      std::copy_n(in.topk_weights.as<T>(), slots, ctx.all_weights.data());
       return;
     }
     group_->all_gather(in.topk_ids.data, ctx.all_ids.data(), slots * sizeof(int32_t));
