@@ -205,8 +205,9 @@ double reference_buffer_bytes(const MoeShape& s, int world, int64_t tokens) {
   return world * (values * (sizeof(double) + sizeof(float)) + 2 * T * k * sizeof(int32_t));
 }
 
-// Checks that need the shapes, before any rank, thread or buffer exists.
-void validate_cases(const BenchOptions& o, const std::vector<NamedShape>& shapes) {
+// Checks that need the shapes, before any rank, thread or buffer exists. Only the CPU backend
+// holds full host copies of every case (the CUDA bench keeps its tensors on the device).
+void validate_cases(const BenchOptions& o, const std::vector<NamedShape>& shapes, Backend backend) {
   const bool processes = o.gpus > 1;
   const int world = processes ? o.gpus : o.ep;
   const std::string ranks_option = (processes ? "--gpus " : "--ep ") + std::to_string(world);
@@ -217,6 +218,7 @@ void validate_cases(const BenchOptions& o, const std::vector<NamedShape>& shapes
             ranks_option + " does not divide the " + std::to_string(s.num_experts) + " experts of " + ns.name);
     require(s.top_k <= s.num_experts, ErrorCode::invalid_argument,
             "--top-k " + std::to_string(s.top_k) + " exceeds --experts " + std::to_string(s.num_experts));
+    if (backend != Backend::cpu) continue;
     for (int64_t t : o.tokens)
       require_host_memory(reference_buffer_bytes(s, world, t), "--tokens " + std::to_string(t),
                           "the reference buffers of " + ns.name + " over " + std::to_string(world) + " ranks");
@@ -226,7 +228,7 @@ void validate_cases(const BenchOptions& o, const std::vector<NamedShape>& shapes
 // What `--backend auto` picks, and why in words for a note on stderr.
 std::pair<Backend, std::string> automatic_backend() {
   if (cuda_backend_available()) return {Backend::cuda, "cuda (a GPU is visible)"};
-#ifdef MOKA_WITH_CUDA
+#if MOKA_HAVE_CUDA
   return {Backend::cpu, "cpu (no GPU visible)"};
 #else
   return {Backend::cpu, "cpu (this build has no CUDA backend)"};
@@ -240,11 +242,11 @@ void run_bench(const BenchOptions& o) {
   } else {
     for (const auto& name : o.shapes) shapes.push_back(named_shape(name));
   }
-  validate_cases(o, shapes);
-  if (ran_as_workers(o.gpus, "bench")) return;
   const bool automatic = parse_backend(o.backend) == Backend::automatic;
   const auto [backend, backend_choice] =
       automatic ? automatic_backend() : std::pair<Backend, std::string>{parse_backend(o.backend), ""};
+  validate_cases(o, shapes, backend);
+  if (ran_as_workers(o.gpus, "bench")) return;
   if (o.paired_steps) {
     require(backend == Backend::cuda && shapes.size() == 1 && o.tokens.size() == 1 && o.gpus == 1 && o.ep == 1,
             ErrorCode::invalid_argument, "--paired-steps takes --backend cuda and one shape and token count");
