@@ -24,11 +24,13 @@ struct PlanCase {
   }
 };
 
-// A plan sized so `total_rows` fits; shared expert over 5 tokens, I = 6, H = 8, tile_n = 4.
+// A plan sized so `total_rows` fits; shared expert over 5 tokens, I = 6, H = 8, tile_n = 4,
+// down_tile_n = 3 (both GEMMs end in a partial column tile, with different tile counts).
 MegakernelPlan make_plan(const PlanCase& c) {
   MegakernelConfig config;
   config.tile_rows = c.tile_m;
   config.tile_n = 4;
+  config.down_tile_n = 3;
   config.minibatch_size = c.minibatch;
   config.macrobatch_size = c.macrobatch;
   config.capacity_multiplier = 1.0;
@@ -396,6 +398,7 @@ TEST(MegakernelPlan, ConfigValidationNamesTheField) {
   };
   expect_invalid(with([](auto& c) { c.num_comm_sms = 0; }), "num_comm_sms");
   expect_invalid(with([](auto& c) { c.tile_n = 0; }), "tile_n");
+  expect_invalid(with([](auto& c) { c.down_tile_n = 0; }), "down_tile_n");
   expect_invalid(with([](auto& c) { c.minibatch_size = 4000; }), "minibatch_size");
   expect_invalid(with([](auto& c) { c.minibatch_size = 64; }), "minibatch_size");
   expect_invalid(with([](auto& c) { c.macrobatch_size = 4096 * 3 + 128; }), "macrobatch_size");
@@ -443,6 +446,33 @@ TEST(MegakernelPlan, DeviceInputErrorsNameTheRankAndEntry) {
   const std::string tokens_message = message(tokens);
   EXPECT_NE(tokens_message.find("rank 2 has 63 tokens, this rank 64"), std::string::npos) << tokens_message;
   EXPECT_NO_THROW(throw_megakernel_status(MegakernelStatus{}, MegakernelConfig{}));
+}
+
+// A compute CTA's stalled pipeline (an mbarrier wait past its bound) names the wait and the task.
+TEST(MegakernelPlan, PipelineTimeoutNamesTheWaitAndTask) {
+  MegakernelStatus s;
+  s.code = StatusCode::pipeline_timeout;
+  s.stage = TaskKind::down;
+  s.pipeline_wait = PipelineWait::operands_landed;
+  s.minibatch = 3;
+  s.row_tile = 5;
+  try {
+    throw_megakernel_status(s, MegakernelConfig{});
+    ADD_FAILURE() << "no error";
+  } catch (const Error& e) {
+    EXPECT_EQ(e.code(), ErrorCode::timeout);
+    const std::string m = e.what();
+    EXPECT_NE(m.find("wait operands_landed of stage down in minibatch 3 (macrobatch 0), row tile 5"), std::string::npos)
+        << m;
+  }
+}
+
+// Down tiles have their own width: the down and shared-down column tiles follow down_tile_n.
+TEST(MegakernelPlan, DownTilesFollowDownTileN) {
+  const auto p = make_plan({4, 8, 16, 16});
+  EXPECT_EQ(p.gate_up_col_tiles, 2);  // I = 6 over 4
+  EXPECT_EQ(p.down_col_tiles, 3);     // H = 8 over 3
+  EXPECT_EQ(counter_target(p, CounterKind::outputs_ready), p.row_tiles_per_minibatch * 3);
 }
 
 }  // namespace

@@ -62,7 +62,7 @@ struct MegakernelDims {
 // POD: sized for the worst case on the host (build_megakernel_plan), trimmed on the device to
 // the real row count (trim_to_rows) so the host never needs the counts.
 struct MegakernelPlan {
-  int64_t tile_m = 0, tile_n = 0, minibatch_rows = 0, macrobatch_rows = 0;
+  int64_t tile_m = 0, tile_n = 0, down_tile_n = 0, minibatch_rows = 0, macrobatch_rows = 0;
   int64_t capacity_rows = 0;            // rows the schedule tables hold (padding included)
   int64_t ring_rows = 0;                // rows allocated per ring buffer
   int64_t row_tiles_per_minibatch = 0;  // also dispatch/combine blocks per minibatch
@@ -282,7 +282,18 @@ MOKA_HD Task comm_task(const MegakernelPlan& p, int64_t ticket) {
 
 // invalid_expert and tokens_mismatch are input errors found on the device (the GPU layer's
 // schedule kernels check every source rank's routing, so every rank reports the same error).
-enum class StatusCode : int32_t { ok, capacity_exceeded, timeout, invalid_expert, tokens_mismatch };
+// pipeline_timeout: a compute CTA's shared-memory pipeline (its mbarriers) stopped advancing,
+// which only a TMA fault or a protocol error in the kernel causes.
+enum class StatusCode : int32_t { ok, capacity_exceeded, timeout, invalid_expert, tokens_mismatch, pipeline_timeout };
+
+// The mbarrier wait of a compute CTA that timed out.
+enum class PipelineWait : int32_t {
+  none,
+  operands_landed,  // consumers: a stage's TMA bytes
+  stage_free,       // TMA producer: the consumers' release of a stage
+  task_published,   // producer and consumers: the scheduler's next task
+  task_finished,    // scheduler: a task-queue slot's readers
+};
 
 // Written once (first failure wins) by the schedule kernel or a megakernel CTA; every wait polls
 // `code` and gives up when it is set, so a failure ends the kernel instead of hanging it.
@@ -296,6 +307,7 @@ struct MegakernelStatus {
   // invalid_expert: the source rank, the entry [token, choice], the id and the expert count;
   // tokens_mismatch: the source rank and its token count, this rank's in `limit`.
   int64_t source_rank = -1, token = 0, choice = 0, value = 0, limit = 0;
+  PipelineWait pipeline_wait = PipelineWait::none;  // pipeline_timeout: which wait (stage, minibatch, row_tile: where)
 };
 
 // ---- Host only ---------------------------------------------------------------------------------
@@ -312,6 +324,7 @@ std::vector<Task> plan_order(const MegakernelPlan& p);
 
 const char* to_string(TaskKind kind);
 const char* to_string(CounterKind kind);
+const char* to_string(PipelineWait wait);
 std::string describe(const MegakernelPlan& p, const Task& t);
 
 // Throws the moka::Error a failed status stands for (capacity_exceeded or timeout), naming the

@@ -27,12 +27,8 @@ __global__ void __launch_bounds__(mk::kThreads, 1) megakernel(const __grid_const
   }
   extern __shared__ char smem_raw[];
   // The swizzled operand tiles need 1024-byte alignment.
-  auto* smem = reinterpret_cast<mk::TileSmem*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t(1023));
-  mk::init_tile_pipeline(*smem);
-  mk::ComputeState state{*smem};
-  mk::task_loop(p, plan, &p.control->compute_ticket, core::compute_task_count(plan), p.timeline_compute,
-                core::compute_task, [&](const core::Task& t) { mk::run_compute_task(state, p, params.ops, plan, t); });
-  mk::drain_tile_pipeline(*smem, state.kblocks_done);
+  auto* smem = reinterpret_cast<mk::ComputeSmem*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t(1023));
+  mk::run_compute_cta(*smem, p, params.ops, plan);
 }
 
 mk::Operands make_operands(const MegakernelLaunch& p) {
@@ -56,7 +52,7 @@ mk::Operands make_operands(const MegakernelLaunch& p) {
 
 }  // namespace
 
-size_t megakernel_smem_bytes() { return sizeof(mk::TileSmem) + 1024; }
+size_t megakernel_smem_bytes() { return sizeof(mk::ComputeSmem) + 1024; }
 
 int megakernel_ctas_per_sm() {
   const int smem = int(megakernel_smem_bytes());

@@ -44,7 +44,8 @@ __device__ inline void report(MegakernelControl* control, core::MegakernelStatus
   *reinterpret_cast<volatile int32_t*>(&control->status.code) = static_cast<int32_t>(code);
 }
 
-// Thread 0: waits until the task's counter reaches its target (relaxed polling with backoff,
+// The thread that issues (comm: thread 0) or hands to the TMA thread (compute: the scheduler
+// thread) the task's loads: waits until the task's counter reaches its target (relaxed polling with backoff,
 // then one acquire fence), at most timeout_ns. False when this or another CTA failed.
 __device__ inline bool wait_for(const MegakernelLaunch& p, const core::MegakernelPlan& plan, const core::Task& task) {
   const core::CounterRef need = core::task_wait(plan, task);
@@ -84,7 +85,7 @@ __device__ inline bool wait_for(const MegakernelLaunch& p, const core::Megakerne
   }
 }
 
-// Thread 0, after the CTA's __syncthreads that ends the task.
+// One thread, after the barrier that ends the task for every thread that stored its outputs.
 __device__ inline void release_done(const MegakernelLaunch& p, const core::MegakernelPlan& plan, const core::Task& task) {
   const core::CounterRef done = core::task_release(plan, task);
   if (done.kind != core::CounterKind::none) release_add(p.counters + core::counter_index(plan, done));
