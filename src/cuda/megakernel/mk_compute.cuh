@@ -61,8 +61,12 @@ inline constexpr int kTaskSlots = 2;
 struct TaskQueue {
   ComputeJob jobs[kTaskSlots];
   alignas(8) uint64_t published[kTaskSlots];  // one arrival: the scheduler wrote the slot
-  alignas(8) uint64_t finished[kTaskSlots];   // two arrivals: the TMA thread and the consumers are done
+  // The TMA thread and every consumer thread arrive once they read the slot for the last time:
+  // each reader's own arrival (and its own wait on `published`) orders its reads in a way
+  // compute-sanitizer's racecheck follows, which a barrier relayed through one thread is not.
+  alignas(8) uint64_t finished[kTaskSlots];
 };
+inline constexpr uint32_t kSlotReaders = 1 + kConsumerThreads;
 
 struct ComputeSmem {
   TileSmem tile;
@@ -74,7 +78,7 @@ __device__ inline void init_compute_smem(ComputeSmem& sm) {
     init_tile_pipeline(sm.tile);
     for (int q = 0; q < kTaskSlots; ++q) {
       EmptyBarrier::init(&sm.queue.published[q], 1);
-      EmptyBarrier::init(&sm.queue.finished[q], 2);
+      EmptyBarrier::init(&sm.queue.finished[q], kSlotReaders);
     }
     cutlass::arch::fence_barrier_init();
   }
@@ -201,7 +205,7 @@ __device__ inline void schedule_tasks(ComputeSmem& sm, const MegakernelLaunch& p
     const int q = int(n % kTaskSlots);
     bool free = true;
     if (n >= uint32_t(kTaskSlots))
-      free = wait_phase(&queue.finished[q], slot_phase(n) ^ 1u, watch, 2 * watch.timeout_ns,
+      free = wait_phase(&queue.finished[q], slot_phase(n) ^ 1u, watch, watch.queue_bound_ns,
                         core::PipelineWait::task_finished, TaskSite{});
     ComputeJob job;
     if (free) {
@@ -214,7 +218,7 @@ __device__ inline void schedule_tasks(ComputeSmem& sm, const MegakernelLaunch& p
     if (job.stop) {
       // Observe the last slots' `finished` phases (the readers arrive on them too for the stop).
       for (uint32_t m = n > 0 ? n - 1 : 0; m <= n; ++m)
-        wait_phase(&queue.finished[m % kTaskSlots], slot_phase(m), watch, 2 * watch.timeout_ns,
+        wait_phase(&queue.finished[m % kTaskSlots], slot_phase(m), watch, watch.queue_bound_ns,
                    core::PipelineWait::task_finished, TaskSite{});
       return;
     }
@@ -227,7 +231,7 @@ __device__ inline void load_tasks(ComputeSmem& sm, const PipelineWatch& watch) {
   uint32_t loads = 0;
   for (uint32_t n = 0;; ++n) {
     const int q = int(n % kTaskSlots);
-    if (!wait_phase(&queue.published[q], slot_phase(n), watch, 2 * watch.timeout_ns,
+    if (!wait_phase(&queue.published[q], slot_phase(n), watch, watch.queue_bound_ns,
                     core::PipelineWait::task_published, TaskSite{}))
       break;
     const ComputeJob& job = queue.jobs[q];
@@ -246,10 +250,11 @@ __device__ inline void load_tasks(ComputeSmem& sm, const PipelineWatch& watch) {
 
 // The 256 consumer threads: compute and store each published job, then release its counter.
 // The leader thread (consumer 0) waits for each job and tells the others through a named
-// barrier, so all consumers see the same job or the same stop and reach the same barriers.
+// barrier, so all consumers see the same job or the same stop and reach the same barriers;
+// then every consumer acquires the (completed) phase itself before it reads the slot.
 __device__ inline void compute_tasks(ComputeSmem& sm, const MegakernelLaunch& p, const core::MegakernelPlan& plan,
                                      const PipelineWatch& watch) {
-  __shared__ bool published;
+  __shared__ bool job_ready;
   TaskQueue& queue = sm.queue;
   const bool leader = consumer_thread() == 0;
   uint32_t consumed = 0;
@@ -257,13 +262,16 @@ __device__ inline void compute_tasks(ComputeSmem& sm, const MegakernelLaunch& p,
   for (uint32_t n = 0;; ++n) {
     const int q = int(n % kTaskSlots);
     if (leader)
-      published = wait_phase(&queue.published[q], slot_phase(n), watch, 2 * watch.timeout_ns,
+      job_ready = wait_phase(&queue.published[q], slot_phase(n), watch, watch.queue_bound_ns,
                              core::PipelineWait::task_published, TaskSite{});
     cutlass::arch::NamedBarrier::sync(kConsumerThreads, kConsumerBarrier);
-    if (!published) return;
+    if (!job_ready) return;
+    // Complete (the leader saw it): returns at once.
+    wait_phase(&queue.published[q], slot_phase(n), watch, watch.queue_bound_ns, core::PipelineWait::task_published,
+               TaskSite{});
     const ComputeJob& job = queue.jobs[q];
     if (job.stop) {
-      if (leader) EmptyBarrier::arrive(&queue.finished[q]);
+      EmptyBarrier::arrive(&queue.finished[q]);
       return;
     }
     const uint64_t start = global_ns();  // the timeline shows work, not waits
@@ -276,8 +284,8 @@ __device__ inline void compute_tasks(ComputeSmem& sm, const MegakernelLaunch& p,
     if (leader) {
       release_done(p, plan, job.task);
       record(p.timeline_compute, job.ticket, start, job.task);
-      EmptyBarrier::arrive(&queue.finished[q]);
     }
+    EmptyBarrier::arrive(&queue.finished[q]);
   }
 }
 
@@ -286,7 +294,7 @@ __device__ inline void compute_tasks(ComputeSmem& sm, const MegakernelLaunch& p,
 __device__ inline void run_compute_cta(ComputeSmem& sm, const MegakernelLaunch& p, const Operands& ops,
                                        const core::MegakernelPlan& plan) {
   init_compute_smem(sm);
-  const PipelineWatch watch{p.control, p.timeout_ns};
+  const PipelineWatch watch = make_watch(p.control, p.timeout_ns);
   const int warp = int(threadIdx.x / 32);
   const bool lane0 = threadIdx.x % 32 == 0;
   if (is_consumer()) {

@@ -130,13 +130,26 @@ __device__ inline bool is_consumer() { return threadIdx.x >= kWarpgroupThreads; 
 
 // ---- Bounded mbarrier waits -------------------------------------------------------------------
 
-// Who waits in a pipeline timeout report, and for how long (the bound): stage waits get the
-// kernel's timeout; waits on the task queue include a counter wait or a whole task (each bounded
-// by the timeout themselves), so they get twice that and never fire before the inner wait does.
+// The bounds of the pipeline's waits. A stage wait waits for the TMA unit or the MMAs of one
+// k-block: spin_timeout plus one second of slack. A task-queue wait includes a counter wait or a
+// whole task, each bounded themselves: twice that, so the inner wait always reports first (a
+// counter timeout names the counter, the more useful report).
+inline constexpr uint64_t kPipelineSlackNs = 1000000000ull;
+
 struct PipelineWatch {
   MegakernelControl* control;
-  uint64_t timeout_ns;
+  uint64_t stage_bound_ns, queue_bound_ns;
 };
+
+__device__ inline PipelineWatch make_watch(MegakernelControl* control, uint64_t timeout_ns) {
+  const uint64_t stage = timeout_ns + kPipelineSlackNs;
+  return {control, stage, 2 * stage};
+}
+
+// Failed try_waits between two reads of the status word and the clock. The status word is a
+// system-scope load (about a microsecond): read after every try_wait it made a thread notice a
+// completed phase that much late, on every k-block the consumers waited for.
+inline constexpr uint32_t kWaitPollInterval = 256;
 
 // The task a pipeline wait belongs to, as a timeout names it (kind none: between tasks).
 struct TaskSite {
@@ -150,9 +163,10 @@ __device__ inline bool wait_phase(uint64_t* bar, uint32_t phase, const PipelineW
                                   core::PipelineWait what, const TaskSite& site) {
   if (EmptyBarrier::try_wait(bar, phase)) return true;
   const uint64_t start = global_ns();
-  // try_wait suspends the thread for a hardware-defined interval before it gives up: this loop
-  // is not a hot spin, and the status word is polled about once per interval.
-  while (!EmptyBarrier::try_wait(bar, phase)) {
+  // try_wait suspends the thread until the phase completes or a hardware-defined interval
+  // passes, so the loop does not spin hot.
+  for (uint32_t tries = 1; !EmptyBarrier::try_wait(bar, phase); ++tries) {
+    if (tries % kWaitPollInterval != 0) continue;
     if (failed(watch.control)) return false;
     if (global_ns() - start > bound_ns) {
       core::MegakernelStatus s;
@@ -193,7 +207,7 @@ __device__ inline void load_tile(TileSmem& sm, uint32_t& loads, const TileLoads&
   for (int kb = 0; kb < l.kblocks; ++kb, ++loads) {
     const int stage = int(loads % kStages);
     if (loads >= uint32_t(kStages))
-      wait_phase(&sm.empty[stage], ((loads / kStages) - 1) & 1u, watch, watch.timeout_ns, core::PipelineWait::stage_free,
+      wait_phase(&sm.empty[stage], ((loads / kStages) - 1) & 1u, watch, watch.stage_bound_ns, core::PipelineWait::stage_free,
                  site);
     FullBarrier::arrive_and_expect_tx(&sm.full[stage], kStageBytes);
     issue_tma(l.a, sm.a + stage * kBoxElements, sm.full[stage], kb);
@@ -206,7 +220,7 @@ __device__ inline void load_tile(TileSmem& sm, uint32_t& loads, const TileLoads&
 __device__ inline void drain_tile_pipeline(TileSmem& sm, uint32_t loads, const PipelineWatch& watch) {
   const uint32_t first = loads > uint32_t(kStages) ? loads - kStages : 0;
   for (uint32_t n = first; n < loads; ++n)
-    wait_phase(&sm.empty[n % kStages], (n / kStages) & 1u, watch, watch.timeout_ns, core::PipelineWait::stage_free,
+    wait_phase(&sm.empty[n % kStages], (n / kStages) & 1u, watch, watch.stage_bound_ns, core::PipelineWait::stage_free,
                TaskSite{});
 }
 
@@ -232,7 +246,7 @@ __device__ inline void mma_tile(TileSmem& sm, uint32_t& consumed, int kblocks, A
   warpgroup_fence_operand(acc);
   for (int kb = 0; kb < kblocks; ++kb) {
     const int stage = stage_of(kb);
-    wait_phase(&sm.full[stage], ((consumed + kb) / kStages) & 1u, watch, watch.timeout_ns,
+    wait_phase(&sm.full[stage], ((consumed + kb) / kStages) & 1u, watch, watch.stage_bound_ns,
                core::PipelineWait::operands_landed, site);
     warpgroup_fence_operand(acc);
     warpgroup_arrive();
