@@ -270,6 +270,10 @@ class MoE(nn.Module):
     or "megakernel" (which holds ``max_tokens`` tokens per rank; automatic uses it only when
     ``max_tokens`` is set). On the GPU, errors the kernels find (a bad expert id) surface at the
     next call or at ``check_errors()`` after synchronizing.
+    One forward in flight per layer on the CUDA backend: it keeps the activations of its latest
+    forward only, so run a forward's backward before the layer's next forward (activation
+    checkpointing, which recomputes the forward just before its backward, fits; a backward of an
+    older forward raises moka.Error).
     """
 
     def __init__(self, hidden: int, intermediate: int, experts: int, top_k: int, shared_intermediate: int = 0,
@@ -308,18 +312,27 @@ class MoE(nn.Module):
 
     @torch.no_grad()
     def reset_parameters(self, std: float = 0.02):
-        """Normal(0, std) weights. Expert e's weights depend on the seed and e only, not on how the
-        experts are split over ranks, so an expert-parallel layer equals a one-rank layer."""
+        """Normal(0, std) weights, drawn on the weights' device (meta tensors stay as they are).
+        Expert e's weights depend on the seed, e and the device type only, not on how the experts
+        are split over ranks, so an expert-parallel layer equals a one-rank layer."""
         seed = int(torch.randint(0, 2**62, (1,)).item())
-        generator = torch.Generator(device="cpu")
-        self.w_router.copy_(torch.randn(self.w_router.shape, generator=generator.manual_seed(seed)) * std)
+        device = self.w_router.device
+        if device.type == "meta":
+            return
+        generator = torch.Generator(device=device)
+
+        def normal(shape):
+            return torch.randn(shape, generator=generator, device=device, dtype=torch.float32) * std
+
+        generator.manual_seed(seed)
+        self.w_router.copy_(normal(self.w_router.shape))
         for name in ("ws_gate", "ws_up", "ws_down"):
             if getattr(self, name) is not None:
-                getattr(self, name).copy_(torch.randn(getattr(self, name).shape, generator=generator) * std)
+                getattr(self, name).copy_(normal(getattr(self, name).shape))
         for local in range(self.local_experts):
             generator.manual_seed(seed + 1 + self.first_local_expert + local)
             for w in (self.w_gate, self.w_up, self.w_down):
-                w[local].copy_(torch.randn(w.shape[1:], generator=generator) * std)
+                w[local].copy_(normal(w.shape[1:]))
 
     def _engine(self, x: Tensor) -> tuple[_moka.Router, _moka.Layer]:
         backend = _backend(x)
@@ -345,13 +358,18 @@ class MoE(nn.Module):
         self.expert_load += counts
         return ids, weights
 
+    def apply_experts(self, x: Tensor, topk_ids: Tensor, topk_weights: Tensor) -> Tensor:
+        """The routed experts and the shared expert for x [T, H] routed by the caller (``route`` or
+        your own router): out [T, H], differentiable in x, topk_weights and every expert weight.
+        Unlike ``moe_experts``, the backward reuses this forward's state instead of recomputing it."""
+        _, layer = self._engine(x)
+        return _Experts.apply(x, topk_ids, topk_weights, self.w_gate, self.w_up, self.w_down, self.ws_gate,
+                              self.ws_up, self.ws_down, layer)
+
     def forward(self, x: Tensor) -> Tensor:
         tokens = x.reshape(-1, self.hidden).contiguous()
         ids, weights = self.route(tokens)
-        _, layer = self._engine(tokens)
-        out = _Experts.apply(tokens, ids, weights, self.w_gate, self.w_up, self.w_down, self.ws_gate, self.ws_up,
-                             self.ws_down, layer)
-        return out.reshape(x.shape)
+        return self.apply_experts(tokens, ids, weights).reshape(x.shape)
 
     def check_errors(self):
         """Raises (as moka.Error) what the GPU kernels of finished calls found; synchronize first."""
