@@ -8,8 +8,8 @@
    ratios python / C++ (target: at most 1.03).
 2. Host time per call at a small token count: the wall time the Python process spends in one
    ``MoE`` forward (routing + experts), one backward, and one ``moe_experts`` forward, while the
-   GPU is kept busy so that launches never wait on it (target: at most 40 us per call); and,
-   to tell the Python layer from moka's C++, the extension's router and layer forward alone.
+   GPU is kept busy so that launches never wait on it; and the extension's router and layer
+   calls alone, so that what Python adds is the difference (target: at most 40 us per call).
 One JSON line per measurement on stdout (and appended to --out).
 """
 import argparse
@@ -96,15 +96,24 @@ def host_overhead(name, tokens, calls, seed):
     stream = torch.cuda.current_stream().cuda_stream
     counts = torch.empty(moe.experts, dtype=torch.int32, device="cuda")
     routed = (torch.empty_like(ids), torch.empty_like(weights.detach()))
+    expert_weights = (*args[2:], None, None, None)
+    grads = (torch.empty_like(xs), torch.empty_like(args[1]), *(torch.empty_like(w) for w in args[2:]))
+    router_grads = (torch.empty_like(xs), torch.empty_like(moe.w_router))
 
     def extension_step():  # moka's C++ calls alone, their DLPack arguments made in a phase before
         router_args = (_dl(xs), _dl(moe.w_router), None, *(_dl(t) for t in (*routed, counts)), stream)
-        layer_args = (_dl(xs), _dl(ids), _dl(args[1]), _weights(*args[2:], None, None, None),
-                      _dl(torch.empty_like(xs)), stream)
+        layer_args = (_dl(xs), _dl(ids), _dl(args[1]), _weights(*expert_weights), _dl(torch.empty_like(xs)), stream)
+        layer_grad_args = (_dl(d_out), _weights(*expert_weights), _dl(grads[0]), _dl(grads[1]),
+                           _weights(*grads[2:], None, None, None), stream)
+        router_grad_args = (_dl(grads[1]), *(_dl(g) for g in router_grads), stream)
         yield
-        router.forward(*router_args)
+        router_saved = router.forward(*router_args)
         yield
-        layer.forward(*layer_args)
+        layer_saved = layer.forward(*layer_args)
+        yield
+        layer.backward(layer_saved, *layer_grad_args)
+        yield
+        router.backward(router_saved, *router_grad_args)
         yield
 
     for _ in range(3):  # warm: moka's engines and workspaces for this token count
@@ -112,11 +121,13 @@ def host_overhead(name, tokens, calls, seed):
         list(op_step())
     fwd, bwd = host_us(module_step, calls)
     (op,) = host_us(op_step, calls)
-    dlpack, router_forward, layer_forward = host_us(extension_step, calls)
+    _, router_fwd, layer_fwd, layer_bwd, router_bwd = host_us(extension_step, calls)
     return {"measure": "host", "shape": name, "tokens_per_rank": tokens, "calls": calls,
             "module_forward_us": fwd, "module_backward_us": bwd, "op_forward_us": op,
-            "dlpack_arguments_us": dlpack, "extension_router_forward_us": router_forward,
-            "extension_layer_forward_us": layer_forward}
+            "extension_router_forward_us": router_fwd, "extension_layer_forward_us": layer_fwd,
+            "extension_layer_backward_us": layer_bwd, "extension_router_backward_us": router_bwd,
+            "python_adds_forward_us": fwd - router_fwd - layer_fwd,
+            "python_adds_backward_us": bwd - layer_bwd - router_bwd, "python_adds_op_forward_us": op - layer_fwd}
 
 
 def main():
