@@ -12,9 +12,11 @@
 
 namespace moka::cuda {
 
-// Per-launch control words, zeroed before the schedule kernels: the two task tickets, the
-// first-failure claim and the status the host reads after the closing barrier.
+// Per-launch control words, zeroed in the stream before the schedule kernels (so a captured
+// graph resets them on every replay): the CTA arrival counter that assigns roles, the two task
+// tickets, the first-failure claim and the status the host reads after the closing barrier.
 struct MegakernelControl {
+  unsigned int arrivals;
   unsigned long long compute_ticket;
   unsigned long long comm_ticket;
   int32_t claim;
@@ -25,7 +27,7 @@ struct MegakernelControl {
 // One timeline record per task (only when the caller asked for a timeline).
 struct TimelineRecord {
   int64_t start_ns, end_ns;
-  int32_t cta, kind;  // kind: core::TaskKind
+  int32_t cta, kind;  // cta: the CTA's arrival index (its role order); kind: core::TaskKind
   int64_t step, row_tile;
 };
 
@@ -57,7 +59,11 @@ struct MegakernelLaunch {
 
 // Bytes of dynamic shared memory per CTA (one CTA per SM).
 size_t megakernel_smem_bytes();
-// Enqueues the persistent kernel on `stream` (grid = launch.num_ctas, one CTA per SM).
+// Enqueues the persistent kernel on `stream` (grid = launch.num_ctas, one CTA per SM) as a
+// cooperative launch: the runtime refuses a grid whose CTAs cannot all be resident at once.
+// Roles go by arrival order (the first num_comm_ctas CTAs to start communicate), so progress
+// never depends on which CTAs the hardware schedules first; num_comm_ctas = 0 runs the compute
+// role alone (MegakernelCore).
 void launch_megakernel(const MegakernelLaunch& launch, cudaStream_t stream);
 
 }  // namespace moka::cuda
