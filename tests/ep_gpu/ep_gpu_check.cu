@@ -357,7 +357,33 @@ void megakernel_path_matches_all_to_all_bitwise(ProcessGroup& host, DeviceGroup&
   host.barrier();
 }
 
-// Last: only rank 0 enters the barrier; it must time out and name a missing rank.
+// Rank 0 calls the megakernel alone: its barrier before the pulls times out, and the kernel must
+// not read peer x that no one froze. The status it reports says so and names a missing rank
+// (the layer is built collectively; the other ranks then stay away).
+void megakernel_reads_no_peer_rows_after_a_barrier_timeout(ProcessGroup& host, DeviceGroup& g) {
+  const MoeShape s = small_shape(host);
+  gpu_test::GpuCase c(group_inputs(s, host.size(), 64, 8, Skew::uniform)[host.rank()]);
+  c.upload();
+  MegakernelConfig cfg = megakernel_config(8, 256, 512);
+  cfg.spin_timeout_seconds = 0.2;
+  auto mk = make_moe_layer(s, &g, gpu_test::megakernel_options(cfg, 64));
+  host.barrier();
+  if (g.rank() != 0) return;
+  std::string error;
+  try {
+    mk->forward(c.inputs(), c.weights(), c.out_view(), Stream{});
+    MOKA_CUDA_CHECK(cudaDeviceSynchronize());
+    mk->check_errors();
+  } catch (const Error& e) {
+    error = e.what();
+  }
+  check(error.find("no peer rows were read") != std::string::npos && error.find("did not arrive") != std::string::npos &&
+            error.find("rank 0 did not arrive") == std::string::npos,
+        "megakernel after a barrier timeout reads no peer rows: " + error, 0);
+}
+
+// Last: only rank 0 enters the barrier; it must time out and name a missing rank (the error
+// word is already set by the test before; it keeps the first missing rank).
 void missing_peer_times_out(DeviceGroup& g) {
   if (g.rank() != 0) return;
   g.device_barrier(nullptr, 0.5);
@@ -411,6 +437,7 @@ int main() {
     symmetric_stores_are_visible_after_the_barrier(*g);
     barrier_replays_in_a_cuda_graph(*g);
     host->barrier();
+    megakernel_reads_no_peer_rows_after_a_barrier_timeout(*host, *g);
     missing_peer_times_out(*g);
     host->barrier();
   } catch (const std::exception& e) {

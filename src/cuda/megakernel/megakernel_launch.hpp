@@ -98,10 +98,12 @@ struct ScheduleCheck {
   const int32_t* row_of_slot = nullptr;  // [world * T*k]
   int32_t* slot_of_row = nullptr;        // [capacity_rows], written here
   MegakernelControl* control = nullptr;
+  const uint64_t* barrier_error = nullptr;  // the group's device-barrier error word (null: no group)
 };
 // Copies every source's ids into `ids` ([world][T*k], contiguous, for build_schedule), inverts
-// row_of_slot into slot_of_row, and writes the status word when a source's token count differs,
-// an id is out of range (the lowest (source, slot) is reported) or the rows exceed capacity.
+// row_of_slot into slot_of_row, and writes the status word when the barrier before it timed out
+// (peer_missing: the megakernel then pulls nothing), a source's token count differs, an id is out
+// of range (the lowest (source, slot) is reported) or the rows exceed capacity.
 void gather_source_ids(const ScheduleCheck& c, int32_t* ids, cudaStream_t stream);
 void finish_schedule(const ScheduleCheck& c, cudaStream_t stream);
 

@@ -100,6 +100,7 @@ class CudaMegakernelForward final : public MegakernelExtension {
       : shape_(shape), config_(config), group_(group), world_(group ? group->size() : 1),
         rank_(group ? group->rank() : 0), experts_(shape.num_experts / world_), max_tokens_(max_tokens),
         worst_(supported_plan(shape, config, world_, max_tokens)),
+        barrier_error_(group ? static_cast<const uint64_t*>(group->device_barrier_error()) : nullptr),
         x_(group, max_tokens * shape.hidden * sizeof(bf16)),
         routing_(group, world_ * routing_region_ints(max_tokens, shape.top_k) * sizeof(int32_t)),
         combine_(group, max_tokens * shape.top_k * shape.hidden * sizeof(bf16)),
@@ -146,7 +147,7 @@ class CudaMegakernelForward final : public MegakernelExtension {
 
     const ScheduleCheck check{routing_.local<int32_t>(), world_, T, k, max_tokens_, shape_.num_experts, experts_,
                               plan.capacity_rows, offsets_.data(), row_of_slot_.data(),
-                              slot_of_row_.data(), control_.data()};
+                              slot_of_row_.data(), control_.data(), barrier_error_};
     gather_source_ids(check, ids_.data(), s);
     build_schedule(device_schedule(T), ids_.data(), world_ == 1 ? in.topk_weights.as<float>() : nullptr, s);
     finish_schedule(check, s);
@@ -162,9 +163,12 @@ class CudaMegakernelForward final : public MegakernelExtension {
   }
 
   void check_errors() {
-    if (group_) group_->check_device_errors();
     pending_ = false;
-    raise(merged_.load(), routing_error_.load());
+    const MergedStatus merged = merged_.load();
+    // The megakernel's own report of a barrier timeout names the missing rank, as the group's
+    // does, and also says that no peer rows were read.
+    if (group_ && merged.status.code != core::StatusCode::peer_missing) group_->check_device_errors();
+    raise(merged, routing_error_.load());
   }
 
   void record_timeline(bool on) override {
@@ -303,6 +307,7 @@ class CudaMegakernelForward final : public MegakernelExtension {
   const int world_, rank_;
   const int64_t experts_, max_tokens_;
   const core::MegakernelPlan worst_;
+  const uint64_t* const barrier_error_;  // the group's device-barrier error word, or null
   int device_ = 0, num_sms_ = 0;
   SymmetricBuffers x_, routing_, combine_, status_;
   DeviceArray<int32_t> ids_, chunk_counts_, counts_, source_counts_, offsets_, row_of_slot_, slot_of_row_;
