@@ -282,7 +282,9 @@ MOKA_HD Task comm_task(const MegakernelPlan& p, int64_t ticket) {
 
 // invalid_expert and tokens_mismatch are input errors found on the device (the GPU layer's
 // schedule kernels check every source rank's routing, so every rank reports the same error).
-enum class StatusCode : int32_t { ok, capacity_exceeded, timeout, invalid_expert, tokens_mismatch };
+// peer_missing: the device barrier before the pulls timed out, so the peers' x may still be
+// changing; the kernel then reads no peer memory.
+enum class StatusCode : int32_t { ok, capacity_exceeded, timeout, invalid_expert, tokens_mismatch, peer_missing };
 
 // Written once (first failure wins) by the schedule kernel or a megakernel CTA; every wait polls
 // `code` and gives up when it is set, so a failure ends the kernel instead of hanging it.
@@ -294,7 +296,8 @@ struct MegakernelStatus {
   int64_t row_tile = 0, target = 0, observed = 0;
   int64_t rows = 0, capacity = 0;   // capacity_exceeded: schedule rows needed and held
   // invalid_expert: the source rank, the entry [token, choice], the id and the expert count;
-  // tokens_mismatch: the source rank and its token count, this rank's in `limit`.
+  // tokens_mismatch: the source rank and its token count, this rank's in `limit`;
+  // peer_missing: the rank the barrier waited for in `source_rank`.
   int64_t source_rank = -1, token = 0, choice = 0, value = 0, limit = 0;
 };
 
