@@ -1,8 +1,8 @@
 // The persistent forward megakernel: grid = one CTA per SM; the first num_comm_ctas CTAs to
 // arrive run the communication role (mk_comm.cuh), the others the compute role (mk_compute.cuh).
-// Each role
-// takes tasks in the plan's global order through its own atomic ticket (core/megakernel_plan.hpp)
-// and waits only on counters that earlier tasks release, so it finishes for any routing.
+// Each role takes tasks in the plan's global order through its own atomic ticket
+// (core/megakernel_plan.hpp) and waits only on counters that earlier tasks release, so it
+// finishes for any routing.
 #include "cuda/common/check.hpp"
 #include "cuda/megakernel/megakernel_launch.hpp"
 #include "cuda/megakernel/mk_comm.cuh"
