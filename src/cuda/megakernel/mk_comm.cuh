@@ -2,10 +2,10 @@
 // symmetric x over NVLink into the ring buffer (zero-filling padding rows); combine pushes
 // expert output rows from the ring into the origin rank's combine buffer at slot token*k + j.
 // One task is a block of tile_m rows. One thread moves them with TMA bulk copies, global ->
-// shared -> global, one row per copy, through stages of the CTA's dynamic shared memory
-// (kMaxCommStages rows, ~190 KB, in flight): the copies are latency-bound (a ~1.3 us NVLink
-// round trip), and the copy engine keeps far more bytes in flight per SM than register copies
-// did, so a few CTAs carry what 16 carried. The other warps zero-fill padding rows.
+// shared -> global, one row per copy, through stages of the CTA's dynamic shared memory (up to
+// kMaxCommStages rows in flight, up to ~190 KB): the copies are latency-bound (a ~1.3 us NVLink round
+// trip), and the copy engine keeps far more bytes in flight per SM than register copies did, so
+// a few CTAs carry what 16 carried. The other warps zero-fill padding rows.
 //
 // Memory order: bulk copies are async-proxy operations. A task's reads of rows other CTAs wrote
 // (ring y, combine) follow the acquire and proxy fence of its counter wait (mk_sync.cuh). Before
