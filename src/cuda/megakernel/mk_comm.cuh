@@ -3,7 +3,7 @@
 // expert output rows from the ring into the origin rank's combine buffer at slot token*k + j.
 // One task is a block of tile_m rows. One thread moves them with TMA bulk copies, global ->
 // shared -> global, one row per copy, through stages of the CTA's dynamic shared memory (up to
-// kMaxCommStages rows in flight, up to ~190 KB): the copies are latency-bound (a ~1.3 us NVLink round
+// kMaxCommStages rows in flight, ~190 KB): the copies are latency-bound (a ~1.3 us NVLink round
 // trip), and the copy engine keeps far more bytes in flight per SM than register copies did, so
 // a few CTAs carry what 16 carried. The other warps zero-fill padding rows.
 //
@@ -23,13 +23,13 @@
 
 namespace moka::cuda::mk {
 
-inline constexpr int kMaxCommStages = 64;
+inline constexpr int kMaxCommStages = 32;
 
 // The copy pipeline of a communication CTA (only its thread 0 touches it after init): stage s
 // of the dynamic shared memory holds one row, and full[s] completes when its bulk load landed.
 struct CommPipeline {
   uint64_t full[kMaxCommStages];
-  uint64_t parity;  // bit s: the phase stage s completes next
+  uint32_t parity;  // bit s: the phase stage s completes next
   int stages;
   char* base;
 };
@@ -60,7 +60,7 @@ __device__ inline void init_comm_pipeline(const MegakernelLaunch& p) {
 
 // Thread 0: waits (bounded) for stage s's load to land. False after a timeout, which it reports.
 __device__ inline bool wait_stage(const MegakernelLaunch& p, CommPipeline& pipe, int s, const core::Task& task) {
-  const uint32_t parity = uint32_t(pipe.parity >> s) & 1u;
+  const uint32_t parity = (pipe.parity >> s) & 1u;
   const uint64_t start = global_ns();
   while (!cutlass::arch::ClusterTransactionBarrier::try_wait(&pipe.full[s], parity)) {
     if (global_ns() - start > p.timeout_ns) {
@@ -73,7 +73,7 @@ __device__ inline bool wait_stage(const MegakernelLaunch& p, CommPipeline& pipe,
       return false;
     }
   }
-  pipe.parity ^= uint64_t(1) << s;
+  pipe.parity ^= 1u << s;
   return true;
 }
 
