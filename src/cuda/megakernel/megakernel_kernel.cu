@@ -23,7 +23,6 @@ __global__ void __launch_bounds__(mk::kThreads, 1) megakernel(const __grid_const
   const core::MegakernelPlan plan = core::trim_to_rows(p.plan, p.offsets[p.local_experts]);
   const int cta = mk::arrival_index(p.control);
   if (cta < p.num_comm_ctas) {
-    mk::init_comm_pipeline(p);
     mk::task_loop(p, plan, cta, &p.control->comm_ticket, core::comm_task_count(plan), p.timeline_comm,
                   core::comm_task, [&](const core::Task& t) { mk::run_comm_task(p, plan, t); });
     return;

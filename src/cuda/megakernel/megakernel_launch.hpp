@@ -59,13 +59,6 @@ struct MegakernelLaunch {
 
 // Bytes of dynamic shared memory per CTA (one CTA per SM).
 size_t megakernel_smem_bytes();
-
-// A communication CTA stages rows of `hidden` bf16 in its dynamic shared memory, one row per
-// stage of comm_stage_bytes at kCommStageAlign; it needs two stages at least (mk_comm.cuh).
-inline constexpr int64_t kCommStageAlign = 128;
-MOKA_HD int64_t comm_stage_bytes(int64_t hidden) {
-  return (hidden * 2 + kCommStageAlign - 1) / kCommStageAlign * kCommStageAlign;
-}
 // Enqueues the persistent kernel on `stream` (grid = launch.num_ctas, one CTA per SM) as a
 // cooperative launch: the runtime refuses a grid whose CTAs cannot all be resident at once.
 // Roles go by arrival order (the first num_comm_ctas CTAs to start communicate), so progress

@@ -88,10 +88,6 @@ core::MegakernelPlan supported_plan(const MoeShape& s, const MegakernelConfig& c
   require(s.hidden % 8 == 0 && s.intermediate % 8 == 0 && s.shared_intermediate % 8 == 0,
           ErrorCode::unsupported_size,
           "the megakernel needs hidden, intermediate and shared sizes that are multiples of 8 (16-byte rows)");
-  require(2 * comm_stage_bytes(s.hidden) + kCommStageAlign <= int64_t(megakernel_smem_bytes()),
-          ErrorCode::unsupported_size,
-          "the megakernel's communication CTAs stage two rows of hidden " + std::to_string(s.hidden) +
-              " in shared memory, which does not hold them");
   require(world <= kMaxScheduleSources, ErrorCode::unsupported_size,
           "the megakernel takes at most " + std::to_string(kMaxScheduleSources) + " ranks");
   return core::build_megakernel_plan(c, dims_of(s, world, max_tokens));
