@@ -233,6 +233,7 @@ TEST(Megakernel, SpinTimeoutIsReportedNotHung) {
     EXPECT_EQ(e.code(), ErrorCode::timeout);
     EXPECT_NE(std::string(e.what()).find("timed out"), std::string::npos) << e.what();
     EXPECT_NE(std::string(e.what()).find("rank 0"), std::string::npos) << e.what();
+    EXPECT_EQ(std::string(e.what()).find("timeout: ", 1), std::string::npos) << "the code named twice: " << e.what();
   }
   // The next call runs normally.
   MegakernelConfig ok = megakernel_config(8, 512, 1024);

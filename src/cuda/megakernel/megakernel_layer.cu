@@ -282,7 +282,9 @@ class CudaMegakernelForward final : public MegakernelExtension {
       // Input errors already name the rank whose input is bad (every rank finds them alike).
       const auto code = failure.status.code;
       if (code == core::StatusCode::invalid_expert || code == core::StatusCode::tokens_mismatch) throw;
-      throw Error(e.code(), "rank " + std::to_string(failure.rank) + ": " + e.what());
+      // what() starts with the code's name, which the new Error puts in front again.
+      const std::string message = std::string(e.what()).substr(std::strlen(to_string(e.code())) + 2);
+      throw Error(e.code(), "rank " + std::to_string(failure.rank) + ": " + message);
     }
   }
 
