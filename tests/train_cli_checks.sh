@@ -131,6 +131,7 @@ case $2 in
     json_check h.json 'len(d["beta_per_seed"]) == 2 and d["beta_over_seeds"]["count"] == 2'
     json_check h.json 'd["extrapolated"][0]["tokens"] == 10 * 60 * 4 * 32'
     json_check h.json 'len(d["wsd_checks"]) == 1 and len(d["wsd_checks"][0]["wsd_loss"]) == 5'
+    json_check h.json '[[len(run) for run in seed] for seed in d["runs_seed_lr_budget"]] == [[3] * 5] * 2'
     if python3 "$(dirname "$moka")/plot_mup.py" check 2>/dev/null; then
       python3 "$(dirname "$moka")/plot_mup.py" horizon h.json h.png >out.txt 2>&1 || fail "the horizon plot failed"
       [ -s h.png ] || fail "no horizon plot"

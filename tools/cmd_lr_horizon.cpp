@@ -49,7 +49,8 @@ nlohmann::json result_json(const LrHorizonCommand& c, const train::LrHorizonConf
                      {"fit", power_law_json(r.fit)},
                      {"held_out_max_error", r.held_out_max_error},
                      {"beta_per_seed", r.beta_per_seed},
-                     {"beta_over_seeds", spread_json(r.beta_spread)}};
+                     {"beta_over_seeds", spread_json(r.beta_spread)},
+                     {"runs_seed_lr_budget", r.runs}};
   if (config.holdout > 0) doc["holdout_fit"] = power_law_json(r.holdout_fit);
   for (const auto& b : r.budgets) {
     nlohmann::json j{{"steps", b.steps},       {"tokens", b.tokens},     {"loss", b.loss},
