@@ -192,6 +192,8 @@ def main():
         result[f"{mode}_final_loss"] = loss
         if mode == "compile":
             result["compile_warmup_s"] = warmup
+        # Each mode's result as it comes, so a run cut short by a timeout still tells something.
+        print(json.dumps({"mode": mode, "tokens_per_s": tps, "warmup_s": warmup}), file=sys.stderr, flush=True)
     if "eager" in modes:
         result["tokens_per_s"] = result["torch_eager_tokens_per_s"]
     line = json.dumps(result)

@@ -173,6 +173,30 @@ TEST(HorizonMath, AnalysisLeavesOutBudgetsWithoutAnOptimumAndRefusesTooFew) {
             std::string::npos);
 }
 
+TEST(HorizonMath, FitFromLeavesTheEarlyBudgetsOutOfTheFit) {
+  auto c = synthetic_config();
+  c.fit_from = 300;
+  const auto budgets = check_horizon_config(c);
+  std::vector<std::vector<std::vector<double>>> runs(1, std::vector<std::vector<double>>(c.lrs.size()));
+  for (int64_t steps : budgets) {
+    // The first two budgets fall off a steeper law: without them the fit is exact.
+    const double tokens = double(steps * 1024);
+    const double eta = steps < 300 ? 2.0 * std::pow(tokens, -0.5) : 0.5 * std::pow(tokens, -0.3);
+    const auto curve = quadratic_curve(c.lrs, eta, 0.1, 3.0);
+    for (size_t l = 0; l < c.lrs.size(); ++l) runs[0][l].push_back(curve[l]);
+  }
+  const auto r = analyze_horizon(c, budgets, runs);
+  EXPECT_TRUE(r.budgets[0].usable);
+  EXPECT_FALSE(r.budgets[0].fitted || r.budgets[1].fitted);
+  EXPECT_TRUE(r.budgets[2].fitted);
+  EXPECT_EQ(r.fit.points, 4);
+  EXPECT_NEAR(r.fit.beta, -0.3, 1e-9);
+  EXPECT_NEAR(r.beta_per_seed[0], -0.3, 1e-9);
+  EXPECT_LT(r.held_out_max_error, 1e-9);
+  c.fit_from = 400;  // leaves 3 budgets: one short of 2 plus --holdout 2
+  EXPECT_NE(error_of([&] { check_horizon_config(c); }).find("has 3 budget(s) to fit"), std::string::npos);
+}
+
 TEST(HorizonConfig, BudgetsSkipTheEmaStartAndNeedEnoughPoints) {
   auto c = synthetic_config();
   c.train.ema_decay = 0.99;  // keeps 1% of the start until step 459
@@ -250,4 +274,19 @@ TEST(LrSweep, SeedsGiveEachWidthAndTheDriftASpread) {
   }
   // The seeds differ (init and data), so at least one run's loss does too.
   EXPECT_NE(r.points[0].loss, r.points[1].loss);
+}
+
+TEST(TrainLoop, ValidationSeedFixesTheValidationBatchesAcrossTrainingSeeds) {
+  MOKA_REQUIRE_CORPUS(text);
+  auto c = moka::train::testing::tiny_train_config(Parameterization::mup, 1e-3);
+  c.threads = 1;
+  Trainer plain(c, *text);
+  auto same = c;
+  same.validation_seed = c.seed;  // unset means the training seed
+  Trainer explicit_seed(same, *text);
+  EXPECT_EQ(plain.evaluate(2), explicit_seed.evaluate(2));
+  auto other = c;
+  other.validation_seed = c.seed + 7;  // same weights, other validation batches
+  Trainer moved(other, *text);
+  EXPECT_NE(plain.evaluate(2), moved.evaluate(2));
 }

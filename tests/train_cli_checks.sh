@@ -128,6 +128,7 @@ case $2 in
     json_check h.json 'math.isfinite(d["fit"]["beta"]) and 0 <= d["fit"]["r2"] <= 1 and d["fit"]["points"] == 3'
     json_check h.json 'len(d["held_out"]) == 1 and d["held_out"][0]["relative_error"] == d["held_out_max_error"]'
     json_check h.json 'd["budgets"][-1]["held_out"] and d["holdout_fit"]["points"] == 2'
+    json_check h.json 'all(b["fitted"] for b in d["budgets"]) and d["fit_from_steps"] == 0'
     json_check h.json 'len(d["beta_per_seed"]) == 2 and d["beta_over_seeds"]["count"] == 2'
     json_check h.json 'd["extrapolated"][0]["tokens"] == 10 * 60 * 4 * 32'
     json_check h.json 'len(d["wsd_checks"]) == 1 and len(d["wsd_checks"][0]["wsd_loss"]) == 5'

@@ -25,6 +25,7 @@ struct LrHorizonCommand {
   TrainCliOptions options;
   SweepCliOptions sweep;
   int64_t eval_every = 50;
+  int64_t fit_from = 0;
   int holdout = 2;
   std::string wsd_check;
   std::string predict_tokens;
@@ -44,6 +45,7 @@ nlohmann::json result_json(const LrHorizonCommand& c, const train::LrHorizonConf
                      {"tokens_per_step", t.batch * t.seq},
                      {"warmup_steps", t.schedule.warmup_steps},
                      {"ema_decay", t.ema_decay},
+                     {"fit_from_steps", config.fit_from},
                      {"seeds", config.seeds},
                      {"lrs", r.lrs},
                      {"fit", power_law_json(r.fit)},
@@ -54,7 +56,8 @@ nlohmann::json result_json(const LrHorizonCommand& c, const train::LrHorizonConf
   if (config.holdout > 0) doc["holdout_fit"] = power_law_json(r.holdout_fit);
   for (const auto& b : r.budgets) {
     nlohmann::json j{{"steps", b.steps},       {"tokens", b.tokens},     {"loss", b.loss},
-                     {"loss_std", b.loss_std}, {"usable", b.usable},     {"held_out", b.held_out},
+                     {"loss_std", b.loss_std}, {"usable", b.usable},     {"fitted", b.fitted},
+                     {"held_out", b.held_out},
                      {"ln_eta_star_over_seeds", spread_json(b.log_eta_star_seeds)}};
     if (b.usable) {
       j["eta_star"] = b.optimum.eta_star;
@@ -99,7 +102,10 @@ void print_result(const train::LrHorizonConfig& config, const train::LrHorizonRe
       std::printf("%12s", "-");
     if (seeded) std::printf("  %.3f +- %.3f (%d)", b.log_eta_star_seeds.mean, b.log_eta_star_seeds.std, b.log_eta_star_seeds.count);
     if (b.held_out) std::printf("  held out");
-    if (!b.usable) std::printf("  left out: %s", b.why_not.c_str());
+    if (!b.usable)
+      std::printf("  left out: %s", b.why_not.c_str());
+    else if (!b.fitted)
+      std::printf("  not fitted (before --fit-from)");
     std::printf("\n");
   }
   std::printf("fit log eta* = beta log B + gamma over %d budgets: beta %.4f, gamma %.4f, R^2 %.4f\n", r.fit.points,
@@ -141,6 +147,7 @@ void run(LrHorizonCommand& c) {
   config.eval_every = c.eval_every;
   config.eval_batches = c.sweep.eval_batches;
   config.holdout = c.holdout;
+  config.fit_from = c.fit_from;
   config.workers = c.sweep.resolved_workers(config.train.backend);
   const auto budgets = train::check_horizon_config(config);  // before any work
   if (config.predict_tokens.empty())
@@ -168,6 +175,9 @@ void register_lr_horizon(CLI::App& app) {
   cmd->add_option("--eval-every", c->eval_every, "steps between EMA evaluations (token budgets)")
       ->capture_default_str()
       ->check(at_least(1));
+  cmd->add_option("--fit-from", c->fit_from, "fit only the budgets from this step on (earlier ones are reported)")
+      ->capture_default_str()
+      ->check(at_least(0));
   cmd->add_option("--holdout", c->holdout, "last budgets left out of the fit and predicted")
       ->capture_default_str()
       ->check(at_least(0));

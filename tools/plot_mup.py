@@ -123,8 +123,11 @@ def plot_horizon(plt, doc, png):
     left.set_title("loss vs LR per token budget; * = eta*")
     left.legend(fontsize="x-small", ncol=2)
 
-    for held_out, marker, label in ((False, "o", "fitted budgets"), (True, "s", "held out")):
-        pts = [b for b in budgets if b["usable"] and b["held_out"] == held_out]
+    groups = ((lambda b: b["fitted"] and not b["held_out"], "o", "fitted budgets"),
+              (lambda b: b["held_out"], "s", "held out"),
+              (lambda b: b["usable"] and not b["fitted"], "^", "not fitted (before --fit-from)"))
+    for member, marker, label in groups:
+        pts = [b for b in budgets if member(b)]
         if not pts:
             continue
         spread = [b["ln_eta_star_over_seeds"] for b in pts]

@@ -60,13 +60,13 @@ std::vector<int64_t> check_horizon_config(const LrHorizonConfig& config) {
   std::vector<int64_t> steps;
   for (int64_t s = config.eval_every; s <= config.train.schedule.total_steps; s += config.eval_every)
     if (std::pow(decay, double(s)) <= 0.01) steps.push_back(s);
-  const size_t needed = size_t(config.holdout) + 2;
-  require(steps.size() >= needed, ErrorCode::invalid_argument,
-          "the study has " + std::to_string(steps.size()) + " budget(s) (every --eval-every " +
+  const auto fitted = std::count_if(steps.begin(), steps.end(), [&](int64_t s) { return s >= config.fit_from; });
+  require(size_t(fitted) >= size_t(config.holdout) + 2, ErrorCode::invalid_argument,
+          "the study has " + std::to_string(fitted) + " budget(s) to fit (every --eval-every " +
               std::to_string(config.eval_every) + " steps up to --steps " +
               std::to_string(config.train.schedule.total_steps) + ", from the first step where --ema " +
-              number_text(decay) + " keeps <= 1% of the initial weights); the fit needs 2 plus --holdout " +
-              std::to_string(config.holdout));
+              number_text(decay) + " keeps <= 1% of the initial weights, and from --fit-from " +
+              std::to_string(config.fit_from) + "); the fit needs 2 plus --holdout " + std::to_string(config.holdout));
   for (int64_t s : config.wsd_check_steps)
     require(std::find(steps.begin(), steps.end(), s) != steps.end(), ErrorCode::invalid_argument,
             "--wsd-check " + std::to_string(s) + " is not one of the evaluated budgets (multiples of --eval-every " +
@@ -142,12 +142,18 @@ LrHorizonResult analyze_horizon(const LrHorizonConfig& config, const std::vector
     r.budgets.push_back(std::move(bo));
   }
 
-  std::vector<size_t> usable;
-  for (size_t b = 0; b < n_budget; ++b)
-    if (r.budgets[b].usable) usable.push_back(b);
+  std::vector<size_t> usable;  // the fitted budgets
+  size_t from_fit_from = 0;
+  for (size_t b = 0; b < n_budget; ++b) {
+    if (budget_steps[b] < config.fit_from) continue;
+    ++from_fit_from;
+    if (!r.budgets[b].usable) continue;
+    r.budgets[b].fitted = true;
+    usable.push_back(b);
+  }
   require(usable.size() >= 2 + size_t(config.holdout), ErrorCode::invalid_argument,
-          std::to_string(usable.size()) + " of " + std::to_string(n_budget) +
-              " budgets have an LR optimum inside the grid; the fit needs 2 plus --holdout " +
+          std::to_string(usable.size()) + " of " + std::to_string(from_fit_from) +
+              " budgets to fit have an LR optimum inside the grid; the fit needs 2 plus --holdout " +
               std::to_string(config.holdout) + " (widen the LR grid or train longer)");
   auto fit_over = [&](const std::vector<size_t>& budgets) {
     std::vector<double> x, y;
@@ -174,7 +180,7 @@ LrHorizonResult analyze_horizon(const LrHorizonConfig& config, const std::vector
   for (const auto& etas : seed_eta) {
     std::vector<double> x, y;
     for (size_t b = 0; b < n_budget; ++b)
-      if (std::isfinite(etas[b])) {
+      if (std::isfinite(etas[b]) && budget_steps[b] >= config.fit_from) {
         x.push_back(double(r.budgets[b].tokens));
         y.push_back(etas[b]);
       }
@@ -200,6 +206,7 @@ LrHorizonResult lr_horizon(const LrHorizonConfig& config, const TextSplit& text,
       Job j{config.train, s, l};
       j.train.adam.lr = config.lrs[l];
       j.train.seed = config.train.seed + s;
+      j.train.validation_seed = config.train.seed;  // every seed on the same validation batches
       j.train.schedule.kind = ScheduleKind::constant;  // warmup, then stable; never decays
       j.train.threads = 1;
       jobs.push_back(j);

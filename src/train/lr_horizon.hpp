@@ -30,6 +30,7 @@ struct LrHorizonConfig {
   int seeds = 1;            // every LR trained with seeds train.seed, train.seed + 1, ...
   int64_t eval_every = 50;  // steps between EMA evaluations (budgets)
   int eval_batches = 8;
+  int64_t fit_from = 0;    // budgets (steps) below this are evaluated and reported, not fitted
   int holdout = 2;          // the last usable budgets, left out of the fit and predicted
   std::vector<int64_t> wsd_check_steps;  // budgets re-run as real WSD runs with decay
   std::vector<double> predict_tokens;    // budgets to extrapolate eta* to
@@ -39,8 +40,8 @@ struct LrHorizonConfig {
 // Checks the config and returns the budgets (in steps) it evaluates: every eval_every steps up
 // to the schedule's end, from the first at which the EMA keeps at most 1% of the initial
 // weights (decay^steps <= 0.01). Throws invalid_argument naming the problem: fewer than
-// holdout + 2 budgets, an EMA decay outside (0, 1), fewer than 3 LRs or LRs not ascending, no
-// seeds, a WSD check that is not one of the budgets.
+// holdout + 2 budgets from fit_from on, an EMA decay outside (0, 1), fewer than 3 LRs or LRs
+// not ascending, no seeds, a WSD check that is not one of the budgets.
 std::vector<int64_t> check_horizon_config(const LrHorizonConfig& config);
 
 // One budget's curve and optimum.
@@ -50,8 +51,9 @@ struct BudgetOptimum {
   std::vector<double> loss_std;  // per LR, over seeds (0 with one seed)
   bool usable = false;        // has a fitted optimum inside the grid
   std::string why_not;        // when not usable
+  bool fitted = false;        // usable and at or past fit_from: in the power-law fit
   LrOptimum optimum;
-  bool held_out = false;      // among the last `holdout` usable budgets
+  bool held_out = false;      // among the last `holdout` fitted budgets (then not in holdout_fit)
   Spread log_eta_star_seeds;  // ln eta* over the seeds whose curve has an optimum here
 };
 
@@ -76,7 +78,7 @@ struct LrHorizonResult {
   std::vector<BudgetOptimum> budgets;
   // runs[seed][lr][budget]: every EMA evaluation.
   std::vector<std::vector<std::vector<double>>> runs;
-  PowerLaw fit;                        // seed-averaged optima of every usable budget
+  PowerLaw fit;                        // seed-averaged optima of every fitted budget
   PowerLaw holdout_fit;                // the same without the held-out budgets (holdout > 0)
   std::vector<HeldOutCheck> held_out;  // predictions of the held-out budgets by holdout_fit
   double held_out_max_error = 0;
@@ -93,7 +95,7 @@ LrHorizonResult lr_horizon(const LrHorizonConfig& config, const TextSplit& text,
 
 // The analysis alone, from runs[seed][lr][budget] (what lr_horizon trains): the per-budget
 // optima, the fit with its held-out check, the spread of beta over seeds and the extrapolation.
-// Throws invalid_argument when fewer than 2 usable budgets remain for the fit.
+// Throws invalid_argument when fewer than holdout + 2 usable budgets from fit_from on remain.
 LrHorizonResult analyze_horizon(const LrHorizonConfig& config, const std::vector<int64_t>& budget_steps,
                                 const std::vector<std::vector<std::vector<double>>>& runs);
 

@@ -281,8 +281,9 @@ void run_in_processes(size_t count, int workers, const std::function<std::vector
             on_result(index, std::move(values));
           } else if (kind == 'F') {
             w.current = SIZE_MAX;
-            std::fprintf(stderr, "training run %zu failed, counted as diverged:%s\n", index,
-                         line.str().substr(size_t(line.tellg())).c_str());
+            std::string message;
+            std::getline(line, message);
+            std::fprintf(stderr, "training run %zu failed, counted as diverged:%s\n", index, message.c_str());
             on_result(index, {});
           }
         }
@@ -363,6 +364,7 @@ LrSweepResult lr_sweep(const LrSweepConfig& config, const TextSplit& text,
         TrainConfig c = at_width(config.train, m);
         c.adam.lr = lr;
         c.seed = config.train.seed + uint64_t(s);
+        c.validation_seed = config.train.seed;  // every seed on the same validation batches
         c.threads = 1;
         grid.push_back({c.model.d_model, lr, 0.0, c.seed});
         configs.push_back(c);
