@@ -116,7 +116,7 @@ case $2 in
     "$moka" lr-horizon --json '' --plot x.png >out.txt 2>&1 || rc=$?
     [ $rc -ne 0 ] && grep -q -- "--plot draws from --json" out.txt || fail "--plot without --json accepted"
     # shellcheck disable=SC2086
-    "$moka" lr-horizon --steps 60 --warmup 5 --eval-every 20 --ema 0.75 --lr-min 0.001 --lr-max 0.1 --lr-points 5 \
+    "$moka" lr-horizon --steps 60 --warmup 5 --eval-every 20 --ema 0.75 --lr-min 0.002 --lr-max 0.2 --lr-points 5 \
       --holdout 1 --seeds 2 --wsd-check 40 --eval-batches 2 --workers 2 --json h.json --plot '' $small \
       >out.txt 2>&1 || fail "lr-horizon failed"
     grep -q "^fit log eta\* = beta log B + gamma over 3 budgets: beta" out.txt || fail "no fit line"
