@@ -453,6 +453,53 @@ std::vector<BackwardCase> cases() {
 
 INSTANTIATE_TEST_SUITE_P(Shapes, BackwardPlanInvariants, ::testing::ValuesIn(cases()));
 
+// qwen3-30b-a3b at 16384 tokens per rank, EP=2: 64 local experts of about 2048 rows each (with
+// padding just over the default 131072-row macrobatch, so one expert carries into a tiny second
+// macrobatch), 128x256 tiles, 16 comm and 116 compute CTAs. Task costs follow their FLOPs at the
+// forward's measured gate|up rate on the H200 (36 us per 128x256 tile over K = 2048) and 33 us per
+// 128-row pull or push block. The bounded ring must cost little against one holding every row,
+// and the span must stay near the compute CTAs' total work: no CTA role starves on the plan.
+TEST(MegakernelBackwardPlan, BoundedRingCostsLittleAtQwen3Scale) {
+  MegakernelConfig config;  // minibatch 4096, macrobatch 131072, tile_rows 128
+  const MegakernelDims dims{2, 16384, 8, 2048, 768, 0, 64};
+  std::vector<int64_t> offset{0};
+  for (int64_t e = 0; e < 64; ++e) offset.push_back(offset.back() + (2048 - 60 + e * 37 % 120 + 127) / 128 * 128);
+  struct Result {
+    double span, work;
+  };
+  auto run = [&](int64_t macrobatch) {
+    config.macrobatch_size = macrobatch;
+    PlanWithTable pt;
+    pt.plan = backward_trim_to_rows(build_backward_plan(config, {dims, ContextMode::resident, {256, 128}}), offset.back());
+    EXPECT_TRUE(fits_capacity(pt.plan, offset.back()));
+    pt.table = build_segment_table(pt.plan, offset);
+    const double us_per_flop = 36.0 / (2.0 * 128 * 256 * 2048);
+    double work = 0;
+    auto cost = [&](const BackwardTask& t) {
+      const auto tile_flops = [&](double k) { return 2.0 * 128 * 256 * k * us_per_flop; };
+      switch (t.kind) {
+        case BackwardTaskKind::dgd: return tile_flops(2048);
+        case BackwardTaskKind::dx: return tile_flops(2 * 768);
+        case BackwardTaskKind::wgrad: {
+          const auto& g = pt.table.segments[t.segment];
+          return tile_flops(static_cast<double>((g.last_tile - g.first_tile + 1) * 128));
+        }
+        default: return 33.0;
+      }
+    };
+    for (int64_t i = 0; i < compute_task_count(pt.plan, pt.segments()); ++i)
+      work += cost(compute_task(pt.plan, pt.segments(), i));
+    double span = 0;
+    for (const auto& r : simulate(pt, 16, 116, cost)) span = std::max(span, r.end);
+    return Result{span, work / 116};
+  };
+  const Result bounded = run(131072), unbounded = run(262144);
+  RecordProperty("bounded_over_unbounded", std::to_string(bounded.span / unbounded.span));
+  RecordProperty("bounded_over_compute_work", std::to_string(bounded.span / bounded.work));
+  EXPECT_LE(bounded.span, 1.05 * unbounded.span) << "bounded " << bounded.span << " us, unbounded " << unbounded.span;
+  EXPECT_LE(bounded.span, 1.15 * bounded.work) << "span " << bounded.span << " us, compute work per CTA " << bounded.work;
+}
+
 TEST(MegakernelBackwardPlan, TilesFollowTheTiling) {
   MegakernelConfig config;  // tile_rows 128
   const MegakernelDims dims{2, 16384, 8, 2048, 768, 512, 64};
