@@ -8,6 +8,7 @@
 #include "cpu/megakernel_backward_emulation.hpp"
 
 #include <algorithm>
+#include <sstream>
 #include <string>
 
 #include "core/validate.hpp"
@@ -194,10 +195,11 @@ class BackwardMegakernel {
     const double timeout = options_.config.spin_timeout_seconds;
     return wait_for_counter(counters_[core::counter_index(plan_, need.kind, need.at)], need.target, timeout, failure_,
                             [&](int64_t seen) {
-                              return "megakernel backward: " + core::describe(plan_, task) + " timed out after " +
-                                     std::to_string(timeout) + " s waiting for " + core::to_string(need.kind) + " " +
-                                     std::to_string(need.at) + " to reach " + std::to_string(need.target) + ", saw " +
-                                     std::to_string(seen);
+                              std::ostringstream os;
+                              os << "megakernel backward: " << core::describe(plan_, task) << " timed out after "
+                                 << timeout << " s waiting for " << core::to_string(need.kind) << " " << need.at
+                                 << " to reach " << need.target << ", saw " << seen;
+                              return os.str();
                             });
   }
 

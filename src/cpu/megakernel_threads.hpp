@@ -1,6 +1,6 @@
 // What the CPU emulations of the forward and backward megakernels share: the error word every
-// worker polls, bounded counter waits, and the host steps around the "kernel" (publishing the
-// symmetric buffers, barriers).
+// worker polls, bounded counter waits, the collective input checks and the host steps around
+// the "kernel" (publishing the symmetric buffers, barriers).
 #pragma once
 #include <atomic>
 #include <chrono>
