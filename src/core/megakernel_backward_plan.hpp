@@ -38,9 +38,10 @@
 // segment touching s are done (slot_free[s]); the pull of the reusing step waits for that. The
 // segment holding s's last row may end in a later step of the macrobatch, so that pull can wait
 // on a compute task placed after later pushes in the comm order: progress does not follow from
-// one global order as in the forward but from the acyclicity of "waits on" plus "comes after in
-// its queue", which tests/test_megakernel_backward_plan.cpp checks, with a discrete-event run
-// of the tickets (docs/MEGAKERNEL.md has the argument).
+// one global order of both queues as in the forward but from the acyclicity of "waits on" plus
+// "comes after in its queue": a topological order puts, after step s's compute tasks, the push
+// and successor pull of every step whose last row's segment ends in s (docs/MEGAKERNEL.md has
+// the argument; tests/test_megakernel_backward_plan.cpp checks it and runs the tickets).
 #pragma once
 #include <cstdint>
 #include <string>
