@@ -247,6 +247,26 @@ TEST_P(BackwardPlanInvariants, WaitsAndQueueOrderHaveNoCycle) {
   }
 }
 
+// The documented topological order: it holds every task once, each queue in ticket order, and
+// every task after the previous ticket of its queue and after every releaser of its counter.
+TEST_P(BackwardPlanInvariants, DocumentedOrderIsTopological) {
+  const auto pt = make_plan(GetParam());
+  const auto q = queues(pt);
+  const auto order = backward_plan_order(pt.plan, pt.segments());
+  ASSERT_EQ(order.size(), q.comm.size() + q.compute.size());
+  std::vector<BackwardTask> comm, compute;
+  for (const auto& t : order) (is_comm(t.kind) ? comm : compute).push_back(t);
+  ASSERT_EQ(comm.size(), q.comm.size());
+  for (size_t i = 0; i < comm.size(); ++i) ASSERT_TRUE(same(comm[i], q.comm[i])) << describe(pt.plan, comm[i]);
+  for (size_t i = 0; i < compute.size(); ++i) ASSERT_TRUE(same(compute[i], q.compute[i])) << describe(pt.plan, compute[i]);
+  const auto by_counter = releasers(pt, order);
+  for (size_t i = 0; i < order.size(); ++i) {
+    const auto w = task_wait(pt.plan, pt.segments(), order[i]);
+    if (w.kind != BackwardCounterKind::none)
+      EXPECT_LT(by_counter.at(counter_index(pt.plan, w.kind, w.at)).back(), i) << describe(pt.plan, order[i]);
+  }
+}
+
 // Accesses of one task to the ring or the carry buffers: (buffer, row tile of the ring or
 // carry boundary, column or -1 for all, writes).
 struct Access {

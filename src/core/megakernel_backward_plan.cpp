@@ -54,6 +54,34 @@ SegmentTableStorage build_segment_table(const MegakernelBackwardPlan& p, const s
   return table;
 }
 
+namespace {
+
+// The step whose compute tasks end the last reader of step q's ring slot: where the segment
+// holding q's last row ends.
+int64_t slot_readers_end(const MegakernelBackwardPlan& p, const SegmentTable& s, int64_t q) {
+  const int64_t last_row = min_i64((q + 1) * p.minibatch_rows, p.total_rows) - 1;
+  return step_of_tile(p, s.segments[segment_of_tile(p, s, last_row / p.tile_m)].last_tile);
+}
+
+}  // namespace
+
+std::vector<BackwardTask> backward_plan_order(const MegakernelBackwardPlan& p, const SegmentTable& s) {
+  std::vector<BackwardTask> order;
+  int64_t compute = 0, comm = 0;
+  for (; compute < shared_compute_task_count(p); ++compute) order.push_back(compute_task(p, s, compute));
+  for (; comm < slot_steps(p) * p.row_tiles_per_minibatch; ++comm) order.push_back(comm_task(p, comm));
+  for (int64_t step = 0; step < p.num_steps; ++step) {
+    for (; compute < step_first_ticket(p, s, step + 1); ++compute) order.push_back(compute_task(p, s, compute));
+    for (; comm < comm_task_count(p); ++comm) {
+      const BackwardTask t = comm_task(p, comm);
+      const int64_t q = t.kind == BackwardTaskKind::push ? t.step : predecessor_step(p, t.step);
+      if (slot_readers_end(p, s, q) > step) break;
+      order.push_back(t);
+    }
+  }
+  return order;
+}
+
 int64_t carry_elements(const MegakernelBackwardPlan& p) { return 3 * p.intermediate * p.hidden; }
 
 const char* to_string(BackwardTaskKind kind) {

@@ -443,6 +443,12 @@ struct SegmentTableStorage {
 };
 SegmentTableStorage build_segment_table(const MegakernelBackwardPlan& p, const std::vector<int64_t>& expert_offset);
 
+// Both queues merged into one topological order of "waits on" and "comes after in its queue":
+// the shared tasks and prologue pulls, then per step s its compute tasks followed by the push and
+// successor pull of every step whose last row's segment ends in s. For tests and documentation
+// (the progress argument); kernels use the decoders.
+std::vector<BackwardTask> backward_plan_order(const MegakernelBackwardPlan& p, const SegmentTable& s);
+
 // fp32 elements of one macrobatch boundary's carry buffer: one expert's dW_gate, dW_up and
 // dW_down accumulators; the kernel needs (max_macrobatches - 1) of them.
 int64_t carry_elements(const MegakernelBackwardPlan& p);
