@@ -113,35 +113,62 @@ def _empty_like(t: Optional[Tensor]) -> Optional[Tensor]:
     return None if t is None else torch.empty_like(t)
 
 
+# moka's router and layer calls, shared by the autograd functions below (moka's saved state
+# points into the tensors given, so the functions keep those for backward).
+
+def _route_forward(router, x, w_router, bias, top_k):
+    """moka's routing of x: (saved state, topk_ids, topk_weights, per-expert counts)."""
+    tokens, experts = x.shape[0], w_router.shape[0]
+    ids = torch.empty(tokens, top_k, dtype=torch.int32, device=x.device)
+    weights = torch.empty(tokens, top_k, dtype=router_weight_dtype(x.dtype), device=x.device)
+    counts = torch.empty(experts, dtype=torch.int32, device=x.device)
+    saved = router.forward(_dl(x), _dl(w_router), _dl(bias), _dl(ids), _dl(weights), _dl(counts), _stream(x))
+    return saved, ids, weights, counts
+
+
+def _route_backward(router, saved, x, w_router, d_weights):
+    """(d_x, d_w_router) of the routing from the gradient of topk_weights."""
+    d_x, d_w_router = torch.empty_like(x), torch.empty_like(w_router)
+    router.backward(saved, _dl(d_weights.contiguous()), _dl(d_x), _dl(d_w_router), _stream(x))
+    return d_x, d_w_router
+
+
+def _experts_forward(layer, x, topk_ids, topk_weights, expert_weights):
+    """(saved state, out) of the experts; expert_weights: w_gate, w_up, w_down, ws_gate, ws_up, ws_down."""
+    out = torch.empty_like(x)
+    saved = layer.forward(_dl(x), _dl(topk_ids), _dl(topk_weights), _weights(*expert_weights), _dl(out), _stream(x))
+    return saved, out
+
+
+def _experts_backward(layer, saved, d_out, x, topk_weights, expert_weights):
+    """(d_x, d_topk_weights, [d_w_gate, ..., d_ws_down]) of the experts."""
+    d_x, d_topk_weights = torch.empty_like(x), torch.empty_like(topk_weights)
+    d_weights = [_empty_like(w) for w in expert_weights]
+    layer.backward(saved, _dl(d_out.contiguous()), _weights(*expert_weights), _dl(d_x), _dl(d_topk_weights),
+                   _weights(*d_weights), _stream(x))
+    return d_x, d_topk_weights, d_weights
+
+
 class _Route(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, w_router, bias, router, top_k):
-        tokens, experts = x.shape[0], w_router.shape[0]
-        ids = torch.empty(tokens, top_k, dtype=torch.int32, device=x.device)
-        weights = torch.empty(tokens, top_k, dtype=router_weight_dtype(x.dtype), device=x.device)
-        counts = torch.empty(experts, dtype=torch.int32, device=x.device)
-        ctx.saved = router.forward(_dl(x), _dl(w_router), _dl(bias), _dl(ids), _dl(weights), _dl(counts),
-                                   _stream(x))
+        ctx.saved, ids, weights, counts = _route_forward(router, x, w_router, bias, top_k)
         ctx.router = router
-        ctx.save_for_backward(x, w_router)  # moka's state points into them
+        ctx.save_for_backward(x, w_router)
         ctx.mark_non_differentiable(ids, counts)
         return ids, weights, counts
 
     @staticmethod
     def backward(ctx, _d_ids, d_weights, _d_counts):
-        x, w_router = ctx.saved_tensors
-        d_x, d_w_router = torch.empty_like(x), torch.empty_like(w_router)
-        ctx.router.backward(ctx.saved, _dl(d_weights.contiguous()), _dl(d_x), _dl(d_w_router), _stream(x))
+        d_x, d_w_router = _route_backward(ctx.router, ctx.saved, *ctx.saved_tensors, d_weights)
         return d_x, d_w_router, None, None, None
 
 
 class _Experts(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, topk_ids, topk_weights, w_gate, w_up, w_down, ws_gate, ws_up, ws_down, layer):
-        out = torch.empty_like(x)
         weights = (w_gate, w_up, w_down, ws_gate, ws_up, ws_down)
-        ctx.saved = layer.forward(_dl(x), _dl(topk_ids), _dl(topk_weights), _weights(*weights), _dl(out),
-                                  _stream(x))
+        ctx.saved, out = _experts_forward(layer, x, topk_ids, topk_weights, weights)
         ctx.layer = layer
         ctx.save_for_backward(x, topk_ids, topk_weights, *weights)
         return out
@@ -149,10 +176,7 @@ class _Experts(torch.autograd.Function):
     @staticmethod
     def backward(ctx, d_out):
         x, _ids, topk_weights, *weights = ctx.saved_tensors
-        d_x, d_topk_weights = torch.empty_like(x), torch.empty_like(topk_weights)
-        d_weights = [_empty_like(w) for w in weights]
-        ctx.layer.backward(ctx.saved, _dl(d_out.contiguous()), _weights(*weights), _dl(d_x), _dl(d_topk_weights),
-                           _weights(*d_weights), _stream(x))
+        d_x, d_topk_weights, d_weights = _experts_backward(ctx.layer, ctx.saved, d_out, x, topk_weights, weights)
         return (d_x, None, d_topk_weights, *d_weights, None)
 
 
@@ -162,31 +186,20 @@ class _RoutedExperts(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, w_router, bias, w_gate, w_up, w_down, ws_gate, ws_up, ws_down, router, layer, top_k):
-        tokens, experts = x.shape[0], w_router.shape[0]
-        ids = torch.empty(tokens, top_k, dtype=torch.int32, device=x.device)
-        weights = torch.empty(tokens, top_k, dtype=router_weight_dtype(x.dtype), device=x.device)
-        counts = torch.empty(experts, dtype=torch.int32, device=x.device)
-        out = torch.empty_like(x)
-        stream = _stream(x)
         expert_weights = (w_gate, w_up, w_down, ws_gate, ws_up, ws_down)
-        ctx.router_saved = router.forward(_dl(x), _dl(w_router), _dl(bias), _dl(ids), _dl(weights), _dl(counts),
-                                          stream)
-        ctx.layer_saved = layer.forward(_dl(x), _dl(ids), _dl(weights), _weights(*expert_weights), _dl(out), stream)
+        ctx.router_saved, ids, weights, counts = _route_forward(router, x, w_router, bias, top_k)
+        ctx.layer_saved, out = _experts_forward(layer, x, ids, weights, expert_weights)
         ctx.router, ctx.layer = router, layer
-        ctx.save_for_backward(x, w_router, ids, weights, *expert_weights)  # moka's state points into them
+        ctx.save_for_backward(x, w_router, ids, weights, *expert_weights)
         ctx.mark_non_differentiable(counts)
         return out, counts
 
     @staticmethod
     def backward(ctx, d_out, _d_counts):
         x, w_router, _ids, topk_weights, *weights = ctx.saved_tensors
-        stream = _stream(x)
-        d_x, d_topk_weights = torch.empty_like(x), torch.empty_like(topk_weights)
-        d_weights = [_empty_like(w) for w in weights]
-        ctx.layer.backward(ctx.layer_saved, _dl(d_out.contiguous()), _weights(*weights), _dl(d_x),
-                           _dl(d_topk_weights), _weights(*d_weights), stream)
-        d_x_router, d_w_router = torch.empty_like(x), torch.empty_like(w_router)
-        ctx.router.backward(ctx.router_saved, _dl(d_topk_weights), _dl(d_x_router), _dl(d_w_router), stream)
+        d_x, d_topk_weights, d_weights = _experts_backward(ctx.layer, ctx.layer_saved, d_out, x, topk_weights,
+                                                           weights)
+        d_x_router, d_w_router = _route_backward(ctx.router, ctx.router_saved, x, w_router, d_topk_weights)
         return (d_x.add_(d_x_router), d_w_router, None, *d_weights, None, None, None)
 
 
@@ -220,10 +233,7 @@ def _moe_experts_op(x: Tensor, topk_ids: Tensor, topk_weights: Tensor, w_gate: T
                     w_down: Tensor, ws_gate: Optional[Tensor], ws_up: Optional[Tensor], ws_down: Optional[Tensor],
                     activation: str, clamp_limit: float, group_name: str) -> Tensor:
     layer = _op_layer(x, topk_ids, w_gate, ws_gate, activation, clamp_limit, group_name)
-    out = torch.empty_like(x)
-    layer.forward(_dl(x), _dl(topk_ids), _dl(topk_weights), _weights(w_gate, w_up, w_down, ws_gate, ws_up, ws_down),
-                  _dl(out), _stream(x))
-    return out
+    return _experts_forward(layer, x, topk_ids, topk_weights, (w_gate, w_up, w_down, ws_gate, ws_up, ws_down))[1]
 
 
 @_moe_experts_op.register_fake
@@ -240,13 +250,11 @@ def _moe_experts_backward_op(d_out: Tensor, x: Tensor, topk_ids: Tensor, topk_we
     # The op keeps no state between its forward and backward (a graph holds tensors only), so
     # backward runs moka's forward again for the state it needs, like activation checkpointing.
     layer = _op_layer(x, topk_ids, w_gate, ws_gate, activation, clamp_limit, group_name)
-    weights = _weights(w_gate, w_up, w_down, ws_gate, ws_up, ws_down)
-    stream = _stream(x)
-    saved = layer.forward(_dl(x), _dl(topk_ids), _dl(topk_weights), weights, _dl(torch.empty_like(x)), stream)
-    grads = _experts_grad_buffers(x, topk_weights, w_gate, w_up, w_down, ws_gate, ws_up, ws_down)
-    shared = grads[5:] if ws_gate is not None else (None, None, None)
-    layer.backward(saved, _dl(d_out), weights, _dl(grads[0]), _dl(grads[1]), _weights(*grads[2:5], *shared), stream)
-    return grads
+    expert_weights = (w_gate, w_up, w_down, ws_gate, ws_up, ws_down)
+    saved, _ = _experts_forward(layer, x, topk_ids, topk_weights, expert_weights)
+    d_x, d_topk_weights, d_weights = _experts_backward(layer, saved, d_out, x, topk_weights, expert_weights)
+    # Absent shared-expert weights get empty gradients (an op returns tensors only).
+    return [d_x, d_topk_weights, *(g if g is not None else x.new_empty(0) for g in d_weights)]
 
 
 def _experts_grad_buffers(x, topk_weights, w_gate, w_up, w_down, ws_gate, ws_up, ws_down) -> list[Tensor]:
