@@ -154,14 +154,6 @@ MOKA_HD MegakernelBackwardPlan backward_trim_to_rows(MegakernelBackwardPlan p, i
 }
 
 MOKA_HD bool fits_capacity(const MegakernelBackwardPlan& p, int64_t total_rows) { return total_rows <= p.capacity_rows; }
-MOKA_HD int64_t slot_steps(const MegakernelBackwardPlan& p) { return min_i64(p.minibatches_per_macrobatch, p.num_steps); }
-MOKA_HD int64_t successor_step(const MegakernelBackwardPlan& p, int64_t s) {
-  const int64_t next = s + p.minibatches_per_macrobatch;
-  return next < p.num_steps ? next : -1;
-}
-MOKA_HD int64_t predecessor_step(const MegakernelBackwardPlan& p, int64_t s) {
-  return s >= p.minibatches_per_macrobatch ? s - p.minibatches_per_macrobatch : -1;
-}
 MOKA_HD int64_t ring_row(const MegakernelBackwardPlan& p, int64_t row) { return row % p.macrobatch_rows; }
 MOKA_HD int64_t step_of_tile(const MegakernelBackwardPlan& p, int64_t tile) { return tile / p.row_tiles_per_minibatch; }
 MOKA_HD int64_t macrobatch_of_tile(const MegakernelBackwardPlan& p, int64_t tile) {

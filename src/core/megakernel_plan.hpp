@@ -130,18 +130,26 @@ MOKA_HD int64_t minibatch_of_step(const MegakernelPlan& p, int64_t s) {
   return macrobatch * per_macro + per_macro - 1 - later % per_macro;
 }
 
-// Ring slots in use: the steps of the prologue, and of macrobatch 0 (processed last, its slots
-// never reused).
-MOKA_HD int64_t slot_steps(const MegakernelPlan& p) { return min_i64(p.minibatches_per_macrobatch, p.num_steps); }
+// Ring-slot reuse, the same for the forward plan and the backward plan (any Plan with
+// minibatches_per_macrobatch and num_steps): step s uses slot s % minibatches_per_macrobatch.
+// Ring slots in use: the steps of the prologue (in the forward, macrobatch 0's: processed last,
+// its slots never reused).
+template <class Plan>
+MOKA_HD int64_t slot_steps(const Plan& p) {
+  return min_i64(p.minibatches_per_macrobatch, p.num_steps);
+}
 
-// The next step that reuses step s's ring slot (same minibatch of the previous macrobatch), or -1.
-MOKA_HD int64_t successor_step(const MegakernelPlan& p, int64_t s) {
+// The next step that reuses step s's ring slot (the same minibatch, one macrobatch later in step
+// order: in the forward, the previous macrobatch), or -1.
+template <class Plan>
+MOKA_HD int64_t successor_step(const Plan& p, int64_t s) {
   const int64_t next = s + p.minibatches_per_macrobatch;
   return next < p.num_steps ? next : -1;
 }
 
 // The step that used step s's ring slot before it, or -1 when s is the slot's first user.
-MOKA_HD int64_t predecessor_step(const MegakernelPlan& p, int64_t s) {
+template <class Plan>
+MOKA_HD int64_t predecessor_step(const Plan& p, int64_t s) {
   return s >= p.minibatches_per_macrobatch ? s - p.minibatches_per_macrobatch : -1;
 }
 
