@@ -8,12 +8,19 @@ SwiGLU, the others MoE: sigmoid router, top-k over score + selection bias, weigh
 SwiGLU experts; aux-loss-free bias update after each step), final RMSNorm, LM head,
 cross-entropy; AdamW (fused) on fp32 master weights. Precision as moka's engine: dense matmuls
 and attention fp32 with TF32 tensor cores, experts bf16 through torch._grouped_mm (the MoE of
-bench/torch_baseline.py). Tokens are random bytes (throughput only). Prints one JSON line.
+bench/torch_baseline.py). Tokens are random bytes (throughput only).
+
+Measures PyTorch eager and torch.compile side by side in one run (`--modes`), each on a fresh
+copy of the same model (same seed), and prints one JSON line with `torch_eager_tokens_per_s`
+and `torch_compile_tokens_per_s` (`tokens_per_s` is eager's). torch.compile's warm-up steps
+include its compilation, timed separately as `compile_warmup_s`. `--device cpu` runs a tiny
+model as a smoke test of the script itself (its experts loop over experts there:
+torch._grouped_mm has no CPU backward); its numbers say nothing about GPU speed.
 """
 import argparse
 import json
-import math
 import os
+import platform
 import sys
 import time
 
@@ -21,7 +28,18 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from torch_baseline import moe  # noqa: E402  (the grouped-GEMM MoE layer users would write)
+import torch_baseline  # noqa: E402
+from torch_baseline import act, moe  # noqa: E402  (the grouped-GEMM MoE layer users would write)
+
+
+def looped_experts(xs, counts, w_gu, w_d, clamped):
+    """The experts one at a time: the CPU stand-in for torch._grouped_mm, whose backward fails there."""
+    out, start = [], 0
+    for e, n in enumerate(counts.tolist()):
+        g, u = (xs[start:start + n] @ w_gu[e].t()).chunk(2, dim=-1)
+        out.append(act(g, u, clamped) @ w_d[e].t())
+        start += n
+    return torch.cat(out)
 
 
 def rmsnorm(x, g, eps=1e-6):
@@ -78,11 +96,12 @@ class Model(torch.nn.Module):
             ids = torch.topk(scores.detach() + L.bias, s.a.top_k, dim=-1).indices
             w = scores.gather(1, ids)
             w = w / w.sum(-1, keepdim=True)
-            counts_out.append((L, torch.bincount(ids.flatten(), minlength=L.router.shape[0])))
+            counts_out.append(torch.bincount(ids.flatten(), minlength=L.router.shape[0]))
             ids = ids.to(torch.int32)
         return moe(x.to(bf), ids, w, L.w_gu.to(bf), L.w_d.to(bf), None, False).float()
 
     def forward(s, tokens, targets):
+        """The loss and, per MoE layer in order, its tokens per expert."""
         B, S = tokens.shape
         h = s.embed[tokens.flatten()]
         counts = []
@@ -91,6 +110,40 @@ class Model(torch.nn.Module):
             h = h + s.ffn(L, rmsnorm(h, L.ffn_norm), counts)
         logits = rmsnorm(h, s.final_norm) @ s.head.t()
         return F.cross_entropy(logits, targets.flatten()), counts
+
+
+def tokens_per_s(a, dev, compiled):
+    """Tokens/s of `a.steps` training steps after `a.warmup_steps`, and the warm-up's seconds."""
+    torch.manual_seed(1)
+    model = Model(a).to(dev)
+    routed = [L for L in model.layers if hasattr(L, "router")]
+    forward = torch.compile(model) if compiled else model
+    opt = torch.optim.AdamW(model.parameters(), lr=a.lr, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1,
+                            fused=dev == "cuda")
+    sync = torch.cuda.synchronize if dev == "cuda" else (lambda: None)
+
+    def step():
+        tokens = torch.randint(0, 256, (a.batch, a.seq + 1), device=dev)
+        loss, counts = forward(tokens[:, :-1], tokens[:, 1:])
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+        with torch.no_grad():  # aux-loss-free balancing, as update_selection_bias
+            for L, c in zip(routed, counts):
+                L.bias += a.bias_rate * torch.sign(c.float().mean() - c.float())
+        return loss
+
+    t0 = time.perf_counter()
+    for _ in range(a.warmup_steps):
+        step()
+    sync()
+    warmup = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    for _ in range(a.steps):
+        loss = step()
+    sync()
+    seconds = time.perf_counter() - t0
+    return a.steps * a.batch * a.seq / seconds, seconds, warmup, float(loss.detach())
 
 
 def main():
@@ -113,38 +166,36 @@ def main():
     p.add_argument("--lr", type=float, default=2**-7)
     p.add_argument("--bias-rate", type=float, default=1e-3)
     p.add_argument("--out", help="append the JSON line to this file too")
+    p.add_argument("--modes", default="eager,compile", help="eager, compile or both (comma-separated)")
+    p.add_argument("--device", default="cuda", choices=["cuda", "cpu"],
+                   help="cpu: a smoke test of this script with a tiny model")
     a = p.parse_args()
-    torch.backends.cuda.matmul.allow_tf32 = True
-    torch.backends.cudnn.allow_tf32 = True
-    torch.manual_seed(1)
-    dev = "cuda"
-    model = Model(a).to(dev)
-    opt = torch.optim.AdamW(model.parameters(), lr=a.lr, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1, fused=True)
-
-    def step():
-        tokens = torch.randint(0, 256, (a.batch, a.seq + 1), device=dev)
-        loss, counts = model(tokens[:, :-1], tokens[:, 1:])
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        opt.step()
-        with torch.no_grad():  # aux-loss-free balancing, as update_selection_bias
-            for L, c in counts:
-                L.bias += a.bias_rate * torch.sign(c.float().mean() - c.float())
-        return loss
-
-    for _ in range(a.warmup_steps):
-        step()
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    for _ in range(a.steps):
-        loss = step()
-    torch.cuda.synchronize()
-    seconds = time.perf_counter() - t0
-    result = {"backend": "torch-eager", "d_model": a.d_model, "experts": a.experts, "layers": a.layers,
-              "batch": a.batch, "seq": a.seq, "steps": a.steps, "seconds": seconds,
-              "tokens_per_s": a.steps * a.batch * a.seq / seconds, "final_loss": float(loss),
-              "device": torch.cuda.get_device_name(), "torch": torch.__version__,
-              "precision": "fp32 master, TF32 dense + fp32 SDPA, bf16 experts (torch._grouped_mm)"}
+    modes = a.modes.split(",")
+    if not modes or any(m not in ("eager", "compile") for m in modes):
+        p.error(f"--modes: '{a.modes}' is not a list of eager and compile")
+    dev = a.device
+    if dev == "cuda":
+        torch.backends.cuda.matmul.allow_tf32 = True
+        torch.backends.cudnn.allow_tf32 = True
+    else:
+        torch_baseline.experts = looped_experts
+    result = {"backend": "torch", "d_model": a.d_model, "experts": a.experts, "layers": a.layers, "batch": a.batch,
+              "seq": a.seq, "steps": a.steps,
+              "device": torch.cuda.get_device_name() if dev == "cuda" else f"cpu ({platform.processor() or 'unknown'})",
+              "torch": torch.__version__,
+              "precision": "fp32 master, TF32 dense + fp32 SDPA, bf16 experts (torch._grouped_mm)" if dev == "cuda"
+              else "fp32 master, fp32 dense, bf16 experts (looped)"}
+    for mode in modes:
+        tps, seconds, warmup, loss = tokens_per_s(a, dev, mode == "compile")
+        result[f"torch_{mode}_tokens_per_s"] = tps
+        result[f"{mode}_seconds"] = seconds
+        result[f"{mode}_final_loss"] = loss
+        if mode == "compile":
+            result["compile_warmup_s"] = warmup
+        # Each mode's result as it comes, so a run cut short by a timeout still tells something.
+        print(json.dumps({"mode": mode, "tokens_per_s": tps, "warmup_s": warmup}), file=sys.stderr, flush=True)
+    if "eager" in modes:
+        result["tokens_per_s"] = result["torch_eager_tokens_per_s"]
     line = json.dumps(result)
     print(line)
     if a.out:

@@ -24,13 +24,14 @@ from torch import nn
 from moka.reference import TorchMoE
 from moka.torch import MoE
 
-TEXT_DIR = Path("/usr/share/games/fortunes")  # scripts/fetch_data.sh installs it
+# scripts/fetch_data.sh installs it; MOKA_TEXT_DIR (as for `moka train`) or --text-dir picks another.
+TEXT_DIR = Path(os.environ.get("MOKA_TEXT_DIR", "/usr/share/games/fortunes"))
 
 
-def load_text() -> torch.Tensor:
-    files = sorted(p for p in TEXT_DIR.glob("*") if p.is_file() and p.suffix not in (".dat", ".u8"))
+def load_text(text_dir: Path) -> torch.Tensor:
+    files = sorted(p for p in text_dir.glob("*") if p.is_file() and p.suffix not in (".dat", ".u8"))
     if not files:
-        raise SystemExit(f"no text in {TEXT_DIR}: run scripts/fetch_data.sh")
+        raise SystemExit(f"no text in {text_dir}: run scripts/fetch_data.sh")
     data = b"".join(p.read_bytes() for p in files)
     return torch.frombuffer(bytearray(data), dtype=torch.uint8).long()
 
@@ -88,6 +89,7 @@ def main():
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--log-every", type=int, default=10)
     parser.add_argument("--out", type=Path, help="write the final JSON here too")
+    parser.add_argument("--text-dir", type=Path, default=TEXT_DIR, help="folder of the training text")
     args = parser.parse_args()
 
     distributed = int(os.environ.get("WORLD_SIZE", "1")) > 1
@@ -106,7 +108,7 @@ def main():
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.0)
     expert_params = {id(p) for b in model.blocks for p in (b.moe.w_gate, b.moe.w_up, b.moe.w_down)} if group else set()
 
-    text = load_text()
+    text = load_text(args.text_dir)
     generator = torch.Generator().manual_seed(args.seed * 1000 + rank)  # each rank its own batches
     losses, start, timed_tokens = [], None, 0
     for step in range(args.steps):

@@ -23,5 +23,9 @@ if [ -d "$TEXT" ]; then
 else
   echo "stage_gpu: no training text at $TEXT (run scripts/fetch_data.sh): train_gpu.sh will fail" >&2
 fi
+# The GCIDE text (scripts/fetch_data.sh gcide), gzipped (~11 MB) to fit the carry limit; unpack
+# it on the GPU machine with: mkdir -p gcide && gunzip -c DEST/gcide.gz > gcide/gcide
+GCIDE=${MOKA_DATA_DIR:-$HOME/.cache/moka-data}/gcide/text/gcide
+[ -f "$GCIDE" ] && gzip -c "$GCIDE" > "$DEST/gcide.gz"
 strip "$DEST"/moka* 2>/dev/null || true
 du -sh "$DEST"

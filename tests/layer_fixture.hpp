@@ -26,6 +26,15 @@ Buffers<T> random_buffers(const MoeShape& s, int world, int64_t tokens, uint64_t
   return b;
 }
 
+// Inputs of every rank of an emulated group (rank r drawn from seed and r).
+template <typename T>
+std::vector<Buffers<T>> random_rank_buffers(const MoeShape& s, int world, int64_t tokens, uint64_t seed,
+                                            core::RoutingKind routing) {
+  std::vector<Buffers<T>> ranks;
+  for (int r = 0; r < world; ++r) ranks.push_back(random_buffers<T>(s, world, tokens, seed, routing, r));
+  return ranks;
+}
+
 // Forward + backward of one rank (no group).
 template <typename T>
 void run_layer(MoeLayer& layer, Buffers<T>& b) {

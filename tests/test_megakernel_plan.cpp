@@ -475,4 +475,20 @@ TEST(MegakernelPlan, DownTilesFollowDownTileN) {
   EXPECT_EQ(counter_target(p, CounterKind::outputs_ready), p.row_tiles_per_minibatch * 3);
 }
 
+// A barrier timeout before the pulls is a timeout naming the missing rank, and says that the
+// kernel read no peer rows.
+TEST(MegakernelPlan, BarrierTimeoutBeforeThePullsNamesTheMissingRank) {
+  MegakernelStatus missing;
+  missing.code = StatusCode::peer_missing;
+  missing.source_rank = 3;
+  try {
+    throw_megakernel_status(missing, MegakernelConfig{});
+    FAIL() << "no error";
+  } catch (const Error& e) {
+    EXPECT_EQ(e.code(), ErrorCode::timeout);
+    EXPECT_NE(std::string(e.what()).find("rank 3 did not arrive"), std::string::npos) << e.what();
+    EXPECT_NE(std::string(e.what()).find("no peer rows were read"), std::string::npos) << e.what();
+  }
+}
+
 }  // namespace

@@ -2,6 +2,7 @@
 #include <gtest/gtest.h>
 
 #include <cmath>
+#include <limits>
 
 #include "train/mup_experiments.hpp"
 #include "train_fixtures.hpp"
@@ -69,19 +70,33 @@ TEST(CoordCheck, SpGrowsResidualAndLogitsWithWidth) {
 }
 
 TEST(MupMath, ProcessRunnerCountsFailedAndCrashedRunsAsDiverged) {
-  std::vector<double> got(12, -1.0);
-  run_in_processes(
-      got.size(), 3,
-      [](size_t i) -> double {
+  std::vector<std::vector<double>> got(12, {-1.0});
+  run_jobs(
+      got.size(), 3, true,
+      [](size_t i) -> std::vector<double> {
         if (i == 3) throw moka::Error(moka::ErrorCode::cuda, "an illegal address");
         if (i == 5) std::abort();
-        return double(i) * 0.5;
+        return {double(i) * 0.5, std::numeric_limits<double>::infinity(), -double(i)};
       },
-      [&](size_t i, double v) { got[i] = v; });
+      [&](size_t i, std::vector<double> v) { got[i] = std::move(v); });
   for (size_t i = 0; i < got.size(); ++i) {
     if (i == 3 || i == 5)
-      EXPECT_TRUE(std::isinf(got[i])) << i;
+      EXPECT_TRUE(got[i].empty()) << i;
     else
-      EXPECT_EQ(got[i], double(i) * 0.5) << i;
+      EXPECT_EQ(got[i], (std::vector<double>{double(i) * 0.5, std::numeric_limits<double>::infinity(), -double(i)}))
+          << i;
   }
+}
+
+TEST(MupMath, ThreadRunnerRethrowsAFailedJob) {
+  std::vector<int> seen(8, 0);
+  EXPECT_THROW(run_jobs(
+                   seen.size(), 2, false,
+                   [](size_t i) -> std::vector<double> {
+                     if (i == 2) throw moka::Error(moka::ErrorCode::invalid_argument, "bad run");
+                     return {double(i)};
+                   },
+                   [&](size_t i, std::vector<double>) { ++seen[i]; }),
+               moka::Error);
+  EXPECT_EQ(seen[2], 0);
 }

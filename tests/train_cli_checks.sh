@@ -1,9 +1,11 @@
 #!/bin/sh
 # CLI checks of the training commands that need a shell around moka: signals, files a command
 # must or must not create, and a stand-in python.
-# usage: train_cli_checks.sh MOKA SCENARIO; exits 77 (skipped) without the text corpus.
+# usage: train_cli_checks.sh MOKA SCENARIO; exits 77 (skipped) without the text corpus or, for
+# the scenarios that read JSON or run gcide_records.py, without python3.
 set -eu
 moka=$1
+scripts=$(cd "$(dirname "$0")/../scripts" && pwd)
 work=$(mktemp -d)
 trap 'rm -rf "$work"' EXIT
 cd "$work"
@@ -12,8 +14,59 @@ fail() {
   cat out.txt 2>/dev/null || true
   exit 1
 }
-[ -d "${MOKA_TEXT_DIR:-/usr/share/games/fortunes}" ] || exit 77
 small="--max-bytes 50000 --threads 1"
+# json_check FILE EXPRESSION: the python expression over `d` (the parsed file) must hold.
+json_check() {
+  python3 -c "import json, math, sys; d = json.load(open(sys.argv[1])); assert $2, sys.argv[2]" "$1" "$2" ||
+    fail "$1: $2"
+}
+
+if [ "$2" = gcide-records-load-as-text ]; then
+  # A 202-entry dictionary in dictd form (index: headword, base64 offset, base64 length), with a
+  # header entry, a duplicate index line and the markup the converter removes; moka trains on
+  # the result with the fortunes loader.
+  command -v python3 >/dev/null || exit 77
+  python3 - <<'PY' || fail "making the fixture"
+b64 = "ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789+/"
+def num(v):
+    s = ""
+    while True:
+        s = b64[v % 64] + s
+        v //= 64
+        if not v:
+            return s
+entries = [("00-database-info", "This file was converted by dictfmt.\n"),
+           ("Apple", 'Apple \\Ap"ple\\, n. [AS. \xe6ppel.]\n   The fleshy fruit of a tree. See {Pome}.\n   [1913 Webster]\n\n'
+                     "         He ate the apple whole. --Milton.\n   [1913 Webster]\n"),
+           ("Zest", "Zest \\Zest\\, n.\n   Keen enjoyment; relish; gusto.\n   [WordNet 1.5]\n" + "More zest. " * 400 + "\n")]
+# FNV-1a (the split hash) keeps the parity of a record's odd bytes in its low bit: vary it.
+entries += [(f"Word{i}", f"Word{i} \\Word\\, n.\n   Sense {i} of a made-up word{'s' * (i % 2)}, for the validation split.\n")
+            for i in range(200)]
+data, index = b"", []
+for word, text in entries:
+    raw = text.encode()
+    index.append(f"{word}\t{num(len(data))}\t{num(len(raw))}")
+    data += raw
+index.append(index[-1].replace("Zest", "zest"))
+open("tiny.dict", "wb").write(data)
+open("tiny.index", "w").write("\n".join(index) + "\n")
+PY
+  mkdir text
+  python3 "$scripts/gcide_records.py" tiny.index tiny.dict text/tiny >out.txt 2>&1 || fail "the converter failed"
+  grep -q "202 entries" out.txt || fail "expected 202 entries"
+  [ "$(grep -c '^%$' text/tiny)" = 202 ] || fail "expected 202 records"
+  grep -q '^Apple  n\. \[AS\. .*\]$' text/tiny || fail "pronunciation markup not removed"
+  grep -q 'See Pome\.' text/tiny || fail "cross-reference braces not removed"
+  ! grep -q 'Webster\]\|WordNet 1.5\]\|database' text/tiny || fail "source tags or the header kept"
+  grep -q -- '--Milton\.' text/tiny || fail "the quotation was dropped"
+  "$moka" train --data text --steps 2 --seq 16 --batch 2 --eval-every 2 --eval-batches 1 >out.txt 2>&1 ||
+    fail "moka could not train on the converted text"
+  grep -q "train / [0-9]* validation bytes" out.txt || fail "no text summary"
+  echo "ok: $2"
+  exit 0
+fi
+
+[ -d "${MOKA_TEXT_DIR:-/usr/share/games/fortunes}" ] || exit 77
 
 case $2 in
   train-sigterm-saves-then-fails)
@@ -56,6 +109,50 @@ case $2 in
     grep -q "plotting x.png failed: plot_mup.py exited with status 1 (the data is in coordcheck.csv)" out.txt ||
       fail "no plot failure message"
     [ -s coordcheck.csv ] || fail "no CSV"
+    ;;
+  lr-horizon-tiny-run-writes-its-fields)
+    command -v python3 >/dev/null || exit 77
+    rc=0
+    "$moka" lr-horizon --json '' --plot x.png >out.txt 2>&1 || rc=$?
+    [ $rc -ne 0 ] && grep -q -- "--plot draws from --json" out.txt || fail "--plot without --json accepted"
+    # shellcheck disable=SC2086
+    "$moka" lr-horizon --steps 60 --warmup 5 --eval-every 20 --ema 0.75 --lr-min 0.002 --lr-max 0.2 --lr-points 5 \
+      --holdout 1 --seeds 2 --wsd-check 40 --eval-batches 2 --workers 2 --json h.json --plot '' $small \
+      >out.txt 2>&1 || fail "lr-horizon failed"
+    grep -q "^fit log eta\* = beta log B + gamma over 3 budgets: beta" out.txt || fail "no fit line"
+    grep -q "^beta over 2 seeds: " out.txt || fail "no spread of beta"
+    grep -q "^held-out max error" out.txt || fail "no held-out error"
+    grep -q "^WSD check at 40 steps" out.txt || fail "no WSD check"
+    json_check h.json 'd["command"] == "lr-horizon" and d["seeds"] == 2 and len(d["lrs"]) == 5'
+    json_check h.json '[b["steps"] for b in d["budgets"]] == [20, 40, 60] and all(len(b["loss"]) == 5 for b in d["budgets"])'
+    json_check h.json 'math.isfinite(d["fit"]["beta"]) and 0 <= d["fit"]["r2"] <= 1 and d["fit"]["points"] == 3'
+    json_check h.json 'len(d["held_out"]) == 1 and d["held_out"][0]["relative_error"] == d["held_out_max_error"]'
+    json_check h.json 'd["budgets"][-1]["held_out"] and d["holdout_fit"]["points"] == 2'
+    json_check h.json 'all(b["fitted"] for b in d["budgets"]) and d["fit_from_steps"] == 0'
+    json_check h.json 'len(d["beta_per_seed"]) == 2 and d["beta_over_seeds"]["count"] == 2'
+    json_check h.json 'd["extrapolated"][0]["tokens"] == 10 * 60 * 4 * 32'
+    json_check h.json 'len(d["wsd_checks"]) == 1 and len(d["wsd_checks"][0]["wsd_loss"]) == 5'
+    json_check h.json '[[len(run) for run in seed] for seed in d["runs_seed_lr_budget"]] == [[3] * 5] * 2'
+    if python3 "$(dirname "$moka")/plot_mup.py" check 2>/dev/null; then
+      python3 "$(dirname "$moka")/plot_mup.py" horizon h.json h.png >out.txt 2>&1 || fail "the horizon plot failed"
+      [ -s h.png ] || fail "no horizon plot"
+    fi
+    ;;
+  lr-sweep-seeds-write-their-spread)
+    command -v python3 >/dev/null || exit 77
+    # shellcheck disable=SC2086
+    "$moka" lr-sweep --mults 1,2 --lr-points 3 --lr-min 0.001 --lr-max 0.1 --steps 6 --seeds 2 --eval-batches 1 \
+      --workers 2 --csv s.csv --json s.json --plot '' $small >out.txt 2>&1 || fail "lr-sweep failed"
+    grep -q "log2 eta\* over 2 seeds: mean +- std \[min, max\]" out.txt || fail "no spread header"
+    grep -q "^drift log2(eta\*_widest / eta\*_base) = .*; over 2 seeds .* +- .* \[.*\]" out.txt || fail "no drift spread"
+    json_check s.json 'd["seeds"] == 2 and len(d["points"]) == 12 and sorted({p["seed"] for p in d["points"]}) == [1, 2]'
+    json_check s.json 'all(len(o["eta_star_per_seed"]) == 2 and o["log2_eta_star_over_seeds"]["count"] == 2 for o in d["optima"])'
+    json_check s.json 'len(d["drift_log2_per_seed"]) == 2 and d["drift_log2_over_seeds"]["count"] == 2'
+    [ "$(grep -c '^seed_optimum,' s.csv)" = 4 ] || fail "expected 4 per-seed optima in the CSV"
+    if python3 "$(dirname "$moka")/plot_mup.py" check 2>/dev/null; then
+      python3 "$(dirname "$moka")/plot_mup.py" lrsweep s.csv s.png >out.txt 2>&1 || fail "the sweep plot failed"
+      [ -s s.png ] || fail "no sweep plot"
+    fi
     ;;
   *)
     fail "unknown scenario $2"

@@ -34,6 +34,11 @@ struct CudaBenchOptions {
 // Available only in builds with the CUDA backend (throws backend_unavailable otherwise).
 BenchRow run_cuda_case(const NamedShape& ns, int64_t tokens, const CudaBenchOptions& o);
 
+// `moka bench --mode core`: the megakernel's GEMM core alone (EP = 1, no communication) against
+// the CUTLASS grouped GEMMs on the same grouped rows (uniform routing), after checking both give
+// the same rows; the megakernel's minibatch_size comes from o.megakernel.
+BenchRow run_cuda_core_case(const NamedShape& ns, int64_t tokens, const CudaBenchOptions& o);
+
 // `moka bench --paired-steps`: holds one case on the GPU (the same tensors and routing as
 // run_cuda_case), prints "ready" after the warm-up, then times one forward+backward for every
 // "step" line read from `in` and prints its milliseconds. bench/torch_baseline.py --paired-with

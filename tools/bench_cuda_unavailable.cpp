@@ -12,6 +12,9 @@ namespace {
 
 void select_worker_device(int) {}
 BenchRow run_cuda_case(const NamedShape&, int64_t, const CudaBenchOptions&) { unavailable("moka bench --backend cuda"); }
+BenchRow run_cuda_core_case(const NamedShape&, int64_t, const CudaBenchOptions&) {
+  unavailable("moka bench --mode core");
+}
 void serve_cuda_steps(const NamedShape&, int64_t, const CudaBenchOptions&, std::istream&, std::ostream&) {
   unavailable("moka bench --paired-steps");
 }

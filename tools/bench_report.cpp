@@ -64,6 +64,23 @@ void print_cuda_comparison(std::ostream& os, const std::vector<BenchRow>& rows) 
   }
 }
 
+void print_core_comparison(std::ostream& os, const std::vector<BenchRow>& rows) {
+  // core/cutlass: throughput ratio (median of paired runs); "!" when the bits differ.
+  char line[256];
+  std::snprintf(line, sizeof(line), "%-16s %7s %9s %9s %11s %9s %11s %7s %10s %13s\n", "shape", "tokens", "peak_TF",
+                "core_ms", "cutlass_ms", "core_TF", "cutlass_TF", "core_%", "cutlass_%", "core/cutlass");
+  os << line;
+  for (const auto& r : rows) {
+    const auto& j = r.extra;
+    std::snprintf(line, sizeof(line), "%-16s %7lld %9.1f %9.3f %11.3f %9.1f %11.1f %6.1f%% %9.1f%% %12.3fx%s\n",
+                  r.shape.c_str(), static_cast<long long>(r.tokens_per_rank), j.value("dense_peak_tflops", 0.0),
+                  j.value("core_ms", 0.0), j.value("cutlass_ms", 0.0), j.value("core_tflops", 0.0),
+                  j.value("cutlass_tflops", 0.0), j.value("core_pct_peak", 0.0), j.value("cutlass_pct_peak", 0.0),
+                  j.value("core_vs_cutlass_throughput", 0.0), j.value("core_identical_to_cutlass", false) ? "" : " !");
+    os << line;
+  }
+}
+
 void print_table(std::ostream& os, const std::vector<BenchRow>& rows) {
   os << std::left << std::setw(16) << "shape" << std::setw(10) << "path" << std::setw(8) << "backend"
      << std::setw(4) << "ep" << std::right << std::setw(8) << "tokens" << std::setw(11) << "fwd ms"

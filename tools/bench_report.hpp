@@ -33,6 +33,8 @@ void print_table(std::ostream& os, const std::vector<BenchRow>& rows);
 // The CUDA rows' comparison columns (from their extra JSON): dense peak, grouped GEMM share of
 // it, and the speedups over the cuBLAS loop and over PyTorch.
 void print_cuda_comparison(std::ostream& os, const std::vector<BenchRow>& rows);
+// `moka bench --mode core` rows: the megakernel core and the CUTLASS grouped GEMMs side by side.
+void print_core_comparison(std::ostream& os, const std::vector<BenchRow>& rows);
 
 // A progress line on stderr with the seconds since the start, redrawn in place on a terminal and
 // printed once per case otherwise.

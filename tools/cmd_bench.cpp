@@ -45,6 +45,7 @@ struct BenchOptions {
   std::string timeline;
   int gpus = 1;
   bool paired_steps = false;
+  std::string mode = "layer";
 };
 
 NamedShape custom_shape(const BenchOptions& o) {
@@ -246,7 +247,22 @@ void run_bench(const BenchOptions& o) {
   const auto [backend, backend_choice] =
       automatic ? automatic_backend() : std::pair<Backend, std::string>{parse_backend(o.backend), ""};
   validate_cases(o, shapes, backend);
+  require(o.mode != "core" || (backend == Backend::cuda && o.gpus == 1 && o.ep == 1 && !o.paired_steps),
+          ErrorCode::invalid_argument,
+          "--mode core runs on one GPU: it takes --backend cuda (or auto with a GPU visible), and neither --gpus, "
+          "--ep nor --paired-steps");
   if (ran_as_workers(o.gpus, "bench")) return;
+  if (o.mode == "core") {
+    std::vector<BenchRow> rows;
+    for (const auto& ns : shapes) {
+      for (int64_t t : o.tokens) {
+        rows.push_back(run_cuda_core_case(ns, t, cuda_options(o, "")));
+        if (o.json) std::cout << bench_json(rows.back()) << std::endl;
+      }
+    }
+    if (!o.json) print_core_comparison(std::cout, rows);
+    return;
+  }
   if (o.paired_steps) {
     require(backend == Backend::cuda && shapes.size() == 1 && o.tokens.size() == 1 && o.gpus == 1 && o.ep == 1,
             ErrorCode::invalid_argument, "--paired-steps takes --backend cuda and one shape and token count");
@@ -347,6 +363,10 @@ void register_bench(CLI::App& app) {
   cmd->add_option("--row-order", o->row_order, "Megakernel: order of the sources' rows in each expert segment")
       ->check(CLI::IsMember({"rate-based", "round-robin"}));
   cmd->add_option("--timeline", o->timeline, "Megakernel: write the first case's task timeline to FILE (JSON lines)");
+  cmd->add_option("--mode", o->mode,
+                  "layer: the whole layer (default) | core: the megakernel's GEMM core alone against the CUTLASS "
+                  "grouped GEMMs on the same grouped rows (one GPU; --minibatch applies)")
+      ->check(CLI::IsMember({"layer", "core"}));
   cmd->add_flag("--paired-steps", o->paired_steps,
                 "Hold one CUDA case and time one forward+backward per 'step' line on stdin (driven by "
                 "bench/torch_baseline.py --paired-with)");

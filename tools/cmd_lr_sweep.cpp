@@ -1,11 +1,11 @@
-// `moka lr-sweep`: trains every (width, LR) of a grid, in parallel runs, fits
+// `moka lr-sweep`: trains every (width, LR, seed) of a grid, in parallel runs, fits
 // L = a (log eta)^2 + b log eta + c per width for eta*, prints the drift
-// log2(eta*_widest / eta*_base) and draws loss against LR per width with the optima marked.
+// log2(eta*_widest / eta*_base) with its spread over seeds, and draws loss against LR per width
+// with the optima marked (error bars over seeds).
 #include <cmath>
 #include <cstdio>
 #include <fstream>
 #include <iostream>
-#include <thread>
 
 #include "commands.hpp"
 #include "train/mup_experiments.hpp"
@@ -16,54 +16,83 @@ namespace {
 
 struct LrSweepCommand {
   TrainCliOptions options;
+  SweepCliOptions sweep;
   std::string multipliers = "1,2,4,8";
-  double lr_min = std::ldexp(1.0, -10), lr_max = std::ldexp(1.0, -4);
-  int lr_points = 7;
-  int workers = 0;
-  int eval_batches = 8;
-  std::string csv = "lr_sweep.csv", plot = "lr_sweep.png";
+  std::string csv = "lr_sweep.csv", json = "lr_sweep.json", plot = "lr_sweep.png";
 };
 
-std::vector<double> log_grid(double lo, double hi, int n) {
-  require(hi > lo, ErrorCode::invalid_argument, "--lr-min must be below --lr-max");
-  std::vector<double> out;
-  for (int i = 0; i < n; ++i) out.push_back(lo * std::pow(hi / lo, double(i) / double(n - 1)));
-  return out;
-}
-
+// Rows: every run ("point", with its seed), the optimum of the seed-averaged curve per width
+// ("optimum") and each seed's own ("seed_optimum").
 void write_csv(const std::string& path, const std::string& param, const train::LrSweepResult& r) {
   std::ofstream out(path);
   require(bool(out), ErrorCode::io, "cannot write " + path);
-  out << "kind,param,width,lr,loss,a,b,c\n";
-  for (const auto& p : r.points) out << "point," << param << ',' << p.width << ',' << p.lr << ',' << p.loss << ",,,\n";
-  for (const auto& o : r.optima)
-    out << "optimum," << param << ',' << o.width << ',' << o.eta_star << ",," << o.fit.a << ',' << o.fit.b << ','
-        << o.fit.c << '\n';
+  out << "kind,param,width,lr,loss,seed,a,b,c\n";
+  for (const auto& p : r.points)
+    out << "point," << param << ',' << p.width << ',' << p.lr << ',' << p.loss << ',' << p.seed << ",,,\n";
+  auto optimum = [&](const char* kind, const train::WidthOptimum& o, const std::string& seed) {
+    out << kind << ',' << param << ',' << o.width << ',' << o.eta_star << ",," << seed << ',' << o.fit.a << ','
+        << o.fit.b << ',' << o.fit.c << '\n';
+  };
+  for (const auto& o : r.optima) optimum("optimum", o, "");
+  for (const auto& s : r.per_seed)
+    for (const auto& o : s.optima) optimum("seed_optimum", o, std::to_string(s.seed));
+  require(bool(out), ErrorCode::io, "writing " + path + " failed");
+}
+
+nlohmann::json result_json(const LrSweepCommand& c, const train::LrSweepResult& r) {
+  nlohmann::json doc{{"command", "lr-sweep"}, {"param", c.options.parameterization}, {"seeds", c.sweep.seeds},
+                     {"lrs", c.sweep.lrs()}, {"drift_log2", r.drift_log2},
+                     {"drift_log2_over_seeds", spread_json(r.drift_spread)}};
+  for (const auto& p : r.points)
+    doc["points"].push_back({{"width", p.width}, {"lr", p.lr}, {"seed", p.seed}, {"loss", p.loss}});
+  for (size_t w = 0; w < r.optima.size(); ++w) {
+    const auto& o = r.optima[w];
+    nlohmann::json per_seed = nlohmann::json::array();
+    for (const auto& s : r.per_seed) per_seed.push_back(s.optima[w].eta_star);
+    doc["optima"].push_back({{"width", o.width}, {"eta_star", o.eta_star}, {"from_fit", o.from_fit},
+                             {"best_grid_lr", o.best_grid_lr}, {"best_grid_loss", o.best_grid_loss},
+                             {"eta_star_per_seed", per_seed},
+                             {"log2_eta_star_over_seeds", spread_json(r.log2_eta_star_spread[w])}});
+  }
+  for (const auto& s : r.per_seed) doc["drift_log2_per_seed"].push_back(s.drift_log2);
+  return doc;
 }
 
 void run(LrSweepCommand& c) {
   train::LrSweepConfig config;
   config.multipliers = parse_multipliers(c.multipliers);
-  config.lrs = log_grid(c.lr_min, c.lr_max, c.lr_points);
+  config.lrs = c.sweep.lrs();
   check_output_path("--csv", c.csv);
+  if (!c.json.empty()) check_output_path("--json", c.json);
   if (!c.plot.empty()) check_plotter(c.plot);
   config.train = c.options.resolve(1);
-  config.eval_batches = c.eval_batches;
-  config.workers = c.workers > 0                           ? c.workers
-                   : config.train.backend == Backend::cuda ? 4
-                                                           : int(std::max(1u, std::thread::hardware_concurrency()));
+  config.eval_batches = c.sweep.eval_batches;
+  config.seeds = c.sweep.seeds;
+  config.workers = c.sweep.resolved_workers(config.train.backend);
   const auto text = c.options.load_text();
   const auto result = train::lr_sweep(config, text, [](const train::SweepPoint& p, int done, int total) {
-    std::fprintf(stderr, "[%d/%d] width %lld lr %.3e: validation loss %.4f\n", done, total, (long long)p.width, p.lr,
-                 p.loss);
+    std::fprintf(stderr, "[%d/%d] width %lld lr %.3e seed %llu: validation loss %.4f\n", done, total,
+                 (long long)p.width, p.lr, (unsigned long long)p.seed, p.loss);
   });
   write_csv(c.csv, c.options.parameterization, result);
-  std::printf("%-8s %12s %8s %12s %10s\n", "width", "eta*", "fit", "best grid", "loss");
-  for (const auto& o : result.optima)
-    std::printf("%-8lld %12.3e %8s %12.3e %10.4f\n", (long long)o.width, o.eta_star, o.from_fit ? "yes" : "no",
+  if (!c.json.empty()) write_json(c.json, result_json(c, result));
+  const bool seeded = config.seeds > 1;
+  std::printf("%-8s %12s %8s %12s %10s", "width", "eta*", "fit", "best grid", "loss");
+  if (seeded) std::printf("   log2 eta* over %d seeds: mean +- std [min, max]", config.seeds);
+  std::printf("\n");
+  for (size_t w = 0; w < result.optima.size(); ++w) {
+    const auto& o = result.optima[w];
+    std::printf("%-8lld %12.3e %8s %12.3e %10.4f", (long long)o.width, o.eta_star, o.from_fit ? "yes" : "no",
                 o.best_grid_lr, o.best_grid_loss);
-  std::printf("drift log2(eta*_widest / eta*_base) = %.3f\n", result.drift_log2);
-  std::cout << "wrote " << c.csv << "\n";
+    const auto& s = result.log2_eta_star_spread[w];
+    if (seeded) std::printf("   %.2f +- %.2f [%.2f, %.2f]", s.mean, s.std, s.min, s.max);
+    std::printf("\n");
+  }
+  std::printf("drift log2(eta*_widest / eta*_base) = %.3f", result.drift_log2);
+  const auto& d = result.drift_spread;
+  if (seeded) std::printf("; over %d seeds %.3f +- %.3f [%.3f, %.3f]", d.count, d.mean, d.std, d.min, d.max);
+  std::printf("\n");
+  std::cout << "wrote " << c.csv << (c.json.empty() ? "" : " and " + c.json) << "\n";
   if (!c.plot.empty()) draw_plot("lrsweep", c.csv, c.plot);
 }
 
@@ -73,17 +102,10 @@ void register_lr_sweep(CLI::App& app) {
   auto c = std::make_shared<LrSweepCommand>();
   auto* cmd = app.add_subcommand("lr-sweep", "Grid over widths x learning rates, optimum per width and its drift");
   add_train_options(cmd, c->options, SharedOptions{.steps = true, .lr = false});
+  add_sweep_options(cmd, c->sweep);
   cmd->add_option("--mults", c->multipliers, "width multipliers of the base model")->capture_default_str();
-  cmd->add_option("--lr-min", c->lr_min, "smallest LR of the log grid")->capture_default_str()->check(greater_than(0));
-  cmd->add_option("--lr-max", c->lr_max, "largest LR of the log grid")->capture_default_str()->check(greater_than(0));
-  cmd->add_option("--lr-points", c->lr_points, "LRs in the grid")->capture_default_str()->check(at_least(2));
-  cmd->add_option("--workers", c->workers, "runs at once: CPU threads, or GPU processes with --backend cuda (0 = one per hardware thread on the CPU, 4 on the GPU)")
-      ->capture_default_str()
-      ->check(at_least(0));
-  cmd->add_option("--eval-batches", c->eval_batches, "validation batches per run")
-      ->capture_default_str()
-      ->check(at_least(1));
   cmd->add_option("--csv", c->csv, "CSV output")->capture_default_str();
+  cmd->add_option("--json", c->json, "JSON output ('' = none)")->capture_default_str();
   cmd->add_option("--plot", c->plot, "plot image ('' = none; needs python3 with matplotlib)")->capture_default_str();
   cmd->callback([c] { run(*c); });
 }

@@ -18,6 +18,7 @@ int main(int argc, char** argv) {
   moka::cli::register_train(app);
   moka::cli::register_coordcheck(app);
   moka::cli::register_lr_sweep(app);
+  moka::cli::register_lr_horizon(app);
   moka::cli::register_tune(app);
   moka::cli::register_incast(app);
   try {

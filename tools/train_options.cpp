@@ -6,10 +6,13 @@
 
 #include <cerrno>
 #include <charconv>
+#include <cmath>
 #include <cstdlib>
 #include <cstring>
 #include <filesystem>
+#include <fstream>
 #include <sstream>
+#include <thread>
 
 #include "commands.hpp"
 
@@ -206,18 +209,65 @@ void draw_plot(const std::string& kind, const std::string& csv, const std::strin
               " (the data is in " + csv + ")");
 }
 
-std::vector<int64_t> parse_multipliers(const std::string& list) {
+std::vector<int64_t> parse_positive_list(const std::string& option, const std::string& list) {
   std::vector<int64_t> out;
+  if (list.empty()) return out;
   std::stringstream ss(list);
   for (std::string item; std::getline(ss, item, ',');) {
     int64_t m = 0;
     const auto [end, ec] = std::from_chars(item.data(), item.data() + item.size(), m);
     require(ec == std::errc() && end == item.data() + item.size() && m >= 1, ErrorCode::invalid_argument,
-            "--mults: '" + item + "' is not a positive integer (the list looks like 1,2,4,8)");
+            option + ": '" + item + "' is not a positive integer (the list looks like 1,2,4,8)");
     out.push_back(m);
   }
+  return out;
+}
+
+std::vector<int64_t> parse_multipliers(const std::string& list) {
+  auto out = parse_positive_list("--mults", list);
   require(!out.empty(), ErrorCode::invalid_argument, "--mults is empty");
   return out;
+}
+
+std::vector<double> SweepCliOptions::lrs() const {
+  require(lr_max > lr_min, ErrorCode::invalid_argument, "--lr-min must be below --lr-max");
+  std::vector<double> out;
+  for (int i = 0; i < lr_points; ++i)
+    out.push_back(lr_min * std::pow(lr_max / lr_min, double(i) / double(lr_points - 1)));
+  return out;
+}
+
+int SweepCliOptions::resolved_workers(Backend backend) const {
+  if (workers > 0) return workers;
+  return backend == Backend::cuda ? 4 : int(std::max(1u, std::thread::hardware_concurrency()));
+}
+
+void add_sweep_options(CLI::App* cmd, SweepCliOptions& o) {
+  cmd->add_option("--lr-min", o.lr_min, "smallest LR of the log grid")->capture_default_str()->check(greater_than(0));
+  cmd->add_option("--lr-max", o.lr_max, "largest LR of the log grid")->capture_default_str()->check(greater_than(0));
+  cmd->add_option("--lr-points", o.lr_points, "LRs in the grid")->capture_default_str()->check(at_least(2));
+  cmd->add_option("--seeds", o.seeds, "runs per grid point (seeds --seed, --seed + 1, ...); spreads over seeds are reported")
+      ->capture_default_str()
+      ->check(at_least(1));
+  cmd->add_option("--workers", o.workers,
+                  "runs at once: CPU threads, or GPU processes with --backend cuda (0 = one per hardware thread on "
+                  "the CPU, 4 on the GPU)")
+      ->capture_default_str()
+      ->check(at_least(0));
+  cmd->add_option("--eval-batches", o.eval_batches, "validation batches per evaluation")
+      ->capture_default_str()
+      ->check(at_least(1));
+}
+
+nlohmann::json spread_json(const train::Spread& s) {
+  return {{"mean", s.mean}, {"std", s.std}, {"min", s.min}, {"max", s.max}, {"count", s.count}};
+}
+
+void write_json(const std::string& path, const nlohmann::json& doc) {
+  std::ofstream out(path);
+  require(bool(out), ErrorCode::io, "cannot write " + path);
+  out << doc.dump(2) << "\n";
+  require(bool(out), ErrorCode::io, "writing " + path + " failed");
 }
 
 }  // namespace moka::cli

@@ -1,9 +1,11 @@
-// Options shared by `moka train`, `moka coordcheck` and `moka lr-sweep`: the base (x1) model,
+// Options shared by `moka train`, `coordcheck`, `lr-sweep` and `lr-horizon`: the base (x1) model,
 // the optimizer and schedule, the data, and where the plots come from.
 #pragma once
 #include <CLI/CLI.hpp>
+#include <nlohmann/json.hpp>
 #include <string>
 
+#include "train/mup_experiments.hpp"
 #include "train/trainer.hpp"
 
 namespace moka::cli {
@@ -56,5 +58,25 @@ void check_plotter(const std::string& png);
 void draw_plot(const std::string& kind, const std::string& csv, const std::string& png);
 
 std::vector<int64_t> parse_multipliers(const std::string& list);  // --mults "1,2,4,8"
+// A comma-separated list of positive integers given to `option` ("" = empty).
+std::vector<int64_t> parse_positive_list(const std::string& option, const std::string& list);
+
+// The options of the commands that train many runs (lr-sweep, lr-horizon): the LR grid, seeds,
+// parallel runs and validation size.
+struct SweepCliOptions {
+  double lr_min = 0x1p-10, lr_max = 0x1p-4;
+  int lr_points = 7;
+  int seeds = 1;
+  int workers = 0;
+  int eval_batches = 8;
+  std::vector<double> lrs() const;  // lr_points LRs evenly spaced in log between lr_min and lr_max
+  int resolved_workers(Backend backend) const;  // 0 = one per hardware thread on the CPU, 4 on the GPU
+};
+void add_sweep_options(CLI::App* cmd, SweepCliOptions& o);
+
+// {"mean", "std", "min", "max", "count"}.
+nlohmann::json spread_json(const train::Spread& s);
+// Writes `doc` (indented) to `path`; non-finite numbers (diverged runs) come out as null.
+void write_json(const std::string& path, const nlohmann::json& doc);
 
 }  // namespace moka::cli

@@ -51,6 +51,10 @@ class DeviceGroup {
   virtual void device_barrier(void* stream, double timeout_seconds) = 0;
   // Synchronizes nothing; reads the error word after the caller has synchronized the stream.
   virtual void check_device_errors() = 0;
+  // Device address of that error word (a uint64: 0 while every barrier arrived, else 1 + the
+  // rank that did not; it stays set): kernels after a barrier read it, stream-ordered, before
+  // they read peer memory the barrier was meant to freeze.
+  virtual const void* device_barrier_error() const = 0;
 };
 
 // Host-memory collectives carried by the device communicator (each call stages through device

@@ -5,6 +5,11 @@ models that route themselves. Tensors cross into moka's C++ library through DLPa
 copy; moka's CPU backend (float32/float64) runs where there is no GPU, its CUDA backend (bfloat16)
 on Hopper GPUs.
 """
+# torch before the extension: both need libnccl.so.2, and torch's copy is newer than a system
+# one the extension may have been linked against; loading the extension first binds the older
+# copy and torch then fails to import with an undefined NCCL symbol.
+import torch  # noqa: F401
+
 from . import _moka
 
 

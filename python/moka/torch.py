@@ -43,8 +43,15 @@ def _dl(t: Optional[Tensor]):
     return None if t is None else _dlpack(t)
 
 
+_raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)  # what torch.compile's code uses
+
+
 def _stream(t: Tensor) -> int:
-    return torch.cuda.current_stream(t.device).cuda_stream if t.is_cuda else 0
+    if not t.is_cuda:
+        return 0
+    if _raw_stream is not None:  # a few microseconds less per call than current_stream()
+        return _raw_stream(t.device.index)
+    return torch.cuda.current_stream(t.device).cuda_stream
 
 
 def _backend(t: Tensor) -> str:
@@ -106,35 +113,62 @@ def _empty_like(t: Optional[Tensor]) -> Optional[Tensor]:
     return None if t is None else torch.empty_like(t)
 
 
+# moka's router and layer calls, shared by the autograd functions below (moka's saved state
+# points into the tensors given, so the functions keep those for backward).
+
+def _route_forward(router, x, w_router, bias, top_k):
+    """moka's routing of x: (saved state, topk_ids, topk_weights, per-expert counts)."""
+    tokens, experts = x.shape[0], w_router.shape[0]
+    ids = torch.empty(tokens, top_k, dtype=torch.int32, device=x.device)
+    weights = torch.empty(tokens, top_k, dtype=router_weight_dtype(x.dtype), device=x.device)
+    counts = torch.empty(experts, dtype=torch.int32, device=x.device)
+    saved = router.forward(_dl(x), _dl(w_router), _dl(bias), _dl(ids), _dl(weights), _dl(counts), _stream(x))
+    return saved, ids, weights, counts
+
+
+def _route_backward(router, saved, x, w_router, d_weights):
+    """(d_x, d_w_router) of the routing from the gradient of topk_weights."""
+    d_x, d_w_router = torch.empty_like(x), torch.empty_like(w_router)
+    router.backward(saved, _dl(d_weights.contiguous()), _dl(d_x), _dl(d_w_router), _stream(x))
+    return d_x, d_w_router
+
+
+def _experts_forward(layer, x, topk_ids, topk_weights, expert_weights):
+    """(saved state, out) of the experts; expert_weights: w_gate, w_up, w_down, ws_gate, ws_up, ws_down."""
+    out = torch.empty_like(x)
+    saved = layer.forward(_dl(x), _dl(topk_ids), _dl(topk_weights), _weights(*expert_weights), _dl(out), _stream(x))
+    return saved, out
+
+
+def _experts_backward(layer, saved, d_out, x, topk_weights, expert_weights):
+    """(d_x, d_topk_weights, [d_w_gate, ..., d_ws_down]) of the experts."""
+    d_x, d_topk_weights = torch.empty_like(x), torch.empty_like(topk_weights)
+    d_weights = [_empty_like(w) for w in expert_weights]
+    layer.backward(saved, _dl(d_out.contiguous()), _weights(*expert_weights), _dl(d_x), _dl(d_topk_weights),
+                   _weights(*d_weights), _stream(x))
+    return d_x, d_topk_weights, d_weights
+
+
 class _Route(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, w_router, bias, router, top_k):
-        tokens, experts = x.shape[0], w_router.shape[0]
-        ids = torch.empty(tokens, top_k, dtype=torch.int32, device=x.device)
-        weights = torch.empty(tokens, top_k, dtype=router_weight_dtype(x.dtype), device=x.device)
-        counts = torch.empty(experts, dtype=torch.int32, device=x.device)
-        ctx.saved = router.forward(_dl(x), _dl(w_router), _dl(bias), _dl(ids), _dl(weights), _dl(counts),
-                                   _stream(x))
+        ctx.saved, ids, weights, counts = _route_forward(router, x, w_router, bias, top_k)
         ctx.router = router
-        ctx.save_for_backward(x, w_router)  # moka's state points into them
+        ctx.save_for_backward(x, w_router)
         ctx.mark_non_differentiable(ids, counts)
         return ids, weights, counts
 
     @staticmethod
     def backward(ctx, _d_ids, d_weights, _d_counts):
-        x, w_router = ctx.saved_tensors
-        d_x, d_w_router = torch.empty_like(x), torch.empty_like(w_router)
-        ctx.router.backward(ctx.saved, _dl(d_weights.contiguous()), _dl(d_x), _dl(d_w_router), _stream(x))
+        d_x, d_w_router = _route_backward(ctx.router, ctx.saved, *ctx.saved_tensors, d_weights)
         return d_x, d_w_router, None, None, None
 
 
 class _Experts(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, topk_ids, topk_weights, w_gate, w_up, w_down, ws_gate, ws_up, ws_down, layer):
-        out = torch.empty_like(x)
         weights = (w_gate, w_up, w_down, ws_gate, ws_up, ws_down)
-        ctx.saved = layer.forward(_dl(x), _dl(topk_ids), _dl(topk_weights), _weights(*weights), _dl(out),
-                                  _stream(x))
+        ctx.saved, out = _experts_forward(layer, x, topk_ids, topk_weights, weights)
         ctx.layer = layer
         ctx.save_for_backward(x, topk_ids, topk_weights, *weights)
         return out
@@ -142,11 +176,31 @@ class _Experts(torch.autograd.Function):
     @staticmethod
     def backward(ctx, d_out):
         x, _ids, topk_weights, *weights = ctx.saved_tensors
-        d_x, d_topk_weights = torch.empty_like(x), torch.empty_like(topk_weights)
-        d_weights = [_empty_like(w) for w in weights]
-        ctx.layer.backward(ctx.saved, _dl(d_out.contiguous()), _weights(*weights), _dl(d_x), _dl(d_topk_weights),
-                           _weights(*d_weights), _stream(x))
+        d_x, d_topk_weights, d_weights = _experts_backward(ctx.layer, ctx.saved, d_out, x, topk_weights, weights)
         return (d_x, None, d_topk_weights, *d_weights, None)
+
+
+class _RoutedExperts(torch.autograd.Function):
+    """Routing and experts as one autograd node (what ``MoE.forward`` runs): half the per-call
+    Python of _Route followed by _Experts, and the two gradients of x summed in one place."""
+
+    @staticmethod
+    def forward(ctx, x, w_router, bias, w_gate, w_up, w_down, ws_gate, ws_up, ws_down, router, layer, top_k):
+        expert_weights = (w_gate, w_up, w_down, ws_gate, ws_up, ws_down)
+        ctx.router_saved, ids, weights, counts = _route_forward(router, x, w_router, bias, top_k)
+        ctx.layer_saved, out = _experts_forward(layer, x, ids, weights, expert_weights)
+        ctx.router, ctx.layer = router, layer
+        ctx.save_for_backward(x, w_router, ids, weights, *expert_weights)
+        ctx.mark_non_differentiable(counts)
+        return out, counts
+
+    @staticmethod
+    def backward(ctx, d_out, _d_counts):
+        x, w_router, _ids, topk_weights, *weights = ctx.saved_tensors
+        d_x, d_topk_weights, d_weights = _experts_backward(ctx.layer, ctx.layer_saved, d_out, x, topk_weights,
+                                                           weights)
+        d_x_router, d_w_router = _route_backward(ctx.router, ctx.router_saved, x, w_router, d_topk_weights)
+        return (d_x.add_(d_x_router), d_w_router, None, *d_weights, None, None, None)
 
 
 # --- the functional op, for models that route themselves (traceable by torch.compile) ---
@@ -179,10 +233,7 @@ def _moe_experts_op(x: Tensor, topk_ids: Tensor, topk_weights: Tensor, w_gate: T
                     w_down: Tensor, ws_gate: Optional[Tensor], ws_up: Optional[Tensor], ws_down: Optional[Tensor],
                     activation: str, clamp_limit: float, group_name: str) -> Tensor:
     layer = _op_layer(x, topk_ids, w_gate, ws_gate, activation, clamp_limit, group_name)
-    out = torch.empty_like(x)
-    layer.forward(_dl(x), _dl(topk_ids), _dl(topk_weights), _weights(w_gate, w_up, w_down, ws_gate, ws_up, ws_down),
-                  _dl(out), _stream(x))
-    return out
+    return _experts_forward(layer, x, topk_ids, topk_weights, (w_gate, w_up, w_down, ws_gate, ws_up, ws_down))[1]
 
 
 @_moe_experts_op.register_fake
@@ -199,13 +250,11 @@ def _moe_experts_backward_op(d_out: Tensor, x: Tensor, topk_ids: Tensor, topk_we
     # The op keeps no state between its forward and backward (a graph holds tensors only), so
     # backward runs moka's forward again for the state it needs, like activation checkpointing.
     layer = _op_layer(x, topk_ids, w_gate, ws_gate, activation, clamp_limit, group_name)
-    weights = _weights(w_gate, w_up, w_down, ws_gate, ws_up, ws_down)
-    stream = _stream(x)
-    saved = layer.forward(_dl(x), _dl(topk_ids), _dl(topk_weights), weights, _dl(torch.empty_like(x)), stream)
-    grads = _experts_grad_buffers(x, topk_weights, w_gate, w_up, w_down, ws_gate, ws_up, ws_down)
-    shared = grads[5:] if ws_gate is not None else (None, None, None)
-    layer.backward(saved, _dl(d_out), weights, _dl(grads[0]), _dl(grads[1]), _weights(*grads[2:5], *shared), stream)
-    return grads
+    expert_weights = (w_gate, w_up, w_down, ws_gate, ws_up, ws_down)
+    saved, _ = _experts_forward(layer, x, topk_ids, topk_weights, expert_weights)
+    d_x, d_topk_weights, d_weights = _experts_backward(layer, saved, d_out, x, topk_weights, expert_weights)
+    # Absent shared-expert weights get empty gradients (an op returns tensors only).
+    return [d_x, d_topk_weights, *(g if g is not None else x.new_empty(0) for g in d_weights)]
 
 
 def _experts_grad_buffers(x, topk_weights, w_gate, w_up, w_down, ws_gate, ws_up, ws_down) -> list[Tensor]:
@@ -270,6 +319,10 @@ class MoE(nn.Module):
     or "megakernel" (which holds ``max_tokens`` tokens per rank; automatic uses it only when
     ``max_tokens`` is set). On the GPU, errors the kernels find (a bad expert id) surface at the
     next call or at ``check_errors()`` after synchronizing.
+    One forward in flight per layer on the CUDA backend: it keeps the activations of its latest
+    forward only, so run a forward's backward before the layer's next forward (activation
+    checkpointing, which recomputes the forward just before its backward, fits; a backward of an
+    older forward raises moka.Error).
     """
 
     def __init__(self, hidden: int, intermediate: int, experts: int, top_k: int, shared_intermediate: int = 0,
@@ -308,18 +361,27 @@ class MoE(nn.Module):
 
     @torch.no_grad()
     def reset_parameters(self, std: float = 0.02):
-        """Normal(0, std) weights. Expert e's weights depend on the seed and e only, not on how the
-        experts are split over ranks, so an expert-parallel layer equals a one-rank layer."""
+        """Normal(0, std) weights, drawn on the weights' device (meta tensors stay as they are).
+        Expert e's weights depend on the seed, e and the device type only, not on how the experts
+        are split over ranks, so an expert-parallel layer equals a one-rank layer."""
         seed = int(torch.randint(0, 2**62, (1,)).item())
-        generator = torch.Generator(device="cpu")
-        self.w_router.copy_(torch.randn(self.w_router.shape, generator=generator.manual_seed(seed)) * std)
+        device = self.w_router.device
+        if device.type == "meta":
+            return
+        generator = torch.Generator(device=device)
+
+        def normal(shape):
+            return torch.randn(shape, generator=generator, device=device, dtype=torch.float32) * std
+
+        generator.manual_seed(seed)
+        self.w_router.copy_(normal(self.w_router.shape))
         for name in ("ws_gate", "ws_up", "ws_down"):
             if getattr(self, name) is not None:
-                getattr(self, name).copy_(torch.randn(getattr(self, name).shape, generator=generator) * std)
+                getattr(self, name).copy_(normal(getattr(self, name).shape))
         for local in range(self.local_experts):
             generator.manual_seed(seed + 1 + self.first_local_expert + local)
             for w in (self.w_gate, self.w_up, self.w_down):
-                w[local].copy_(torch.randn(w.shape[1:], generator=generator) * std)
+                w[local].copy_(normal(w.shape[1:]))
 
     def _engine(self, x: Tensor) -> tuple[_moka.Router, _moka.Layer]:
         backend = _backend(x)
@@ -338,19 +400,29 @@ class MoE(nn.Module):
         """topk_ids [T, k] int32 and topk_weights [T, k] for x [T, H] (differentiable in x and the
         router weight through topk_weights)."""
         router, _ = self._engine(x)
-        bias = self.selection_bias
-        if bias is not None:
-            bias = bias.to(torch.float32 if x.is_cuda else x.dtype)
-        ids, weights, counts = _Route.apply(x, self.w_router, bias, router, self.top_k)
-        self.expert_load += counts
+        ids, weights, counts = _Route.apply(x, self.w_router, self._bias(x), router, self.top_k)
+        self.expert_load.add_(counts)
         return ids, weights
+
+    def _bias(self, x: Tensor) -> Optional[Tensor]:
+        bias = self.selection_bias
+        return None if bias is None else bias.to(torch.float32 if x.is_cuda else x.dtype)
+
+    def apply_experts(self, x: Tensor, topk_ids: Tensor, topk_weights: Tensor) -> Tensor:
+        """The routed experts and the shared expert for x [T, H] routed by the caller (``route`` or
+        your own router): out [T, H], differentiable in x, topk_weights and every expert weight.
+        Unlike ``moe_experts``, the backward reuses this forward's state instead of recomputing it."""
+        _, layer = self._engine(x)
+        return _Experts.apply(x, topk_ids, topk_weights, self.w_gate, self.w_up, self.w_down, self.ws_gate,
+                              self.ws_up, self.ws_down, layer)
 
     def forward(self, x: Tensor) -> Tensor:
         tokens = x.reshape(-1, self.hidden).contiguous()
-        ids, weights = self.route(tokens)
-        _, layer = self._engine(tokens)
-        out = _Experts.apply(tokens, ids, weights, self.w_gate, self.w_up, self.w_down, self.ws_gate, self.ws_up,
-                             self.ws_down, layer)
+        router, layer = self._engine(tokens)
+        out, counts = _RoutedExperts.apply(tokens, self.w_router, self._bias(tokens), self.w_gate, self.w_up,
+                                           self.w_down, self.ws_gate, self.ws_up, self.ws_down, router, layer,
+                                           self.top_k)
+        self.expert_load.add_(counts)
         return out.reshape(x.shape)
 
     def check_errors(self):

@@ -254,6 +254,10 @@ class Router {
 
 NB_MODULE(_moka, m) {
   m.doc() = "moka's C++ MoE layer, router and process group (use moka.torch)";
+  // Layers and their saved contexts are often still referenced when the interpreter exits
+  // (moka.torch's caches, autograd graphs, a script's globals), and Python does not free those
+  // before the extension: nanobind's leak report would print on every script's exit.
+  nb::set_leak_warnings(false);
   m.attr("__commit__") = moka::build_commit();
   m.attr("DEFAULT_TILE_ROWS") = moka::LayerOptions{}.tile_rows;
   nb::list paths;

@@ -33,7 +33,7 @@ __global__ void device_barrier_kernel(BarrierView v) {
     const uint64_t start = global_time_ns();
     while (load_acquire_sys(own + peer) < epoch) {
       if (global_time_ns() - start > v.timeout_ns) {
-        atomicCAS(reinterpret_cast<unsigned long long*>(own + v.world + 1), 0ull,
+        atomicCAS(reinterpret_cast<unsigned long long*>(own + barrier_error_word(v.world)), 0ull,
                   static_cast<unsigned long long>(peer + 1));
         break;
       }

@@ -5,6 +5,8 @@
 #pragma once
 #include <cstdint>
 
+#include "core/hd.hpp"
+
 namespace moka::comm {
 
 // Layout of the barrier's region of a symmetric buffer (uint64 words):
@@ -18,7 +20,8 @@ struct BarrierView {
   uint64_t timeout_ns;
 };
 
-inline constexpr int barrier_region_words(int world) { return world + 2; }
+MOKA_HD constexpr int barrier_region_words(int world) { return world + 2; }
+MOKA_HD constexpr int barrier_error_word(int world) { return world + 1; }
 
 // Launches the barrier kernel (one block of `world` threads) on `stream`.
 void launch_device_barrier(const BarrierView& view, void* stream);

@@ -96,12 +96,15 @@ class NcclGroup final : public DeviceGroup {
 
   void check_device_errors() override {
     uint64_t error = 0;
-    MOKA_CUDA_CHECK(cudaMemcpy(&error, static_cast<uint64_t*>(barrier_->local) + size_ + 1, sizeof(error),
-                               cudaMemcpyDeviceToHost));
+    MOKA_CUDA_CHECK(cudaMemcpy(&error, device_barrier_error(), sizeof(error), cudaMemcpyDeviceToHost));
     if (error != 0) {
       throw Error(ErrorCode::timeout, "device barrier on rank " + std::to_string(rank_) + ": rank " +
                                           std::to_string(error - 1) + " did not arrive in time");
     }
+  }
+
+  const void* device_barrier_error() const override {
+    return static_cast<const uint64_t*>(barrier_->local) + comm::barrier_error_word(size_);
   }
 
  private:

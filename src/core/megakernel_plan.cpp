@@ -176,6 +176,11 @@ void throw_megakernel_status(const MegakernelStatus& s, const MegakernelConfig& 
                   who + "token counts disagree across ranks: rank " + std::to_string(s.source_rank) + " has " +
                       std::to_string(s.value) + " tokens, this rank " + std::to_string(s.limit) +
                       " (the megakernel needs the same count on every rank)");
+    case StatusCode::peer_missing:
+      throw Error(ErrorCode::timeout,
+                  who + "did not run: rank " + std::to_string(s.source_rank) + " did not arrive at the device "
+                      "barrier before the pulls within " + number(c.spin_timeout_seconds) +
+                      " s, so no peer rows were read");
   }
 }
 

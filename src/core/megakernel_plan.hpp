@@ -130,18 +130,26 @@ MOKA_HD int64_t minibatch_of_step(const MegakernelPlan& p, int64_t s) {
   return macrobatch * per_macro + per_macro - 1 - later % per_macro;
 }
 
-// Ring slots in use: the steps of the prologue, and of macrobatch 0 (processed last, its slots
-// never reused).
-MOKA_HD int64_t slot_steps(const MegakernelPlan& p) { return min_i64(p.minibatches_per_macrobatch, p.num_steps); }
+// Ring-slot reuse, the same for the forward plan and the backward plan (any Plan with
+// minibatches_per_macrobatch and num_steps): step s uses slot s % minibatches_per_macrobatch.
+// Ring slots in use: the steps of the prologue (in the forward, macrobatch 0's: processed last,
+// its slots never reused).
+template <class Plan>
+MOKA_HD int64_t slot_steps(const Plan& p) {
+  return min_i64(p.minibatches_per_macrobatch, p.num_steps);
+}
 
-// The next step that reuses step s's ring slot (same minibatch of the previous macrobatch), or -1.
-MOKA_HD int64_t successor_step(const MegakernelPlan& p, int64_t s) {
+// The next step that reuses step s's ring slot (the same minibatch, one macrobatch later in step
+// order: in the forward, the previous macrobatch), or -1.
+template <class Plan>
+MOKA_HD int64_t successor_step(const Plan& p, int64_t s) {
   const int64_t next = s + p.minibatches_per_macrobatch;
   return next < p.num_steps ? next : -1;
 }
 
 // The step that used step s's ring slot before it, or -1 when s is the slot's first user.
-MOKA_HD int64_t predecessor_step(const MegakernelPlan& p, int64_t s) {
+template <class Plan>
+MOKA_HD int64_t predecessor_step(const Plan& p, int64_t s) {
   return s >= p.minibatches_per_macrobatch ? s - p.minibatches_per_macrobatch : -1;
 }
 
@@ -282,9 +290,11 @@ MOKA_HD Task comm_task(const MegakernelPlan& p, int64_t ticket) {
 
 // invalid_expert and tokens_mismatch are input errors found on the device (the GPU layer's
 // schedule kernels check every source rank's routing, so every rank reports the same error).
+// peer_missing: the device barrier before the pulls timed out, so the peers' x may still be
+// changing; the kernel then reads no peer memory.
 // pipeline_timeout: a compute CTA's shared-memory pipeline (its mbarriers) stopped advancing,
 // which only a TMA fault or a protocol error in the kernel causes.
-enum class StatusCode : int32_t { ok, capacity_exceeded, timeout, invalid_expert, tokens_mismatch, pipeline_timeout };
+enum class StatusCode : int32_t { ok, capacity_exceeded, timeout, invalid_expert, tokens_mismatch, peer_missing, pipeline_timeout };
 
 // The mbarrier wait of a compute CTA that timed out.
 enum class PipelineWait : int32_t {
@@ -305,7 +315,8 @@ struct MegakernelStatus {
   int64_t row_tile = 0, target = 0, observed = 0;
   int64_t rows = 0, capacity = 0;   // capacity_exceeded: schedule rows needed and held
   // invalid_expert: the source rank, the entry [token, choice], the id and the expert count;
-  // tokens_mismatch: the source rank and its token count, this rank's in `limit`.
+  // tokens_mismatch: the source rank and its token count, this rank's in `limit`;
+  // peer_missing: the rank the barrier waited for in `source_rank`.
   int64_t source_rank = -1, token = 0, choice = 0, value = 0, limit = 0;
   PipelineWait pipeline_wait = PipelineWait::none;  // pipeline_timeout: which wait (stage, minibatch, row_tile: where)
 };

@@ -7,14 +7,11 @@
 #include "cpu/megakernel_emulation.hpp"
 
 #include <algorithm>
-#include <atomic>
-#include <chrono>
 #include <cstring>
-#include <mutex>
-#include <thread>
 
 #include "core/validate.hpp"
 #include "cpu/expert_math.hpp"
+#include "cpu/megakernel_threads.hpp"
 #include "cpu/parallel.hpp"
 
 namespace moka::cpu {
@@ -33,27 +30,6 @@ struct SymmetricAddresses {
   const T* x = nullptr;
   int32_t* topk_ids = nullptr;
   T* combine = nullptr;
-};
-
-// The error word: the first failure wins, every wait polls failed().
-class StatusWord {
- public:
-  bool failed() const { return failed_.load(std::memory_order_acquire); }
-  void report(const core::MegakernelStatus& status) {
-    std::lock_guard lock(mutex_);
-    if (failed_.load(std::memory_order_relaxed)) return;
-    status_ = status;
-    failed_.store(true, std::memory_order_release);
-  }
-  core::MegakernelStatus status() const {
-    std::lock_guard lock(mutex_);
-    return status_;
-  }
-
- private:
-  std::atomic<bool> failed_{false};
-  mutable std::mutex mutex_;
-  core::MegakernelStatus status_;
 };
 
 template <typename T>
@@ -88,11 +64,7 @@ class Megakernel {
   }
 
   core::MegakernelStatus status() const { return status_.status(); }
-  std::vector<int64_t> counter_values() const {
-    std::vector<int64_t> values;
-    for (const auto& c : counters_) values.push_back(c.load(std::memory_order_relaxed));
-    return values;
-  }
+  std::vector<int64_t> counter_values() const { return cpu::counter_values(counters_); }
 
  private:
   void work(std::atomic<int64_t>& ticket, int64_t task_count, Task (*decode)(const MegakernelPlan&, int64_t)) {
@@ -107,26 +79,14 @@ class Megakernel {
     }
   }
 
-  // Acquire polling (the GPU polls relaxed and fences once; ThreadSanitizer does not model
-  // fences, so the emulation acquires on every load). Bounded: a timeout sets the status word,
-  // which stops every other worker too.
   bool wait(const Task& task, const CounterRef& need) {
     if (need.kind == CounterKind::none) return true;
-    const auto& counter = counters_[core::counter_index(plan_, need)];
-    const auto deadline = std::chrono::steady_clock::now() +
-                          std::chrono::duration<double>(options_.config.spin_timeout_seconds);
-    for (;;) {
-      const int64_t seen = counter.load(std::memory_order_acquire);
-      if (seen >= need.target) return true;
-      if (status_.failed()) return false;
-      if (std::chrono::steady_clock::now() > deadline) {
-        const int64_t minibatch = task.step < 0 ? -1 : core::minibatch_of_step(plan_, task.step);
-        status_.report({core::StatusCode::timeout, task.kind, need.kind, minibatch, task.row_tile, need.target, seen,
-                        0, 0});
-        return false;
-      }
-      std::this_thread::yield();
-    }
+    return wait_for_counter(counters_[core::counter_index(plan_, need)], need.target,
+                            options_.config.spin_timeout_seconds, status_, [&](int64_t seen) {
+                              const int64_t minibatch = task.step < 0 ? -1 : core::minibatch_of_step(plan_, task.step);
+                              return core::MegakernelStatus{core::StatusCode::timeout, task.kind, need.kind, minibatch,
+                                                            task.row_tile, need.target, seen, 0, 0};
+                            });
   }
 
   void release(const CounterRef& done) {
@@ -234,43 +194,8 @@ class Megakernel {
   std::vector<std::atomic<int64_t>> counters_;
   std::vector<T> ring_y_;  // expert outputs, read by combine; not saved (backward recomputes d_w without y)
   std::atomic<int64_t> compute_ticket_{0}, comm_ticket_{0};
-  StatusWord status_;
+  FirstFailure<core::MegakernelStatus> status_;
 };
-
-int world_of(ProcessGroup* group) { return group ? group->size() : 1; }
-int rank_of(ProcessGroup* group) { return group ? group->rank() : 0; }
-void barrier(ProcessGroup* group) {
-  if (group) group->barrier();
-}
-
-template <typename T>
-std::vector<SymmetricAddresses<T>> publish(ProcessGroup* group, const SymmetricAddresses<T>& mine) {
-  std::vector<SymmetricAddresses<T>> all(world_of(group), mine);
-  if (group) group->all_gather(&mine, all.data(), sizeof(mine));
-  return all;
-}
-
-template <typename T>
-core::LayerSignature signature(const MoeShape& s, int64_t tokens) {
-  return {tokens, s.hidden, s.intermediate, s.num_experts, s.top_k, s.shared_intermediate,
-          static_cast<int32_t>(std::is_same_v<T, double> ? DType::f64 : DType::f32)};
-}
-
-template <typename T>
-void validate_inputs(ProcessGroup* group, const MoeShape& shape, const MoeInputs& in, const MoeWeights& w,
-                     const TensorView& out, const MegakernelEmulationOptions& options) {
-  const DType dt = std::is_same_v<T, double> ? DType::f64 : DType::f32;
-  const int64_t tokens = in.x.rank == 2 ? in.x.dim(0) : 0;
-  core::validate_collectively(group, signature<T>(shape, tokens), [&] {
-    core::validate_shape(shape, world_of(group));
-    core::validate_megakernel_config(options.config);
-    require(options.num_compute_workers >= 1, ErrorCode::invalid_argument,
-            "megakernel emulation needs at least one compute worker, got " + std::to_string(options.num_compute_workers));
-    core::validate_layer_tensors(shape, world_of(group), in, w, dt, Device::cpu());
-    expect_tensor(out, "out", dt, Device::cpu(), {tokens, shape.hidden});
-    core::validate_routing(in.topk_ids.as<int32_t>(), in.topk_weights.as<T>(), tokens, shape.top_k, shape.num_experts);
-  });
-}
 
 }  // namespace
 
@@ -278,7 +203,10 @@ template <typename T>
 MegakernelForwardResult<T> megakernel_forward(ProcessGroup* group, const MoeShape& shape, const MoeInputs& in,
                                               const MoeWeights& weights, const TensorView& out,
                                               const MegakernelEmulationOptions& options) {
-  validate_inputs<T>(group, shape, in, weights, out, options);
+  validate_emulation_inputs<T>(group, shape, in, weights, options.config, options.num_compute_workers,
+                               [&](int64_t tokens) {
+                                 expect_tensor(out, "out", emulated_dtype<T>(), Device::cpu(), {tokens, shape.hidden});
+                               });
   const int world = world_of(group), rank = rank_of(group);
   const int64_t tokens = in.x.dim(0), H = shape.hidden, k = shape.top_k, slots = tokens * k;
   const int64_t local_experts = shape.num_experts / world;
@@ -289,7 +217,7 @@ MegakernelForwardResult<T> megakernel_forward(ProcessGroup* group, const MoeShap
   std::vector<T> x_symmetric(in.x.as<T>(), in.x.as<T>() + tokens * H);
   std::vector<int32_t> ids_symmetric(world * slots);
   std::vector<T> combine(slots * H, T(0));
-  const auto peers = publish<T>(group, {x_symmetric.data(), ids_symmetric.data(), combine.data()});
+  const auto peers = publish<SymmetricAddresses<T>>(group, {x_symmetric.data(), ids_symmetric.data(), combine.data()});
   // Routing exchange: every rank writes its ids into every peer's buffer.
   for (const auto& peer : peers) std::copy_n(in.topk_ids.as<int32_t>(), slots, peer.topk_ids + rank * slots);
   barrier(group);
@@ -317,7 +245,7 @@ MegakernelForwardResult<T> megakernel_forward(ProcessGroup* group, const MoeShap
               saved.schedule.total_rows(), worst.capacity_rows};
   }
   barrier(group);  // every push into this rank's combine buffer has landed
-  core::validate_collectively(group, signature<T>(shape, tokens),
+  core::validate_collectively(group, layer_signature<T>(shape, tokens),
                               [&] { core::throw_megakernel_status(status, options.config); });
 
   const T* router_weights = in.topk_weights.as<T>();

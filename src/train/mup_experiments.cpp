@@ -7,6 +7,7 @@
 #include <limits>
 #include <map>
 #include <mutex>
+#include <sstream>
 #include <string>
 #include <thread>
 
@@ -42,25 +43,32 @@ TrainConfig at_width(const TrainConfig& t, int64_t multiplier) {
   return c;
 }
 
-// Validation loss after the whole schedule; infinity when the run blew up (a too-high LR is a
-// result of the sweep, not an error).
-double train_and_evaluate(const TrainConfig& c, const TextSplit& text, int eval_batches) {
+}  // namespace
+
+std::vector<double> train_and_evaluate_at(const TrainConfig& c, const TextSplit& text,
+                                          const std::vector<int64_t>& eval_steps, int eval_batches, bool use_ema) {
+  require(std::is_sorted(eval_steps.begin(), eval_steps.end()) &&
+              (eval_steps.empty() || (eval_steps.front() >= 1 && eval_steps.back() <= c.schedule.total_steps)),
+          ErrorCode::invalid_argument, "evaluation steps must ascend within the schedule");
+  std::vector<double> losses(eval_steps.size(), std::numeric_limits<double>::infinity());
   try {
     Trainer trainer(c, text);
-    for (int64_t s = 0; s < c.schedule.total_steps; ++s) {
+    size_t next = 0;
+    while (next < eval_steps.size()) {
       // Stop at the first non-finite loss or gradient: later steps would feed NaN to the routers,
       // whose top-k is then meaningless (the GPU layer reports such routes as errors).
       const auto r = trainer.step();
-      if (!std::isfinite(r.loss) || !std::isfinite(r.grad_norm)) return std::numeric_limits<double>::infinity();
+      if (!std::isfinite(r.loss) || !std::isfinite(r.grad_norm)) break;
+      for (; next < eval_steps.size() && eval_steps[next] == trainer.steps_done(); ++next) {
+        const double loss = trainer.evaluate(eval_batches, use_ema);
+        if (std::isfinite(loss)) losses[next] = loss;
+      }
     }
-    const double loss = trainer.evaluate(eval_batches);
-    return std::isfinite(loss) ? loss : std::numeric_limits<double>::infinity();
   } catch (const Error& e) {
     if (e.code() != ErrorCode::non_finite) throw;
-    return std::numeric_limits<double>::infinity();
   }
+  return losses;
 }
-}  // namespace
 
 CoordCheckResult coord_check(const CoordCheckConfig& config, const TextSplit& text) {
   CoordCheckResult result;
@@ -116,24 +124,67 @@ Parabola fit_parabola(const std::vector<double>& x, const std::vector<double>& y
   return {coef[0], coef[1], coef[2]};
 }
 
+LrOptimum fit_lr_optimum(const std::vector<double>& lrs, const std::vector<double>& losses) {
+  require(lrs.size() == losses.size(), ErrorCode::invalid_argument, "LR optimum: one loss per LR");
+  require(std::is_sorted(lrs.begin(), lrs.end()), ErrorCode::invalid_argument, "LR optimum: LRs must ascend");
+  LrOptimum o;
+  const auto best = std::min_element(losses.begin(), losses.end());
+  require(best != losses.end() && std::isfinite(*best), ErrorCode::invalid_argument,
+          "LR optimum: every run diverged");
+  const auto i = best - losses.begin();
+  o.best_grid_lr = lrs[i];
+  o.best_grid_loss = *best;
+  std::vector<double> x, y;
+  for (auto j = std::max<std::ptrdiff_t>(0, i - 2); j <= std::min<std::ptrdiff_t>(std::ptrdiff_t(lrs.size()) - 1, i + 2); ++j) {
+    if (!std::isfinite(losses[j])) continue;
+    x.push_back(std::log(lrs[j]));
+    y.push_back(losses[j]);
+  }
+  require(x.size() >= 3, ErrorCode::invalid_argument,
+          "LR optimum: " + std::to_string(x.size()) + " finite points around the best LR; the parabola needs 3");
+  o.fit = fit_parabola(x, y);
+  require(o.fit.has_minimum(), ErrorCode::invalid_argument,
+          "LR optimum: the fitted parabola opens downward (a = " + std::to_string(o.fit.a) + " <= 0), no minimum");
+  // Trust the vertex only inside the fitted range; outside it the parabola extrapolates.
+  require(o.fit.argmin() >= x.front() && o.fit.argmin() <= x.back(), ErrorCode::invalid_argument,
+          "LR optimum: the vertex lies outside the fitted LRs (the optimum is at the grid's edge)");
+  o.eta_star = std::exp(o.fit.argmin());
+  return o;
+}
+
+Spread spread_of(const std::vector<double>& values) {
+  Spread s;
+  s.count = int(values.size());
+  if (values.empty()) return s;
+  s.min = *std::min_element(values.begin(), values.end());
+  s.max = *std::max_element(values.begin(), values.end());
+  for (double v : values) s.mean += v;
+  s.mean /= double(values.size());
+  if (values.size() > 1) {
+    double ss = 0;
+    for (double v : values) ss += (v - s.mean) * (v - s.mean);
+    s.std = std::sqrt(ss / double(values.size() - 1));
+  }
+  return s;
+}
+
 namespace {
 WidthOptimum optimum_of(int64_t width, std::vector<SweepPoint> pts) {
   std::sort(pts.begin(), pts.end(), [](const auto& a, const auto& b) { return a.lr < b.lr; });
+  std::vector<double> lrs, losses;
+  for (const auto& p : pts) {
+    lrs.push_back(p.lr);
+    losses.push_back(p.loss);
+  }
   const auto best = std::min_element(pts.begin(), pts.end(), [](const auto& a, const auto& b) { return a.loss < b.loss; });
   WidthOptimum o{width, {}, best->lr, false, best->lr, best->loss};
-  const auto i = best - pts.begin();
-  std::vector<double> x, y;
-  for (auto j = std::max<std::ptrdiff_t>(0, i - 2); j <= std::min<std::ptrdiff_t>(std::ptrdiff_t(pts.size()) - 1, i + 2); ++j) {
-    if (!std::isfinite(pts[j].loss)) continue;
-    x.push_back(std::log(pts[j].lr));
-    y.push_back(pts[j].loss);
-  }
-  if (x.size() < 3) return o;
-  o.fit = fit_parabola(x, y);
-  // Trust the vertex only inside the fitted range; outside it the parabola extrapolates.
-  if (o.fit.has_minimum() && o.fit.argmin() >= x.front() && o.fit.argmin() <= x.back()) {
-    o.eta_star = std::exp(o.fit.argmin());
+  try {
+    const LrOptimum fitted = fit_lr_optimum(lrs, losses);
+    o.fit = fitted.fit;
+    o.eta_star = fitted.eta_star;
     o.from_fit = true;
+  } catch (const Error& e) {
+    if (e.code() != ErrorCode::invalid_argument) throw;  // no usable vertex: the best grid LR stands
   }
   return o;
 }
@@ -147,18 +198,20 @@ std::vector<WidthOptimum> find_optima(const std::vector<SweepPoint>& points) {
   return out;
 }
 
-// Runs job(i) for every i < count in `workers` forked processes that take the next index from a
-// shared counter, and reports each result to on_result in the parent as it arrives. CUDA runs
-// go here: every process has its own CUDA context, so one model's host-side gaps (launches,
-// the per-step synchronization, the moka router's per-call cudaMalloc/cudaFree, which waits
-// for the whole device) are filled by the others' kernels; threads of one process would all
-// wait on those device-wide synchronizations. A run that throws is reported as infinity (with
-// its message on stderr) and its process is replaced, since a CUDA error can leave the context
-// unusable. The parent must not have touched CUDA.
-void run_in_processes(size_t count, int workers, const std::function<double(size_t)>& job,
-                      const std::function<void(size_t, double)>& on_result) {
+namespace {
+
+// job(i) for every i < count in `workers` forked processes that take the next index from a
+// shared counter; results come back over a pipe per process as text lines. CUDA runs go here:
+// every process has its own CUDA context, so one model's host-side gaps (launches, the
+// per-step synchronization, the moka router's per-call cudaMalloc/cudaFree, which waits for
+// the whole device) are filled by the others' kernels; threads of one process would all wait
+// on those device-wide synchronizations. A run that throws is reported empty (with its message
+// on stderr) and its process is replaced, since a CUDA error can leave the context unusable.
+// The parent must not have touched CUDA.
+void run_in_processes(size_t count, int workers, const std::function<std::vector<double>(size_t)>& job,
+                      const std::function<void(size_t, std::vector<double>)>& on_result) {
   void* shared = mmap(nullptr, sizeof(std::atomic<size_t>), PROT_READ | PROT_WRITE, MAP_SHARED | MAP_ANONYMOUS, -1, 0);
-  require(shared != MAP_FAILED, ErrorCode::io, "lr-sweep: cannot map the shared work counter");
+  require(shared != MAP_FAILED, ErrorCode::io, "training runs: cannot map the shared work counter");
   auto* next = new (shared) std::atomic<size_t>(0);
   struct Worker {
     pid_t pid;
@@ -169,18 +222,22 @@ void run_in_processes(size_t count, int workers, const std::function<double(size
   std::vector<Worker> live;
   auto spawn = [&] {
     int p[2];
-    require(pipe(p) == 0, ErrorCode::io, "lr-sweep: pipe failed");
+    require(pipe(p) == 0, ErrorCode::io, "training runs: pipe failed");
     const pid_t pid = fork();
-    require(pid >= 0, ErrorCode::io, "lr-sweep: fork failed");
+    require(pid >= 0, ErrorCode::io, "training runs: fork failed");
     if (pid == 0) {
       close(p[0]);
       auto say = [&](const std::string& line) { (void)!write(p[1], line.data(), line.size()); };
       for (size_t i; (i = next->fetch_add(1)) < count;) {
         try {
           say("S " + std::to_string(i) + "\n");
-          char line[64];
-          std::snprintf(line, sizeof line, "R %zu %.17g\n", i, job(i));
-          say(line);
+          std::string line = "R " + std::to_string(i);
+          for (double v : job(i)) {
+            char value[32];
+            std::snprintf(value, sizeof value, " %.17g", v);
+            line += value;
+          }
+          say(line + "\n");
         } catch (const std::exception& e) {
           std::string msg = e.what();
           std::replace(msg.begin(), msg.end(), '\n', ' ');
@@ -209,19 +266,25 @@ void run_in_processes(size_t count, int workers, const std::function<double(size
       if (n > 0) {
         w.pending.append(buf, size_t(n));
         for (size_t nl; (nl = w.pending.find('\n')) != std::string::npos;) {
-          const std::string line = w.pending.substr(0, nl);
+          std::istringstream line(w.pending.substr(0, nl));
           w.pending.erase(0, nl + 1);
-          size_t index = 0;
-          char value[48] = {0};
-          if (std::sscanf(line.c_str(), "S %zu", &index) == 1) {
+          char kind = 0;
+          size_t index = SIZE_MAX;
+          line >> kind >> index;
+          if (!line || index >= count) continue;
+          if (kind == 'S') {
             w.current = index;
-          } else if (std::sscanf(line.c_str(), "R %zu %47s", &index, value) == 2 && index < count) {
+          } else if (kind == 'R') {
             w.current = SIZE_MAX;
-            on_result(index, std::strtod(value, nullptr));
-          } else if (std::sscanf(line.c_str(), "F %zu", &index) == 1 && index < count) {
+            std::vector<double> values;
+            for (std::string v; line >> v;) values.push_back(std::strtod(v.c_str(), nullptr));
+            on_result(index, std::move(values));
+          } else if (kind == 'F') {
             w.current = SIZE_MAX;
-            std::fprintf(stderr, "lr-sweep: run %zu failed, counted as diverged: %s\n", index, line.c_str());
-            on_result(index, std::numeric_limits<double>::infinity());
+            std::string message;
+            std::getline(line, message);
+            std::fprintf(stderr, "training run %zu failed, counted as diverged:%s\n", index, message.c_str());
+            on_result(index, {});
           }
         }
         continue;
@@ -231,9 +294,9 @@ void run_in_processes(size_t count, int workers, const std::function<double(size
       waitpid(w.pid, &status, 0);
       const bool clean = WIFEXITED(status) && WEXITSTATUS(status) == 0;
       if (w.current != SIZE_MAX) {  // killed mid-run (a signal): that run counts as diverged
-        std::fprintf(stderr, "lr-sweep: run %zu ended its process (status %d), counted as diverged\n", w.current,
+        std::fprintf(stderr, "training run %zu ended its process (status %d), counted as diverged\n", w.current,
                      status);
-        on_result(w.current, std::numeric_limits<double>::infinity());
+        on_result(w.current, {});
       }
       live.erase(live.begin() + std::ptrdiff_t(k));
       if (!clean && ++lost > int(count)) break;  // every run failing: stop respawning
@@ -242,60 +305,111 @@ void run_in_processes(size_t count, int workers, const std::function<double(size
   }
   const bool unfinished = next->load() < count;
   munmap(shared, sizeof(std::atomic<size_t>));
-  require(!unfinished, ErrorCode::peer_failure, "lr-sweep: worker processes kept failing; see the messages above");
+  require(!unfinished, ErrorCode::peer_failure, "training runs: worker processes kept failing; see the messages above");
 }
+
+void run_in_threads(size_t count, int workers, const std::function<std::vector<double>(size_t)>& job,
+                    const std::function<void(size_t, std::vector<double>)>& on_result) {
+  std::atomic<size_t> next{0};
+  std::mutex report;
+  std::exception_ptr error;
+  auto worker = [&] {
+    for (size_t i; (i = next.fetch_add(1)) < count;) {
+      try {
+        auto values = job(i);
+        std::lock_guard lock(report);
+        on_result(i, std::move(values));
+      } catch (...) {
+        std::lock_guard lock(report);
+        if (!error) error = std::current_exception();
+        next = count;  // stop the other workers too
+        return;
+      }
+    }
+  };
+  std::vector<std::thread> pool;
+  for (int w = 0; w < std::max(1, workers); ++w) pool.emplace_back(worker);
+  for (auto& t : pool) t.join();
+  if (error) std::rethrow_exception(error);
+}
+
+}  // namespace
+
+void run_jobs(size_t count, int workers, bool in_processes, const std::function<std::vector<double>(size_t)>& job,
+              const std::function<void(size_t, std::vector<double>)>& on_result) {
+  if (in_processes)
+    run_in_processes(count, workers, job, on_result);
+  else
+    run_in_threads(count, workers, job, on_result);
+}
+
+namespace {
+double log2_drift(const std::vector<WidthOptimum>& optima) {
+  return std::log2(optima.back().eta_star / optima.front().eta_star);
+}
+}  // namespace
 
 LrSweepResult lr_sweep(const LrSweepConfig& config, const TextSplit& text,
                        const std::function<void(const SweepPoint&, int, int)>& on_point) {
   require(!config.lrs.empty() && !config.multipliers.empty(), ErrorCode::invalid_argument, "empty sweep grid");
+  require(config.seeds >= 1, ErrorCode::invalid_argument, "a sweep needs one or more seeds");
   // Widest first, so the longest runs start early and the short ones fill in at the end.
   std::vector<int64_t> widest_first = config.multipliers;
   std::sort(widest_first.rbegin(), widest_first.rend());
-  std::vector<std::pair<int64_t, double>> grid;
+  std::vector<SweepPoint> grid;  // loss filled in as runs finish
+  std::vector<TrainConfig> configs;
   for (int64_t m : widest_first)
-    for (double lr : config.lrs) grid.emplace_back(m, lr);
-  auto run = [&](size_t i) {
-    TrainConfig c = at_width(config.train, grid[i].first);
-    c.adam.lr = grid[i].second;
-    c.threads = 1;
-    return SweepPoint{c.model.d_model, c.adam.lr, train_and_evaluate(c, text, config.eval_batches)};
-  };
-  LrSweepResult result;
-  result.points.resize(grid.size());
-  std::mutex report;
-  int done = 0;
-  auto record = [&](size_t i, const SweepPoint& point) {
-    std::lock_guard lock(report);
-    result.points[i] = point;
-    if (on_point) on_point(point, ++done, int(grid.size()));
-  };
-  if (config.train.backend == Backend::cuda && config.workers > 1) {
-    run_in_processes(grid.size(), config.workers, [&](size_t i) { return run(i).loss; }, [&](size_t i, double loss) {
-      const TrainConfig c = at_width(config.train, grid[i].first);
-      record(i, {c.model.d_model, grid[i].second, loss});
-    });
-  } else {
-    std::atomic<size_t> next{0};
-    std::exception_ptr error;
-    auto worker = [&] {
-      for (size_t i; (i = next.fetch_add(1)) < grid.size();) {
-        try {
-          record(i, run(i));
-        } catch (...) {
-          std::lock_guard lock(report);
-          if (!error) error = std::current_exception();
-          next = grid.size();  // stop the other workers too
-          return;
-        }
+    for (double lr : config.lrs)
+      for (int s = 0; s < config.seeds; ++s) {
+        TrainConfig c = at_width(config.train, m);
+        c.adam.lr = lr;
+        c.seed = config.train.seed + uint64_t(s);
+        c.validation_seed = config.train.seed;  // every seed on the same validation batches
+        c.threads = 1;
+        grid.push_back({c.model.d_model, lr, 0.0, c.seed});
+        configs.push_back(c);
       }
-    };
-    std::vector<std::thread> pool;
-    for (int w = 0; w < std::max(1, config.workers); ++w) pool.emplace_back(worker);
-    for (auto& t : pool) t.join();
-    if (error) std::rethrow_exception(error);
+  LrSweepResult result;
+  result.points = grid;
+  int done = 0;
+  const bool in_processes = config.train.backend == Backend::cuda && config.workers > 1;
+  run_jobs(
+      grid.size(), config.workers, in_processes,
+      [&](size_t i) {
+        const TrainConfig& c = configs[i];
+        return train_and_evaluate_at(c, text, {c.schedule.total_steps}, config.eval_batches, false);
+      },
+      [&](size_t i, std::vector<double> losses) {
+        result.points[i].loss = losses.size() == 1 ? losses[0] : std::numeric_limits<double>::infinity();
+        if (on_point) on_point(result.points[i], ++done, int(grid.size()));
+      });
+
+  // The seed-averaged curve gives the headline optimum; each seed's own optima give the spread.
+  std::map<std::pair<int64_t, double>, std::vector<double>> by_cell;
+  std::map<uint64_t, std::vector<SweepPoint>> by_seed;
+  for (const auto& p : result.points) {
+    by_cell[{p.width, p.lr}].push_back(p.loss);
+    by_seed[p.seed].push_back(p);
   }
-  result.optima = find_optima(result.points);
-  result.drift_log2 = std::log2(result.optima.back().eta_star / result.optima.front().eta_star);
+  std::vector<SweepPoint> averaged;
+  for (const auto& [cell, losses] : by_cell) {
+    double mean = 0;
+    for (double l : losses) mean += l / double(losses.size());
+    averaged.push_back({cell.first, cell.second, mean, 0});
+  }
+  result.optima = find_optima(averaged);
+  result.drift_log2 = log2_drift(result.optima);
+  std::vector<std::vector<double>> log2_eta(result.optima.size());
+  std::vector<double> drifts;
+  for (const auto& [seed, points] : by_seed) {
+    SeedOptima so{seed, find_optima(points), 0};
+    so.drift_log2 = log2_drift(so.optima);
+    for (size_t w = 0; w < so.optima.size(); ++w) log2_eta[w].push_back(std::log2(so.optima[w].eta_star));
+    drifts.push_back(so.drift_log2);
+    result.per_seed.push_back(std::move(so));
+  }
+  for (const auto& values : log2_eta) result.log2_eta_star_spread.push_back(spread_of(values));
+  result.drift_spread = spread_of(drifts);
   return result;
 }
 

@@ -109,7 +109,8 @@ double Trainer::evaluate(int batches, bool use_ema) {
   // A seed of its own, so validation batches do not depend on how far training went.
   std::vector<Batch> data;
   for (int i = 0; i < batches; ++i)
-    data.push_back(sample_batch(text_.validation, config_.batch, config_.seq, config_.seed + 0x5EED, i));
+    data.push_back(
+        sample_batch(text_.validation, config_.batch, config_.seq, config_.validation_seed.value_or(config_.seed) + 0x5EED, i));
   return engine_->evaluate(data, use_ema);
 }
 

@@ -5,6 +5,7 @@
 // the CPU one (`Model<float>` + `AdamW`, the reference) or the CUDA one (cuda_engine.cu).
 #pragma once
 #include <memory>
+#include <optional>
 #include <string>
 
 #include "train/model.hpp"
@@ -25,6 +26,9 @@ struct TrainConfig {
   Backend backend = Backend::cpu;
   double bias_update_rate = 1e-3;  // aux-loss-free balancing step; 0 = off
   double ema_decay = 0.0;          // 0 = no EMA
+  // Seed of the validation batches; unset = `seed`. Runs that differ only in seed set it to one
+  // value so they are compared on the same validation text.
+  std::optional<uint64_t> validation_seed;
 };
 
 struct StepReport {

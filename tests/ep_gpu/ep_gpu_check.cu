@@ -273,6 +273,19 @@ void megakernel_matches_reference(ProcessGroup& host, DeviceGroup& g, const MoeS
   host.barrier();
 }
 
+// The message of the error a layer call raises once the device is done ("" when none).
+std::string error_of(MoeLayer& layer, const std::function<void()>& call) {
+  std::string error;
+  try {
+    call();
+    MOKA_CUDA_CHECK(cudaDeviceSynchronize());
+    layer.check_errors();
+  } catch (const Error& e) {
+    error = e.what();
+  }
+  return error;
+}
+
 // Input errors found on the device are reported on every rank, naming the rank whose input is
 // bad: an expert id out of range on rank 1, then token counts that disagree. At EP >= 4, a
 // routing that sends everything to rank 0 overflows a small capacity and is reported as such.
@@ -282,18 +295,7 @@ void megakernel_input_errors_are_reported_everywhere(ProcessGroup& host, DeviceG
   gpu_test::GpuCase c(bad_routing_on_rank1(host, s)[me]);
   c.upload();
   auto mk = make_moe_layer(s, &g, gpu_test::megakernel_options(megakernel_config(8, 256, 512), 64));
-  auto error_of = [&](const std::function<void()>& call) {
-    std::string error;
-    try {
-      call();
-      MOKA_CUDA_CHECK(cudaDeviceSynchronize());
-      mk->check_errors();
-    } catch (const Error& e) {
-      error = e.what();
-    }
-    return error;
-  };
-  std::string error = error_of([&] { mk->forward(c.inputs(), c.weights(), c.out_view(), Stream{}); });
+  std::string error = error_of(*mk, [&] { mk->forward(c.inputs(), c.weights(), c.out_view(), Stream{}); });
   check(error.find("routing of rank 1") != std::string::npos && error.find("token 3, choice 1") != std::string::npos,
         "megakernel: bad expert id on rank 1 reported here: " + error, me);
   gpu_test::GpuCase good(group_inputs(s, host.size(), 64, 6, Skew::uniform)[me]);
@@ -304,10 +306,10 @@ void megakernel_input_errors_are_reported_everywhere(ProcessGroup& host, DeviceG
     for (TensorView* v : {&inputs.x, &inputs.topk_ids, &inputs.topk_weights}) v->shape[0] = 63;
     out.shape[0] = 63;
   }
-  error = error_of([&] { mk->forward(inputs, good.weights(), out, Stream{}); });
+  error = error_of(*mk, [&] { mk->forward(inputs, good.weights(), out, Stream{}); });
   check(error.find("token counts disagree") != std::string::npos && error.find("rank 1 has 63") != std::string::npos,
         "megakernel: token counts that disagree are reported here: " + error, me);
-  error = error_of([&] { mk->forward(good.inputs(), good.weights(), good.out_view(), Stream{}); });
+  error = error_of(*mk, [&] { mk->forward(good.inputs(), good.weights(), good.out_view(), Stream{}); });
   check(error.empty(), "megakernel runs again after the errors: " + error, me);
   if (host.size() >= 4) {
     gpu_test::GpuCase skewed(group_inputs(s, host.size(), 64, 7, Skew::all_to_rank0)[me]);
@@ -315,14 +317,8 @@ void megakernel_input_errors_are_reported_everywhere(ProcessGroup& host, DeviceG
     MegakernelConfig small = megakernel_config(8, 256, 512);
     small.capacity_multiplier = 0.25;
     auto tight = make_moe_layer(s, &g, gpu_test::megakernel_options(small, 64));
-    std::string overflow;
-    try {
-      tight->forward(skewed.inputs(), skewed.weights(), skewed.out_view(), Stream{});
-      MOKA_CUDA_CHECK(cudaDeviceSynchronize());
-      tight->check_errors();
-    } catch (const Error& e) {
-      overflow = e.what();
-    }
+    const std::string overflow =
+        error_of(*tight, [&] { tight->forward(skewed.inputs(), skewed.weights(), skewed.out_view(), Stream{}); });
     check(overflow.find("rank 0") != std::string::npos && overflow.find("capacity") != std::string::npos,
           "megakernel: capacity overflow on rank 0 reported here: " + overflow, me);
   }
@@ -357,7 +353,26 @@ void megakernel_path_matches_all_to_all_bitwise(ProcessGroup& host, DeviceGroup&
   host.barrier();
 }
 
-// Last: only rank 0 enters the barrier; it must time out and name a missing rank.
+// Rank 0 calls the megakernel alone: its barrier before the pulls times out, and the kernel must
+// not read peer x that no one froze. The status it reports says so and names a missing rank
+// (the layer is built collectively; the other ranks then stay away).
+void megakernel_reads_no_peer_rows_after_a_barrier_timeout(ProcessGroup& host, DeviceGroup& g) {
+  const MoeShape s = small_shape(host);
+  gpu_test::GpuCase c(group_inputs(s, host.size(), 64, 8, Skew::uniform)[host.rank()]);
+  c.upload();
+  MegakernelConfig cfg = megakernel_config(8, 256, 512);
+  cfg.spin_timeout_seconds = 0.2;
+  auto mk = make_moe_layer(s, &g, gpu_test::megakernel_options(cfg, 64));
+  host.barrier();
+  if (g.rank() != 0) return;
+  const std::string error = error_of(*mk, [&] { mk->forward(c.inputs(), c.weights(), c.out_view(), Stream{}); });
+  check(error.find("no peer rows were read") != std::string::npos && error.find("did not arrive") != std::string::npos &&
+            error.find("rank 0 did not arrive") == std::string::npos,
+        "megakernel after a barrier timeout reads no peer rows: " + error, 0);
+}
+
+// Last: only rank 0 enters the barrier; it must time out and name a missing rank (the error
+// word is already set by the test before; it keeps the first missing rank).
 void missing_peer_times_out(DeviceGroup& g) {
   if (g.rank() != 0) return;
   g.device_barrier(nullptr, 0.5);
@@ -411,6 +426,7 @@ int main() {
     symmetric_stores_are_visible_after_the_barrier(*g);
     barrier_replays_in_a_cuda_graph(*g);
     host->barrier();
+    megakernel_reads_no_peer_rows_after_a_barrier_timeout(*host, *g);
     missing_peer_times_out(*g);
     host->barrier();
   } catch (const std::exception& e) {

@@ -8,6 +8,7 @@
 
 #include "core/routing_gen.hpp"
 #include "cuda/cuda_backend.hpp"
+#include "cuda/megakernel/megakernel_core.hpp"
 #include "gpu_case.hpp"
 #include "moka/moka.hpp"
 
@@ -157,6 +158,53 @@ TEST(Megakernel, TimelineHoldsEveryTask) {
   for (const char* k : {"shared_gate_up", "shared_down", "dispatch", "gate_up", "down", "combine"})
     EXPECT_GT(kinds[k], 0) << k;
   EXPECT_EQ(kinds["dispatch"], kinds["combine"]);
+  // Roles go by arrival order: the first 8 CTAs to start communicate, the others compute.
+  for (const auto& t : spans) {
+    const bool comm = std::string(t.kind) == "dispatch" || std::string(t.kind) == "combine";
+    EXPECT_EQ(t.cta < 8, comm) << t.kind << " on CTA " << t.cta;
+  }
+}
+
+// The megakernel's compute role alone over rows grouped beforehand (no communication CTA)
+// against the fp64 CPU reference: with k = 1 and unit route weights each token's output is its
+// expert row's y. Then the same bits again.
+TEST(MegakernelCore, MatchesReferenceOnGroupedRows) {
+  const MoeShape s = shape(512, 384, 8, 1);
+  const int64_t T = 300;
+  const uint64_t seed = fresh_seed();
+  GpuCase c(s, T, seed);
+  std::fill(c.ref.topk_weights.begin(), c.ref.topk_weights.end(), 1.0);
+  route_and_upload(c, Z, seed + 1);
+  const cuda::GroupedSchedule sched(c.ids.as<int32_t>(), c.w.as<float>(), s, T, 128, nullptr);
+  cuda::MegakernelCore core(s, megakernel_config(1, 256, 256), T);
+  const int64_t rows = core.rows(), H = s.hidden, I = s.intermediate;
+  ASSERT_GE(rows, sched.rows);
+  gpu_test::DeviceTensor grouped(rows * H * 2), gate(rows * I * 2), up(gate.bytes()), hidden(gate.bytes()), y(rows * H * 2);
+  MOKA_CUDA_CHECK(cudaMemset(grouped.data(), 0, grouped.bytes()));
+  cuda::gather_rows(c.x.as<cuda::bf16>(), grouped.as<cuda::bf16>(), sched.row_of_slot.as<int32_t>(), T, 1, H, nullptr);
+  const cuda::GroupedExpertRows g{grouped.as<cuda::bf16>(), sched.offsets.as<int32_t>(), gate.as<cuda::bf16>(),
+                                  up.as<cuda::bf16>(), hidden.as<cuda::bf16>(), y.as<cuda::bf16>()};
+  auto run = [&] {
+    MOKA_CUDA_CHECK(cudaMemset(y.data(), 0xFF, y.bytes()));
+    core.run(g, c.wg.as<cuda::bf16>(), c.wu.as<cuda::bf16>(), c.wd.as<cuda::bf16>(), nullptr);
+    MOKA_CUDA_CHECK(cudaDeviceSynchronize());
+    core.check_errors();
+    return bytes_of(y);
+  };
+  const auto bits = run();
+  std::vector<int32_t> row_of_token(T);
+  MOKA_CUDA_CHECK(cudaMemcpy(row_of_token.data(), sched.row_of_slot.data(), T * 4, cudaMemcpyDeviceToHost));
+  std::vector<double> got(T * H);
+  for (int64_t t = 0; t < T; ++t)
+    for (int64_t h = 0; h < H; ++h) {
+      __nv_bfloat16 v;
+      std::memcpy(&v, bits.data() + (row_of_token[t] * H + h) * 2, 2);
+      got[t * H + h] = __bfloat162float(v);
+    }
+  auto cpu = make_moe_layer(s, Backend::cpu);
+  cpu->forward(c.ref.inputs(), c.ref.weights(), c.ref.out_view(), Stream{});
+  EXPECT_LE(cpu::max_rel_error(got, c.ref.out), 2e-2);
+  EXPECT_EQ(run(), bits);
 }
 
 TEST(Megakernel, BadExpertIdIsReportedNamingTheEntry) {
@@ -194,6 +242,7 @@ TEST(Megakernel, SpinTimeoutIsReportedNotHung) {
     EXPECT_EQ(e.code(), ErrorCode::timeout);
     EXPECT_NE(std::string(e.what()).find("timed out"), std::string::npos) << e.what();
     EXPECT_NE(std::string(e.what()).find("rank 0"), std::string::npos) << e.what();
+    EXPECT_EQ(std::string(e.what()).find("timeout: ", 1), std::string::npos) << "the code named twice: " << e.what();
   }
   // The next call runs normally.
   MegakernelConfig ok = megakernel_config(8, 512, 1024);

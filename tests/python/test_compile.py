@@ -17,13 +17,14 @@ class RoutedBlock(nn.Module):
         init = lambda *shape: nn.Parameter(torch.randn(*shape, dtype=torch.float64) * 0.3)  # noqa: E731
         self.w_gate, self.w_up = init(experts, intermediate, hidden), init(experts, intermediate, hidden)
         self.w_down = init(experts, hidden, intermediate)
-        self.ws = nn.ParameterList([init(shared, hidden), init(shared, hidden), init(hidden, shared)])
+        self.ws_gate, self.ws_up, self.ws_down = init(shared, hidden), init(shared, hidden), init(hidden, shared)
 
     def forward(self, x, experts=moe_experts):
         h = self.norm(x)
         scores = torch.softmax(self.router(h), dim=-1)
         weights, ids = torch.topk(scores, self.top_k, dim=-1)
-        return x + experts(h, ids.int(), weights, self.w_gate, self.w_up, self.w_down, *self.ws)
+        return x + experts(h, ids.int(), weights, self.w_gate, self.w_up, self.w_down, self.ws_gate, self.ws_up,
+                           self.ws_down)
 
 
 def test_torch_compile_fullgraph_traces_the_op_forward_and_backward():

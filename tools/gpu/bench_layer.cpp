@@ -29,7 +29,6 @@
 #include "gpu/bench_timing.hpp"
 
 namespace moka::cli {
-namespace {
 
 // Dense bf16 cuBLAS peak of this GPU, now: 8192^3 on random data.
 double dense_peak_tflops(cudaStream_t s) {
@@ -55,6 +54,8 @@ double dense_peak_tflops(cudaStream_t s) {
   return cached;
 }
 
+namespace {
+
 struct Timing {
   double fwd = 0, bwd = 0, total = 0;
 };
@@ -73,54 +74,22 @@ Timing time_layer(MoeLayer& layer, const LayerTensors& t, const CudaBenchOptions
   return r;
 }
 
-std::vector<__nv_bfloat16> read_bf16(const Dev& d) {
-  std::vector<__nv_bfloat16> h(d.bytes() / 2);
-  MOKA_CUDA_CHECK(cudaMemcpy(h.data(), d.data(), d.bytes(), cudaMemcpyDeviceToHost));
-  return h;
-}
-
-// max |a - b| / max |b| over bf16 buffers.
-double rel_diff(const std::vector<__nv_bfloat16>& a, const std::vector<__nv_bfloat16>& b) {
-  double diff = 0, scale = 0;
-  for (size_t i = 0; i < a.size(); ++i) {
-    const double x = __bfloat162float(a[i]), y = __bfloat162float(b[i]);
-    if (!std::isfinite(x)) return INFINITY;
-    diff = std::max(diff, std::abs(x - y));
-    scale = std::max(scale, std::abs(y));
-  }
-  return scale > 0 ? diff / scale : diff;
-}
-
 // The forward gate/up grouped GEMM alone (2E groups, this routing's counts), as TFLOP/s.
 double grouped_gemm_tflops(const NamedShape& ns, const LayerTensors& t, const CudaBenchOptions& o, cudaStream_t s) {
   const auto& sh = ns.shape;
   const int64_t T = t.T, H = sh.hidden, I = sh.intermediate, E = sh.num_experts, k = sh.top_k;
-  const int64_t slots = T * k, rows = slots + E * (o.tile_rows - 1);
-  Dev chunk(cuda::schedule_chunks(slots) * E * 4), counts(E * 4), offsets((E + 1) * 4), map(slots * 4), err(8);
-  MOKA_CUDA_CHECK(cudaMemset(err.data(), 0xFF, 8));
+  const int64_t slots = T * k;
+  const cuda::GroupedSchedule sched(t.ids.as<int32_t>(), t.w.as<float>(), sh, T, o.tile_rows, s);
+  const int64_t rows = sched.rows;
   Dev xg(rows * H * 2), gate(rows * I * 2), up(rows * I * 2);
   xg.fill_normal(1.0, o.seed + 11);
-  cuda::DeviceSchedule d;
-  d.slots = slots, d.num_experts = E, d.global_experts = E, d.tile_rows = o.tile_rows, d.top_k = k;
-  d.chunk_counts = chunk.as<int32_t>(), d.counts = counts.as<int32_t>();
-  d.offsets = offsets.as<int32_t>(), d.row_of_slot = map.as<int32_t>();
-  d.error = err.as<unsigned long long>();
-  cuda::build_schedule(d, t.ids.as<int32_t>(), t.w.as<float>(), s);
   std::vector<cuda::GroupSpec> groups;
-  for (int e = 0; e < E; ++e) {
-    for (int which = 0; which < 2; ++which) {
-      cuda::GroupSpec g;
-      g.a = 0, g.a_step = H, g.lda = H;
-      g.b = 1 + which, g.b_off = e * I * H, g.ldb = H;
-      g.d = 3 + which, g.d_step = I, g.ldd = I;
-      g.n = int(I), g.k = int(H), g.expert = e, g.count_dim = cuda::CountDim::m;
-      groups.push_back(g);
-    }
-  }
+  for (int e = 0; e < E; ++e)
+    for (int which = 0; which < 2; ++which) groups.push_back(expert_rows_group(e, 0, H, 1 + which, e * I * H, H, 3 + which, I, I, H));
   cuda::GroupedGemm gemm(groups, cuda::GemmLayout{}, 0);
   cuda::BufferTable table;
   table.ptr[0] = xg.data(), table.ptr[1] = t.wg.data(), table.ptr[2] = t.wu.data(), table.ptr[3] = gate.data(), table.ptr[4] = up.data();
-  const double ms = time_ms([&] { gemm.run(table, d.counts, d.offsets, s); }, o.warmup, o.iters, s);
+  const double ms = time_ms([&] { gemm.run(table, sched.counts.as<int32_t>(), sched.offsets.as<int32_t>(), s); }, o.warmup, o.iters, s);
   return 2.0 * double(slots) * 2.0 * double(I) * double(H) / (ms * 1e-3) / 1e12;
 }
 

@@ -1,13 +1,17 @@
 // Timing and row helpers shared by the GPU parts of `moka bench`, `moka tune` and `moka incast`.
 #pragma once
+#include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
+#include <cmath>
 #include <memory>
 #include <string>
 #include <vector>
 
 #include "bench_cuda.hpp"
 #include "cuda/common/check.hpp"
+#include "cuda/gemm/grouped_gemm.hpp"
+#include "cuda/layer/layer_kernels.hpp"
 #include "moka/device_group.hpp"
 #include "moka/moka.hpp"
 #include "testing/device_tensors.hpp"
@@ -90,6 +94,40 @@ inline BenchRow ep_row(const NamedShape& ns, const std::string& path, int device
   row.tokens_per_rank = tokens;
   row.iters = iters;
   return row;
+}
+
+// Dense bf16 cuBLAS peak of this GPU, now: 8192^3 on random data (measured once per process).
+double dense_peak_tflops(cudaStream_t s);
+
+inline std::vector<__nv_bfloat16> read_bf16(const Dev& d) {
+  std::vector<__nv_bfloat16> h(d.bytes() / 2);
+  MOKA_CUDA_CHECK(cudaMemcpy(h.data(), d.data(), d.bytes(), cudaMemcpyDeviceToHost));
+  return h;
+}
+
+// max |a - b| / max |b| over bf16 buffers.
+inline double rel_diff(const std::vector<__nv_bfloat16>& a, const std::vector<__nv_bfloat16>& b) {
+  double diff = 0, scale = 0;
+  for (size_t i = 0; i < a.size(); ++i) {
+    const double x = __bfloat162float(a[i]), y = __bfloat162float(b[i]);
+    if (!std::isfinite(x)) return INFINITY;
+    diff = std::max(diff, std::abs(x - y));
+    scale = std::max(scale, std::abs(y));
+  }
+  return scale > 0 ? diff / scale : diff;
+}
+
+// One expert's product over its routed rows: m = the expert's row count, A = its segment of the
+// grouped buffer `a` ([rows, k], row pitch lda), B = its weights at b_off in buffer `b` ([n, k]),
+// D = its segment of the grouped buffer `d` (row pitch ldd).
+inline cuda::GroupSpec expert_rows_group(int e, int a, int64_t lda, int b, int64_t b_off, int64_t ldb, int d,
+                                         int64_t ldd, int64_t n, int64_t k) {
+  cuda::GroupSpec g;
+  g.a = a, g.a_step = lda, g.lda = lda;
+  g.b = b, g.b_off = b_off, g.ldb = ldb;
+  g.d = d, g.d_step = ldd, g.ldd = ldd;
+  g.n = int(n), g.k = int(k), g.expert = e, g.count_dim = cuda::CountDim::m;
+  return g;
 }
 
 // A megakernel-path layer with these knobs for up to `max_tokens` tokens per rank.

@@ -1,7 +1,8 @@
-// The persistent forward megakernel: grid = one CTA per SM; CTAs [0, num_comm_ctas) run the
-// communication role (mk_comm.cuh), the others the compute role (mk_compute.cuh). Each role
-// takes tasks in the plan's global order through its own atomic ticket (core/megakernel_plan.hpp)
-// and waits only on counters that earlier tasks release, so it finishes for any routing.
+// The persistent forward megakernel: grid = one CTA per SM; the first num_comm_ctas CTAs to
+// arrive run the communication role (mk_comm.cuh), the others the compute role (mk_compute.cuh).
+// Each role takes tasks in the plan's global order through its own atomic ticket
+// (core/megakernel_plan.hpp) and waits only on counters that earlier tasks release, so it
+// finishes for any routing.
 #include "cuda/common/check.hpp"
 #include "cuda/megakernel/megakernel_launch.hpp"
 #include "cuda/megakernel/mk_comm.cuh"
@@ -18,17 +19,18 @@ struct KernelParams {
 
 __global__ void __launch_bounds__(mk::kThreads, 1) megakernel(const __grid_constant__ KernelParams params) {
   const MegakernelLaunch& p = params.launch;
-  if (mk::failed(p.control)) return;  // the schedule already failed (capacity, bad routing)
+  const int cta = mk::arrival_index(p.control);
+  if (cta < 0) return;  // the schedule already failed (capacity, bad routing)
   const core::MegakernelPlan plan = core::trim_to_rows(p.plan, p.offsets[p.local_experts]);
-  if (int(blockIdx.x) < p.num_comm_ctas) {
-    mk::task_loop(p, plan, &p.control->comm_ticket, core::comm_task_count(plan), p.timeline_comm, core::comm_task,
-                  [&](const core::Task& t) { mk::run_comm_task(p, plan, t); });
+  if (cta < p.num_comm_ctas) {
+    mk::task_loop(p, plan, cta, &p.control->comm_ticket, core::comm_task_count(plan), p.timeline_comm,
+                  core::comm_task, [&](const core::Task& t) { mk::run_comm_task(p, plan, t); });
     return;
   }
   extern __shared__ char smem_raw[];
   // The swizzled operand tiles need 1024-byte alignment.
   auto* smem = reinterpret_cast<mk::ComputeSmem*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t(1023));
-  mk::run_compute_cta(*smem, p, params.ops, plan);
+  mk::run_compute_cta(*smem, p, params.ops, plan, cta);
 }
 
 mk::Operands make_operands(const MegakernelLaunch& p) {
@@ -66,7 +68,17 @@ void launch_megakernel(const MegakernelLaunch& launch, cudaStream_t stream) {
   // CUDA 12.1+ takes up to 32764 bytes of kernel parameters on Hopper.
   static_assert(sizeof(KernelParams) <= 32764, "kernel parameters must fit the 32 KiB limit");
   const KernelParams params{launch, make_operands(launch)};
-  megakernel<<<launch.num_ctas, mk::kThreads, megakernel_smem_bytes(), stream>>>(params);
+  cudaLaunchConfig_t config = {};
+  config.gridDim = dim3(launch.num_ctas);
+  config.blockDim = dim3(mk::kThreads);
+  config.dynamicSmemBytes = megakernel_smem_bytes();
+  config.stream = stream;
+  cudaLaunchAttribute cooperative = {};
+  cooperative.id = cudaLaunchAttributeCooperative;
+  cooperative.val.cooperative = 1;
+  config.attrs = &cooperative;
+  config.numAttrs = 1;
+  MOKA_CUDA_CHECK(cudaLaunchKernelEx(&config, megakernel, params));
   MOKA_CUDA_CHECK_LAUNCH();
 }
 

@@ -12,9 +12,11 @@
 
 namespace moka::cuda {
 
-// Per-launch control words, zeroed before the schedule kernels: the two task tickets, the
-// first-failure claim and the status the host reads after the closing barrier.
+// Per-launch control words, zeroed in the stream before the schedule kernels (so a captured
+// graph resets them on every replay): the CTA arrival counter that assigns roles, the two task
+// tickets, the first-failure claim and the status the host reads after the closing barrier.
 struct MegakernelControl {
+  unsigned int arrivals;
   unsigned long long compute_ticket;
   unsigned long long comm_ticket;
   int32_t claim;
@@ -25,7 +27,7 @@ struct MegakernelControl {
 // One timeline record per task (only when the caller asked for a timeline).
 struct TimelineRecord {
   int64_t start_ns, end_ns;
-  int32_t cta, kind;  // kind: core::TaskKind
+  int32_t cta, kind;  // cta: the CTA's arrival index (its role order); kind: core::TaskKind
   int64_t step, row_tile;
 };
 
@@ -57,7 +59,11 @@ struct MegakernelLaunch {
 
 // Bytes of dynamic shared memory per CTA (one CTA per SM).
 size_t megakernel_smem_bytes();
-// Enqueues the persistent kernel on `stream` (grid = launch.num_ctas, one CTA per SM).
+// Enqueues the persistent kernel on `stream` (grid = launch.num_ctas, one CTA per SM) as a
+// cooperative launch: the runtime refuses a grid whose CTAs cannot all be resident at once.
+// Roles go by arrival order (the first num_comm_ctas CTAs to start communicate), so progress
+// never depends on which CTAs the hardware schedules first; num_comm_ctas = 0 runs the compute
+// role alone (MegakernelCore).
 void launch_megakernel(const MegakernelLaunch& launch, cudaStream_t stream);
 
 }  // namespace moka::cuda
@@ -92,10 +98,12 @@ struct ScheduleCheck {
   const int32_t* row_of_slot = nullptr;  // [world * T*k]
   int32_t* slot_of_row = nullptr;        // [capacity_rows], written here
   MegakernelControl* control = nullptr;
+  const uint64_t* barrier_error = nullptr;  // the group's device-barrier error word (null: no group)
 };
 // Copies every source's ids into `ids` ([world][T*k], contiguous, for build_schedule), inverts
-// row_of_slot into slot_of_row, and writes the status word when a source's token count differs,
-// an id is out of range (the lowest (source, slot) is reported) or the rows exceed capacity.
+// row_of_slot into slot_of_row, and writes the status word when the barrier before it timed out
+// (peer_missing: the megakernel then pulls nothing), a source's token count differs, an id is out
+// of range (the lowest (source, slot) is reported) or the rows exceed capacity.
 void gather_source_ids(const ScheduleCheck& c, int32_t* ids, cudaStream_t stream);
 void finish_schedule(const ScheduleCheck& c, cudaStream_t stream);
 

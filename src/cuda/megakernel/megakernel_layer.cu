@@ -16,6 +16,7 @@
 #include "cuda/layer_paths.hpp"
 #include "cuda/common/device_memory.hpp"
 #include "cuda/common/stream.hpp"
+#include "cuda/megakernel/megakernel_core.hpp"
 #include "cuda/megakernel/megakernel_launch.hpp"
 #include "moka/device_group.hpp"
 
@@ -51,13 +52,56 @@ core::MegakernelDims dims_of(const MoeShape& s, int world, int64_t tokens) {
   return {world, tokens, s.top_k, s.hidden, s.intermediate, s.shared_intermediate, s.num_experts / world};
 }
 
+// A launch's plan, grid and sizes (no buffers yet).
+MegakernelLaunch sized_launch(const core::MegakernelPlan& plan, const MoeShape& shape, const MegakernelConfig& config,
+                              int64_t tokens, int64_t local_experts, int num_sms) {
+  MegakernelLaunch l;
+  l.plan = plan;
+  l.num_ctas = num_sms;
+  l.tokens = tokens;
+  l.top_k = shape.top_k;
+  l.hidden = shape.hidden;
+  l.intermediate = shape.intermediate;
+  l.shared_intermediate = shape.shared_intermediate;
+  l.local_experts = local_experts;
+  l.act = core::ActParams::of(shape);
+  l.timeout_ns = static_cast<uint64_t>(config.spin_timeout_seconds * 1e9);
+  return l;
+}
+
+int sm_count() {
+  int device = 0, sms = 0;
+  MOKA_CUDA_CHECK(cudaGetDevice(&device));
+  MOKA_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
+  return sms;
+}
+
+// The worst-case plan for up to `max_tokens` tokens per rank, after the checks of what the GPU
+// megakernel supports.
+core::MegakernelPlan supported_plan(const MoeShape& s, const MegakernelConfig& c, int world, int64_t max_tokens) {
+  core::validate_shape(s, world);
+  core::validate_megakernel_config(c);
+  require(max_tokens >= 1, ErrorCode::invalid_argument,
+          "the megakernel path needs LayerOptions::max_tokens >= 1 (tokens per rank its buffers hold)");
+  require(c.tile_rows == 128 && c.tile_n == 128 && c.down_tile_n == 256, ErrorCode::unsupported_size,
+          "the GPU megakernel's GEMM tiles are 128 x (128 gate + 128 up) and 128 x 256 (down): tile_rows and "
+          "megakernel.tile_n must be 128, megakernel.down_tile_n 256");
+  require(s.hidden % 8 == 0 && s.intermediate % 8 == 0 && s.shared_intermediate % 8 == 0,
+          ErrorCode::unsupported_size,
+          "the megakernel needs hidden, intermediate and shared sizes that are multiples of 8 (16-byte rows)");
+  require(world <= kMaxScheduleSources, ErrorCode::unsupported_size,
+          "the megakernel takes at most " + std::to_string(kMaxScheduleSources) + " ranks");
+  return core::build_megakernel_plan(c, dims_of(s, world, max_tokens));
+}
+
 // The megakernel forward of one layer: its buffers, launch sequence and error reports.
 class CudaMegakernelForward final : public MegakernelExtension {
  public:
   CudaMegakernelForward(const MoeShape& shape, DeviceGroup* group, const MegakernelConfig& config, int64_t max_tokens)
       : shape_(shape), config_(config), group_(group), world_(group ? group->size() : 1),
         rank_(group ? group->rank() : 0), experts_(shape.num_experts / world_), max_tokens_(max_tokens),
-        worst_(validated_plan(shape, config, world_, max_tokens)),
+        worst_(supported_plan(shape, config, world_, max_tokens)),
+        barrier_error_(group ? static_cast<const uint64_t*>(group->device_barrier_error()) : nullptr),
         x_(group, max_tokens * shape.hidden * sizeof(bf16)),
         routing_(group, world_ * routing_region_ints(max_tokens, shape.top_k) * sizeof(int32_t)),
         combine_(group, max_tokens * shape.top_k * shape.hidden * sizeof(bf16)),
@@ -104,7 +148,7 @@ class CudaMegakernelForward final : public MegakernelExtension {
 
     const ScheduleCheck check{routing_.local<int32_t>(), world_, T, k, max_tokens_, shape_.num_experts, experts_,
                               plan.capacity_rows, offsets_.data(), row_of_slot_.data(),
-                              slot_of_row_.data(), control_.data()};
+                              slot_of_row_.data(), control_.data(), barrier_error_};
     gather_source_ids(check, ids_.data(), s);
     build_schedule(device_schedule(T), ids_.data(), world_ == 1 ? in.topk_weights.as<float>() : nullptr, s);
     finish_schedule(check, s);
@@ -120,9 +164,12 @@ class CudaMegakernelForward final : public MegakernelExtension {
   }
 
   void check_errors() {
-    if (group_) group_->check_device_errors();
     pending_ = false;
-    raise(merged_.load(), routing_error_.load());
+    const MergedStatus merged = merged_.load();
+    // The megakernel's own report of a barrier timeout names the missing rank, as the group's
+    // does, and also says that no peer rows were read.
+    if (group_ && merged.status.code != core::StatusCode::peer_missing) group_->check_device_errors();
+    raise(merged, routing_error_.load());
   }
 
   void record_timeline(bool on) override {
@@ -148,22 +195,6 @@ class CudaMegakernelForward final : public MegakernelExtension {
   const int32_t* expert_rows() const { return counts_.data(); }
 
  private:
-  static core::MegakernelPlan validated_plan(const MoeShape& s, const MegakernelConfig& c, int world, int64_t max_tokens) {
-    core::validate_shape(s, world);
-    core::validate_megakernel_config(c);
-    require(max_tokens >= 1, ErrorCode::invalid_argument,
-            "the megakernel path needs LayerOptions::max_tokens >= 1 (tokens per rank its buffers hold)");
-    require(c.tile_rows == 128 && c.tile_n == 128 && c.down_tile_n == 256, ErrorCode::unsupported_size,
-            "the GPU megakernel's GEMM tiles are 128 x (128 gate + 128 up) and 128 x 256 (down): tile_rows and "
-            "megakernel.tile_n must be 128, megakernel.down_tile_n 256");
-    require(s.hidden % 8 == 0 && s.intermediate % 8 == 0 && s.shared_intermediate % 8 == 0,
-            ErrorCode::unsupported_size,
-            "the megakernel needs hidden, intermediate and shared sizes that are multiples of 8 (16-byte rows)");
-    require(world <= kMaxScheduleSources, ErrorCode::unsupported_size,
-            "the megakernel takes at most " + std::to_string(kMaxScheduleSources) + " ranks");
-    return core::build_megakernel_plan(c, dims_of(s, world, max_tokens));
-  }
-
   void check_inputs(const MoeInputs& in, const MoeWeights& w, const TensorView& out, int64_t T) const {
     const Device dev = Device::cuda(device_);
     core::validate_layer_tensors(shape_, world_, in, w, DType::bf16, dev);
@@ -195,18 +226,8 @@ class CudaMegakernelForward final : public MegakernelExtension {
   }
 
   MegakernelLaunch launch(const core::MegakernelPlan& plan, int64_t T, const MoeWeights& w) const {
-    MegakernelLaunch l;
-    l.plan = plan;
-    l.num_ctas = num_sms_;
+    MegakernelLaunch l = sized_launch(plan, shape_, config_, T, experts_, num_sms_);
     l.num_comm_ctas = config_.num_comm_sms;
-    l.tokens = T;
-    l.top_k = shape_.top_k;
-    l.hidden = shape_.hidden;
-    l.intermediate = shape_.intermediate;
-    l.shared_intermediate = shape_.shared_intermediate;
-    l.local_experts = experts_;
-    l.act = core::ActParams::of(shape_);
-    l.timeout_ns = static_cast<uint64_t>(config_.spin_timeout_seconds * 1e9);
     l.offsets = offsets_.data();
     l.slot_of_row = slot_of_row_.data();
     l.x_peers = x_.peers<bf16>();
@@ -262,7 +283,9 @@ class CudaMegakernelForward final : public MegakernelExtension {
       // Input errors already name the rank whose input is bad (every rank finds them alike).
       const auto code = failure.status.code;
       if (code == core::StatusCode::invalid_expert || code == core::StatusCode::tokens_mismatch) throw;
-      throw Error(e.code(), "rank " + std::to_string(failure.rank) + ": " + e.what());
+      // what() starts with the code's name, which the new Error puts in front again.
+      const std::string message = std::string(e.what()).substr(std::strlen(to_string(e.code())) + 2);
+      throw Error(e.code(), "rank " + std::to_string(failure.rank) + ": " + message);
     }
   }
 
@@ -287,6 +310,7 @@ class CudaMegakernelForward final : public MegakernelExtension {
   const int world_, rank_;
   const int64_t experts_, max_tokens_;
   const core::MegakernelPlan worst_;
+  const uint64_t* const barrier_error_;  // the group's device-barrier error word, or null
   int device_ = 0, num_sms_ = 0;
   SymmetricBuffers x_, routing_, combine_, status_;
   DeviceArray<int32_t> ids_, chunk_counts_, counts_, source_counts_, offsets_, row_of_slot_, slot_of_row_;
@@ -350,6 +374,63 @@ class MegakernelMoeLayer final : public MoeLayer {
 std::unique_ptr<MoeLayer> make_megakernel_layer(const MoeShape& shape, DeviceGroup* group,
                                                 std::unique_ptr<DeviceGroup> owned, const LayerOptions& options) {
   return std::make_unique<MegakernelMoeLayer>(shape, group, std::move(owned), options);
+}
+
+namespace {
+
+MoeShape routed_only(MoeShape shape) {
+  shape.shared_intermediate = 0;
+  return shape;
+}
+
+// One macrobatch holding every grouped row, so ring row r is grouped row r.
+MegakernelConfig one_macrobatch(MegakernelConfig c, const MoeShape& shape, int64_t tokens) {
+  const int64_t rows = supported_plan(shape, c, 1, tokens).capacity_rows;
+  c.macrobatch_size = core::ceil_div(rows, c.minibatch_size) * c.minibatch_size;
+  return c;
+}
+
+}  // namespace
+
+MegakernelCore::MegakernelCore(const MoeShape& shape, const MegakernelConfig& config, int64_t tokens)
+    : shape_(routed_only(shape)), config_(one_macrobatch(config, shape_, tokens)), tokens_(tokens),
+      plan_(supported_plan(shape_, config_, 1, tokens)), num_sms_(sm_count()),
+      initial_counters_(core::counter_count(plan_)), counters_(initial_counters_.size()), control_(1) {
+  require(megakernel_ctas_per_sm() >= 1, ErrorCode::cuda, "the megakernel's CTA does not fit on an SM");
+  // Every step's rows count as dispatched: the compute tiles start at once.
+  std::vector<int64_t> initial(initial_counters_.size(), 0);
+  for (int64_t step = 0; step < plan_.max_steps; ++step)
+    initial[core::counter_index(plan_, core::counter_ref(plan_, core::CounterKind::rows_ready, step, 0))] =
+        core::counter_target(plan_, core::CounterKind::rows_ready);
+  initial_counters_.upload(initial.data(), initial.size());
+}
+
+void MegakernelCore::run(const GroupedExpertRows& rows, const bf16* w_gate, const bf16* w_up, const bf16* w_down,
+                         cudaStream_t stream) {
+  MegakernelLaunch l = sized_launch(plan_, shape_, config_, tokens_, shape_.num_experts, num_sms_);
+  l.num_comm_ctas = 0;
+  l.offsets = rows.offsets;
+  l.x_local = rows.x;  // no shared expert: only its operand descriptor is made from it
+  l.w_gate = w_gate;
+  l.w_up = w_up;
+  l.w_down = w_down;
+  l.ring_x = const_cast<bf16*>(rows.x);  // read only: dispatch, its one writer, does not run
+  l.ring_gate = rows.gate;
+  l.ring_up = rows.up;
+  l.ring_hidden = rows.hidden;
+  l.ring_y = rows.y;
+  l.counters = counters_.data();
+  l.control = control_.data();
+  MOKA_CUDA_CHECK(cudaMemsetAsync(control_.data(), 0, sizeof(MegakernelControl), stream));
+  MOKA_CUDA_CHECK(cudaMemcpyAsync(counters_.data(), initial_counters_.data(), counters_.size() * sizeof(int64_t),
+                                  cudaMemcpyDeviceToDevice, stream));
+  launch_megakernel(l, stream);
+}
+
+void MegakernelCore::check_errors() {
+  MegakernelControl control;
+  MOKA_CUDA_CHECK(cudaMemcpy(&control, control_.data(), sizeof(control), cudaMemcpyDeviceToHost));
+  core::throw_megakernel_status(control.status, config_);
 }
 
 }  // namespace moka::cuda

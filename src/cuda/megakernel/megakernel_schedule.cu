@@ -37,11 +37,17 @@ __global__ void invert_rows_kernel(ScheduleCheck c) {
   if (row >= 0 && row < c.capacity_rows) c.slot_of_row[row] = static_cast<int32_t>(i);
 }
 
-// One thread: the first problem in a fixed order (token counts, ids, capacity), so every rank
-// reports the same input error.
+// One thread: the first problem in a fixed order (a barrier timeout, token counts, ids,
+// capacity), so every rank reports the same input error. A barrier that timed out comes first:
+// the peers' x and ids may still be changing, and the status keeps the megakernel from pulling.
 __global__ void finish_kernel(ScheduleCheck c) {
   core::MegakernelStatus s;
   const int64_t region = routing_region_ints(c.max_tokens, c.top_k), slots = c.tokens * c.top_k;
+  const uint64_t missing = c.barrier_error ? *reinterpret_cast<const volatile uint64_t*>(c.barrier_error) : 0;
+  if (missing != 0) {
+    s.code = core::StatusCode::peer_missing;
+    s.source_rank = static_cast<int64_t>(missing) - 1;
+  }
   for (int source = 0; source < c.world_size && s.code == core::StatusCode::ok; ++source) {
     const int32_t tokens = c.routing[source * region];
     if (tokens != c.tokens) {

@@ -253,7 +253,7 @@ __device__ inline void load_tasks(ComputeSmem& sm, const PipelineWatch& watch) {
 // barrier, so all consumers see the same job or the same stop and reach the same barriers;
 // then every consumer acquires the (completed) phase itself before it reads the slot.
 __device__ inline void compute_tasks(ComputeSmem& sm, const MegakernelLaunch& p, const core::MegakernelPlan& plan,
-                                     const PipelineWatch& watch) {
+                                     const PipelineWatch& watch, int cta) {
   __shared__ bool job_ready;
   TaskQueue& queue = sm.queue;
   const bool leader = consumer_thread() == 0;
@@ -283,7 +283,7 @@ __device__ inline void compute_tasks(ComputeSmem& sm, const MegakernelLaunch& p,
     cutlass::arch::NamedBarrier::sync(kConsumerThreads, kConsumerBarrier);
     if (leader) {
       release_done(p, plan, job.task);
-      record(p.timeline_compute, job.ticket, start, job.task);
+      record(p.timeline_compute, job.ticket, start, cta, job.task);
     }
     EmptyBarrier::arrive(&queue.finished[q]);
   }
@@ -291,15 +291,16 @@ __device__ inline void compute_tasks(ComputeSmem& sm, const MegakernelLaunch& p,
 
 // A compute CTA: the producer warpgroup gives registers to the consumer warpgroups; warp 0
 // loads, warp 1 schedules, warps 2-3 have no work.
+// `cta`: its arrival index (the timeline's CTA column).
 __device__ inline void run_compute_cta(ComputeSmem& sm, const MegakernelLaunch& p, const Operands& ops,
-                                       const core::MegakernelPlan& plan) {
+                                       const core::MegakernelPlan& plan, int cta) {
   init_compute_smem(sm);
   const PipelineWatch watch = make_watch(p.control, p.timeout_ns);
   const int warp = int(threadIdx.x / 32);
   const bool lane0 = threadIdx.x % 32 == 0;
   if (is_consumer()) {
     cutlass::arch::warpgroup_reg_alloc<kConsumerRegisters>();
-    compute_tasks(sm, p, plan, watch);
+    compute_tasks(sm, p, plan, watch, cta);
   } else {
     cutlass::arch::warpgroup_reg_dealloc<kProducerRegisters>();
     if (warp == 0 && lane0) load_tasks(sm, watch);

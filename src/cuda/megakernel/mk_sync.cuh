@@ -44,6 +44,16 @@ __device__ inline void report(MegakernelControl* control, core::MegakernelStatus
   *reinterpret_cast<volatile int32_t*>(&control->status.code) = static_cast<int32_t>(code);
 }
 
+// The CTA's place in the order CTAs start (uniform over the CTA): roles go by it, not by
+// blockIdx, so the CTAs that run first are the ones the others wait on. -1 when the schedule
+// already failed (capacity, bad routing): read by one thread, so the whole CTA leaves together.
+__device__ inline int arrival_index(MegakernelControl* control) {
+  __shared__ int index;
+  if (threadIdx.x == 0) index = failed(control) ? -1 : int(atomicAdd(&control->arrivals, 1u));
+  __syncthreads();
+  return index;
+}
+
 // The thread that issues (comm: thread 0) or hands to the TMA thread (compute: the scheduler
 // thread) the task's loads: waits until the task's counter reaches its target (relaxed polling with backoff,
 // then one acquire fence), at most timeout_ns. False when this or another CTA failed.
@@ -91,17 +101,18 @@ __device__ inline void release_done(const MegakernelLaunch& p, const core::Megak
   if (done.kind != core::CounterKind::none) release_add(p.counters + core::counter_index(plan, done));
 }
 
-__device__ inline void record(TimelineRecord* timeline, uint64_t ticket, uint64_t start, const core::Task& task) {
+__device__ inline void record(TimelineRecord* timeline, uint64_t ticket, uint64_t start, int cta,
+                              const core::Task& task) {
   if (!timeline) return;
-  timeline[ticket] = {int64_t(start), int64_t(global_ns()), int32_t(blockIdx.x), int32_t(task.kind), task.step,
-                      task.row_tile};
+  timeline[ticket] = {int64_t(start), int64_t(global_ns()), int32_t(cta), int32_t(task.kind), task.step, task.row_tile};
 }
 
 // The task loop every CTA of one role runs: thread 0 takes a ticket and waits for the task's
 // counter; the CTA runs it; thread 0 releases. Tasks past the schedule's rows run as no-ops
-// that still release, so counter targets never depend on the routing.
+// that still release, so counter targets never depend on the routing. `cta`: arrival index.
 template <class Decode, class Run>
-__device__ void task_loop(const MegakernelLaunch& p, const core::MegakernelPlan& plan, unsigned long long* ticket_word,
+__device__ void task_loop(const MegakernelLaunch& p, const core::MegakernelPlan& plan, int cta,
+                          unsigned long long* ticket_word,
                           uint64_t task_count, TimelineRecord* timeline, Decode decode, Run run) {
   __shared__ core::Task shared_task;
   __shared__ uint64_t shared_ticket;
@@ -122,7 +133,7 @@ __device__ void task_loop(const MegakernelLaunch& p, const core::MegakernelPlan&
     __syncthreads();
     if (threadIdx.x == 0) {
       release_done(p, plan, task);
-      record(timeline, shared_ticket, start, task);
+      record(timeline, shared_ticket, start, cta, task);
     }
   }
 }
