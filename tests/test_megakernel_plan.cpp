@@ -18,9 +18,10 @@ namespace {
 
 struct PlanCase {
   int64_t tile_m, minibatch, macrobatch, total_rows;
+  int64_t band_row_tiles = MegakernelConfig{}.band_row_tiles;
   friend std::ostream& operator<<(std::ostream& os, const PlanCase& c) {
     return os << "tile_m " << c.tile_m << ", minibatch " << c.minibatch << ", macrobatch " << c.macrobatch
-              << ", rows " << c.total_rows;
+              << ", rows " << c.total_rows << ", band " << c.band_row_tiles;
   }
 };
 
@@ -31,6 +32,7 @@ MegakernelPlan make_plan(const PlanCase& c) {
   config.tile_rows = c.tile_m;
   config.tile_n = 4;
   config.down_tile_n = 3;
+  config.band_row_tiles = c.band_row_tiles;
   config.minibatch_size = c.minibatch;
   config.macrobatch_size = c.macrobatch;
   config.capacity_multiplier = 1.0;
@@ -356,7 +358,9 @@ INSTANTIATE_TEST_SUITE_P(
                       PlanCase{2, 4, 16, 50},   // four macrobatches, the last partial
                       PlanCase{2, 2, 2, 10},    // one minibatch per macrobatch: every step reuses
                       PlanCase{3, 6, 12, 27},   // tile_m 3
-                      PlanCase{4, 4, 1024, 40}  // the ring holds everything
+                      PlanCase{4, 4, 1024, 40},  // the ring holds everything
+                      PlanCase{1, 8, 16, 26, 1},  // row-major tiles
+                      PlanCase{1, 8, 16, 26, 3}   // bands of 3 row tiles, the last one of 2
                       ));
 
 TEST(MegakernelPlan, CapacityFollowsTheDesignFormula) {
@@ -399,6 +403,7 @@ TEST(MegakernelPlan, ConfigValidationNamesTheField) {
   expect_invalid(with([](auto& c) { c.num_comm_sms = 0; }), "num_comm_sms");
   expect_invalid(with([](auto& c) { c.tile_n = 0; }), "tile_n");
   expect_invalid(with([](auto& c) { c.down_tile_n = 0; }), "down_tile_n");
+  expect_invalid(with([](auto& c) { c.band_row_tiles = 0; }), "band_row_tiles");
   expect_invalid(with([](auto& c) { c.minibatch_size = 4000; }), "minibatch_size");
   expect_invalid(with([](auto& c) { c.minibatch_size = 64; }), "minibatch_size");
   expect_invalid(with([](auto& c) { c.macrobatch_size = 4096 * 3 + 128; }), "macrobatch_size");
@@ -464,6 +469,28 @@ TEST(MegakernelPlan, PipelineTimeoutNamesTheWaitAndTask) {
     const std::string m = e.what();
     EXPECT_NE(m.find("wait operands_landed of stage down in minibatch 3 (macrobatch 0), row tile 5"), std::string::npos)
         << m;
+  }
+}
+
+// Band order: bands of band_row_tiles row tiles, column by column inside a band, the last
+// band shorter; every tile once.
+TEST(MegakernelPlan, GemmTilesRunInBandsOfRowTilesColumnByColumn) {
+  const int64_t rows = 5, cols = 3;
+  std::vector<std::pair<int64_t, int64_t>> order;
+  for (int64_t i = 0; i < rows * cols; ++i) {
+    const Task t = banded_tile(TaskKind::gate_up, 7, i, rows, cols, 2);
+    EXPECT_EQ(t.kind, TaskKind::gate_up);
+    EXPECT_EQ(t.step, 7);
+    order.emplace_back(t.row_tile, t.col_tile);
+  }
+  const std::vector<std::pair<int64_t, int64_t>> expected = {{0, 0}, {1, 0}, {0, 1}, {1, 1}, {0, 2}, {1, 2},
+                                                             {2, 0}, {3, 0}, {2, 1}, {3, 1}, {2, 2}, {3, 2},
+                                                             {4, 0}, {4, 1}, {4, 2}};
+  EXPECT_EQ(order, expected);
+  for (int64_t i = 0; i < rows * cols; ++i) {  // band 1: row-major
+    const Task t = banded_tile(TaskKind::down, 0, i, rows, cols, 1);
+    EXPECT_EQ(t.row_tile, i / cols);
+    EXPECT_EQ(t.col_tile, i % cols);
   }
 }
 
