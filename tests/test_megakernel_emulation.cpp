@@ -14,13 +14,15 @@ using cpu::MegakernelEmulationOptions;
 
 namespace {
 
-// H 8, I 6, 8 experts, k 2, shared 5: with tile_n 4 every GEMM has a partial column tile.
+// H 8, I 6, 8 experts, k 2, shared 5: with tile_n 4 and down_tile_n 3 every GEMM has a partial
+// column tile.
 MoeShape shape(int64_t top_k = 2, Activation act = Activation::swiglu) { return {8, 6, 8, top_k, 5, act, 0.6f}; }
 
 MegakernelEmulationOptions options(int comm, int compute, int64_t tile_m, int64_t minibatch, int64_t macrobatch) {
   MegakernelEmulationOptions o;
   o.config = emulation_config(comm, tile_m, minibatch, macrobatch);
   o.config.tile_n = 4;
+  o.config.down_tile_n = 3;
   o.num_compute_workers = compute;
   return o;
 }

@@ -18,17 +18,21 @@ namespace {
 
 struct PlanCase {
   int64_t tile_m, minibatch, macrobatch, total_rows;
+  int64_t band_row_tiles = MegakernelConfig{}.band_row_tiles;
   friend std::ostream& operator<<(std::ostream& os, const PlanCase& c) {
     return os << "tile_m " << c.tile_m << ", minibatch " << c.minibatch << ", macrobatch " << c.macrobatch
-              << ", rows " << c.total_rows;
+              << ", rows " << c.total_rows << ", band " << c.band_row_tiles;
   }
 };
 
-// A plan sized so `total_rows` fits; shared expert over 5 tokens, I = 6, H = 8, tile_n = 4.
+// A plan sized so `total_rows` fits; shared expert over 5 tokens, I = 6, H = 8, tile_n = 4,
+// down_tile_n = 3 (both GEMMs end in a partial column tile, with different tile counts).
 MegakernelPlan make_plan(const PlanCase& c) {
   MegakernelConfig config;
   config.tile_rows = c.tile_m;
   config.tile_n = 4;
+  config.down_tile_n = 3;
+  config.band_row_tiles = c.band_row_tiles;
   config.minibatch_size = c.minibatch;
   config.macrobatch_size = c.macrobatch;
   config.capacity_multiplier = 1.0;
@@ -354,7 +358,9 @@ INSTANTIATE_TEST_SUITE_P(
                       PlanCase{2, 4, 16, 50},   // four macrobatches, the last partial
                       PlanCase{2, 2, 2, 10},    // one minibatch per macrobatch: every step reuses
                       PlanCase{3, 6, 12, 27},   // tile_m 3
-                      PlanCase{4, 4, 1024, 40}  // the ring holds everything
+                      PlanCase{4, 4, 1024, 40},  // the ring holds everything
+                      PlanCase{1, 8, 16, 26, 1},  // row-major tiles
+                      PlanCase{1, 8, 16, 26, 3}   // bands of 3 row tiles, the last one of 2
                       ));
 
 TEST(MegakernelPlan, CapacityFollowsTheDesignFormula) {
@@ -396,6 +402,8 @@ TEST(MegakernelPlan, ConfigValidationNamesTheField) {
   };
   expect_invalid(with([](auto& c) { c.num_comm_sms = 0; }), "num_comm_sms");
   expect_invalid(with([](auto& c) { c.tile_n = 0; }), "tile_n");
+  expect_invalid(with([](auto& c) { c.down_tile_n = 0; }), "down_tile_n");
+  expect_invalid(with([](auto& c) { c.band_row_tiles = 0; }), "band_row_tiles");
   expect_invalid(with([](auto& c) { c.minibatch_size = 4000; }), "minibatch_size");
   expect_invalid(with([](auto& c) { c.minibatch_size = 64; }), "minibatch_size");
   expect_invalid(with([](auto& c) { c.macrobatch_size = 4096 * 3 + 128; }), "macrobatch_size");
@@ -443,6 +451,55 @@ TEST(MegakernelPlan, DeviceInputErrorsNameTheRankAndEntry) {
   const std::string tokens_message = message(tokens);
   EXPECT_NE(tokens_message.find("rank 2 has 63 tokens, this rank 64"), std::string::npos) << tokens_message;
   EXPECT_NO_THROW(throw_megakernel_status(MegakernelStatus{}, MegakernelConfig{}));
+}
+
+// A compute CTA's stalled pipeline (an mbarrier wait past its bound) names the wait and the task.
+TEST(MegakernelPlan, PipelineTimeoutNamesTheWaitAndTask) {
+  MegakernelStatus s;
+  s.code = StatusCode::pipeline_timeout;
+  s.stage = TaskKind::down;
+  s.pipeline_wait = PipelineWait::operands_landed;
+  s.minibatch = 3;
+  s.row_tile = 5;
+  try {
+    throw_megakernel_status(s, MegakernelConfig{});
+    ADD_FAILURE() << "no error";
+  } catch (const Error& e) {
+    EXPECT_EQ(e.code(), ErrorCode::timeout);
+    const std::string m = e.what();
+    EXPECT_NE(m.find("wait operands_landed of stage down in minibatch 3 (macrobatch 0), row tile 5"), std::string::npos)
+        << m;
+  }
+}
+
+// Band order: bands of band_row_tiles row tiles, column by column inside a band, the last
+// band shorter; every tile once.
+TEST(MegakernelPlan, GemmTilesRunInBandsOfRowTilesColumnByColumn) {
+  const int64_t rows = 5, cols = 3;
+  std::vector<std::pair<int64_t, int64_t>> order;
+  for (int64_t i = 0; i < rows * cols; ++i) {
+    const Task t = banded_tile(TaskKind::gate_up, 7, i, rows, cols, 2);
+    EXPECT_EQ(t.kind, TaskKind::gate_up);
+    EXPECT_EQ(t.step, 7);
+    order.emplace_back(t.row_tile, t.col_tile);
+  }
+  const std::vector<std::pair<int64_t, int64_t>> expected = {{0, 0}, {1, 0}, {0, 1}, {1, 1}, {0, 2}, {1, 2},
+                                                             {2, 0}, {3, 0}, {2, 1}, {3, 1}, {2, 2}, {3, 2},
+                                                             {4, 0}, {4, 1}, {4, 2}};
+  EXPECT_EQ(order, expected);
+  for (int64_t i = 0; i < rows * cols; ++i) {  // band 1: row-major
+    const Task t = banded_tile(TaskKind::down, 0, i, rows, cols, 1);
+    EXPECT_EQ(t.row_tile, i / cols);
+    EXPECT_EQ(t.col_tile, i % cols);
+  }
+}
+
+// Down tiles have their own width: the down and shared-down column tiles follow down_tile_n.
+TEST(MegakernelPlan, DownTilesFollowDownTileN) {
+  const auto p = make_plan({4, 8, 16, 16});
+  EXPECT_EQ(p.gate_up_col_tiles, 2);  // I = 6 over 4
+  EXPECT_EQ(p.down_col_tiles, 3);     // H = 8 over 3
+  EXPECT_EQ(counter_target(p, CounterKind::outputs_ready), p.row_tiles_per_minibatch * 3);
 }
 
 // A barrier timeout before the pulls is a timeout naming the missing rank, and says that the

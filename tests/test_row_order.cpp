@@ -66,6 +66,7 @@ TEST_P(RowOrderResults, LayerAndMegakernelGiveTheSameBitsUnderEitherOrder) {
   cpu::MegakernelEmulationOptions o;
   o.config.tile_rows = 4;
   o.config.tile_n = 4;
+  o.config.down_tile_n = 4;
   o.config.minibatch_size = 8;
   o.config.macrobatch_size = 16;
   o.config.capacity_multiplier = 1.0;

@@ -360,6 +360,9 @@ void register_bench(CLI::App& app) {
       ->check(CLI::Range(int64_t{1}, int64_t{1} << 30));
   cmd->add_option("--macrobatch", o->megakernel.macrobatch_size, "Megakernel: ring-buffer rows")
       ->check(CLI::Range(int64_t{1}, int64_t{1} << 30));
+  cmd->add_option("--band-rows", o->megakernel.band_row_tiles,
+                  "Megakernel: row tiles per band of the GEMM tile order (1: row by row)")
+      ->check(CLI::Range(int64_t{1}, int64_t{1} << 20));
   cmd->add_option("--row-order", o->row_order, "Megakernel: order of the sources' rows in each expert segment")
       ->check(CLI::IsMember({"rate-based", "round-robin"}));
   cmd->add_option("--timeline", o->timeline, "Megakernel: write the first case's task timeline to FILE (JSON lines)");

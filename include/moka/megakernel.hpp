@@ -22,7 +22,12 @@ struct MegakernelConfig {
   // GEMM M tile = expert padding = dispatch/combine row block (GPU: 128). A MoeLayer takes it
   // from LayerOptions::tile_rows.
   int64_t tile_rows = 128;
-  int64_t tile_n = 128;  // GEMM N tile (hidden columns per gate|up tile, output columns per down; GPU: 128)
+  int64_t tile_n = 128;       // GEMM N tile of gate|up: hidden columns per tile (GPU: 128)
+  int64_t down_tile_n = 256;  // GEMM N tile of down: output columns per tile (GPU: 256)
+  // Order of one GEMM's tiles in a minibatch: bands of this many row tiles, column tile by column
+  // tile inside a band, so the ~100 tiles that run at once share a few operand tiles through L2
+  // instead of each streaming its own weight tile from DRAM. 1: row by row.
+  int64_t band_row_tiles = 16;
   double spin_timeout_seconds = 30.0;  // bound of every in-kernel wait
   // Order of the sources' rows in each expert segment, which is the order dispatch pulls them
   // and combine pushes them back: rate-based keeps every peer's flow at its share of the bytes.

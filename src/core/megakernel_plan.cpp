@@ -32,9 +32,10 @@ std::string where(int64_t minibatch, int64_t minibatches_per_macrobatch) {
          std::to_string(minibatch / minibatches_per_macrobatch) + ")";
 }
 
-void add_tiles(std::vector<Task>& order, TaskKind kind, int64_t step, int64_t row_tiles, int64_t col_tiles) {
-  for (int64_t r = 0; r < row_tiles; ++r)
-    for (int64_t c = 0; c < col_tiles; ++c) order.push_back({kind, step, r, c});
+// A GEMM's tiles in the compute decoder's band order (dispatch and combine blocks: col_tiles 1).
+void add_tiles(std::vector<Task>& order, TaskKind kind, int64_t step, int64_t row_tiles, int64_t col_tiles,
+               int64_t band = 1) {
+  for (int64_t i = 0; i < row_tiles * col_tiles; ++i) order.push_back(banded_tile(kind, step, i, row_tiles, col_tiles, band));
 }
 
 }  // namespace
@@ -42,8 +43,10 @@ void add_tiles(std::vector<Task>& order, TaskKind kind, int64_t step, int64_t ro
 void validate_megakernel_config(const MegakernelConfig& c) {
   require_config(c.num_comm_sms >= 1, "num_comm_sms must be >= 1 (dispatch and combine need a CTA), got " +
                                           std::to_string(c.num_comm_sms));
-  require_config(c.tile_rows >= 1 && c.tile_n >= 1, "tile_rows and tile_n must be >= 1, got " + std::to_string(c.tile_rows) +
-                                                     " and " + std::to_string(c.tile_n));
+  require_config(c.band_row_tiles >= 1, "band_row_tiles must be >= 1, got " + std::to_string(c.band_row_tiles));
+  require_config(c.tile_rows >= 1 && c.tile_n >= 1 && c.down_tile_n >= 1,
+                 "tile_rows, tile_n and down_tile_n must be >= 1, got " + std::to_string(c.tile_rows) + ", " +
+                     std::to_string(c.tile_n) + " and " + std::to_string(c.down_tile_n));
   require_config(c.minibatch_size >= c.tile_rows && c.minibatch_size % c.tile_rows == 0,
                  "minibatch_size (" + std::to_string(c.minibatch_size) + ") must be a positive multiple of tile_rows (" +
                      std::to_string(c.tile_rows) + ")");
@@ -67,6 +70,8 @@ MegakernelPlan build_megakernel_plan(const MegakernelConfig& c, const Megakernel
   MegakernelPlan p;
   p.tile_m = c.tile_rows;
   p.tile_n = c.tile_n;
+  p.down_tile_n = c.down_tile_n;
+  p.band_row_tiles = c.band_row_tiles;
   p.minibatch_rows = c.minibatch_size;
   p.macrobatch_rows = c.macrobatch_size;
   p.capacity_rows = capacity_rows(c, d);
@@ -75,7 +80,7 @@ MegakernelPlan build_megakernel_plan(const MegakernelConfig& c, const Megakernel
   p.row_tiles_per_minibatch = c.minibatch_size / c.tile_rows;
   p.minibatches_per_macrobatch = c.macrobatch_size / c.minibatch_size;
   p.gate_up_col_tiles = ceil_div(d.intermediate, c.tile_n);
-  p.down_col_tiles = ceil_div(d.hidden, c.tile_n);
+  p.down_col_tiles = ceil_div(d.hidden, c.down_tile_n);
   p.tokens = d.tokens;
   if (d.shared_intermediate > 0) {
     p.shared_row_tiles = ceil_div(d.tokens, c.tile_rows);
@@ -87,13 +92,14 @@ MegakernelPlan build_megakernel_plan(const MegakernelConfig& c, const Megakernel
 std::vector<Task> plan_order(const MegakernelPlan& p) {
   std::vector<Task> order;
   const int64_t tiles = p.row_tiles_per_minibatch;
-  add_tiles(order, TaskKind::shared_gate_up, -1, p.shared_row_tiles, p.shared_gate_up_col_tiles);
-  add_tiles(order, TaskKind::shared_down, -1, p.shared_row_tiles, p.down_col_tiles);
+  const int64_t band = p.band_row_tiles;
+  add_tiles(order, TaskKind::shared_gate_up, -1, p.shared_row_tiles, p.shared_gate_up_col_tiles, band);
+  add_tiles(order, TaskKind::shared_down, -1, p.shared_row_tiles, p.down_col_tiles, band);
   for (int64_t s = 0; s < p.num_steps; ++s)
     if (predecessor_step(p, s) < 0) add_tiles(order, TaskKind::dispatch, s, tiles, 1);
   for (int64_t s = 0; s < p.num_steps; ++s) {
-    add_tiles(order, TaskKind::gate_up, s, tiles, p.gate_up_col_tiles);
-    add_tiles(order, TaskKind::down, s, tiles, p.down_col_tiles);
+    add_tiles(order, TaskKind::gate_up, s, tiles, p.gate_up_col_tiles, band);
+    add_tiles(order, TaskKind::down, s, tiles, p.down_col_tiles, band);
     add_tiles(order, TaskKind::combine, s, tiles, 1);
     const int64_t next = successor_step(p, s);
     if (next >= 0) add_tiles(order, TaskKind::dispatch, next, tiles, 1);
@@ -126,6 +132,17 @@ const char* to_string(CounterKind kind) {
   return "?";
 }
 
+const char* to_string(PipelineWait wait) {
+  switch (wait) {
+    case PipelineWait::none: return "none";
+    case PipelineWait::operands_landed: return "operands_landed";
+    case PipelineWait::stage_free: return "stage_free";
+    case PipelineWait::task_published: return "task_published";
+    case PipelineWait::task_finished: return "task_finished";
+  }
+  return "?";
+}
+
 std::string describe(const MegakernelPlan& p, const Task& t) {
   const int64_t minibatch = t.step < 0 ? -1 : minibatch_of_step(p, t.step);
   return std::string(to_string(t.kind)) + " of " + where(minibatch, p.minibatches_per_macrobatch) + ", row tile " +
@@ -147,6 +164,12 @@ void throw_megakernel_status(const MegakernelStatus& s, const MegakernelConfig& 
                       " s in " + where(s.minibatch, c.macrobatch_size / c.minibatch_size) + ", row tile " +
                       std::to_string(s.row_tile) + ": waiting for " + to_string(s.counter) + " to reach " +
                       std::to_string(s.target) + ", saw " + std::to_string(s.observed));
+    case StatusCode::pipeline_timeout:
+      throw Error(ErrorCode::timeout,
+                  who + "compute pipeline stalled: wait " + to_string(s.pipeline_wait) + " of stage " +
+                      to_string(s.stage) + " in " + where(s.minibatch, c.macrobatch_size / c.minibatch_size) +
+                      ", row tile " + std::to_string(s.row_tile) + " did not complete within " +
+                      number(c.spin_timeout_seconds) + " s (a TMA fault or a kernel protocol error)");
     case StatusCode::invalid_expert:
       throw Error(ErrorCode::invalid_argument,
                   who + "routing of rank " + std::to_string(s.source_rank) + ": expert id " +

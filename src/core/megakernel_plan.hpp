@@ -62,7 +62,8 @@ struct MegakernelDims {
 // POD: sized for the worst case on the host (build_megakernel_plan), trimmed on the device to
 // the real row count (trim_to_rows) so the host never needs the counts.
 struct MegakernelPlan {
-  int64_t tile_m = 0, tile_n = 0, minibatch_rows = 0, macrobatch_rows = 0;
+  int64_t tile_m = 0, tile_n = 0, down_tile_n = 0, minibatch_rows = 0, macrobatch_rows = 0;
+  int64_t band_row_tiles = 1;           // MegakernelConfig::band_row_tiles
   int64_t capacity_rows = 0;            // rows the schedule tables hold (padding included)
   int64_t ring_rows = 0;                // rows allocated per ring buffer
   int64_t row_tiles_per_minibatch = 0;  // also dispatch/combine blocks per minibatch
@@ -244,21 +245,31 @@ MOKA_HD int64_t compute_task_count(const MegakernelPlan& p) {
 
 // Compute ticket -> task: shared gate|up, shared down, then per step its gate|up then down tiles,
 // row tile major. Tickets past the end give TaskKind::none (the CTA exits).
+// Tile `i` of a rows x cols tile grid in band order: bands of `band` row tiles, and inside a
+// band column by column (the last band may be shorter). band 1 is row-major order.
+MOKA_HD Task banded_tile(TaskKind kind, int64_t step, int64_t i, int64_t rows, int64_t cols, int64_t band) {
+  const int64_t first_row = i / (band * cols) * band;
+  const int64_t height = rows - first_row < band ? rows - first_row : band;
+  const int64_t j = i - first_row * cols;
+  return {kind, step, first_row + j % height, j / height};
+}
+
 MOKA_HD Task compute_task(const MegakernelPlan& p, int64_t ticket) {
+  const int64_t band = p.band_row_tiles;
   const int64_t shared_gate_up = p.shared_row_tiles * p.shared_gate_up_col_tiles;
   if (ticket < shared_gate_up)
-    return {TaskKind::shared_gate_up, -1, ticket / p.shared_gate_up_col_tiles, ticket % p.shared_gate_up_col_tiles};
+    return banded_tile(TaskKind::shared_gate_up, -1, ticket, p.shared_row_tiles, p.shared_gate_up_col_tiles, band);
   ticket -= shared_gate_up;
   const int64_t shared_down = p.shared_row_tiles * p.down_col_tiles;
-  if (ticket < shared_down) return {TaskKind::shared_down, -1, ticket / p.down_col_tiles, ticket % p.down_col_tiles};
+  if (ticket < shared_down)
+    return banded_tile(TaskKind::shared_down, -1, ticket, p.shared_row_tiles, p.down_col_tiles, band);
   ticket -= shared_down;
   const int64_t step = ticket / compute_tasks_per_step(p);
   if (step >= p.num_steps) return {};
   int64_t i = ticket % compute_tasks_per_step(p);
   const int64_t gate_up = p.row_tiles_per_minibatch * p.gate_up_col_tiles;
-  if (i < gate_up) return {TaskKind::gate_up, step, i / p.gate_up_col_tiles, i % p.gate_up_col_tiles};
-  i -= gate_up;
-  return {TaskKind::down, step, i / p.down_col_tiles, i % p.down_col_tiles};
+  if (i < gate_up) return banded_tile(TaskKind::gate_up, step, i, p.row_tiles_per_minibatch, p.gate_up_col_tiles, band);
+  return banded_tile(TaskKind::down, step, i - gate_up, p.row_tiles_per_minibatch, p.down_col_tiles, band);
 }
 
 MOKA_HD int64_t comm_task_count(const MegakernelPlan& p) {
@@ -292,7 +303,18 @@ MOKA_HD Task comm_task(const MegakernelPlan& p, int64_t ticket) {
 // schedule kernels check every source rank's routing, so every rank reports the same error).
 // peer_missing: the device barrier before the pulls timed out, so the peers' x may still be
 // changing; the kernel then reads no peer memory.
-enum class StatusCode : int32_t { ok, capacity_exceeded, timeout, invalid_expert, tokens_mismatch, peer_missing };
+// pipeline_timeout: a compute CTA's shared-memory pipeline (its mbarriers) stopped advancing,
+// which only a TMA fault or a protocol error in the kernel causes.
+enum class StatusCode : int32_t { ok, capacity_exceeded, timeout, invalid_expert, tokens_mismatch, peer_missing, pipeline_timeout };
+
+// The mbarrier wait of a compute CTA that timed out.
+enum class PipelineWait : int32_t {
+  none,
+  operands_landed,  // consumers: a stage's TMA bytes
+  stage_free,       // TMA producer: the consumers' release of a stage
+  task_published,   // producer and consumers: the scheduler's next task
+  task_finished,    // scheduler: a task-queue slot's readers
+};
 
 // Written once (first failure wins) by the schedule kernel or a megakernel CTA; every wait polls
 // `code` and gives up when it is set, so a failure ends the kernel instead of hanging it.
@@ -307,6 +329,7 @@ struct MegakernelStatus {
   // tokens_mismatch: the source rank and its token count, this rank's in `limit`;
   // peer_missing: the rank the barrier waited for in `source_rank`.
   int64_t source_rank = -1, token = 0, choice = 0, value = 0, limit = 0;
+  PipelineWait pipeline_wait = PipelineWait::none;  // pipeline_timeout: which wait (stage, minibatch, row_tile: where)
 };
 
 // ---- Host only ---------------------------------------------------------------------------------
@@ -323,6 +346,7 @@ std::vector<Task> plan_order(const MegakernelPlan& p);
 
 const char* to_string(TaskKind kind);
 const char* to_string(CounterKind kind);
+const char* to_string(PipelineWait wait);
 std::string describe(const MegakernelPlan& p, const Task& t);
 
 // Throws the moka::Error a failed status stands for (capacity_exceeded or timeout), naming the

@@ -133,10 +133,10 @@ class Megakernel {
     std::copy(src, src + H_, in_.peers[source].combine + in_.schedule.row_slot[row] * H_);
   }
 
-  // Columns [begin, end) of an N tile over `width` columns.
-  std::pair<int64_t, int64_t> columns(const Task& t, int64_t width) const {
-    const int64_t begin = t.col_tile * plan_.tile_n;
-    return {begin, std::min(width, begin + plan_.tile_n)};
+  // Columns [begin, end) of an N tile `tile_n` wide over `width` columns.
+  std::pair<int64_t, int64_t> columns(const Task& t, int64_t tile_n, int64_t width) const {
+    const int64_t begin = t.col_tile * tile_n;
+    return {begin, std::min(width, begin + tile_n)};
   }
   // Tiles never span two experts: each expert's segment is padded to tile_m.
   ExpertWeights<T> expert_of(const Task& t) const {
@@ -144,7 +144,7 @@ class Megakernel {
   }
 
   void gate_up(const Task& t) {
-    const auto [c0, c1] = columns(t, I_);
+    const auto [c0, c1] = columns(t, plan_.tile_n, I_);
     const auto w = gate_up_columns(expert_of(t), c0, c1);
     for_rows(t, [&](int64_t, int64_t ring) {
       const int64_t out = ring * I_ + c0;
@@ -154,7 +154,7 @@ class Megakernel {
   }
 
   void down(const Task& t) {
-    const auto [c0, c1] = columns(t, H_);
+    const auto [c0, c1] = columns(t, plan_.down_tile_n, H_);
     const auto w = down_columns(expert_of(t), c0, c1);
     for_rows(t, [&](int64_t, int64_t ring) { down_row(w, &saved_.ring_hidden[ring * I_], &ring_y_[ring * H_ + c0]); });
   }
@@ -167,7 +167,7 @@ class Megakernel {
   }
 
   void shared_gate_up(const Task& t) {
-    const auto [c0, c1] = columns(t, Is_);
+    const auto [c0, c1] = columns(t, plan_.tile_n, Is_);
     const auto w = gate_up_columns(shared_expert<T>(in_.weights, in_.shape), c0, c1);
     for_tokens(t, [&](int64_t token) {
       const int64_t out = token * Is_ + c0;
@@ -177,7 +177,7 @@ class Megakernel {
   }
 
   void shared_down(const Task& t) {
-    const auto [c0, c1] = columns(t, H_);
+    const auto [c0, c1] = columns(t, plan_.down_tile_n, H_);
     const auto w = down_columns(shared_expert<T>(in_.weights, in_.shape), c0, c1);
     for_tokens(t, [&](int64_t token) {
       down_row(w, &saved_.shared_hidden[token * Is_], in_.shared_out + token * H_ + c0);

@@ -150,7 +150,8 @@ BenchRow run_cuda_core_case(const NamedShape& ns, int64_t tokens, const CudaBenc
   e["core_identical_to_cutlass"] = identical;
   e["core_ctas"] = sms;
   e["grouped_rows"] = offsets[E];
-  e["megakernel_config"] = "minibatch=" + std::to_string(o.megakernel.minibatch_size);
+  e["megakernel_config"] = "minibatch=" + std::to_string(o.megakernel.minibatch_size) +
+                           " band_row_tiles=" + std::to_string(o.megakernel.band_row_tiles);
   e["times"] = "medians of runs alternating CUTLASS and core";
   return row;
 }

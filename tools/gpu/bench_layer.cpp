@@ -432,7 +432,8 @@ std::optional<BenchRow> run_cuda_ep_case(ProcessGroup& workers, const NamedShape
   e["megakernel_vs_floor"] = mk_fwd / floor;
   e["megakernel_config"] = "comm_sms=" + std::to_string(o.megakernel.num_comm_sms) +
                            " minibatch=" + std::to_string(o.megakernel.minibatch_size) +
-                           " macrobatch=" + std::to_string(o.megakernel.macrobatch_size) + " row_order=" +
+                           " macrobatch=" + std::to_string(o.megakernel.macrobatch_size) +
+                           " band_row_tiles=" + std::to_string(o.megakernel.band_row_tiles) + " row_order=" +
                            (o.megakernel.row_order == RowOrder::rate_based ? "rate_based" : "round_robin");
   if (torch_fwd > 0) {
     e["torch_fwd_ms"] = torch_fwd;

@@ -19,9 +19,9 @@ struct KernelParams {
 
 __global__ void __launch_bounds__(mk::kThreads, 1) megakernel(const __grid_constant__ KernelParams params) {
   const MegakernelLaunch& p = params.launch;
-  if (mk::failed(p.control)) return;  // the schedule already failed (capacity, bad routing)
-  const core::MegakernelPlan plan = core::trim_to_rows(p.plan, p.offsets[p.local_experts]);
   const int cta = mk::arrival_index(p.control);
+  if (cta < 0) return;  // the schedule already failed (capacity, bad routing)
+  const core::MegakernelPlan plan = core::trim_to_rows(p.plan, p.offsets[p.local_experts]);
   if (cta < p.num_comm_ctas) {
     mk::task_loop(p, plan, cta, &p.control->comm_ticket, core::comm_task_count(plan), p.timeline_comm,
                   core::comm_task, [&](const core::Task& t) { mk::run_comm_task(p, plan, t); });
@@ -29,12 +29,8 @@ __global__ void __launch_bounds__(mk::kThreads, 1) megakernel(const __grid_const
   }
   extern __shared__ char smem_raw[];
   // The swizzled operand tiles need 1024-byte alignment.
-  auto* smem = reinterpret_cast<mk::TileSmem*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t(1023));
-  mk::init_tile_pipeline(*smem);
-  mk::ComputeState state{*smem};
-  mk::task_loop(p, plan, cta, &p.control->compute_ticket, core::compute_task_count(plan), p.timeline_compute,
-                core::compute_task, [&](const core::Task& t) { mk::run_compute_task(state, p, params.ops, plan, t); });
-  mk::drain_tile_pipeline(*smem, state.kblocks_done);
+  auto* smem = reinterpret_cast<mk::ComputeSmem*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t(1023));
+  mk::run_compute_cta(*smem, p, params.ops, plan, cta);
 }
 
 mk::Operands make_operands(const MegakernelLaunch& p) {
@@ -58,7 +54,7 @@ mk::Operands make_operands(const MegakernelLaunch& p) {
 
 }  // namespace
 
-size_t megakernel_smem_bytes() { return sizeof(mk::TileSmem) + 1024; }
+size_t megakernel_smem_bytes() { return sizeof(mk::ComputeSmem) + 1024; }
 
 int megakernel_ctas_per_sm() {
   const int smem = int(megakernel_smem_bytes());

@@ -83,8 +83,9 @@ core::MegakernelPlan supported_plan(const MoeShape& s, const MegakernelConfig& c
   core::validate_megakernel_config(c);
   require(max_tokens >= 1, ErrorCode::invalid_argument,
           "the megakernel path needs LayerOptions::max_tokens >= 1 (tokens per rank its buffers hold)");
-  require(c.tile_rows == 128 && c.tile_n == 128, ErrorCode::unsupported_size,
-          "the GPU megakernel's GEMM tile is 128 x 128: tile_rows and megakernel.tile_n must be 128");
+  require(c.tile_rows == 128 && c.tile_n == 128 && c.down_tile_n == 256, ErrorCode::unsupported_size,
+          "the GPU megakernel's GEMM tiles are 128 x (128 gate + 128 up) and 128 x 256 (down): tile_rows and "
+          "megakernel.tile_n must be 128, megakernel.down_tile_n 256");
   require(s.hidden % 8 == 0 && s.intermediate % 8 == 0 && s.shared_intermediate % 8 == 0,
           ErrorCode::unsupported_size,
           "the megakernel needs hidden, intermediate and shared sizes that are multiples of 8 (16-byte rows)");

@@ -45,15 +45,17 @@ __device__ inline void report(MegakernelControl* control, core::MegakernelStatus
 }
 
 // The CTA's place in the order CTAs start (uniform over the CTA): roles go by it, not by
-// blockIdx, so the CTAs that run first are the ones the others wait on.
+// blockIdx, so the CTAs that run first are the ones the others wait on. -1 when the schedule
+// already failed (capacity, bad routing): read by one thread, so the whole CTA leaves together.
 __device__ inline int arrival_index(MegakernelControl* control) {
   __shared__ int index;
-  if (threadIdx.x == 0) index = int(atomicAdd(&control->arrivals, 1u));
+  if (threadIdx.x == 0) index = failed(control) ? -1 : int(atomicAdd(&control->arrivals, 1u));
   __syncthreads();
   return index;
 }
 
-// Thread 0: waits until the task's counter reaches its target (relaxed polling with backoff,
+// The thread that issues (comm: thread 0) or hands to the TMA thread (compute: the scheduler
+// thread) the task's loads: waits until the task's counter reaches its target (relaxed polling with backoff,
 // then one acquire fence), at most timeout_ns. False when this or another CTA failed.
 __device__ inline bool wait_for(const MegakernelLaunch& p, const core::MegakernelPlan& plan, const core::Task& task) {
   const core::CounterRef need = core::task_wait(plan, task);
@@ -93,7 +95,7 @@ __device__ inline bool wait_for(const MegakernelLaunch& p, const core::Megakerne
   }
 }
 
-// Thread 0, after the CTA's __syncthreads that ends the task.
+// One thread, after the barrier that ends the task for every thread that stored its outputs.
 __device__ inline void release_done(const MegakernelLaunch& p, const core::MegakernelPlan& plan, const core::Task& task) {
   const core::CounterRef done = core::task_release(plan, task);
   if (done.kind != core::CounterKind::none) release_add(p.counters + core::counter_index(plan, done));

@@ -1,28 +1,41 @@
-// The megakernel's GEMM core: one 128 x 128 output tile of D = A B^T (A [rows, K], B [N, K],
-// both K-major bf16, fp32 accumulation) computed by one CTA of two consumer warpgroups, with
-// TMA loads into a kStages-deep shared-memory ring and wgmma (sm_90a) tensor-core MMAs.
+// The megakernel's GEMM core: 128 x 256 output tiles of D = A B^T (A [rows, K], B [N, K], both
+// K-major bf16, fp32 accumulation) on a warp-specialized CTA, in the style of CUTLASS's sm90
+// cooperative kernel: a producer warpgroup issues TMA loads into a kStages-deep shared-memory
+// ring and two consumer warpgroups each compute 64 x 256 of the tile with wgmma (sm_90a).
 //
-// Why a tile function and not CUTLASS's grouped GEMM kernel: inside the megakernel a compute
-// CTA takes one tile at a time from the task ticket and waits on the counters of exactly the
-// rows it reads; CUTLASS's kernels own their grid and tile scheduler. The building blocks are
-// CuTe's (TMA atoms, GMMA atoms, swizzled layouts), so only the tile loop is ours.
+// Why a tile loop and not CUTLASS's grouped GEMM kernel: inside the megakernel a compute CTA
+// takes one task at a time from the task ticket and waits on the counters of exactly the rows
+// it reads; CUTLASS's kernels own their grid and tile scheduler. The building blocks are CuTe's
+// and CUTLASS's (TMA atoms, GMMA atoms, swizzled layouts, mbarriers, register reconfiguration),
+// so only the loop is ours.
 //
-// Pipeline: thread 0 is also the producer. It issues the first kStages k-blocks of a tile; each
-// consumed stage is refilled with the k-block kStages ahead once all 256 threads have arrived on
-// the stage's `empty` barrier; one k-block of MMAs stays in flight while the next is issued.
-// Stage and phase follow one running k-block count that persists across tiles, so the barriers
-// are initialized once per CTA. The producer waits on every phase of every `empty` barrier
-// before it refills the stage, the first loads of a tile included (the previous tile's last
-// releases completed those phases), and drain_tile_pipeline waits on the last ones before the
-// CTA exits: no mbarrier phase completes unobserved, which compute-sanitizer's synccheck reports
-// as a missing wait. Out-of-range rows, columns and K (TMA boxes past the tensor's end) are
-// zero-filled by the TMA unit.
+// The B side of a stage is two 128-row halves loaded by separate TMA boxes: a gate|up tile
+// puts 128 gate rows and 128 up rows of the weights there (two output blocks sharing A), a down
+// tile 256 consecutive rows. One m64n256k16 wgmma per k-step covers both cases; every output
+// element sees the k-blocks, and the k-steps inside each, in ascending K order (as CUTLASS's
+// 128 x 256 cooperative kernel, whose bits the megakernel matches).
+//
+// Pipeline: stage and phase follow a running k-block count that persists across tasks (the
+// producer's count of loads, the consumers' count of consumed blocks: the same sequence), so
+// the producer keeps loading the next task's k-blocks while the consumers finish a tile and run
+// its epilogue: the ring never drains between tasks. The producer waits on every phase of every
+// `empty` barrier before it refills a stage, the first loads included, and drains the last ones
+// before it exits: no mbarrier phase completes unobserved (compute-sanitizer's synccheck reports
+// that as a missing wait). Out-of-range rows, columns and K (TMA boxes past the tensor's end)
+// are zero-filled by the TMA unit.
+//
+// Every mbarrier wait is bounded (wait_phase): past its bound it reports a pipeline timeout in
+// the status word; once any CTA failed, an incomplete wait returns at once, so a fault ends the
+// kernel instead of hanging it.
 #pragma once
 #include <cute/tensor.hpp>
 #include <cutlass/arch/barrier.h>
+#include <cutlass/arch/reg_reconfig.h>
 #include <cutlass/bfloat16.h>
 
 #include <cstdint>
+
+#include "cuda/megakernel/mk_sync.cuh"
 
 namespace moka::cuda::mk {
 
@@ -30,25 +43,44 @@ using namespace cute;
 
 using Element = cutlass::bfloat16_t;
 inline constexpr int kTileM = 128;
-inline constexpr int kTileN = 128;
+inline constexpr int kHalfN = 128;  // rows of one B box: a gate|up tile's gate (or up) columns
+inline constexpr int kTileN = 2 * kHalfN;
 inline constexpr int kTileK = 64;
 inline constexpr int kStages = 4;
-inline constexpr int kThreads = 256;  // two consumer warpgroups; every CTA of the kernel has them
+inline constexpr int kWarpgroupThreads = 128;
+inline constexpr int kConsumerThreads = 2 * kWarpgroupThreads;
+inline constexpr int kConsumerWarps = kConsumerThreads / 32;
+// The producer warpgroup (TMA warp, scheduler warp, two idle warps) and two consumer
+// warpgroups; every CTA of the kernel has them.
+inline constexpr int kThreads = kWarpgroupThreads + kConsumerThreads;
+// Registers per thread after reconfiguration (CUTLASS's sm90 split: 128 x 40 + 256 x 232 fits
+// the 64 K register file); the consumers hold a 128-register accumulator.
+inline constexpr uint32_t kProducerRegisters = 40;
+inline constexpr uint32_t kConsumerRegisters = 232;
 
-using SmemLayout = decltype(tile_to_shape(GMMA::Layout_K_SW128_Atom<Element>{},
-                                          make_shape(Int<kTileM>{}, Int<kTileK>{}, Int<kStages>{})));
-// Two warpgroups stacked along M: each computes 64 x 128 of the tile.
-using TiledMma = decltype(make_tiled_mma(SM90_64x128x16_F32BF16BF16_SS<GMMA::Major::K, GMMA::Major::K>{},
+// One 128 x 64 operand box (the unit of TMA), and the stage rings of A (one box per stage) and
+// B (two boxes per stage, rows 0-127 and 128-255: the halves are consecutive in memory).
+using BoxLayout = decltype(tile_to_shape(GMMA::Layout_K_SW128_Atom<Element>{},
+                                         make_shape(Int<kTileM>{}, Int<kTileK>{})));
+using SmemLayoutA = decltype(tile_to_shape(GMMA::Layout_K_SW128_Atom<Element>{},
+                                           make_shape(Int<kTileM>{}, Int<kTileK>{}, Int<kStages>{})));
+using SmemLayoutB = decltype(tile_to_shape(GMMA::Layout_K_SW128_Atom<Element>{},
+                                           make_shape(Int<kTileN>{}, Int<kTileK>{}, Int<kStages>{})));
+inline constexpr int kBoxElements = kTileM * kTileK;
+inline constexpr uint32_t kStageBytes = 3 * kBoxElements * sizeof(Element);  // A + two B boxes
+
+// Two warpgroups stacked along M: each computes 64 x 256 of the tile.
+using TiledMma = decltype(make_tiled_mma(SM90_64x256x16_F32BF16BF16_SS<GMMA::Major::K, GMMA::Major::K>{},
                                          Layout<Shape<_2, _1, _1>>{}));
 
 // Every operand is a 3-D K-major tensor (rows, K, batch): activations have batch 1, expert
-// weights [E, N, K] have batch E. One TMA descriptor type for all of them.
+// weights [E, N, K] have batch E. One TMA descriptor type (128 x 64 boxes) for all of them.
 inline auto operand_tensor(const Element* base, int rows, int k, int batch) {
   return make_tensor(make_gmem_ptr(base), make_shape(rows, k, batch),
                      make_stride(int64_t(k), _1{}, int64_t(rows) * k));
 }
 inline auto make_operand_tma(const Element* base, int rows, int k, int batch) {
-  return make_tma_atom(SM90_TMA_LOAD{}, operand_tensor(base, rows, k, batch), SmemLayout{}(_, _, 0),
+  return make_tma_atom(SM90_TMA_LOAD{}, operand_tensor(base, rows, k, batch), BoxLayout{},
                        make_shape(Int<kTileM>{}, Int<kTileK>{}));
 }
 using TmaAtom = decltype(make_operand_tma(nullptr, 1, 1, 1));
@@ -65,129 +97,196 @@ inline Operand make_operand(const void* base, int64_t rows, int64_t k, int64_t b
           int(batch)};
 }
 
-struct TileSmem {
-  alignas(1024) Element a[cosize_v<SmemLayout>];
-  alignas(1024) Element b0[cosize_v<SmemLayout>];
-  alignas(1024) Element b1[cosize_v<SmemLayout>];
-  alignas(8) uint64_t full[kStages];
-  alignas(8) uint64_t empty[kStages];
-};
-
-using FullBarrier = cutlass::arch::ClusterTransactionBarrier;
-using EmptyBarrier = cutlass::arch::ClusterBarrier;
-
-// Accumulator fragment of one thread for a 128 x 128 tile, and the (row, col) of each element.
-using Accumulator = decltype(partition_fragment_C(TiledMma{}, Shape<Int<kTileM>, Int<kTileN>>{}));
-
-__device__ inline void init_tile_pipeline(TileSmem& sm) {
-  if (threadIdx.x == 0) {
-    for (int s = 0; s < kStages; ++s) {
-      FullBarrier::init(&sm.full[s], 1);
-      EmptyBarrier::init(&sm.empty[s], kThreads);
-    }
-    cutlass::arch::fence_barrier_init();
-  }
-  __syncthreads();
-}
-
-// Where one operand's tile lives: the 128-row tile index along its rows and its batch index.
+// Where one operand box lives: the 128-row tile index along its rows and its batch index.
 struct TileCoord {
   const Operand* op;
   int row_tile;
   int batch;
 };
 
-// k-block `kb` of an operand tile, as the TMA source/destination pair for stage `stage`.
-__device__ inline void issue_tma(const TileCoord& c, Element* smem, uint64_t& bar, int kb, int stage) {
-  Tensor m = c.op->tma.get_tma_tensor(make_shape(c.op->rows, c.op->k, c.op->batch));
-  Tensor g = local_tile(m(_, _, c.batch), Shape<Int<kTileM>, Int<kTileK>>{}, make_coord(c.row_tile, _));
-  Tensor s = make_tensor(make_smem_ptr(smem), SmemLayout{});
-  auto [tg, ts] = tma_partition(c.op->tma, Int<0>{}, Layout<_1>{}, group_modes<0, 2>(s), group_modes<0, 2>(g));
-  copy(c.op->tma.with(bar), tg(_, kb), ts(_, stage));
+// What the producer loads for one task: A's row tile and the two B boxes over the common K.
+struct TileLoads {
+  TileCoord a, b[2];
+  int kblocks = 0;  // 0: nothing to compute (a task beyond the schedule's rows)
+};
+
+using FullBarrier = cutlass::arch::ClusterTransactionBarrier;
+using EmptyBarrier = cutlass::arch::ClusterBarrier;
+
+// Accumulator fragment of one consumer thread for a 128 x 256 tile.
+using Accumulator = decltype(partition_fragment_C(TiledMma{}, Shape<Int<kTileM>, Int<kTileN>>{}));
+inline constexpr int kAccumulatorSize = decltype(size(std::declval<Accumulator>()))::value;
+
+struct TileSmem {
+  alignas(1024) Element a[cosize_v<SmemLayoutA>];
+  alignas(1024) Element b[cosize_v<SmemLayoutB>];
+  alignas(8) uint64_t full[kStages];   // a stage's bytes landed (producer's expect_tx + TMA)
+  alignas(8) uint64_t empty[kStages];  // a stage was read (one arrival per consumer warp)
+};
+
+// Consumer threads are numbered from 0 (the MMA partitions and the epilogue use this index).
+__device__ inline int consumer_thread() { return int(threadIdx.x) - kWarpgroupThreads; }
+__device__ inline bool is_consumer() { return threadIdx.x >= kWarpgroupThreads; }
+
+// ---- Bounded mbarrier waits -------------------------------------------------------------------
+
+// The bounds of the pipeline's waits. A stage wait waits for the TMA unit or the MMAs of one
+// k-block: spin_timeout plus one second of slack. A task-queue wait includes a counter wait or a
+// whole task, each bounded themselves: twice that, so the inner wait always reports first (a
+// counter timeout names the counter, the more useful report).
+inline constexpr uint64_t kPipelineSlackNs = 1000000000ull;
+
+struct PipelineWatch {
+  MegakernelControl* control;
+  uint64_t stage_bound_ns, queue_bound_ns;
+};
+
+__device__ inline PipelineWatch make_watch(MegakernelControl* control, uint64_t timeout_ns) {
+  const uint64_t stage = timeout_ns + kPipelineSlackNs;
+  return {control, stage, 2 * stage};
 }
 
-// acc0 = A B0^T (and acc1 = A B1^T when b1 is given: the gate and up halves share A), over the
-// operands' common K. `kblocks_done` is the CTA's running k-block count (same in every thread).
-// One k-block of MMAs stays in flight: after issuing block kb the warpgroups wait only for block
-// kb-1, release its stage, and thread 0 refills that stage with block kb-1+kStages.
-__device__ inline void mma_tile(TileSmem& sm, uint32_t& kblocks_done, const TileCoord& a, const TileCoord& b0,
-                                const TileCoord* b1, Accumulator& acc0, Accumulator& acc1) {
-  const int k = a.op->k;
-  const int kblocks = (k + kTileK - 1) / kTileK;
-  const uint32_t bytes = kTileM * kTileK * sizeof(Element) * (b1 ? 3 : 2);
-  auto stage_of = [&](int kb) { return int((kblocks_done + kb) % kStages); };
-  auto phase_of = [&](int kb) { return uint32_t(((kblocks_done + kb) / kStages) & 1); };
-  // Thread 0: waits until every thread released the stage's previous k-block, then refills it.
-  auto load = [&](int kb) {
-    const int stage = stage_of(kb);
-    if (kblocks_done + kb >= uint32_t(kStages)) EmptyBarrier::wait(&sm.empty[stage], phase_of(kb) ^ 1u);
-    FullBarrier::arrive_and_expect_tx(&sm.full[stage], bytes);
-    issue_tma(a, sm.a, sm.full[stage], kb, stage);
-    issue_tma(b0, sm.b0, sm.full[stage], kb, stage);
-    if (b1) issue_tma(*b1, sm.b1, sm.full[stage], kb, stage);
-  };
-  // Stage of block kb is consumed: every thread arrives; thread 0 refills it kStages ahead.
-  auto release = [&](int kb) {
-    EmptyBarrier::arrive(&sm.empty[stage_of(kb)]);
-    if (threadIdx.x == 0 && kb + kStages < kblocks) load(kb + kStages);
-  };
-  if (threadIdx.x == 0)
-    for (int kb = 0; kb < kblocks && kb < kStages; ++kb) load(kb);
+// Failed try_waits between two reads of the status word and the clock. The status word is a
+// system-scope load (about a microsecond): read after every try_wait it made a thread notice a
+// completed phase that much late, on every k-block the consumers waited for.
+inline constexpr uint32_t kWaitPollInterval = 256;
 
+// The task a pipeline wait belongs to, as a timeout names it (kind none: between tasks).
+struct TaskSite {
+  core::TaskKind kind = core::TaskKind::none;
+  int64_t minibatch = -1, row_tile = 0;
+};
+
+// Waits until the mbarrier completes phase `phase` (parity). False when another CTA already
+// failed or the bound passed (then this thread reports a pipeline timeout at `site`).
+__device__ inline bool wait_phase(uint64_t* bar, uint32_t phase, const PipelineWatch& watch, uint64_t bound_ns,
+                                  core::PipelineWait what, const TaskSite& site) {
+  if (EmptyBarrier::try_wait(bar, phase)) return true;
+  const uint64_t start = global_ns();
+  // try_wait suspends the thread until the phase completes or a hardware-defined interval
+  // passes, so the loop does not spin hot.
+  for (uint32_t tries = 1; !EmptyBarrier::try_wait(bar, phase); ++tries) {
+    if (tries % kWaitPollInterval != 0) continue;
+    if (failed(watch.control)) return false;
+    if (global_ns() - start > bound_ns) {
+      core::MegakernelStatus s;
+      s.code = core::StatusCode::pipeline_timeout;
+      s.stage = site.kind;
+      s.pipeline_wait = what;
+      s.minibatch = site.minibatch;
+      s.row_tile = site.row_tile;
+      report(watch.control, s);
+      return false;
+    }
+  }
+  return true;
+}
+
+__device__ inline void init_tile_pipeline(TileSmem& sm) {
+  for (int s = 0; s < kStages; ++s) {
+    FullBarrier::init(&sm.full[s], 1);
+    EmptyBarrier::init(&sm.empty[s], kConsumerWarps);
+  }
+}
+
+// ---- Producer ------------------------------------------------------------------------------
+
+// k-block `kb` of an operand box, into the box at `smem`, completing bytes on `bar`.
+__device__ inline void issue_tma(const TileCoord& c, Element* smem, uint64_t& bar, int kb) {
+  Tensor m = c.op->tma.get_tma_tensor(make_shape(c.op->rows, c.op->k, c.op->batch));
+  Tensor g = local_tile(m(_, _, c.batch), Shape<Int<kTileM>, Int<kTileK>>{}, make_coord(c.row_tile, _));
+  Tensor s = make_tensor(make_smem_ptr(smem), BoxLayout{});
+  auto [tg, ts] = tma_partition(c.op->tma, Int<0>{}, Layout<_1>{}, group_modes<0, 2>(s), group_modes<0, 2>(g));
+  copy(c.op->tma.with(bar), tg(_, kb), ts);
+}
+
+// The TMA thread: loads every k-block of one task, each into the next stage of the ring once
+// the consumers released that stage's previous k-block. `loads` is its running k-block count.
+__device__ inline void load_tile(TileSmem& sm, uint32_t& loads, const TileLoads& l, const PipelineWatch& watch,
+                                 const TaskSite& site) {
+  for (int kb = 0; kb < l.kblocks; ++kb, ++loads) {
+    const int stage = int(loads % kStages);
+    if (loads >= uint32_t(kStages))
+      wait_phase(&sm.empty[stage], ((loads / kStages) - 1) & 1u, watch, watch.stage_bound_ns, core::PipelineWait::stage_free,
+                 site);
+    FullBarrier::arrive_and_expect_tx(&sm.full[stage], kStageBytes);
+    issue_tma(l.a, sm.a + stage * kBoxElements, sm.full[stage], kb);
+    for (int h = 0; h < 2; ++h) issue_tma(l.b[h], sm.b + (2 * stage + h) * kBoxElements, sm.full[stage], kb);
+  }
+}
+
+// The TMA thread, before it exits: waits on the `empty` phases the consumers complete for the
+// last k-blocks, so every phase of the ring has been observed.
+__device__ inline void drain_tile_pipeline(TileSmem& sm, uint32_t loads, const PipelineWatch& watch) {
+  const uint32_t first = loads > uint32_t(kStages) ? loads - kStages : 0;
+  for (uint32_t n = first; n < loads; ++n)
+    wait_phase(&sm.empty[n % kStages], (n / kStages) & 1u, watch, watch.stage_bound_ns, core::PipelineWait::stage_free,
+               TaskSite{});
+}
+
+// ---- Consumers -----------------------------------------------------------------------------
+
+// acc = A B^T over `kblocks` k-blocks of the ring, by the 256 consumer threads. `consumed` is
+// their running k-block count. One k-block of MMAs stays in flight: after issuing block kb each
+// warp waits only for block kb-1 and then releases its stage (one arrival per warp, after the
+// warp's own wgmma reads completed). A wait that fails (a fault already reported) still runs the
+// loop, so the consumer warpgroups stay in step and reach the task's end together.
+__device__ inline void mma_tile(TileSmem& sm, uint32_t& consumed, int kblocks, Accumulator& acc,
+                                const PipelineWatch& watch, const TaskSite& site) {
+  auto stage_of = [&](int kb) { return int((consumed + kb) % kStages); };
+  const bool signals = threadIdx.x % 32 == 0;
+  auto release = [&](int kb) {
+    if (signals) EmptyBarrier::arrive(&sm.empty[stage_of(kb)]);
+  };
   TiledMma mma;
-  ThrMMA thr = mma.get_thread_slice(threadIdx.x);
-  Tensor tA = thr.make_fragment_A(thr.partition_A(make_tensor(make_smem_ptr(sm.a), SmemLayout{})));
-  Tensor tB0 = thr.make_fragment_B(thr.partition_B(make_tensor(make_smem_ptr(sm.b0), SmemLayout{})));
-  Tensor tB1 = thr.make_fragment_B(thr.partition_B(make_tensor(make_smem_ptr(sm.b1), SmemLayout{})));
-  clear(acc0);
-  if (b1) clear(acc1);
-  warpgroup_fence_operand(acc0);
-  warpgroup_fence_operand(acc1);
+  ThrMMA thr = mma.get_thread_slice(consumer_thread());
+  Tensor tA = thr.make_fragment_A(thr.partition_A(make_tensor(make_smem_ptr(sm.a), SmemLayoutA{})));
+  Tensor tB = thr.make_fragment_B(thr.partition_B(make_tensor(make_smem_ptr(sm.b), SmemLayoutB{})));
+  clear(acc);
+  warpgroup_fence_operand(acc);
   for (int kb = 0; kb < kblocks; ++kb) {
     const int stage = stage_of(kb);
-    FullBarrier::wait(&sm.full[stage], phase_of(kb));
-    warpgroup_fence_operand(acc0);
-    warpgroup_fence_operand(acc1);
+    wait_phase(&sm.full[stage], ((consumed + kb) / kStages) & 1u, watch, watch.stage_bound_ns,
+               core::PipelineWait::operands_landed, site);
+    warpgroup_fence_operand(acc);
     warpgroup_arrive();
-    gemm(mma, tA(_, _, _, stage), tB0(_, _, _, stage), acc0);
-    if (b1) gemm(mma, tA(_, _, _, stage), tB1(_, _, _, stage), acc1);
+    gemm(mma, tA(_, _, _, stage), tB(_, _, _, stage), acc);
     warpgroup_commit_batch();
     warpgroup_wait<1>();  // block kb-1's MMAs are done reading their stage
-    warpgroup_fence_operand(acc0);
-    warpgroup_fence_operand(acc1);
+    warpgroup_fence_operand(acc);
     if (kb > 0) release(kb - 1);
   }
   warpgroup_wait<0>();
-  warpgroup_fence_operand(acc0);
-  warpgroup_fence_operand(acc1);
+  warpgroup_fence_operand(acc);
   if (kblocks > 0) release(kblocks - 1);
-  kblocks_done += kblocks;
+  consumed += kblocks;
 }
 
-// Thread 0, before the CTA exits: waits on the `empty` phases the last k-blocks completed, so
-// every phase of the pipeline has been observed (all threads arrived before the CTA's last
-// __syncthreads, so this returns at once).
-__device__ inline void drain_tile_pipeline(TileSmem& sm, uint32_t kblocks_done) {
-  if (threadIdx.x != 0) return;
-  const uint32_t first = kblocks_done > uint32_t(kStages) ? kblocks_done - kStages : 0;
-  for (uint32_t n = first; n < kblocks_done; ++n) EmptyBarrier::wait(&sm.empty[n % kStages], (n / kStages) & 1u);
-}
-
-// Calls fn(row, col, i) for each pair of horizontally adjacent accumulator elements this thread
-// holds: acc(i) is at (row, col) of the tile and acc(i + 1) at (row, col + 1); col is even. The
-// same i indexes every Accumulator alike, so a second accumulator's pair is acc2(i), acc2(i + 1).
-template <class Fn>
-__device__ inline void for_each_pair(const Accumulator& acc, Fn&& fn) {
+// Calls fn(row, col, i) for each pair of horizontally adjacent accumulator elements this
+// thread holds in columns [0, kHalfN) of the tile: acc(i) is at (row, col) and acc(i + 1) at
+// (row, col + 1), col even. With BothHalves it also visits columns [kHalfN, kTileN).
+template <bool BothHalves, class Fn>
+__device__ inline void for_each_pair(Fn&& fn) {
   TiledMma mma;
-  ThrMMA thr = mma.get_thread_slice(threadIdx.x);
+  ThrMMA thr = mma.get_thread_slice(consumer_thread());
   Tensor coords = thr.partition_C(make_identity_tensor(Shape<Int<kTileM>, Int<kTileN>>{}));
-  static_assert(decltype(size(coords))::value == decltype(size(acc))::value);
+  static_assert(decltype(size(coords))::value == kAccumulatorSize);
   CUTE_UNROLL
-  for (int i = 0; i < size(acc); i += 2) {
+  for (int i = 0; i < (BothHalves ? kAccumulatorSize : kAccumulatorSize / 2); i += 2) {
     const auto [r, c] = coords(i);
     fn(int(r), int(c), i);
   }
 }
+
+// The second half of every thread's accumulator holds the tile's columns [kHalfN, kTileN):
+// element i + kAccumulatorSize / 2 sits kHalfN columns right of element i (the wgmma layout
+// walks n8 column blocks last), so a gate|up tile finds up(r, c) at gate(r, c)'s index + half.
+using AccumulatorToTile = decltype(TiledMma{}.get_layoutC_TV());
+static_assert(AccumulatorToTile{}(0, kAccumulatorSize / 2) == AccumulatorToTile{}(0, 0) + kTileM * kHalfN,
+              "the accumulator's second half must be the tile's right half");
+static_assert(AccumulatorToTile{}(1, kAccumulatorSize - 1) ==
+                  AccumulatorToTile{}(1, kAccumulatorSize / 2 - 1) + kTileM * kHalfN,
+              "the accumulator's second half must be the tile's right half");
 
 // Proxy fence: generic-proxy stores of this thread become visible to later TMA (async-proxy)
 // reads that are ordered after them by the counters.
