@@ -7,9 +7,15 @@
    bench/torch_baseline.py --paired-with). Reported: both medians and the median of the per-run
    ratios python / C++ (target: at most 1.03).
 2. Host time per call at a small token count: the wall time the Python process spends in one
-   ``MoE`` forward (routing + experts), one backward, and one ``moe_experts`` forward, while the
-   GPU is kept busy so that launches never wait on it; and the extension's router and layer
-   calls alone, so that what Python adds is the difference (target: at most 40 us per call).
+   ``MoE`` forward (routing + experts), one backward (gradients starting at None, as after a
+   training step's zero_grad), and one ``moe_experts`` forward, while the GPU is kept busy so
+   that launches never wait on it; and the extension's router and layer calls alone, so that
+   what Python adds is the difference (target: at most 40 us per call). Beside each call, what
+   explains its time: the torch ops it runs (top-level aten ops, by name), the autograd nodes
+   backward runs, and on the GPU the CUDA launches (kernels, memsets, copies) made inside torch
+   ops and in all (moka's own are the difference), from one profiled call.
+   ``--host-only --device cpu`` measures the host part on the CPU backend (shape "tiny" by
+   default, where compute is small beside the Python).
 One JSON line per measurement on stdout (and appended to --out).
 """
 import argparse
@@ -20,6 +26,7 @@ import sys
 import time
 
 import torch
+from torch.profiler import ProfilerActivity, profile
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from torch_baseline import SHAPES, paired_runs  # noqa: E402
@@ -27,16 +34,25 @@ from torch_baseline import SHAPES, paired_runs  # noqa: E402
 from moka.torch import MoE, _dl, _weights, moe_experts  # noqa: E402
 
 
-def make_layer(name, tokens, seed):
-    """A bf16 MoE of the named shape on the GPU, tokens, uniform routing and an output gradient."""
-    H, I, E, k, Is, clamped = SHAPES[name]
+# Host-time shapes: the named ones, and one whose CPU-backend compute is small beside the Python.
+HOST_SHAPES = {**SHAPES, "tiny": (64, 32, 8, 2, 0, False)}
+# CUDA runtime/driver calls that put work on a stream.
+LAUNCH_CALLS = {"cudaLaunchKernel", "cudaLaunchKernelExC", "cuLaunchKernel", "cuLaunchKernelEx", "cudaMemsetAsync",
+                "cudaMemcpyAsync", "cuMemsetD8Async", "cuMemsetD32Async", "cuMemcpyAsync", "cudaGraphLaunch"}
+
+
+def make_layer(name, tokens, seed, device="cuda"):
+    """An MoE of the named shape (bf16 on the GPU, fp32 on the CPU), tokens, uniform routing and
+    an output gradient."""
+    H, I, E, k, Is, clamped = HOST_SHAPES[name]
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
     torch.manual_seed(seed)
-    moe = MoE(H, I, E, k, Is, activation="swiglu_clamped" if clamped else "swiglu", device="cuda",
-              dtype=torch.bfloat16, init_std=H**-0.5)
-    x = torch.randn(tokens, H, device="cuda", dtype=torch.bfloat16, requires_grad=True)
-    ids = torch.argsort(torch.rand(tokens, E, device="cuda"), dim=1)[:, :k].to(torch.int32)
-    weights = torch.empty(tokens, k, device="cuda").uniform_(0.1, 1.0).requires_grad_()
-    d_out = torch.randn(tokens, H, device="cuda", dtype=torch.bfloat16)
+    moe = MoE(H, I, E, k, Is, activation="swiglu_clamped" if clamped else "swiglu", device=device,
+              dtype=dtype, init_std=H**-0.5)
+    x = torch.randn(tokens, H, device=device, dtype=dtype, requires_grad=True)
+    ids = torch.argsort(torch.rand(tokens, E, device=device), dim=1)[:, :k].to(torch.int32)
+    weights = torch.empty(tokens, k, device=device).uniform_(0.1, 1.0).requires_grad_()
+    d_out = torch.randn(tokens, H, device=device, dtype=dtype)
     return moe, x, ids, weights, d_out
 
 
@@ -59,12 +75,14 @@ def device_overhead(moka, name, tokens, iters, warmup, seed):
             "cpp_runs_ms": paired["moka_fwdbwd_ms"]}
 
 
-def host_us(step, calls):
+def host_us(step, calls, device):
     """Median host microseconds of each phase of `step` (a generator yielding after each phase),
     with the GPU kept busy (a long sleep kernel queued first) so that no launch waits for room in
     the queue or for the device: a host synchronization would show as a phase of ~1 s."""
-    torch.cuda.synchronize()
-    torch.cuda._sleep(int(2e9))  # ~1 s of GPU time at H200 clocks: longer than the calls below
+    cuda = device == "cuda"
+    if cuda:
+        torch.cuda.synchronize()
+        torch.cuda._sleep(int(2e9))  # ~1 s of GPU time at H200 clocks: longer than the calls below
     phases = []
     for _ in range(calls):
         times, start = [], time.perf_counter()
@@ -73,16 +91,54 @@ def host_us(step, calls):
             times.append((now - start) * 1e6)
             start = now
         phases.append(times)
-    torch.cuda.synchronize()
+    if cuda:
+        torch.cuda.synchronize()
     return [statistics.median(column) for column in zip(*phases)]
 
 
-def host_overhead(name, tokens, calls, seed):
-    moe, x, ids, weights, d_out = make_layer(name, tokens, seed)
+def _has_ancestor(event, prefix):
+    parent = event.cpu_parent
+    while parent is not None:
+        if parent.name.startswith(prefix):
+            return True
+        parent = parent.cpu_parent
+    return False
+
+
+def torch_work(step, device):
+    """What torch does in each phase of one call of `step`, from the profiler: the top-level aten
+    ops by name (those the Python layer or autograd call, not the ones inside another op), the
+    autograd nodes run, and on the GPU the launches inside aten ops and in all."""
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device == "cuda" else [])
+    phases, phase = [], step()
+    while True:
+        with profile(activities=activities) as prof:
+            done = next(phase, StopIteration) is StopIteration
+        if done:
+            return phases
+        events = prof.events()
+        ops: dict[str, int] = {}
+        for e in events:
+            if e.name.startswith("aten::") and not _has_ancestor(e, "aten::"):
+                ops[e.name] = ops.get(e.name, 0) + 1
+        work = {"torch_ops": dict(sorted(ops.items())),
+                "autograd_nodes": sum(e.name.startswith("autograd::engine::evaluate_function") for e in events)}
+        if device == "cuda":
+            launches = [e for e in events if e.name in LAUNCH_CALLS]
+            work["torch_launches"] = sum(_has_ancestor(e, "aten::") for e in launches)
+            work["launch_calls"] = len(launches)
+            work["device_activities"] = sum(e.device_type == torch.autograd.DeviceType.CUDA for e in events)
+        phases.append(work)
+
+
+def host_overhead(name, tokens, calls, seed, device):
+    moe, x, ids, weights, d_out = make_layer(name, tokens, seed, device)
     args = (ids, weights.detach(), moe.w_gate.detach(), moe.w_up.detach(), moe.w_down.detach())
     xs = x.detach()
 
     def module_step():  # the layer keeps its latest forward's activations: forward, then backward
+        moe.zero_grad()  # gradients start at None, as in a training step (untimed phase)
+        yield
         out = moe(xs)
         yield
         out.backward(d_out)
@@ -93,15 +149,15 @@ def host_overhead(name, tokens, calls, seed):
         yield
 
     router, layer = moe._engine(xs)
-    stream = torch.cuda.current_stream().cuda_stream
-    counts = torch.empty(moe.experts, dtype=torch.int32, device="cuda")
+    stream = torch.cuda.current_stream().cuda_stream if device == "cuda" else 0
     routed = (torch.empty_like(ids), torch.empty_like(weights.detach()))
     expert_weights = (*args[2:], None, None, None)
     grads = (torch.empty_like(xs), torch.empty_like(args[1]), *(torch.empty_like(w) for w in args[2:]))
     router_grads = (torch.empty_like(xs), torch.empty_like(moe.w_router))
 
     def extension_step():  # moka's C++ calls alone, their DLPack arguments made in a phase before
-        router_args = (_dl(xs), _dl(moe.w_router), None, *(_dl(t) for t in (*routed, counts)), stream)
+        router_args = (_dl(xs), _dl(moe.w_router), None, *(_dl(t) for t in routed), None, _dl(moe.expert_load),
+                       stream)
         layer_args = (_dl(xs), _dl(ids), _dl(args[1]), _weights(*expert_weights), _dl(torch.empty_like(xs)), stream)
         layer_grad_args = (_dl(d_out), _weights(*expert_weights), _dl(grads[0]), _dl(grads[1]),
                            _weights(*grads[2:], None, None, None), stream)
@@ -119,33 +175,48 @@ def host_overhead(name, tokens, calls, seed):
     for _ in range(3):  # warm: moka's engines and workspaces for this token count
         list(module_step())
         list(op_step())
-    fwd, bwd = host_us(module_step, calls)
-    (op,) = host_us(op_step, calls)
-    _, router_fwd, layer_fwd, layer_bwd, router_bwd = host_us(extension_step, calls)
+    _, fwd, bwd = host_us(module_step, calls, device)
+    (op,) = host_us(op_step, calls, device)
+    _, router_fwd, layer_fwd, layer_bwd, router_bwd = host_us(extension_step, calls, device)
+    try:  # the explanation; the times above stand without it
+        _, fwd_work, bwd_work = torch_work(module_step, device)
+        (op_work,) = torch_work(op_step, device)
+    except Exception as e:
+        fwd_work = bwd_work = op_work = {"error": repr(e)[:300]}
     return {"measure": "host", "shape": name, "tokens_per_rank": tokens, "calls": calls,
             "module_forward_us": fwd, "module_backward_us": bwd, "op_forward_us": op,
             "extension_router_forward_us": router_fwd, "extension_layer_forward_us": layer_fwd,
             "extension_layer_backward_us": layer_bwd, "extension_router_backward_us": router_bwd,
             "python_adds_forward_us": fwd - router_fwd - layer_fwd,
-            "python_adds_backward_us": bwd - layer_bwd - router_bwd, "python_adds_op_forward_us": op - layer_fwd}
+            "python_adds_backward_us": bwd - layer_bwd - router_bwd, "python_adds_op_forward_us": op - layer_fwd,
+            "module_forward_work": fwd_work, "module_backward_work": bwd_work, "op_forward_work": op_work}
 
 
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--moka", required=True, help="the moka binary whose C++ layer is the reference")
+    p.add_argument("--moka", help="the moka binary whose C++ layer is the reference (device time)")
     p.add_argument("--shapes", default=",".join(SHAPES))
     p.add_argument("--tokens", type=int, default=16384)
     p.add_argument("--iters", type=int, default=7, help="paired runs per shape")
     p.add_argument("--warmup", type=int, default=2)
-    p.add_argument("--host-shape", default="qwen3-30b-a3b")
+    p.add_argument("--device", choices=("cuda", "cpu"), default="cuda", help="cpu: the host part only")
+    p.add_argument("--host-only", action="store_true", help="only the host time per call (no --moka needed)")
+    p.add_argument("--host-shape", default="", help="default: qwen3-30b-a3b on the GPU, tiny on the CPU")
     p.add_argument("--host-tokens", type=int, default=256)
     p.add_argument("--host-calls", type=int, default=20)
     p.add_argument("--seed", type=int, default=1)
     p.add_argument("--out", default="")
     a = p.parse_args()
-    if not torch.cuda.is_available():
-        p.error("needs a GPU")
-    device = torch.cuda.get_device_name()
+    if a.device == "cpu" and not a.host_only:
+        p.error("--device cpu measures the host time only: add --host-only")
+    if not a.host_only and not a.moka:
+        p.error("--moka is needed for the device-time comparison (or pass --host-only)")
+    if a.device == "cuda" and not torch.cuda.is_available():
+        p.error("needs a GPU (or --device cpu --host-only)")
+    host_shape = a.host_shape or ("qwen3-30b-a3b" if a.device == "cuda" else "tiny")
+    if host_shape not in HOST_SHAPES:
+        p.error(f"--host-shape: unknown shape '{host_shape}' (known: {', '.join(HOST_SHAPES)})")
+    device = torch.cuda.get_device_name() if a.device == "cuda" else "cpu"
 
     def emit(row):
         line = json.dumps({**row, "device": device})
@@ -157,7 +228,9 @@ def main():
     for name in a.shapes.split(","):
         if name not in SHAPES:
             p.error(f"--shapes: unknown shape '{name}' (known: {', '.join(SHAPES)})")
-    emit(host_overhead(a.host_shape, a.host_tokens, a.host_calls, a.seed))
+    emit(host_overhead(host_shape, a.host_tokens, a.host_calls, a.seed, a.device))
+    if a.host_only:
+        return
     for name in a.shapes.split(","):
         torch.cuda.empty_cache()
         try:

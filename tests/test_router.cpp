@@ -115,6 +115,44 @@ TEST(Router, SelectsByScorePlusBiasButWeighsByScoreAlone) {
   EXPECT_EQ(std::accumulate(rc.counts.begin(), rc.counts.end(), 0), rc.tokens * 3);
 }
 
+TEST(Router, AddsEachCallsCountsToTheExpertLoad) {
+  RouterCase rc(config(ScoreFunction::softmax, false, false, 0, 0));
+  auto router = make_router(rc.config, Backend::cpu);
+  const int64_t E = rc.config.num_experts;
+  std::vector<int64_t> load(E);
+  std::iota(load.begin(), load.end(), int64_t(1) << 40);  // a running total beyond int32
+  const std::vector<int64_t> before = load;
+  RouterOutputs out{TensorView(rc.ids.data(), DType::i32, {rc.tokens, 3}),
+                    TensorView(rc.weights.data(), DType::f64, {rc.tokens, 3}),
+                    TensorView(rc.counts.data(), DType::i32, {E}), TensorView(load.data(), DType::i64, {E})};
+  const TensorView x(rc.x.data(), DType::f64, {rc.tokens, 6}), w(rc.w.data(), DType::f64, {E, 6});
+  router->forward(x, w, TensorView(), out, Stream{});
+  router->forward(x, w, TensorView(), out, Stream{});
+  for (int64_t e = 0; e < E; ++e) EXPECT_EQ(load[e], before[e] + 2 * rc.counts[e]) << "expert " << e;
+  out.expert_load = TensorView(rc.counts.data(), DType::i32, {E});
+  EXPECT_THROW(router->forward(x, w, TensorView(), out, Stream{}), Error);
+}
+
+// add_to_d_x adds the router's part of x's gradient to what d_x holds: the same bits as
+// overwriting a separate buffer and summing the two afterwards.
+TEST(Router, BackwardAddsToDxWhenAsked) {
+  RouterCase rc(config(ScoreFunction::softmax, true, false, 0.3, 0.05));
+  auto router = make_router(rc.config, Backend::cpu);
+  auto ctx = rc.forward(*router);
+  const TensorView g(rc.g.data(), DType::f64, {rc.tokens, 3});
+  std::vector<double> dx(rc.x.size()), dw(rc.w.size()), dw_added(rc.w.size());
+  router->backward(*ctx, g, TensorView(dx.data(), DType::f64, {rc.tokens, 6}), TensorView(dw.data(), DType::f64, {8, 6}),
+                   Stream{});
+  std::vector<double> experts_part(rc.x.size()), sum(rc.x.size());
+  std::mt19937_64 rng(5);
+  std::normal_distribution<double> nd(0, 1);
+  for (size_t i = 0; i < sum.size(); ++i) sum[i] = (experts_part[i] = nd(rng)) + dx[i];
+  router->backward(*ctx, g, TensorView(experts_part.data(), DType::f64, {rc.tokens, 6}),
+                   TensorView(dw_added.data(), DType::f64, {8, 6}), Stream{}, /*add_to_d_x=*/true);
+  EXPECT_EQ(experts_part, sum);
+  EXPECT_EQ(dw_added, dw);
+}
+
 TEST(Router, RenormalizedWeightsSumToRouteScaleAndTiesGoToLowerIds) {
   RouterConfig c = config(ScoreFunction::softmax, true, false, 0, 0);
   RouterCase rc(c);

@@ -17,11 +17,14 @@ struct RouterLosses {
 };
 
 // Outputs of forward. topk_ids: [T, k] int32; topk_weights: [T, k] (f64 for f64 x, else f32);
-// expert_counts: [E] int32, routes per expert (optional, may be empty).
+// expert_counts: [E] int32, routes per expert (optional, may be empty);
+// expert_load: [E] int64, a running total the routes per expert are added to (optional, may be
+// empty): load statistics kept across calls without a separate accumulation by the caller.
 struct RouterOutputs {
   TensorView topk_ids;
   TensorView topk_weights;
   TensorView expert_counts;
+  TensorView expert_load{};  // optional: callers that do not keep a load leave it out
 };
 
 // GPU: holds scratch allocated on the forward's stream and freed there by the destructor, so a
@@ -41,10 +44,12 @@ class Router {
                                                  const TensorView& selection_bias,
                                                  const RouterOutputs& out, Stream stream) = 0;
   // d_topk_weights: [T, k]. The auxiliary losses enter with gradient 1 (they are added to the
-  // training loss). Overwrites d_x [T, H] and d_w_router [E, H]. `stream`: the forward's (its
-  // scratch is freed in that stream's order).
+  // training loss). Overwrites d_w_router [E, H], and d_x [T, H] unless add_to_d_x, which adds
+  // the router's part to what d_x holds (the experts' part of x's gradient, with no separate
+  // sum by the caller). `stream`: the forward's (its scratch is freed in that stream's order).
   virtual void backward(const RouterContext& saved, const TensorView& d_topk_weights,
-                        const TensorView& d_x, const TensorView& d_w_router, Stream stream) = 0;
+                        const TensorView& d_x, const TensorView& d_w_router, Stream stream,
+                        bool add_to_d_x = false) = 0;
 };
 
 std::unique_ptr<Router> make_router(const RouterConfig& config, Backend backend,

@@ -10,7 +10,7 @@
 
 namespace moka {
 
-enum class DType : uint8_t { f32, f64, bf16, i32 };
+enum class DType : uint8_t { f32, f64, bf16, i32, i64 };
 enum class DeviceKind : uint8_t { cpu, cuda };
 
 struct Device {

@@ -116,20 +116,25 @@ def _empty_like(t: Optional[Tensor]) -> Optional[Tensor]:
 # moka's router and layer calls, shared by the autograd functions below (moka's saved state
 # points into the tensors given, so the functions keep those for backward).
 
-def _route_forward(router, x, w_router, bias, top_k):
-    """moka's routing of x: (saved state, topk_ids, topk_weights, per-expert counts)."""
-    tokens, experts = x.shape[0], w_router.shape[0]
+def _route_forward(router, x, w_router, bias, top_k, expert_load):
+    """moka's routing of x: (saved state, topk_ids, topk_weights); the routes per expert are added
+    to expert_load [E] int64 inside moka's call (no torch launch for the statistics)."""
+    tokens = x.shape[0]
     ids = torch.empty(tokens, top_k, dtype=torch.int32, device=x.device)
     weights = torch.empty(tokens, top_k, dtype=router_weight_dtype(x.dtype), device=x.device)
-    counts = torch.empty(experts, dtype=torch.int32, device=x.device)
-    saved = router.forward(_dl(x), _dl(w_router), _dl(bias), _dl(ids), _dl(weights), _dl(counts), _stream(x))
-    return saved, ids, weights, counts
+    saved = router.forward(_dl(x), _dl(w_router), _dl(bias), _dl(ids), _dl(weights), None, _dl(expert_load),
+                           _stream(x))
+    return saved, ids, weights
 
 
-def _route_backward(router, saved, x, w_router, d_weights):
-    """(d_x, d_w_router) of the routing from the gradient of topk_weights."""
-    d_x, d_w_router = torch.empty_like(x), torch.empty_like(w_router)
-    router.backward(saved, _dl(d_weights.contiguous()), _dl(d_x), _dl(d_w_router), _stream(x))
+def _route_backward(router, saved, x, w_router, d_weights, d_x=None):
+    """(d_x, d_w_router) of the routing from the gradient of topk_weights; a d_x given (the
+    experts' part of x's gradient) gets the router's part added inside moka's call."""
+    add_to_d_x = d_x is not None
+    if not add_to_d_x:
+        d_x = torch.empty_like(x)
+    d_w_router = torch.empty_like(w_router)
+    router.backward(saved, _dl(d_weights.contiguous()), _dl(d_x), _dl(d_w_router), _stream(x), add_to_d_x)
     return d_x, d_w_router
 
 
@@ -151,17 +156,17 @@ def _experts_backward(layer, saved, d_out, x, topk_weights, expert_weights):
 
 class _Route(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, w_router, bias, router, top_k):
-        ctx.saved, ids, weights, counts = _route_forward(router, x, w_router, bias, top_k)
+    def forward(ctx, x, w_router, bias, router, top_k, expert_load):
+        ctx.saved, ids, weights = _route_forward(router, x, w_router, bias, top_k, expert_load)
         ctx.router = router
         ctx.save_for_backward(x, w_router)
-        ctx.mark_non_differentiable(ids, counts)
-        return ids, weights, counts
+        ctx.mark_non_differentiable(ids)
+        return ids, weights
 
     @staticmethod
-    def backward(ctx, _d_ids, d_weights, _d_counts):
+    def backward(ctx, _d_ids, d_weights):
         d_x, d_w_router = _route_backward(ctx.router, ctx.saved, *ctx.saved_tensors, d_weights)
-        return d_x, d_w_router, None, None, None
+        return d_x, d_w_router, None, None, None, None
 
 
 class _Experts(torch.autograd.Function):
@@ -182,25 +187,26 @@ class _Experts(torch.autograd.Function):
 
 class _RoutedExperts(torch.autograd.Function):
     """Routing and experts as one autograd node (what ``MoE.forward`` runs): half the per-call
-    Python of _Route followed by _Experts, and the two gradients of x summed in one place."""
+    Python of _Route followed by _Experts, and the router's part of x's gradient added to the
+    experts' part inside moka's router call (no torch launch for the sum)."""
 
     @staticmethod
-    def forward(ctx, x, w_router, bias, w_gate, w_up, w_down, ws_gate, ws_up, ws_down, router, layer, top_k):
+    def forward(ctx, x, w_router, bias, w_gate, w_up, w_down, ws_gate, ws_up, ws_down, router, layer, top_k,
+                expert_load):
         expert_weights = (w_gate, w_up, w_down, ws_gate, ws_up, ws_down)
-        ctx.router_saved, ids, weights, counts = _route_forward(router, x, w_router, bias, top_k)
+        ctx.router_saved, ids, weights = _route_forward(router, x, w_router, bias, top_k, expert_load)
         ctx.layer_saved, out = _experts_forward(layer, x, ids, weights, expert_weights)
         ctx.router, ctx.layer = router, layer
         ctx.save_for_backward(x, w_router, ids, weights, *expert_weights)
-        ctx.mark_non_differentiable(counts)
-        return out, counts
+        return out
 
     @staticmethod
-    def backward(ctx, d_out, _d_counts):
+    def backward(ctx, d_out):
         x, w_router, _ids, topk_weights, *weights = ctx.saved_tensors
         d_x, d_topk_weights, d_weights = _experts_backward(ctx.layer, ctx.layer_saved, d_out, x, topk_weights,
                                                            weights)
-        d_x_router, d_w_router = _route_backward(ctx.router, ctx.router_saved, x, w_router, d_topk_weights)
-        return (d_x.add_(d_x_router), d_w_router, None, *d_weights, None, None, None)
+        d_x, d_w_router = _route_backward(ctx.router, ctx.router_saved, x, w_router, d_topk_weights, d_x)
+        return (d_x, d_w_router, None, *d_weights, None, None, None, None)
 
 
 # --- the functional op, for models that route themselves (traceable by torch.compile) ---
@@ -306,6 +312,11 @@ def moe_experts(x: Tensor, topk_ids: Tensor, topk_weights: Tensor, w_gate: Tenso
 
 # --- the layer ---
 
+def _selection_bias(bias: Optional[Tensor], x: Tensor) -> Optional[Tensor]:
+    """The bias in the dtype moka reads for x (the module keeps it so: a copy only if changed)."""
+    return None if bias is None else bias.to(torch.float32 if x.is_cuda else x.dtype)
+
+
 class MoE(nn.Module):
     """A Mixture-of-Experts layer: router, routed SwiGLU experts, optional shared expert.
 
@@ -353,7 +364,10 @@ class MoE(nn.Module):
         for name, shape in (("ws_gate", (shared_intermediate, hidden)), ("ws_up", (shared_intermediate, hidden)),
                             ("ws_down", (hidden, shared_intermediate))):
             self.register_parameter(name, nn.Parameter(torch.empty(shape, **factory)) if shared_intermediate else None)
-        self.register_buffer("selection_bias", torch.zeros(experts, device=device) if selection_bias else None)
+        # In the dtype of the router weights (what moka reads), so that no call converts it.
+        bias_dtype = router_weight_dtype(dtype or torch.get_default_dtype())
+        self.register_buffer("selection_bias", torch.zeros(experts, device=device, dtype=bias_dtype) if selection_bias
+                             else None)
         # Routes per expert since the last update_selection_bias (this rank's tokens).
         self.register_buffer("expert_load", torch.zeros(experts, dtype=torch.int64, device=device), persistent=False)
         self.reset_parameters(init_std)
@@ -386,44 +400,53 @@ class MoE(nn.Module):
     def _engine(self, x: Tensor) -> tuple[_moka.Router, _moka.Layer]:
         backend = _backend(x)
         key = (backend, x.device.index)
-        if key not in self._engines:
+        engines = self._engines.get(key)
+        if engines is None:
             group = moka_group(self.group)
             router = _moka.Router(self.hidden, self.experts, self.top_k, self.score, self.selection_bias is not None,
                                   self.renormalize, self.route_scale, backend, group, torch.get_num_threads())
             layer = _make_layer(backend, group, self.hidden, self.intermediate, self.experts, self.top_k,
                                 self.shared_intermediate, self.activation, self.clamp_limit, self.path,
                                 self.tile_rows, self.max_tokens)
-            self._engines[key] = (router, layer)
-        return self._engines[key]
+            engines = self._engines[key] = (router, layer)
+        return engines
+
+    def _tensors(self) -> tuple:
+        """(w_router, selection_bias, expert_load), (w_gate, w_up, w_down, ws_gate, ws_up, ws_down),
+        from the module's dicts: nn.Module's attribute lookup costs about 1 us a name, every call.
+        Through the attributes where something moved a tensor out of them (nn.utils.parametrize)."""
+        try:
+            p, b = self._parameters, self._buffers
+            routing = (p["w_router"], b["selection_bias"], b["expert_load"])
+            experts = (p["w_gate"], p["w_up"], p["w_down"], p["ws_gate"], p["ws_up"], p["ws_down"])
+        except KeyError:
+            routing = (self.w_router, self.selection_bias, self.expert_load)
+            experts = (self.w_gate, self.w_up, self.w_down, self.ws_gate, self.ws_up, self.ws_down)
+        return routing, experts
 
     def route(self, x: Tensor) -> tuple[Tensor, Tensor]:
         """topk_ids [T, k] int32 and topk_weights [T, k] for x [T, H] (differentiable in x and the
         router weight through topk_weights)."""
         router, _ = self._engine(x)
-        ids, weights, counts = _Route.apply(x, self.w_router, self._bias(x), router, self.top_k)
-        self.expert_load.add_(counts)
-        return ids, weights
-
-    def _bias(self, x: Tensor) -> Optional[Tensor]:
-        bias = self.selection_bias
-        return None if bias is None else bias.to(torch.float32 if x.is_cuda else x.dtype)
+        (w_router, bias, load), _ = self._tensors()
+        return _Route.apply(x, w_router, _selection_bias(bias, x), router, self.top_k, load)
 
     def apply_experts(self, x: Tensor, topk_ids: Tensor, topk_weights: Tensor) -> Tensor:
         """The routed experts and the shared expert for x [T, H] routed by the caller (``route`` or
         your own router): out [T, H], differentiable in x, topk_weights and every expert weight.
         Unlike ``moe_experts``, the backward reuses this forward's state instead of recomputing it."""
         _, layer = self._engine(x)
-        return _Experts.apply(x, topk_ids, topk_weights, self.w_gate, self.w_up, self.w_down, self.ws_gate,
-                              self.ws_up, self.ws_down, layer)
+        _, experts = self._tensors()
+        return _Experts.apply(x, topk_ids, topk_weights, *experts, layer)
 
     def forward(self, x: Tensor) -> Tensor:
-        tokens = x.reshape(-1, self.hidden).contiguous()
+        # [T, H] input goes in as it is: a reshape would add a view and its autograd node each way.
+        tokens = (x if x.dim() == 2 else x.reshape(-1, self.hidden)).contiguous()
         router, layer = self._engine(tokens)
-        out, counts = _RoutedExperts.apply(tokens, self.w_router, self._bias(tokens), self.w_gate, self.w_up,
-                                           self.w_down, self.ws_gate, self.ws_up, self.ws_down, router, layer,
-                                           self.top_k)
-        self.expert_load.add_(counts)
-        return out.reshape(x.shape)
+        (w_router, bias, load), experts = self._tensors()
+        out = _RoutedExperts.apply(tokens, w_router, _selection_bias(bias, tokens), *experts, router, layer, self.top_k,
+                                   load)
+        return out if x.dim() == 2 else out.reshape(x.shape)
 
     def check_errors(self):
         """Raises (as moka.Error) what the GPU kernels of finished calls found; synchronize first."""

@@ -31,11 +31,14 @@ struct RankedError {
   std::string message;
 };
 
-moka::DType dtype_of(const Array& a, const char* name) {
+// int64 only where moka takes it (the running expert load): elsewhere it stays a TypeError at the
+// boundary, like any dtype moka does not compute in.
+moka::DType dtype_of(const Array& a, const char* name, bool takes_int64) {
   const auto t = a.dtype();
   if (t == nb::dtype<float>()) return moka::DType::f32;
   if (t == nb::dtype<double>()) return moka::DType::f64;
   if (t == nb::dtype<int32_t>()) return moka::DType::i32;
+  if (takes_int64 && t == nb::dtype<int64_t>()) return moka::DType::i64;
   if (t.code == uint8_t(nb::dlpack::dtype_code::Bfloat) && t.bits == 16 && t.lanes == 1) return moka::DType::bf16;
   static const char* codes[] = {"int", "uint", "float", "?", "bfloat"};
   const std::string kind = t.code < 5 ? codes[t.code] : "code " + std::to_string(t.code);
@@ -43,7 +46,7 @@ moka::DType dtype_of(const Array& a, const char* name) {
                         "; moka takes bfloat16, float32 or float64 (int32 for topk_ids)").c_str());
 }
 
-moka::TensorView view_of(const Array& a, const char* name) {
+moka::TensorView view_of(const Array& a, const char* name, bool takes_int64 = false) {
   if (a.ndim() < 1 || a.ndim() > size_t(moka::kMaxRank))
     throw nb::value_error((std::string(name) + " must have 1 to 4 dimensions, got " + std::to_string(a.ndim())).c_str());
   int64_t expected_stride = 1;
@@ -54,7 +57,7 @@ moka::TensorView view_of(const Array& a, const char* name) {
   }
   moka::TensorView v;
   v.data = a.data();
-  v.dtype = dtype_of(a, name);
+  v.dtype = dtype_of(a, name, takes_int64);
   if (a.device_type() == nb::device::cuda::value) {
     v.device = moka::Device::cuda(a.device_id());
   } else if (a.device_type() != nb::device::cpu::value) {
@@ -65,8 +68,8 @@ moka::TensorView view_of(const Array& a, const char* name) {
   return v;
 }
 
-moka::TensorView view_of(const OptionalArray& a, const char* name) {
-  return a ? view_of(*a, name) : moka::TensorView{};
+moka::TensorView view_of(const OptionalArray& a, const char* name, bool takes_int64 = false) {
+  return a ? view_of(*a, name, takes_int64) : moka::TensorView{};
 }
 
 moka::Stream stream_of(uintptr_t handle) { return moka::Stream{reinterpret_cast<void*>(handle)}; }
@@ -226,10 +229,11 @@ class Router {
 
   std::unique_ptr<RouterContext> forward(const Array& x, const Array& w_router, const OptionalArray& bias,
                                          const Array& topk_ids, const Array& topk_weights,
-                                         const OptionalArray& expert_counts, uintptr_t stream) {
+                                         const OptionalArray& expert_counts, const OptionalArray& expert_load,
+                                         uintptr_t stream) {
     return on_rank_.run([&] {
       const moka::RouterOutputs out{view_of(topk_ids, "topk_ids"), view_of(topk_weights, "topk_weights"),
-                                    view_of(expert_counts, "expert_counts")};
+                                    view_of(expert_counts, "expert_counts"), view_of(expert_load, "expert_load", true)};
       const moka::TensorView x_view = view_of(x, "x"), w = view_of(w_router, "w_router");
       const moka::TensorView b = view_of(bias, "selection_bias");
       return std::make_unique<RouterContext>(RouterContext{router_->forward(x_view, w, b, out, stream_of(stream))});
@@ -237,11 +241,11 @@ class Router {
   }
 
   void backward(const RouterContext& saved, const Array& d_topk_weights, const Array& d_x, const Array& d_w_router,
-                uintptr_t stream) {
+                uintptr_t stream, bool add_to_d_x) {
     on_rank_.run([&] {
       const moka::TensorView dw = view_of(d_topk_weights, "d_topk_weights"), dx = view_of(d_x, "d_x");
       const moka::TensorView dwr = view_of(d_w_router, "d_w_router");
-      router_->backward(*saved.saved, dw, dx, dwr, stream_of(stream));
+      router_->backward(*saved.saved, dw, dx, dwr, stream_of(stream), add_to_d_x);
     });
   }
 
@@ -330,8 +334,10 @@ NB_MODULE(_moka, m) {
            "hidden"_a, "experts"_a, "top_k"_a, "score"_a, "selection_bias"_a, "renormalize"_a, "route_scale"_a,
            "backend"_a, "group"_a.none(), "num_threads"_a, nb::keep_alive<1, 10>())
       .def("forward", &Router::forward, "x"_a.noconvert(), "w_router"_a.noconvert(), "selection_bias"_a.noconvert().none(),
-           "topk_ids"_a.noconvert(), "topk_weights"_a.noconvert(), "expert_counts"_a.noconvert().none(), "stream"_a,
+           "topk_ids"_a.noconvert(), "topk_weights"_a.noconvert(), "expert_counts"_a.noconvert().none(),
+           "expert_load"_a.noconvert().none(), "stream"_a,
            nb::keep_alive<0, 1>(), nb::call_guard<nb::gil_scoped_release>())
       .def("backward", &Router::backward, "saved"_a, "d_topk_weights"_a.noconvert(), "d_x"_a.noconvert(),
-           "d_w_router"_a.noconvert(), "stream"_a, nb::call_guard<nb::gil_scoped_release>());
+           "d_w_router"_a.noconvert(), "stream"_a, "add_to_d_x"_a = false, nb::call_guard<nb::gil_scoped_release>(),
+           "Writes d_w_router, and d_x (or adds to it with add_to_d_x).");
 }

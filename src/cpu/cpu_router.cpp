@@ -39,6 +39,7 @@ class CpuRouter {
     expect_tensor(out.topk_ids, "topk_ids", DType::i32, Device::cpu(), {T_, k});
     expect_tensor(out.topk_weights, "topk_weights", core::router_weight_dtype(dt), Device::cpu(), {T_, k});
     if (!out.expert_counts.empty()) expect_tensor(out.expert_counts, "expert_counts", DType::i32, Device::cpu(), {E});
+    if (!out.expert_load.empty()) expect_tensor(out.expert_load, "expert_load", DType::i64, Device::cpu(), {E});
 
     auto st = std::make_unique<RouterState<T>>();
     st->tokens = T_;
@@ -79,6 +80,8 @@ class CpuRouter {
     for (int32_t e : st->selected) ++counts[e];
     if (!out.expert_counts.empty())
       for (int64_t e = 0; e < E; ++e) out.expert_counts.as<int32_t>()[e] = static_cast<int32_t>(counts[e]);
+    if (!out.expert_load.empty())
+      for (int64_t e = 0; e < E; ++e) out.expert_load.as<int64_t>()[e] += counts[e];
     st->fraction.resize(E);
     for (int64_t e = 0; e < E; ++e) st->fraction[e] = T_ > 0 ? double(counts[e]) / double(T_ * k) : 0.0;
     st->loss_values = losses(*st);
@@ -86,7 +89,7 @@ class CpuRouter {
   }
 
   void backward(const RouterContext& saved, const TensorView& d_weights, const TensorView& d_x,
-                const TensorView& d_w_router) const {
+                const TensorView& d_w_router, bool add_to_d_x) const {
     const auto* stp = dynamic_cast<const RouterState<T>*>(&saved);
     require(stp != nullptr, ErrorCode::invalid_argument, "router backward got a context of another dtype");
     const auto& st = *stp;
@@ -110,15 +113,18 @@ class CpuRouter {
         z_loss_backward(lg, &d_logits[t * E], E, T_);
       }
     });
-    // d_x = d_logits @ W_router; d_W_router = d_logits^T x (tokens in order).
+    // d_x (+)= d_logits @ W_router, each row summed from zero first so that adding equals a
+    // separate sum of the two parts; d_W_router = d_logits^T x (tokens in order).
     T* dx = d_x.as<T>();
     parallel_for(T_, threads_, [&](int64_t lo, int64_t hi) {
+      std::vector<T> row(H);
       for (int64_t t = lo; t < hi; ++t) {
-        for (int64_t c = 0; c < H; ++c) dx[t * H + c] = 0;
+        std::fill(row.begin(), row.end(), T(0));
         for (int64_t e = 0; e < E; ++e) {
           const T d = d_logits[t * E + e];
-          for (int64_t c = 0; c < H; ++c) dx[t * H + c] += d * st.w_router[e * H + c];
+          for (int64_t c = 0; c < H; ++c) row[c] += d * st.w_router[e * H + c];
         }
+        for (int64_t c = 0; c < H; ++c) dx[t * H + c] = add_to_d_x ? dx[t * H + c] + row[c] : row[c];
       }
     });
     T* dwr = d_w_router.as<T>();
@@ -254,9 +260,9 @@ class CpuRouterByDtype final : public Router {
     return f32_.forward(x, w, bias, out);
   }
   void backward(const RouterContext& saved, const TensorView& dw, const TensorView& dx, const TensorView& dwr,
-                Stream) override {
-    if (dx.dtype == DType::f64) return f64_.backward(saved, dw, dx, dwr);
-    f32_.backward(saved, dw, dx, dwr);
+                Stream, bool add_to_d_x) override {
+    if (dx.dtype == DType::f64) return f64_.backward(saved, dw, dx, dwr, add_to_d_x);
+    f32_.backward(saved, dw, dx, dwr, add_to_d_x);
   }
 
  private:

@@ -27,12 +27,13 @@ const char* safetensors_dtype(DType t) {
     case DType::f64: return "F64";
     case DType::bf16: return "BF16";
     case DType::i32: return "I32";
+    case DType::i64: return "I64";
   }
   return "?";
 }
 
 std::optional<DType> parse_safetensors_dtype(const std::string& s) {
-  for (DType t : {DType::f32, DType::f64, DType::bf16, DType::i32})
+  for (DType t : {DType::f32, DType::f64, DType::bf16, DType::i32, DType::i64})
     if (s == safetensors_dtype(t)) return t;
   return std::nullopt;
 }

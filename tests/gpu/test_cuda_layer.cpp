@@ -5,6 +5,7 @@
 
 #include <chrono>
 #include <cmath>
+#include <cstring>
 #include <random>
 
 #include "core/routing_gen.hpp"
@@ -332,6 +333,66 @@ TEST(CudaRouter, NanScoresGiveValidIdsAndNanWeights) {
     EXPECT_TRUE(ids[i] >= 0 && ids[i] < E) << "id " << ids[i] << " at " << i;
     EXPECT_EQ(std::isnan(wt[i]), i / k == 3) << "weight " << wt[i] << " at " << i;
   }
+}
+
+// The router adds each call's counts to a running int64 load (the same counts it writes to
+// expert_counts), and its backward reads its own copy of the ids, not the caller's buffer.
+TEST(CudaRouter, AddsCountsToTheExpertLoadAndKeepsItsOwnIds) {
+  RouterConfig rc = named_shape("qwen3-30b-a3b").router;
+  rc.hidden = 256;
+  const int64_t T = 64, H = rc.hidden, E = rc.num_experts, k = rc.top_k;
+  std::mt19937_64 rng(fresh_seed());
+  std::normal_distribution<double> nd(0, 1);
+  std::vector<double> x(T * H), w(E * H);
+  for (auto& v : x) v = nd(rng);
+  for (auto& v : w) v = nd(rng) / 16;
+  std::vector<int64_t> load(E);
+  for (int64_t e = 0; e < E; ++e) load[e] = (int64_t(1) << 40) + e;  // a running total beyond int32
+  const std::vector<float> dwt(T * k, 0.5f);
+  gpu_test::DeviceTensor gx(T * H * 2), gw(E * H * 2), gids(T * k * 4), gwt(T * k * 4), gc(E * 4), gload(E * 8),
+      gdwt(T * k * 4), gdx(T * H * 2), gdw(E * H * 2);
+  const auto xb = gpu_test::to_bf16(x), wb = gpu_test::to_bf16(w);
+  MOKA_CUDA_CHECK(cudaMemcpy(gx.data(), xb.data(), gx.bytes(), cudaMemcpyHostToDevice));
+  MOKA_CUDA_CHECK(cudaMemcpy(gw.data(), wb.data(), gw.bytes(), cudaMemcpyHostToDevice));
+  MOKA_CUDA_CHECK(cudaMemcpy(gload.data(), load.data(), gload.bytes(), cudaMemcpyHostToDevice));
+  MOKA_CUDA_CHECK(cudaMemcpy(gdwt.data(), dwt.data(), gdwt.bytes(), cudaMemcpyHostToDevice));
+  const Device d = Device::cuda(0);
+  auto gpu = make_router(rc, Backend::cuda);
+  const TensorView xv(gx.data(), DType::bf16, {T, H}, d), wv(gw.data(), DType::bf16, {E, H}, d);
+  const RouterOutputs out{TensorView(gids.data(), DType::i32, {T, k}, d), TensorView(gwt.data(), DType::f32, {T, k}, d),
+                          TensorView(gc.data(), DType::i32, {E}, d), TensorView(gload.data(), DType::i64, {E}, d)};
+  gpu->forward(xv, wv, TensorView(), out, Stream{});
+  auto ctx = gpu->forward(xv, wv, TensorView(), out, Stream{});
+  std::vector<int64_t> got(E);
+  std::vector<int32_t> counts(E);
+  MOKA_CUDA_CHECK(cudaMemcpy(got.data(), gload.data(), gload.bytes(), cudaMemcpyDeviceToHost));
+  MOKA_CUDA_CHECK(cudaMemcpy(counts.data(), gc.data(), gc.bytes(), cudaMemcpyDeviceToHost));
+  int64_t total = 0;
+  for (int64_t e = 0; e < E; ++e) {
+    total += counts[e];
+    EXPECT_EQ(got[e], load[e] + 2 * counts[e]) << "expert " << e;
+  }
+  EXPECT_EQ(total, T * k);
+  const TensorView dwv(gdwt.data(), DType::f32, {T, k}, d), dxv(gdx.data(), DType::bf16, {T, H}, d),
+      dwrv(gdw.data(), DType::bf16, {E, H}, d);
+  gpu->backward(*ctx, dwv, dxv, dwrv, Stream{});
+  const auto dx = gpu_test::bytes_of(gdx), dw = gpu_test::bytes_of(gdw);
+  MOKA_CUDA_CHECK(cudaMemset(gids.data(), 0xff, gids.bytes()));  // the caller reuses its ids buffer
+  gpu->backward(*ctx, dwv, dxv, dwrv, Stream{});
+  EXPECT_EQ(gpu_test::bytes_of(gdx), dx);
+  EXPECT_EQ(gpu_test::bytes_of(gdw), dw);
+  // Adding onto d_x that holds the router's part already: twice that part, rounded once.
+  gpu->backward(*ctx, dwv, dxv, dwrv, Stream{}, /*add_to_d_x=*/true);
+  std::vector<__nv_bfloat16> once(T * H), twice(T * H);
+  std::memcpy(once.data(), dx.data(), dx.size());
+  MOKA_CUDA_CHECK(cudaMemcpy(twice.data(), gdx.data(), gdx.bytes(), cudaMemcpyDeviceToHost));
+  for (int64_t i = 0; i < T * H; ++i) {
+    const float want = 2 * __bfloat162float(once[i]);
+    ASSERT_NEAR(__bfloat162float(twice[i]), want, 1e-2f * std::abs(want) + 1e-6f) << "d_x[" << i << "]";
+  }
+  EXPECT_EQ(gpu_test::bytes_of(gdw), dw);
+  EXPECT_THROW(gpu->forward(xv, wv, TensorView(), {out.topk_ids, out.topk_weights, {}, out.expert_counts}, Stream{}),
+               Error);
 }
 
 // The router against the CPU router (fp64 on bf16-rounded inputs): same ids (where scores are

@@ -57,10 +57,11 @@ __device__ float block_reduce(float v, bool is_max) {
   return r;
 }
 
-// One block per token. scores/p: [T, E]; lse: [T].
+// One block per token. scores/p: [T, E]; lse: [T]. The ids go to the caller's topk_ids and to
+// saved_ids, the copy backward reads (the caller may reuse its buffer).
 __global__ void __launch_bounds__(kThreads) route_tokens(RouterParams P, const float* logits, const float* bias,
                                                          float* scores, float* p, float* lse, int32_t* ids,
-                                                         float* weights, int32_t* counts) {
+                                                         int32_t* saved_ids, float* weights, int32_t* counts) {
   const int64_t t = blockIdx.x, E = P.experts;
   const float* lg = logits + t * E;
   float* sc = scores + t * E;
@@ -106,16 +107,21 @@ __global__ void __launch_bounds__(kThreads) route_tokens(RouterParams P, const f
     const int e = chosen[threadIdx.x];
     const float s = sc[e];
     ids[t * P.top_k + threadIdx.x] = e;
+    saved_ids[t * P.top_k + threadIdx.x] = e;
     weights[t * P.top_k + threadIdx.x] = P.route_scale * (P.renormalize ? s / sel_sum : s);
     atomicAdd(&counts[e], 1);
   }
 }
 
 // Losses in fixed order: P_e = mean_t p[t, e] (one thread per expert, tokens in order), then one
-// thread sums over experts and tokens. losses = {aux, z} in double.
+// thread sums over experts and tokens. losses = {aux, z} in double. The counts also go out here,
+// to the caller's expert_counts and added to its expert_load (either may be null), which saves
+// the launches of a copy and of an accumulation.
 __global__ void router_losses(RouterParams P, const float* p, const float* lse, const int32_t* counts,
-                              double* mean_p, double* losses) {
+                              double* mean_p, double* losses, int32_t* expert_counts, int64_t* expert_load) {
   for (int64_t e = threadIdx.x; e < P.experts; e += blockDim.x) {
+    if (expert_counts) expert_counts[e] = counts[e];
+    if (expert_load) expert_load[e] += counts[e];
     double s = 0;
     for (int64_t t = 0; t < P.tokens; ++t) s += p[t * P.experts + e];
     mean_p[e] = s / double(P.tokens);
@@ -221,6 +227,7 @@ class CudaRouter final : public Router {
     expect_tensor(out.topk_ids, "topk_ids", DType::i32, dev, {T, k});
     expect_tensor(out.topk_weights, "topk_weights", DType::f32, dev, {T, k});
     if (!out.expert_counts.empty()) expect_tensor(out.expert_counts, "expert_counts", DType::i32, dev, {E});
+    if (!out.expert_load.empty()) expect_tensor(out.expert_load, "expert_load", DType::i64, dev, {E});
 
     auto st = std::make_unique<CudaRouterState>();
     st->params = {T, E, k, c_.score == ScoreFunction::sigmoid, c_.renormalize, float(c_.route_scale),
@@ -247,22 +254,18 @@ class CudaRouter final : public Router {
     route_tokens<<<unsigned(T), kThreads, 0, s>>>(st->params, st->logits->data(),
                                                   c_.use_selection_bias ? bias.as<float>() : nullptr,
                                                   st->scores->data(), st->p->data(), st->lse->data(),
-                                                  out.topk_ids.as<int32_t>(), out.topk_weights.as<float>(),
-                                                  st->counts->data());
+                                                  out.topk_ids.as<int32_t>(), st->ids->data(),
+                                                  out.topk_weights.as<float>(), st->counts->data());
     MOKA_CUDA_CHECK_LAUNCH();
-    MOKA_CUDA_CHECK(cudaMemcpyAsync(st->ids->data(), out.topk_ids.data, T * k * sizeof(int32_t),
-                                    cudaMemcpyDeviceToDevice, s));
-    if (!out.expert_counts.empty())
-      MOKA_CUDA_CHECK(cudaMemcpyAsync(out.expert_counts.data, st->counts->data(), E * sizeof(int32_t),
-                                      cudaMemcpyDeviceToDevice, s));
     router_losses<<<1, 256, 0, s>>>(st->params, st->p->data(), st->lse->data(), st->counts->data(),
-                                    st->mean_p->data(), st->losses_dev->data());
+                                    st->mean_p->data(), st->losses_dev->data(), out.expert_counts.as<int32_t>(),
+                                    out.expert_load.as<int64_t>());
     MOKA_CUDA_CHECK_LAUNCH();
     return st;
   }
 
   void backward(const RouterContext& saved, const TensorView& d_weights, const TensorView& d_x,
-                const TensorView& d_w, Stream stream) override {
+                const TensorView& d_w, Stream stream, bool add_to_d_x) override {
     const auto* st = dynamic_cast<const CudaRouterState*>(&saved);
     require(st != nullptr, ErrorCode::invalid_argument, "router backward got a context from another router");
     const Device dev = Device::cuda(device_);
@@ -281,10 +284,11 @@ class CudaRouter final : public Router {
     MOKA_CUDA_CHECK_LAUNCH();
     MOKA_CUBLAS_CHECK(cublasSetStream(cublas_, s));
     const float one = 1.0f, zero = 0.0f;
-    // d_x^T [H, T] = W^T (W as column-major [H, E]) d_logits^T (as [E, T]).
+    // d_x^T [H, T] (+)= W^T (W as column-major [H, E]) d_logits^T (as [E, T]); adding in the
+    // GEMM's fp32 epilogue rounds the sum to bf16 once.
     MOKA_CUBLAS_CHECK(cublasGemmEx(cublas_, CUBLAS_OP_N, CUBLAS_OP_N, int(H), int(T), int(E), &one, st->w_router,
-                                   CUDA_R_16BF, int(H), d_logits.data(), CUDA_R_16BF, int(E), &zero, d_x.data, CUDA_R_16BF,
-                                   int(H), CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT));
+                                   CUDA_R_16BF, int(H), d_logits.data(), CUDA_R_16BF, int(E), add_to_d_x ? &one : &zero,
+                                   d_x.data, CUDA_R_16BF, int(H), CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT));
     // d_W^T [H, E] = x^T (as [H, T]) d_logits (as [E, T])^T.
     MOKA_CUBLAS_CHECK(cublasGemmEx(cublas_, CUBLAS_OP_N, CUBLAS_OP_T, int(H), int(E), int(T), &one, st->x,
                                    CUDA_R_16BF, int(H), d_logits.data(), CUDA_R_16BF, int(E), &zero, d_w.data, CUDA_R_16BF,
