@@ -223,6 +223,7 @@ struct CudaEngine::Impl {
   DeviceArray<bf16> moe_out, d_out16, dx16, dx_router16;
   DeviceArray<double> partials, scalars;  // scalars: [0] cross-entropy, [1] grad sum of squares, [2] stats
   DeviceArray<double> router_losses_dev;  // per MoE layer {aux, z} of the last forward
+  DeviceArray<float> gain_partials;       // the norm backward's scratch
   DeviceParam *embed = nullptr, *final_norm = nullptr, *head = nullptr;
   // The optimizer's view of every tensor (a device table of slots, one AdamW launch).
   std::vector<cuda::TensorSlot> slots;
@@ -404,6 +405,7 @@ struct CudaEngine::Impl {
     partials = DeviceArray<double>(std::max<int64_t>(int64_t(params.size()), 1) * cuda::kReduceBlocks);
     scalars = DeviceArray<double>(4);
     router_losses_dev = DeviceArray<double>(std::max<int64_t>(2 * moe_layers, 1));
+    gain_partials = DeviceArray<float>(cuda::kNormGainChunks * d);
   }
 
   void build_slots() {
@@ -564,7 +566,7 @@ struct CudaEngine::Impl {
     cuda::NormGrad dy;
     dy.f32 = dx;
     cuda::rmsnorm_backward(L.attn_in.data(), L.attn_norm->value.data(), L.attn_inv_rms.data(), dy, N, c.d_model, true,
-                           d_res.data(), d_out16.data(), L.attn_norm->grad.data(), stream);
+                           d_res.data(), d_out16.data(), L.attn_norm->grad.data(), gain_partials.data(), stream);
     MOKA_CUDA_CHECK_LAUNCH();
   }
 
@@ -610,7 +612,7 @@ struct CudaEngine::Impl {
     }
     mark(Stage::norms_backward);
     cuda::rmsnorm_backward(L.ffn_in.data(), L.ffn_norm->value.data(), L.ffn_inv_rms.data(), dy, N, H, true,
-                           d_res.data(), nullptr, L.ffn_norm->grad.data(), stream);
+                           d_res.data(), nullptr, L.ffn_norm->grad.data(), gain_partials.data(), stream);
     MOKA_CUDA_CHECK_LAUNCH();
   }
 
@@ -668,7 +670,7 @@ struct CudaEngine::Impl {
     cuda::NormGrad dy;
     dy.f32 = d_tmp.data();
     cuda::rmsnorm_backward(h.data(), final_norm->value.data(), final_inv_rms.data(), dy, N, H, false, d_res.data(),
-                           d_out16.data(), final_norm->grad.data(), stream);
+                           d_out16.data(), final_norm->grad.data(), gain_partials.data(), stream);
     MOKA_CUDA_CHECK_LAUNCH();
     for (auto it = layers.rbegin(); it != layers.rend(); ++it) {
       ffn_backward(*it);

@@ -1,6 +1,7 @@
 #include <cfloat>
 #include <cmath>
 
+#include "cuda/common/check.hpp"
 #include "train/cuda_kernels.cuh"
 
 namespace moka::train::cuda {
@@ -108,13 +109,25 @@ __global__ void rmsnorm_backward_rows(const float* x, const float* gain, const f
   }
 }
 
-// One thread per column, rows in order.
-__global__ void rmsnorm_gain_grad(const float* x, const float* inv_rms, NormGrad dy, int64_t rows, int64_t d,
-                                  float* d_gain) {
+// Pass 1 of the gain gradient: thread (column, chunk) sums dy*xhat over the chunk's rows in
+// order; pass 2 sums the chunks in order. The chunks give the GPU d * kNormGainChunks threads:
+// d threads alone, each a chain of `rows` dependent adds, leave it nearly idle.
+__global__ void rmsnorm_gain_partials(const float* x, const float* inv_rms, NormGrad dy, int64_t rows, int64_t d,
+                                      float* partials) {
+  const int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (i >= d) return;
+  const int64_t per_chunk = (rows + kNormGainChunks - 1) / kNormGainChunks;
+  const int64_t first = blockIdx.y * per_chunk, last = min(rows, first + per_chunk);
+  float acc = 0;
+  for (int64_t r = first; r < last; ++r) acc += norm_grad_at(dy, r * d + i) * x[r * d + i] * inv_rms[r];
+  partials[blockIdx.y * d + i] = acc;
+}
+
+__global__ void rmsnorm_gain_sum(const float* partials, int64_t d, float* d_gain) {
   const int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
   if (i >= d) return;
   float acc = 0;
-  for (int64_t r = 0; r < rows; ++r) acc += norm_grad_at(dy, r * d + i) * x[r * d + i] * inv_rms[r];
+  for (int c = 0; c < kNormGainChunks; ++c) acc += partials[c * d + i];
   d_gain[i] = acc;
 }
 
@@ -131,19 +144,52 @@ __device__ float dot(const float* a, const float* b, int64_t n) {
   return s;
 }
 
+// The rows of one head's K or V: row j at base + j * pitch.
+struct HeadRows {
+  const float* base;
+  int64_t pitch;
+  __device__ const float* row(int64_t j) const { return base + j * pitch; }
+};
+
+// K and V of sequence b, head h: copied into shared memory when the launch gave it (rows padded
+// by one float, so lanes reading element c of different rows hit different banks: the dot
+// products below read one row per lane), else read where they are. The same values either way,
+// so the same bits.
+__device__ void stage_kv(const AttnDims& a, int64_t b, int64_t h, const float* k, const float* v, bool staged,
+                         float* smem, HeadRows& K, HeadRows& V) {
+  if (!staged) {
+    K = {k + a.at(b, h, 0), a.width()};
+    V = {v + a.at(b, h, 0), a.width()};
+    return;
+  }
+  const int64_t pitch = a.hd + 1;
+  float *ks = smem, *vs = smem + a.seq * pitch;
+  for (int64_t e = threadIdx.x; e < a.seq * a.hd; e += blockDim.x) {
+    const int64_t j = e / a.hd, c = e % a.hd;
+    ks[j * pitch + c] = k[a.at(b, h, j) + c];
+    vs[j * pitch + c] = v[a.at(b, h, j) + c];
+  }
+  __syncthreads();
+  K = {ks, pitch};
+  V = {vs, pitch};
+}
+
 // Block per (sequence, head); warp per query row. Lanes split the keys for scores and softmax,
 // then the head dims for the weighted sum of values.
 __global__ void attention_forward_kernel(AttnDims a, const float* q, const float* k, const float* v, float* probs,
-                                         float* out) {
+                                         float* out, bool staged) {
+  extern __shared__ float smem[];
   const int64_t bh = blockIdx.x, b = bh / a.heads, h = bh % a.heads, S = a.seq;
   const int lane = threadIdx.x & 31;
   const float scale = 1.0f / sqrtf(float(a.hd));
+  HeadRows K, V;
+  stage_kv(a, b, h, k, v, staged, smem, K, V);
   for (int64_t i = threadIdx.x / 32; i < S; i += kWarps) {
     float* P = probs + (bh * S + i) * S;
     const float* qi = q + a.at(b, h, i);
     float mx = -FLT_MAX;
     for (int64_t j = lane; j <= i; j += 32) {
-      const float s = dot(qi, k + a.at(b, h, j), a.hd) * scale;
+      const float s = dot(qi, K.row(j), a.hd) * scale;
       P[j] = s;
       mx = fmaxf(mx, s);
     }
@@ -155,7 +201,7 @@ __global__ void attention_forward_kernel(AttnDims a, const float* q, const float
     __syncwarp();
     for (int64_t c = lane; c < a.hd; c += 32) {
       float o = 0;
-      for (int64_t j = 0; j <= i; ++j) o += P[j] * v[a.at(b, h, j) + c];
+      for (int64_t j = 0; j <= i; ++j) o += P[j] * V.row(j)[c];
       out[a.at(b, h, i) + c] = o;
     }
   }
@@ -166,17 +212,20 @@ __global__ void attention_forward_kernel(AttnDims a, const float* q, const float
 // dk_j = sum_i dS[i, j] q_i and dv_j = sum_i P[i, j] dO_i over i >= j, in order.
 __global__ void attention_backward_kernel(AttnDims a, const float* q, const float* k, const float* v,
                                           const float* probs, const float* d_out, float* d_scores, float* dq, float* dk,
-                                          float* dv) {
+                                          float* dv, bool staged) {
+  extern __shared__ float smem[];
   const int64_t bh = blockIdx.x, b = bh / a.heads, h = bh % a.heads, S = a.seq;
   const int lane = threadIdx.x & 31;
   const float scale = 1.0f / sqrtf(float(a.hd));
+  HeadRows K, V;
+  stage_kv(a, b, h, k, v, staged, smem, K, V);
   const float* P = probs + bh * S * S;
   float* dS = d_scores + bh * S * S;
   for (int64_t i = threadIdx.x / 32; i < S; i += kWarps) {
     const float* doi = d_out + a.at(b, h, i);
     float row_dot = 0;
     for (int64_t j = lane; j <= i; j += 32) {
-      const float dp = dot(doi, v + a.at(b, h, j), a.hd);
+      const float dp = dot(doi, V.row(j), a.hd);
       dS[i * S + j] = dp;
       row_dot += dp * P[i * S + j];
     }
@@ -185,7 +234,7 @@ __global__ void attention_backward_kernel(AttnDims a, const float* q, const floa
     __syncwarp();
     for (int64_t c = lane; c < a.hd; c += 32) {
       float acc = 0;
-      for (int64_t j = 0; j <= i; ++j) acc += dS[i * S + j] * k[a.at(b, h, j) + c];
+      for (int64_t j = 0; j <= i; ++j) acc += dS[i * S + j] * K.row(j)[c];
       dq[a.at(b, h, i) + c] = acc;
     }
   }
@@ -322,23 +371,41 @@ void residual_rmsnorm_forward(const float* x, ResidualDelta delta, float* sum, f
 }
 
 void rmsnorm_backward(const float* x, const float* gain, const float* inv_rms, NormGrad dy, int64_t rows, int64_t d,
-                      bool accumulate, float* dx, bf16* dx16, float* d_gain, cudaStream_t s) {
+                      bool accumulate, float* dx, bf16* dx16, float* d_gain, float* gain_partials, cudaStream_t s) {
   rmsnorm_backward_rows<<<blocks_for(rows, kWarps), kThreads, 0, s>>>(x, gain, inv_rms, dy, rows, d, accumulate, dx,
                                                                        dx16);
-  rmsnorm_gain_grad<<<blocks_for(d), kThreads, 0, s>>>(x, inv_rms, dy, rows, d, d_gain);
+  rmsnorm_gain_partials<<<dim3(blocks_for(d), kNormGainChunks), kThreads, 0, s>>>(x, inv_rms, dy, rows, d,
+                                                                                   gain_partials);
+  rmsnorm_gain_sum<<<blocks_for(d), kThreads, 0, s>>>(gain_partials, d, d_gain);
+}
+
+// The shared memory that stages one head's K and V (stage_kv), or 0 when it exceeds what a
+// block of `kernel` may have: the kernel then reads them from global memory.
+template <typename Kernel>
+size_t kv_staging_bytes(Kernel kernel, int64_t seq, int64_t head_dim) {
+  const size_t bytes = size_t(2 * seq * (head_dim + 1)) * sizeof(float);
+  int device = 0, limit = 0;
+  MOKA_CUDA_CHECK(cudaGetDevice(&device));
+  MOKA_CUDA_CHECK(cudaDeviceGetAttribute(&limit, cudaDevAttrMaxSharedMemoryPerBlockOptin, device));
+  if (bytes > size_t(limit)) return 0;
+  MOKA_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(bytes)));
+  return bytes;
 }
 
 void attention_forward(const float* q, const float* k, const float* v, int64_t batch, int64_t seq, int64_t heads,
                        int64_t head_dim, float* probs, float* out, cudaStream_t s) {
-  attention_forward_kernel<<<unsigned(batch * heads), kThreads, 0, s>>>({batch, seq, heads, head_dim}, q, k, v, probs,
-                                                                         out);
+  const size_t smem = kv_staging_bytes(attention_forward_kernel, seq, head_dim);
+  attention_forward_kernel<<<unsigned(batch * heads), kThreads, smem, s>>>({batch, seq, heads, head_dim}, q, k, v,
+                                                                            probs, out, smem > 0);
 }
 
 void attention_backward(const float* q, const float* k, const float* v, const float* probs, const float* d_out,
                         int64_t batch, int64_t seq, int64_t heads, int64_t head_dim, float* d_scores, float* dq,
                         float* dk, float* dv, cudaStream_t s) {
-  attention_backward_kernel<<<unsigned(batch * heads), kThreads, 0, s>>>({batch, seq, heads, head_dim}, q, k, v, probs,
-                                                                          d_out, d_scores, dq, dk, dv);
+  const size_t smem = kv_staging_bytes(attention_backward_kernel, seq, head_dim);
+  attention_backward_kernel<<<unsigned(batch * heads), kThreads, smem, s>>>({batch, seq, heads, head_dim}, q, k, v,
+                                                                             probs, d_out, d_scores, dq, dk, dv,
+                                                                             smem > 0);
 }
 
 void cross_entropy(const float* logits, const int32_t* targets, int64_t rows, int64_t vocab, float* row_loss,

@@ -42,9 +42,13 @@ struct NormGrad {
   const bf16* b16[2] = {nullptr, nullptr};
 };
 // dx = inv_rms * (gain*dy - xhat * mean(gain*dy*xhat)), written or (accumulate) added, and its
-// bf16 copy into dx16 when given; d_gain = sum over rows of dy*xhat (overwritten).
+// bf16 copy into dx16 when given; d_gain = sum over rows of dy*xhat (overwritten), summed in
+// kNormGainChunks chunks of rows, each in row order, then the chunks in order; gain_partials:
+// scratch of kNormGainChunks * d floats.
+inline constexpr int kNormGainChunks = 64;
 void rmsnorm_backward(const float* x, const float* gain, const float* inv_rms, NormGrad dy, int64_t rows, int64_t d,
-                      bool accumulate, float* dx, bf16* dx16, float* d_gain, cudaStream_t stream);
+                      bool accumulate, float* dx, bf16* dx16, float* d_gain, float* gain_partials,
+                      cudaStream_t stream);
 
 // Causal softmax attention, scale 1/sqrt(head_dim); q, k, v, out: [batch*seq, heads*head_dim];
 // probs: [batch*heads, seq, seq] (zeros above the diagonal), kept for backward.

@@ -105,7 +105,9 @@ TEST(TrainGpuStages, ResidualRmsNormForwardAndBackward) {
     } else {
       ng.f32 = gdy.p;
     }
-    kern::rmsnorm_backward(gsaved.p, gg.p, ginv.p, ng, rows, d, true, gdx.p, gdx16.data(), gdgain.p, nullptr);
+    DeviceFloats gain_partials(kern::kNormGainChunks * d);
+    kern::rmsnorm_backward(gsaved.p, gg.p, ginv.p, ng, rows, d, true, gdx.p, gdx16.data(), gdgain.p, gain_partials.p,
+                           nullptr);
     ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
     EXPECT_EQ(gh.host(), sum);  // the residual stream, updated in place: one f32 add per element
     EXPECT_EQ(gsaved.host(), sum);
@@ -121,27 +123,31 @@ TEST(TrainGpuStages, ResidualRmsNormForwardAndBackward) {
   }
 }
 
+// Both ways the kernels read K and V: staged in shared memory (the first shape) and from global
+// memory where one head's K and V exceed a block's shared memory (the second).
 TEST(TrainGpuStages, CausalAttentionForwardAndBackward) {
   ASSERT_TRUE(moka::cuda_backend_available());
   std::mt19937_64 rng(fresh_seed());
   // seq > 32 and head_dim > 32 exercise the lane loops of both kernels.
-  const dense::AttentionDims a{3, 45, 2, 40};
-  const size_t n = a.tokens() * a.width(), np = a.batch * a.heads * a.seq * a.seq;
-  const auto q = normal(n, rng), k = normal(n, rng), v = normal(n, rng), dout = normal(n, rng);
-  std::vector<float> probs(np), out(n), dq(n), dk(n), dv(n);
-  dense::causal_attention(q.data(), k.data(), v.data(), a, probs.data(), out.data(), 1);
-  dense::causal_attention_backward(q.data(), k.data(), v.data(), probs.data(), dout.data(), a, dq.data(), dk.data(),
-                                   dv.data(), 1);
-  DeviceFloats gq(q), gk(k), gv(v), gdout(dout), gprobs(np), gout(n), gds(np), gdq(n), gdk(n), gdv(n);
-  kern::attention_forward(gq.p, gk.p, gv.p, a.batch, a.seq, a.heads, a.head_dim, gprobs.p, gout.p, nullptr);
-  kern::attention_backward(gq.p, gk.p, gv.p, gprobs.p, gdout.p, a.batch, a.seq, a.heads, a.head_dim, gds.p, gdq.p,
-                           gdk.p, gdv.p, nullptr);
-  ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
-  EXPECT_LT(rel_error(gprobs.host(), probs), kFp32Tolerance);  // zeros above the diagonal included
-  EXPECT_LT(rel_error(gout.host(), out), kFp32Tolerance);
-  EXPECT_LT(rel_error(gdq.host(), dq), kFp32Tolerance);
-  EXPECT_LT(rel_error(gdk.host(), dk), kFp32Tolerance);
-  EXPECT_LT(rel_error(gdv.host(), dv), kFp32Tolerance);
+  for (const dense::AttentionDims a : {dense::AttentionDims{3, 45, 2, 40}, dense::AttentionDims{1, 3000, 1, 16}}) {
+    SCOPED_TRACE("seq " + std::to_string(a.seq));
+    const size_t n = a.tokens() * a.width(), np = a.batch * a.heads * a.seq * a.seq;
+    const auto q = normal(n, rng), k = normal(n, rng), v = normal(n, rng), dout = normal(n, rng);
+    std::vector<float> probs(np), out(n), dq(n), dk(n), dv(n);
+    dense::causal_attention(q.data(), k.data(), v.data(), a, probs.data(), out.data(), 2);
+    dense::causal_attention_backward(q.data(), k.data(), v.data(), probs.data(), dout.data(), a, dq.data(), dk.data(),
+                                     dv.data(), 2);
+    DeviceFloats gq(q), gk(k), gv(v), gdout(dout), gprobs(np), gout(n), gds(np), gdq(n), gdk(n), gdv(n);
+    kern::attention_forward(gq.p, gk.p, gv.p, a.batch, a.seq, a.heads, a.head_dim, gprobs.p, gout.p, nullptr);
+    kern::attention_backward(gq.p, gk.p, gv.p, gprobs.p, gdout.p, a.batch, a.seq, a.heads, a.head_dim, gds.p, gdq.p,
+                             gdk.p, gdv.p, nullptr);
+    ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+    EXPECT_LT(rel_error(gprobs.host(), probs), kFp32Tolerance);  // zeros above the diagonal included
+    EXPECT_LT(rel_error(gout.host(), out), kFp32Tolerance);
+    EXPECT_LT(rel_error(gdq.host(), dq), kFp32Tolerance);
+    EXPECT_LT(rel_error(gdk.host(), dk), kFp32Tolerance);
+    EXPECT_LT(rel_error(gdv.host(), dv), kFp32Tolerance);
+  }
 }
 
 TEST(TrainGpuStages, CrossEntropyAndItsGradient) {
