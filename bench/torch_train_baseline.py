@@ -86,8 +86,10 @@ class Model(torch.nn.Module):
         o = F.scaled_dot_product_attention(split(q), split(k), split(v), is_causal=True)
         return o.transpose(1, 2).reshape(B * S, -1) @ L.out.t()
 
-    def ffn(s, L, x, counts_out):
+    def ffn(s, L, x):
+        """The FFN's output and, in an MoE layer, its tokens per expert (else None)."""
         bf = torch.bfloat16
+        counts = None
         if not hasattr(L, "router"):
             ids = torch.zeros(x.shape[0], 1, dtype=torch.int32, device=x.device)
             w = torch.ones(x.shape[0], 1, device=x.device)
@@ -96,9 +98,11 @@ class Model(torch.nn.Module):
             ids = torch.topk(scores.detach() + L.bias, s.a.top_k, dim=-1).indices
             w = scores.gather(1, ids)
             w = w / w.sum(-1, keepdim=True)
-            counts_out.append(torch.bincount(ids.flatten(), minlength=L.router.shape[0]))
+            # A fixed-size count (scatter, not bincount): no data-dependent shape for torch.compile.
+            counts = torch.zeros(L.router.shape[0], dtype=torch.int64, device=x.device).scatter_add_(
+                0, ids.flatten(), torch.ones(ids.numel(), dtype=torch.int64, device=x.device))
             ids = ids.to(torch.int32)
-        return moe(x.to(bf), ids, w, L.w_gu.to(bf), L.w_d.to(bf), None, False).float()
+        return moe(x.to(bf), ids, w, L.w_gu.to(bf), L.w_d.to(bf), None, False).float(), counts
 
     def forward(s, tokens, targets):
         """The loss and, per MoE layer in order, its tokens per expert."""
@@ -107,7 +111,10 @@ class Model(torch.nn.Module):
         counts = []
         for L in s.layers:
             h = h + s.attention(L, rmsnorm(h, L.attn_norm), B, S)
-            h = h + s.ffn(L, rmsnorm(h, L.ffn_norm), counts)
+            y, c = s.ffn(L, rmsnorm(h, L.ffn_norm))
+            h = h + y
+            if c is not None:
+                counts.append(c)
         logits = rmsnorm(h, s.final_norm) @ s.head.t()
         return F.cross_entropy(logits, targets.flatten()), counts
 
@@ -185,6 +192,10 @@ def main():
               "torch": torch.__version__,
               "precision": "fp32 master, TF32 dense + fp32 SDPA, bf16 experts (torch._grouped_mm)" if dev == "cuda"
               else "fp32 master, fp32 dense, bf16 experts (looped)"}
+    # The MoE layer's bincount has a data-dependent shape: dynamo breaks the graph there in every
+    # layer and recompiles the frame after the break per layer; the default limit of 8 left the
+    # rest of the step eager (partly compiled). A higher limit compiles every piece.
+    torch._dynamo.config.recompile_limit = 64
     for mode in modes:
         tps, seconds, warmup, loss = tokens_per_s(a, dev, mode == "compile")
         result[f"torch_{mode}_tokens_per_s"] = tps

@@ -23,6 +23,37 @@ TEST(TrainLoop, CheckpointResumeIsBitwiseIdentical) {
                                                  "moka_resume_test.safetensors");
 }
 
+// The CPU engine's profile: each stage of a step on the host clock, the stage times summing to
+// the step, every step's report filled whether or not it is asked to read (nothing to wait for).
+TEST(TrainLoop, CpuProfileTimesEveryStage) {
+  MOKA_REQUIRE_CORPUS(text);
+  auto config = tiny_train_config(Parameterization::mup, 1e-2);
+  config.profile = true;
+  config.ema_decay = 0.9;
+  Trainer trainer(config, *text);
+  for (int s = 0; s < 3; ++s) EXPECT_TRUE(std::isfinite(trainer.step(nullptr, false).loss));
+  const StepProfile p = trainer.profile();
+  EXPECT_EQ(p.steps, 3);
+  EXPECT_EQ(p.mode, "cpu");
+  EXPECT_EQ(p.launches_per_step, -1);
+  double staged = 0;
+  for (int i = 0; i < kStageCount; ++i) staged += p.ms[i];
+  for (Stage s : {Stage::embedding_forward, Stage::norms_forward, Stage::attention_forward, Stage::moe_forward,
+                  Stage::head_loss_forward, Stage::head_loss_backward, Stage::moe_backward, Stage::norms_backward,
+                  Stage::attention_backward, Stage::embedding_backward, Stage::optimizer, Stage::ema,
+                  Stage::router_bias})
+    EXPECT_GT(p.ms[size_t(s)], 0.0) << stage_name(s);
+  EXPECT_LE(staged, p.step_ms * (1 + 1e-9));
+  EXPECT_GT(staged, 0.9 * p.step_ms);  // the marks cover the step
+  const auto json = p.to_json();
+  EXPECT_EQ(json["stages"].size(), size_t(kStageCount));
+  EXPECT_EQ(json["stages"][0]["stage"], "embedding forward");
+  EXPECT_NE(p.table().find("router bias"), std::string::npos);
+  Trainer unprofiled(tiny_train_config(Parameterization::mup, 1e-2), *text);
+  unprofiled.step();
+  EXPECT_EQ(unprofiled.profile().steps, 0);
+}
+
 TEST(TrainLoop, SafetensorsRoundTripAndHeaderLayout) {
   SafetensorsFile f;
   f.put("w", std::vector<float>{1.5f, -2.f, 3.f, 4.f, 5.f, 6.f}, {2, 3});

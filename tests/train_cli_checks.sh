@@ -91,6 +91,21 @@ case $2 in
     "$moka" train --resume ck.safetensors --steps $((step + 2)) --eval-every 0 $small >out.txt 2>&1 ||
       fail "resuming the checkpoint failed"
     ;;
+  train-profile-prints-stages)
+    # The CPU path of --profile: the table with every stage, and a JSON line a script can read.
+    # shellcheck disable=SC2086
+    "$moka" train --steps 5 --eval-every 0 --log-every 2 --profile $small >out.txt 2>&1 || fail "train --profile failed"
+    for stage in "embedding forward" "attention forward" "MoE forward" "head + loss backward" "MoE backward" \
+      "optimizer" "EMA" "router bias"; do
+      grep -q "^$stage " out.txt || fail "no row for $stage"
+    done
+    grep -q "^profile: 5 steps, cpu, host steady_clock" out.txt || fail "no profile header"
+    command -v python3 >/dev/null || exit 0
+    sed -n 's/^profile json: //p' out.txt >p.json
+    json_check p.json 'd["steps"] == 5 and d["mode"] == "cpu" and d["launches_per_step"] == -1'
+    json_check p.json 'len(d["stages"]) == 14 and all(s["ms_per_step"] >= 0 for s in d["stages"])'
+    json_check p.json 'd["stages"][2]["stage"] == "attention forward" and d["stages"][2]["ms_per_step"] > 0'
+    ;;
   coordcheck-plot-path-is-not-a-shell-command)
     # /bin/echo stands in for python: it passes the matplotlib check and "plots" by printing.
     # shellcheck disable=SC2086

@@ -1,9 +1,11 @@
 // `moka train`: trains the MoE language model on the fortunes text with a progress line (loss,
-// tokens/s, expert load balance), periodic validation, and safetensors checkpoints (at the end,
-// every --save-every steps, and when SIGINT or SIGTERM stops the run).
+// tokens/s, expert load balance, read every --log-every steps: reading waits for the GPU),
+// periodic validation, and safetensors checkpoints (at the end, every --save-every steps, and
+// when SIGINT or SIGTERM stops the run). --profile prints where a step's time goes.
 #include <signal.h>
 
 #include <chrono>
+#include <cmath>
 #include <csignal>
 #include <cstdio>
 #include <filesystem>
@@ -24,6 +26,8 @@ struct TrainCommand {
   int64_t eval_every = 50;
   int eval_batches = 8;
   int64_t save_every = 0;
+  int64_t log_every = 10;
+  bool profile = false;
   std::string save, resume;
 };
 
@@ -70,7 +74,8 @@ void run(TrainCommand& c) {
   if (!c.save.empty()) check_output_path("--save", c.save);
   require(c.resume.empty() || std::filesystem::is_regular_file(c.resume), ErrorCode::invalid_argument,
           "--resume " + c.resume + ": no such file");
-  const auto config = c.options.resolve(c.width_mult);
+  auto config = c.options.resolve(c.width_mult);
+  config.profile = c.profile;
   const auto text = c.options.load_text();
   train::Trainer trainer(config, text);
   const int64_t total = config.schedule.total_steps;
@@ -96,8 +101,15 @@ void run(TrainCommand& c) {
   int64_t tokens = 0, steady_tokens = 0;
   double eval_seconds = 0;
   const StopOnSignal stop;
+  train::StepReport last;  // the last step whose numbers were read
   while (trainer.steps_done() < total) {
-    const auto r = trainer.step();
+    const int64_t step = trainer.steps_done() + 1;
+    const bool evaluating = c.eval_every > 0 && (step % c.eval_every == 0 || step == total);
+    // Read at the first step, at the throughput clock's start, every --log-every steps and before
+    // validating or stopping.
+    const bool read = step == 1 || step == kWarmupSteps || step % c.log_every == 0 || step == total || evaluating;
+    const auto r = trainer.step(nullptr, read);
+    if (!std::isnan(r.loss)) last = r;
     if (stop.signal()) {
       progress.finish();
       if (!c.save.empty()) save();
@@ -109,8 +121,8 @@ void run(TrainCommand& c) {
     if (r.step + 1 == kWarmupSteps) steady_start = clock::now();
     if (r.step + 1 > kWarmupSteps) steady_tokens += r.tokens;
     const double seconds = std::chrono::duration<double>(clock::now() - start).count();
-    progress.update(progress_text(r, double(tokens) / seconds), int(r.step + 1), int(total));
-    if (c.eval_every > 0 && ((r.step + 1) % c.eval_every == 0 || r.step + 1 == total)) {
+    progress.update(progress_text(last, double(tokens) / seconds), int(r.step + 1), int(total));
+    if (evaluating) {
       progress.finish();
       const auto eval_start = clock::now();
       std::cout << "step " << r.step + 1 << ": train loss " << r.cross_entropy << ", validation loss "
@@ -127,9 +139,15 @@ void run(TrainCommand& c) {
   progress.finish();
   if (steady_tokens > 0) {
     const double seconds = std::chrono::duration<double>(clock::now() - steady_start).count() - eval_seconds;
-    std::printf("throughput: %.0f tokens/s (steps %lld-%lld, %s backend, validation excluded)\n",
+    std::printf("throughput: %.0f tokens/s (steps %lld-%lld, %s backend%s, validation excluded%s)\n",
                 double(steady_tokens) / seconds, (long long)kWarmupSteps + 1, (long long)total,
-                to_string(config.backend));
+                to_string(config.backend),
+                config.backend == Backend::cuda ? (config.cuda_graph ? ", CUDA graph" : ", eager") : "",
+                c.profile && config.backend == Backend::cuda ? "; profiled: each step waited for" : "");
+  }
+  if (c.profile) {
+    const auto profile = trainer.profile();
+    std::cout << profile.table() << "profile json: " << profile.to_json().dump() << std::endl;
   }
   if (!c.save.empty()) save();
 }
@@ -154,6 +172,13 @@ void register_train(CLI::App& app) {
       ->check(at_least(0))
       ->needs(save);
   cmd->add_option("--resume", c->resume, "continue from a checkpoint of the same model (bit-exact)");
+  cmd->add_option("--log-every", c->log_every,
+                  "read the loss for the progress line every N steps (reading waits for the GPU)")
+      ->capture_default_str()
+      ->check(at_least(1));
+  cmd->add_flag("--profile", c->profile,
+                "time every stage of each step (CUDA events on the GPU, which then waits for every step) and count "
+                "kernel launches and host synchronizations; prints a table and a JSON line at the end");
   cmd->callback([c] { run(*c); });
 }
 

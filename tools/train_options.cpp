@@ -148,6 +148,11 @@ void add_train_options(CLI::App* cmd, TrainCliOptions& o, SharedOptions which) {
   cmd->add_option("--seed", o.train.seed, "init and data seed")->capture_default_str();
   cmd->add_option("--threads", o.train.threads, "CPU threads per run")->capture_default_str()->check(one_or_more);
   cmd->add_option("--backend", o.backend, "cpu | cuda")->capture_default_str()->check(CLI::IsMember({"cpu", "cuda"}));
+  cmd->add_option("--cuda-graph", o.cuda_graph,
+                  "on: with --backend cuda, capture the training step in one CUDA graph and replay it (the same bits "
+                  "as off)")
+      ->capture_default_str()
+      ->check(CLI::IsMember({"on", "off"}));
   cmd->add_option("--data", o.data_dir, "fortune text folder (default: $MOKA_TEXT_DIR or the fortunes package)");
   cmd->add_option("--max-bytes", o.max_bytes, "load only this much text (0 = all)")
       ->capture_default_str()
@@ -159,6 +164,7 @@ train::TrainConfig TrainCliOptions::resolve(int64_t multiplier) {
           "--top-k " + std::to_string(base.top_k) + " exceeds --experts " + std::to_string(base.num_experts));
   train::TrainConfig t = train;
   t.backend = parse_backend(backend);
+  t.cuda_graph = cuda_graph == "on";
   t.base = base;
   t.base.attention = attention == "mla" ? train::AttentionKind::mla : train::AttentionKind::mha;
   t.model = train::scale_width(t.base, multiplier);

@@ -33,6 +33,10 @@ class RouterContext {
  public:
   virtual ~RouterContext() = default;
   virtual RouterLosses losses() const = 0;  // GPU: waits for the forward's stream
+  // The losses where the device computed them, {aux_loss, z_loss} as two doubles, written in the
+  // forward's stream order: a caller that must not wait (a captured CUDA graph) copies them from
+  // here. Null on the CPU.
+  virtual const double* device_losses() const { return nullptr; }
 };
 
 class Router {

@@ -5,9 +5,11 @@
 
 #include <algorithm>
 #include <array>
+#include <chrono>
 #include <cmath>
 #include <cstring>
 #include <utility>
+#include <vector>
 
 #include "cuda/common/check.hpp"
 #include "cuda/common/device_memory.hpp"
@@ -19,6 +21,7 @@ namespace {
 using cuda::bf16;
 
 using ::moka::cuda::DeviceArray;
+using ::moka::cuda::PinnedArray;
 
 // The FFN and router tensors are read by moka's bf16 layers: they keep a bf16 copy of the
 // master weights and receive bf16 gradients.
@@ -54,6 +57,110 @@ float bf16_to_float(bf16 b) {
   return f;
 }
 
+
+// Every launch the captured step holds: kernels, memsets and memcpys (the event records that
+// mark stages and the graph's memory nodes are not launches).
+int64_t launches_in(cudaGraph_t graph) {
+  size_t n = 0;
+  MOKA_CUDA_CHECK(cudaGraphGetNodes(graph, nullptr, &n));
+  std::vector<cudaGraphNode_t> nodes(n);
+  MOKA_CUDA_CHECK(cudaGraphGetNodes(graph, nodes.data(), &n));
+  int64_t launches = 0;
+  for (auto node : nodes) {
+    cudaGraphNodeType type;
+    MOKA_CUDA_CHECK(cudaGraphNodeGetType(node, &type));
+    launches += type == cudaGraphNodeTypeKernel || type == cudaGraphNodeTypeMemset || type == cudaGraphNodeTypeMemcpy;
+  }
+  return launches;
+}
+
+// The GPU engine's stage clock: each mark records an event on the engine's stream (inside a
+// capture, an event-record node of the graph, so every replay records it). After the step has
+// finished, the time between consecutive marks is the earlier mark's stage's. While counting, a
+// mark also notes how many launches the capture holds so far.
+class DeviceStageClock final : public StageMarker {
+ public:
+  struct Mark {
+    int stage;  // -1: the step's end
+    cudaEvent_t event;
+    int64_t launches_before;
+  };
+  DeviceStageClock(cudaStream_t stream, StepProfile& profile) : stream_(stream), profile_(profile) {}
+  ~DeviceStageClock() {
+    for (auto* pool : {&eager_, &captured_})
+      for (auto e : *pool) cudaEventDestroy(e);
+  }
+  DeviceStageClock(const DeviceStageClock&) = delete;
+  DeviceStageClock& operator=(const DeviceStageClock&) = delete;
+
+  void new_step() {
+    marks_.clear();
+    next_eager_ = 0;
+  }
+  // While the stream is capturing, marks become event-record nodes of the graph.
+  void set_capture(bool capture) { capture_ = capture; }
+  void mark(Stage s) override { record(int(s)); }
+  // The marks so far, handed over; end() first marks the end of the step.
+  std::vector<Mark> take() { return std::exchange(marks_, {}); }
+  std::vector<Mark> end() {
+    record(-1);
+    return take();
+  }
+
+  // After the marks' work has finished: adds each stage's time (and, from a capture's marks,
+  // its launches) to the profile.
+  void accumulate(const std::vector<Mark>& marks) {
+    for (size_t i = 0; i + 1 < marks.size(); ++i) {
+      float ms = 0;
+      MOKA_CUDA_CHECK(cudaEventElapsedTime(&ms, marks[i].event, marks[i + 1].event));
+      profile_.add_stage(Stage(marks[i].stage), ms);
+    }
+    float total = 0;
+    MOKA_CUDA_CHECK(cudaEventElapsedTime(&total, marks.front().event, marks.back().event));
+    profile_.step_ms += total;
+    ++profile_.steps;
+  }
+  void count_launches(const std::vector<Mark>& marks, int64_t launches_per_step) {
+    profile_.launches = {};
+    for (size_t i = 0; i + 1 < marks.size(); ++i)
+      profile_.launches[size_t(marks[i].stage)] += marks[i + 1].launches_before - marks[i].launches_before;
+    profile_.launches_per_step = launches_per_step;
+  }
+
+ private:
+  void record(int stage) {
+    int64_t launches = 0;
+    cudaEvent_t e;
+    if (capture_) {
+      // The graph's node records this event at every replay: it is never recorded eagerly.
+      e = create(captured_);
+      MOKA_CUDA_CHECK(cudaEventRecordWithFlags(e, stream_, cudaEventRecordExternal));
+      cudaStreamCaptureStatus status;
+      cudaGraph_t graph = nullptr;
+      MOKA_CUDA_CHECK(cudaStreamGetCaptureInfo(stream_, &status, nullptr, &graph));
+      launches = launches_in(graph);
+    } else {
+      e = next_eager_ < eager_.size() ? eager_[next_eager_] : create(eager_);
+      ++next_eager_;
+      MOKA_CUDA_CHECK(cudaEventRecord(e, stream_));
+    }
+    marks_.push_back({stage, e, launches});
+  }
+  static cudaEvent_t create(std::vector<cudaEvent_t>& pool) {
+    cudaEvent_t e;
+    MOKA_CUDA_CHECK(cudaEventCreate(&e));
+    pool.push_back(e);
+    return e;
+  }
+
+  cudaStream_t stream_;
+  StepProfile& profile_;
+  std::vector<cudaEvent_t> eager_, captured_;  // eager marks reuse theirs step after step
+  size_t next_eager_ = 0;
+  bool capture_ = false;
+  std::vector<Mark> marks_;
+};
+
 }  // namespace
 
 struct CudaEngine::Impl {
@@ -71,9 +178,12 @@ struct CudaEngine::Impl {
     std::unique_ptr<RouterContext> router_ctx;
     // Saved by forward for backward.
     DeviceArray<float> attn_in, attn_x, attn_inv_rms, q_latent, kv_latent, q, k, v, probs, context;
-    DeviceArray<float> ffn_in, ffn_inv_rms, topk_weights, bias;
+    DeviceArray<float> ffn_in, ffn_inv_rms, topk_weights;
     DeviceArray<bf16> ffn_x;
     DeviceArray<int32_t> topk_ids, counts;
+    // The router's selection bias: f64 as the CPU keeps it, and the f32 copy the router reads.
+    DeviceArray<double> bias64;
+    DeviceArray<float> bias;
   };
 
   TrainConfig config;
@@ -83,19 +193,51 @@ struct CudaEngine::Impl {
   cublasHandle_t cublas = nullptr;
   std::vector<DeviceParam> params;
   std::vector<Layer> layers;
-  std::vector<std::vector<double>> selection_bias;
+  int64_t moe_layers = 0;
   int64_t steps_taken = 0;
   // The engine's stream: every kernel, cuBLAS call and moka layer/router call of a step. A
   // blocking stream, so the engine's host copies (cudaMemcpy) stay ordered with it.
   cudaStream_t stream = nullptr;
+  // cuBLAS's workspace, set by the engine so that a captured step allocates nothing.
+  DeviceArray<unsigned char> cublas_workspace;
 
-  // Batch and scratch.
-  DeviceArray<int32_t> tokens, targets, embed_offsets, embed_positions;
+  // A step's inputs in one device block, copied in one transfer from a pinned staging copy:
+  // StepScalars, then tokens [N], targets [N], embedding offsets [V+1] and positions [N] (each
+  // token's positions in ascending order: the embedding backward sums them in the CPU
+  // reference's order without atomics).
+  static constexpr int64_t kScalarWords = sizeof(cuda::StepScalars) / sizeof(int32_t);
+  int64_t input_words = 0;
+  DeviceArray<int32_t> inputs;
+  PinnedArray<int32_t> staging;
+  cudaEvent_t staging_copied = nullptr;  // the last copy out of `staging` has run
+  cuda::StepScalars scalars_now;
+  const cuda::StepScalars* step_scalars() const { return reinterpret_cast<const cuda::StepScalars*>(inputs.data()); }
+  const int32_t* tokens() const { return inputs.data() + kScalarWords; }
+  const int32_t* targets() const { return tokens() + N; }
+  const int32_t* embed_offsets() const { return targets() + N; }
+  const int32_t* embed_positions() const { return embed_offsets() + c.vocab + 1; }
+
+  // Scratch.
   DeviceArray<float> h, d_res, d_tmp, branch, final_x, final_inv_rms, logits, d_logits, row_loss, d_topk_weights;
   DeviceArray<float> d_context, dq, dk, dv, d_q_latent, d_kv_latent, d_scores, stats_x, stats_logits;
   DeviceArray<bf16> moe_out, d_out16, dx16, dx_router16;
   DeviceArray<double> partials, scalars;  // scalars: [0] cross-entropy, [1] grad sum of squares, [2] stats
+  DeviceArray<double> router_losses_dev;  // per MoE layer {aux, z} of the last forward
+  DeviceArray<float> gain_partials;       // the norm backward's scratch
   DeviceParam *embed = nullptr, *final_norm = nullptr, *head = nullptr;
+  // The optimizer's view of every tensor (a device table of slots, one AdamW launch).
+  std::vector<cuda::TensorSlot> slots;
+  DeviceArray<cuda::TensorSlot> slot_table;
+  int64_t adamw_blocks = 0;
+
+  // The captured step, replayed from the second step on (TrainConfig::cuda_graph).
+  cudaGraphExec_t graph = nullptr;
+  bool warmed_up = false;  // an eager step has run: workspaces and library state are in place
+  // Profiling (TrainConfig::profile).
+  StepProfile profile;
+  std::unique_ptr<DeviceStageClock> clock;
+  std::vector<DeviceStageClock::Mark> graph_marks;  // the captured step's marks
+  int64_t host_syncs = 0;  // the device waits inside steps so far
 
   Impl(const TrainConfig& cfg, const std::vector<TensorRule>& rules) : config(cfg), c(cfg.model) {
     require(cuda_backend_available(), ErrorCode::backend_unavailable,
@@ -105,6 +247,9 @@ struct CudaEngine::Impl {
     MOKA_CUDA_CHECK(cudaStreamCreate(&stream));
     MOKA_CUBLAS_CHECK(cublasCreate(&cublas));
     MOKA_CUBLAS_CHECK(cublasSetStream(cublas, stream));
+    constexpr size_t kCublasWorkspace = size_t(32) << 20;  // what cuBLAS asks for on Hopper
+    cublas_workspace = DeviceArray<unsigned char>(kCublasWorkspace);
+    MOKA_CUBLAS_CHECK(cublasSetWorkspace(cublas, cublas_workspace.data(), kCublasWorkspace));
     N = cfg.batch * cfg.seq;
     require(N > 0, ErrorCode::invalid_argument, "the batch holds no tokens");
 
@@ -142,13 +287,22 @@ struct CudaEngine::Impl {
     head = &at("head");
     build_layers();
     allocate_scratch();
+    build_slots();
+    if (cfg.profile) {
+      profile.clock = "cuda events";
+      profile.mode = cfg.cuda_graph ? "cuda graph" : "eager";
+      clock = std::make_unique<DeviceStageClock>(stream, profile);
+    }
   }
 
   ~Impl() {
     // The layers and routers (and their saved contexts) free stream-ordered scratch on `stream`:
     // they go before it does.
     cudaStreamSynchronize(stream);
+    if (graph) cudaGraphExecDestroy(graph);
+    clock.reset();
     layers.clear();
+    if (staging_copied) cudaEventDestroy(staging_copied);
     cublasDestroy(cublas);
     cudaStreamDestroy(stream);
   }
@@ -190,10 +344,12 @@ struct CudaEngine::Impl {
         const RouterConfig rc{c.d_model, c.num_experts, c.top_k, ScoreFunction::sigmoid, true, true, 1.0, 0.0,
                               c.z_loss_coef};
         L.router_op = make_router(rc, Backend::cuda);
-        L.moe_index = int(selection_bias.size());
-        selection_bias.emplace_back(c.num_experts, 0.0);
+        L.moe_index = int(moe_layers++);
+        L.bias64 = DeviceArray<double>(c.num_experts);
         L.bias = DeviceArray<float>(c.num_experts);
         L.counts = DeviceArray<int32_t>(c.num_experts);
+        MOKA_CUDA_CHECK(cudaMemset(L.bias64.data(), 0, c.num_experts * sizeof(double)));
+        MOKA_CUDA_CHECK(cudaMemset(L.bias.data(), 0, c.num_experts * sizeof(float)));
       }
       L.experts = shape.num_experts;
       L.top_k = shape.top_k;
@@ -228,10 +384,10 @@ struct CudaEngine::Impl {
 
   void allocate_scratch() {
     const int64_t d = c.d_model, W = c.attention_width(), V = c.vocab;
-    tokens = DeviceArray<int32_t>(N);
-    targets = DeviceArray<int32_t>(N);
-    embed_offsets = DeviceArray<int32_t>(V + 1);
-    embed_positions = DeviceArray<int32_t>(N);
+    input_words = kScalarWords + 3 * N + V + 1;
+    inputs = DeviceArray<int32_t>(input_words);
+    staging = PinnedArray<int32_t>(input_words, PinnedArray<int32_t>::unmapped);
+    MOKA_CUDA_CHECK(cudaEventCreateWithFlags(&staging_copied, cudaEventDisableTiming));
     for (auto* a : {&h, &d_res, &d_tmp, &branch, &final_x, &stats_x}) *a = DeviceArray<float>(N * d);
     final_inv_rms = DeviceArray<float>(N);
     logits = DeviceArray<float>(N * V);
@@ -248,6 +404,28 @@ struct CudaEngine::Impl {
     for (auto* a : {&moe_out, &d_out16, &dx16, &dx_router16}) *a = DeviceArray<bf16>(N * d);
     partials = DeviceArray<double>(std::max<int64_t>(int64_t(params.size()), 1) * cuda::kReduceBlocks);
     scalars = DeviceArray<double>(4);
+    router_losses_dev = DeviceArray<double>(std::max<int64_t>(2 * moe_layers, 1));
+    gain_partials = DeviceArray<float>(cuda::kNormGainChunks * d);
+  }
+
+  void build_slots() {
+    for (auto& p : params) {
+      cuda::TensorSlot t;
+      t.value = p.value.data();
+      t.m = p.m.data();
+      t.v = p.v.data();
+      t.ema = p.ema.data();
+      t.shadow = p.bf16_path() ? p.shadow.data() : nullptr;
+      t.grad = p.grad_data();
+      t.grad_bf16 = p.bf16_path();
+      t.n = p.n;
+      t.lr_multiplier = p.rule.lr_multiplier;
+      t.weight_decay_multiplier = p.rule.weight_decay_multiplier;
+      slots.push_back(t);
+    }
+    adamw_blocks = cuda::assign_adamw_blocks(slots.data(), int(slots.size()));
+    slot_table = DeviceArray<cuda::TensorSlot>(slots.size());
+    slot_table.upload(slots);
   }
 
   void refresh_shadows() {
@@ -274,19 +452,24 @@ struct CudaEngine::Impl {
     gemm(CUBLAS_OP_N, CUBLAS_OP_N, in, N, out, w.fwd(), w.value.data(), in, dy, out, accumulate ? 1.0f : 0.0f, dx, in);
     gemm(CUBLAS_OP_N, CUBLAS_OP_T, in, out, N, w.fwd(), x, in, dy, out, 0.0f, w.grad.data(), in);
   }
-  void add(const float* x, int64_t n, float* y) {
-    const float one = 1.0f;
-    MOKA_CUBLAS_CHECK(cublasSaxpy(cublas, int(n), &one, x, 1, y, 1));
-  }
-  void copy(const float* src, int64_t n, float* dst) {
-    MOKA_CUDA_CHECK(cudaMemcpyAsync(dst, src, n * sizeof(float), cudaMemcpyDeviceToDevice, stream));
-  }
   double mean_abs(const void* x, bool is_bf16, int64_t n) {
     cuda::reduce_partials(cuda::ReduceOp::abs, x, is_bf16, n, partials.data(), stream);
     cuda::reduce_finish(partials.data(), cuda::kReduceBlocks, 1.0 / double(n), scalars.data() + 2, stream);
+    return read_scalar(2);
+  }
+  // Waits for the stream, then reads scalars[i] (a host synchronization, counted).
+  double read_scalar(int i) {
     double out = 0;
-    MOKA_CUDA_CHECK(cudaMemcpy(&out, scalars.data() + 2, sizeof(double), cudaMemcpyDeviceToHost));
+    wait_for_device();
+    MOKA_CUDA_CHECK(cudaMemcpy(&out, scalars.data() + i, sizeof(double), cudaMemcpyDeviceToHost));
     return out;
+  }
+  void wait_for_device() {
+    MOKA_CUDA_CHECK(cudaStreamSynchronize(stream));
+    ++host_syncs;
+  }
+  void mark(Stage s) {
+    if (clock) clock->mark(s);
   }
 
   // The FFN's gate, up, down and shared gate, up, down as bf16 device views of the weights
@@ -308,31 +491,35 @@ struct CudaEngine::Impl {
     return TensorView(p, t, dims, Device::cuda(device));
   }
 
-  void upload_batch(const Batch& b) {
+  // The batch and the step's scalars into the device's input block: a host-side counting sort
+  // (each token's positions), the pinned staging copy, one asynchronous transfer. The host waits
+  // only when the previous transfer out of the staging copy has not run yet.
+  void stage_inputs(const Batch& b) {
     require(b.tokens() == N && int64_t(b.inputs.size()) == N && int64_t(b.targets.size()) == N,
             ErrorCode::shape_mismatch,
             "the CUDA engine was sized for " + std::to_string(N) + " tokens per batch, got " + std::to_string(b.tokens()));
     const int64_t V = c.vocab;
-    // Each token's positions in ascending order (a counting sort): the embedding backward
-    // sums them in the CPU reference's order without atomics.
-    std::vector<int32_t> offsets(V + 1, 0), positions(N);
-    for (int32_t t : b.inputs) {
+    for (int32_t t : b.inputs)
       require(t >= 0 && t < V, ErrorCode::invalid_argument, "token id " + std::to_string(t) + " outside vocab");
-      ++offsets[t + 1];
+    if (cudaEventQuery(staging_copied) == cudaErrorNotReady) {
+      MOKA_CUDA_CHECK(cudaEventSynchronize(staging_copied));
+      ++host_syncs;
     }
+    int32_t* words = staging.host();
+    std::memcpy(words, &scalars_now, sizeof scalars_now);
+    int32_t* tok = words + kScalarWords;
+    int32_t* tgt = tok + N;
+    int32_t* offsets = tgt + N;
+    int32_t* positions = offsets + V + 1;
+    std::copy(b.inputs.begin(), b.inputs.end(), tok);
+    std::copy(b.targets.begin(), b.targets.end(), tgt);
+    std::fill(offsets, offsets + V + 1, 0);
+    for (int32_t t : b.inputs) ++offsets[t + 1];
     for (int64_t v = 0; v < V; ++v) offsets[v + 1] += offsets[v];
-    std::vector<int32_t> fill(offsets.begin(), offsets.end() - 1);
+    std::vector<int32_t> fill(offsets, offsets + V);
     for (int64_t t = 0; t < N; ++t) positions[fill[b.inputs[t]]++] = int32_t(t);
-    tokens.upload(b.inputs.data(), N);
-    targets.upload(b.targets.data(), N);
-    embed_offsets.upload(offsets.data(), V + 1);
-    embed_positions.upload(positions.data(), N);
-    for (auto& L : layers)
-      if (L.is_moe) {
-        const auto& bd = selection_bias[L.moe_index];
-        const std::vector<float> bf(bd.begin(), bd.end());
-        L.bias.upload(bf.data(), int64_t(bf.size()));
-      }
+    MOKA_CUDA_CHECK(cudaMemcpyAsync(inputs.data(), words, input_words * sizeof(int32_t), cudaMemcpyHostToDevice, stream));
+    MOKA_CUDA_CHECK(cudaEventRecord(staging_copied, stream));
   }
 
   void attention_forward(Layer& L) {
@@ -355,8 +542,9 @@ struct CudaEngine::Impl {
   }
 
   // d_res holds the gradient of the attention branch output; adds the gradient of attn_x's
-  // RMSNorm input into d_res.
+  // RMSNorm input into d_res (and its bf16 copy into d_out16, the next FFN backward's input).
   void attention_backward(Layer& L) {
+    mark(Stage::attention_backward);
     linear_backward(L.context.data(), *L.attn_out, d_res.data(), d_context.data(), false);
     cuda::attention_backward(L.q.data(), L.k.data(), L.v.data(), L.probs.data(), d_context.data(), config.batch,
                              config.seq, c.num_heads, c.head_dim, d_scores.data(), dq.data(), dk.data(), dv.data(), stream);
@@ -374,8 +562,11 @@ struct CudaEngine::Impl {
       linear_backward(x, *L.attn[1], dk.data(), dx, true);
       linear_backward(x, *L.attn[2], dv.data(), dx, true);
     }
-    cuda::rmsnorm_backward(L.attn_in.data(), L.attn_norm->value.data(), L.attn_inv_rms.data(), dx, N, c.d_model, true,
-                           d_res.data(), L.attn_norm->grad.data(), stream);
+    mark(Stage::norms_backward);
+    cuda::NormGrad dy;
+    dy.f32 = dx;
+    cuda::rmsnorm_backward(L.attn_in.data(), L.attn_norm->value.data(), L.attn_inv_rms.data(), dy, N, c.d_model, true,
+                           d_res.data(), d_out16.data(), L.attn_norm->grad.data(), gain_partials.data(), stream);
     MOKA_CUDA_CHECK_LAUNCH();
   }
 
@@ -389,8 +580,8 @@ struct CudaEngine::Impl {
                                           dev_view(L.bias.data(), DType::f32, {E}), out, Stream{stream});
       if (stats) {
         // The CPU reference's router logits: the fp32 normed input times the fp32 router.
-        cuda::rmsnorm_forward(L.ffn_in.data(), L.ffn_norm->value.data(), N, H, float(c.norm_eps), stats_x.data(), nullptr,
-                              L.ffn_inv_rms.data(), stream);
+        cuda::residual_rmsnorm_forward(L.ffn_in.data(), {}, nullptr, nullptr, L.ffn_norm->value.data(), N, H,
+                                       float(c.norm_eps), stats_x.data(), nullptr, L.ffn_inv_rms.data(), stream);
         gemm(CUBLAS_OP_T, CUBLAS_OP_N, E, N, H, 1.0f, L.router->value.data(), H, stats_x.data(), H, 0.0f,
              stats_logits.data(), E);
         stats->router_logits += mean_abs(stats_logits.data(), false, N * E);
@@ -402,58 +593,69 @@ struct CudaEngine::Impl {
     if (stats && L.is_moe) stats->moe_output += mean_abs(moe_out.data(), true, N * H);
   }
 
-  // d_res holds the gradient of the FFN branch output; adds the gradient of the FFN's RMSNorm
-  // input into d_res.
+  // d_out16 holds the gradient of the FFN branch output (bf16, from the norm backward that wrote
+  // d_res); adds the gradient of the FFN's RMSNorm input into d_res.
   void ffn_backward(Layer& L) {
+    mark(Stage::moe_backward);
     const int64_t H = c.d_model, k = L.top_k, E = L.experts;
-    cuda::to_bf16(d_res.data(), N * H, d_out16.data(), stream);
-    MOKA_CUDA_CHECK_LAUNCH();
     const auto d = ffn_views(L, true);
     const MoeGradients g{dev_view(dx16.data(), DType::bf16, {N, H}), dev_view(d_topk_weights.data(), DType::f32, {N, k}),
                          d[0], d[1], d[2], d[3], d[4], d[5]};
     L.ffn->backward(*L.ffn_ctx, dev_view(d_out16.data(), DType::bf16, {N, H}), ffn_weights(L), g, Stream{stream});
-    // d_tmp = dx (+ the router's dx), summed in fp32 in that order as on the CPU.
-    MOKA_CUDA_CHECK(cudaMemsetAsync(d_tmp.data(), 0, N * H * sizeof(float), stream));
-    cuda::add_bf16(dx16.data(), N * H, d_tmp.data(), stream);
+    // The norm's input gradient: dx (+ the router's dx), summed in fp32 in that order as on the CPU.
+    cuda::NormGrad dy;
+    dy.b16[0] = dx16.data();
     if (L.is_moe) {
       L.router_op->backward(*L.router_ctx, dev_view(d_topk_weights.data(), DType::f32, {N, k}),
                             dev_view(dx_router16.data(), DType::bf16, {N, H}), dev_view(L.router->grad16.data(), DType::bf16, {E, H}), Stream{stream});
-      cuda::add_bf16(dx_router16.data(), N * H, d_tmp.data(), stream);
+      dy.b16[1] = dx_router16.data();
     }
-    cuda::rmsnorm_backward(L.ffn_in.data(), L.ffn_norm->value.data(), L.ffn_inv_rms.data(), d_tmp.data(), N, H, true,
-                           d_res.data(), L.ffn_norm->grad.data(), stream);
+    mark(Stage::norms_backward);
+    cuda::rmsnorm_backward(L.ffn_in.data(), L.ffn_norm->value.data(), L.ffn_inv_rms.data(), dy, N, H, true,
+                           d_res.data(), nullptr, L.ffn_norm->grad.data(), gain_partials.data(), stream);
     MOKA_CUDA_CHECK_LAUNCH();
   }
 
-  // Through the cross-entropy; scalars[0] = mean cross-entropy (on the device).
-  void forward(const Batch& b, ActivationStats* stats) {
-    upload_batch(b);
+  // Through the cross-entropy, from the staged inputs; scalars[0] = mean cross-entropy and
+  // router_losses_dev the routers' losses (on the device). The routers' contexts stay for
+  // backward; release_contexts() frees them.
+  void forward(ActivationStats* stats) {
     const int64_t H = c.d_model, V = c.vocab;
-    cuda::embed_forward(tokens.data(), embed->value.data(), embed->fwd(), N, H, h.data(), stream);
+    const float eps = float(c.norm_eps);
+    mark(Stage::embedding_forward);
+    cuda::embed_forward(tokens(), embed->value.data(), embed->fwd(), N, H, h.data(), stream);
     MOKA_CUDA_CHECK_LAUNCH();
     if (stats) *stats = ActivationStats{mean_abs(h.data(), false, N * H)};
+    // The residual stream h takes each branch's output in the norm that follows it.
+    cuda::ResidualDelta pending;
     for (auto& L : layers) {
-      copy(h.data(), N * H, L.attn_in.data());
-      cuda::rmsnorm_forward(L.attn_in.data(), L.attn_norm->value.data(), N, H, float(c.norm_eps), L.attn_x.data(),
-                            nullptr, L.attn_inv_rms.data(), stream);
+      mark(Stage::norms_forward);
+      cuda::residual_rmsnorm_forward(h.data(), pending, pending.b16 ? h.data() : nullptr, L.attn_in.data(), L.attn_norm->value.data(), N, H,
+                                     eps, L.attn_x.data(), nullptr, L.attn_inv_rms.data(), stream);
+      mark(Stage::attention_forward);
       attention_forward(L);
       if (stats) stats->attention += mean_abs(branch.data(), false, N * H);
-      add(branch.data(), N * H, h.data());
-      copy(h.data(), N * H, L.ffn_in.data());
-      cuda::rmsnorm_forward(L.ffn_in.data(), L.ffn_norm->value.data(), N, H, float(c.norm_eps), nullptr, L.ffn_x.data(),
-                            L.ffn_inv_rms.data(), stream);
+      mark(Stage::norms_forward);
+      cuda::residual_rmsnorm_forward(h.data(), {branch.data(), nullptr}, h.data(), L.ffn_in.data(),
+                                     L.ffn_norm->value.data(), N, H, eps, nullptr, L.ffn_x.data(),
+                                     L.ffn_inv_rms.data(), stream);
       MOKA_CUDA_CHECK_LAUNCH();
+      mark(Stage::moe_forward);
       ffn_forward(L, stats);
-      cuda::add_bf16(moe_out.data(), N * H, h.data(), stream);
-      MOKA_CUDA_CHECK_LAUNCH();
+      pending = {nullptr, moe_out.data()};
     }
-    cuda::rmsnorm_forward(h.data(), final_norm->value.data(), N, H, float(c.norm_eps), final_x.data(), nullptr,
-                          final_inv_rms.data(), stream);
+    mark(Stage::head_loss_forward);
+    cuda::residual_rmsnorm_forward(h.data(), pending, h.data(), nullptr, final_norm->value.data(), N, H, eps,
+                                   final_x.data(), nullptr, final_inv_rms.data(), stream);
     linear(final_x.data(), *head, logits.data());
-    cuda::cross_entropy(logits.data(), targets.data(), N, V, row_loss.data(), d_logits.data(), stream);
+    cuda::cross_entropy(logits.data(), targets(), N, V, row_loss.data(), d_logits.data(), stream);
     cuda::reduce_partials(cuda::ReduceOp::sum, row_loss.data(), false, N, partials.data(), stream);
     cuda::reduce_finish(partials.data(), cuda::kReduceBlocks, 1.0 / double(N), scalars.data(), stream);
     MOKA_CUDA_CHECK_LAUNCH();
+    for (const auto& L : layers)
+      if (L.is_moe)
+        MOKA_CUDA_CHECK(cudaMemcpyAsync(router_losses_dev.data() + 2 * L.moe_index, L.router_ctx->device_losses(),
+                                        2 * sizeof(double), cudaMemcpyDeviceToDevice, stream));
     if (stats) {
       stats->average_over_layers(c.num_layers);
       stats->residual = mean_abs(h.data(), false, N * H);
@@ -463,58 +665,114 @@ struct CudaEngine::Impl {
 
   void backward() {
     const int64_t H = c.d_model;
+    mark(Stage::head_loss_backward);
     linear_backward(final_x.data(), *head, d_logits.data(), d_tmp.data(), false);
-    cuda::rmsnorm_backward(h.data(), final_norm->value.data(), final_inv_rms.data(), d_tmp.data(), N, H, false,
-                           d_res.data(), final_norm->grad.data(), stream);
+    cuda::NormGrad dy;
+    dy.f32 = d_tmp.data();
+    cuda::rmsnorm_backward(h.data(), final_norm->value.data(), final_inv_rms.data(), dy, N, H, false, d_res.data(),
+                           d_out16.data(), final_norm->grad.data(), gain_partials.data(), stream);
     MOKA_CUDA_CHECK_LAUNCH();
     for (auto it = layers.rbegin(); it != layers.rend(); ++it) {
       ffn_backward(*it);
       attention_backward(*it);
     }
-    cuda::embed_backward(embed_offsets.data(), embed_positions.data(), d_res.data(), embed->fwd(), c.vocab, H,
-                         embed->grad.data(), stream);
+    mark(Stage::embedding_backward);
+    cuda::embed_backward(embed_offsets(), embed_positions(), d_res.data(), embed->fwd(), c.vocab, H, embed->grad.data(),
+                         stream);
     MOKA_CUDA_CHECK_LAUNCH();
   }
 
-  double read_scalar(int i) const {
-    double out = 0;
-    MOKA_CUDA_CHECK(cudaMemcpy(&out, scalars.data() + i, sizeof(double), cudaMemcpyDeviceToHost));
-    return out;
-  }
-
-  double router_losses() const {
-    double total = 0;
-    for (const auto& L : layers)
-      if (L.router_ctx) total += L.router_ctx->losses().aux_loss + L.router_ctx->losses().z_loss;
-    return total;
-  }
-
-  // AdamW over every tensor (optimizer.cpp's arithmetic); returns the gradient norm before clipping.
-  double adamw_step(double lr_factor) {
-    for (size_t i = 0; i < params.size(); ++i)
-      cuda::reduce_partials(cuda::ReduceOp::square, params[i].grad_data(), params[i].bf16_path(), params[i].n,
-                            partials.data() + i * cuda::kReduceBlocks, stream);
-    cuda::reduce_finish(partials.data(), int64_t(params.size()) * cuda::kReduceBlocks, 1.0, scalars.data() + 1, stream);
-    ++steps_taken;
-    const auto& a = config.adam;
-    cuda::AdamWArgs args;
-    args.lr = a.lr * lr_factor;
-    args.weight_decay = a.weight_decay;
-    args.beta1 = float(a.beta1);
-    args.beta2 = float(a.beta2);
-    args.eps = float(a.eps);
-    args.bias_correction1 = float(1.0 - std::pow(a.beta1, double(steps_taken)));
-    args.bias_correction2 = float(1.0 - std::pow(a.beta2, double(steps_taken)));
-    args.clip_norm = a.clip_norm;
-    args.ema_decay = float(config.ema_decay);
-    for (auto& p : params) {
-      args.lr_multiplier = p.rule.lr_multiplier;
-      args.weight_decay_multiplier = p.rule.weight_decay_multiplier;
-      cuda::adamw_update(args, scalars.data() + 1, p.grad_data(), p.bf16_path(), p.n, p.value.data(), p.m.data(),
-                         p.v.data(), p.ema.data(), p.bf16_path() ? p.shadow.data() : nullptr, stream);
+  // The routers' and layers' saved contexts are freed in stream order: inside a captured step,
+  // their scratch is allocated and freed within the graph.
+  void release_contexts() {
+    for (auto& L : layers) {
+      L.router_ctx.reset();
+      L.ffn_ctx.reset();
     }
+  }
+
+  // AdamW (with the EMA update fused in) over every tensor: optimizer.cpp's arithmetic; the
+  // gradient norm before clipping goes to scalars[1].
+  void optimizer_step() {
+    mark(Stage::optimizer);
+    cuda::grad_square_partials(slot_table.data(), int(slots.size()), partials.data(), stream);
+    cuda::reduce_finish(partials.data(), int64_t(slots.size()) * cuda::kReduceBlocks, 1.0, scalars.data() + 1, stream);
+    cuda::adamw_update(cuda::AdamWHyper(config.adam, config.ema_decay), step_scalars(), scalars.data() + 1, slot_table.data(), int(slots.size()), adamw_blocks,
+                       stream);
     MOKA_CUDA_CHECK_LAUNCH();
-    return std::sqrt(read_scalar(1));
+    mark(Stage::ema);  // fused into the AdamW launch on the GPU
+  }
+
+  void router_bias_step() {
+    mark(Stage::router_bias);
+    if (config.bias_update_rate <= 0) return;
+    for (auto& L : layers)
+      if (L.is_moe)
+        cuda::update_selection_bias(L.counts.data(), L.experts, config.bias_update_rate, L.bias64.data(),
+                                    L.bias.data(), stream);
+    MOKA_CUDA_CHECK_LAUNCH();
+  }
+
+  // Everything a step puts on the stream, from the staged inputs: no host synchronization (but
+  // the coordinate check's `stats`) and no host state changed, so it can be captured.
+  void step_body(ActivationStats* stats) {
+    forward(stats);
+    backward();
+    release_contexts();
+    optimizer_step();
+    router_bias_step();
+  }
+
+  // Captures step_body into a graph (`count_only`: to count its launches, not to keep it).
+  cudaGraph_t capture_step() {
+    if (clock) clock->set_capture(true);
+    MOKA_CUDA_CHECK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal));
+    cudaGraph_t captured = nullptr;
+    try {
+      step_body(nullptr);
+      if (clock) graph_marks = clock->end();
+    } catch (const Error& e) {
+      cudaStreamEndCapture(stream, &captured);
+      if (captured) cudaGraphDestroy(captured);
+      if (clock) clock->set_capture(false);
+      throw Error(e.code(), std::string("capturing the training step in a CUDA graph failed (--cuda-graph off runs "
+                                        "it uncaptured): ") + e.what());
+    }
+    const cudaError_t end = cudaStreamEndCapture(stream, &captured);
+    if (clock) clock->set_capture(false);
+    require(end == cudaSuccess, ErrorCode::cuda,
+            std::string("capturing the training step in a CUDA graph failed: a call in the step is not capturable (") +
+                cudaGetErrorString(end) + "); --cuda-graph off runs it uncaptured");
+    if (clock) {
+      clock->count_launches(graph_marks, launches_in(captured) + 1);
+      profile.launches[size_t(Stage::inputs)] = 1;  // the inputs' transfer, outside the graph
+    }
+    return captured;
+  }
+
+  // Reads the last step's numbers: one wait for the device, then small copies.
+  void read_metrics(StepReport& r) {
+    wait_for_device();
+    std::array<double, 2> ce_and_norm{};
+    MOKA_CUDA_CHECK(cudaMemcpy(ce_and_norm.data(), scalars.data(), sizeof ce_and_norm, cudaMemcpyDeviceToHost));
+    r.cross_entropy = ce_and_norm[0];
+    r.loss = r.cross_entropy + router_losses();
+    r.grad_norm = std::sqrt(ce_and_norm[1]);
+    r.load_max_over_mean = 0;
+    for (const auto& cnt : expert_counts())
+      r.load_max_over_mean = std::max(r.load_max_over_mean, load_stats(cnt).max_over_mean);
+  }
+
+  // The last forward's router losses, summed over the layers in order as the CPU does (the
+  // caller has waited for the device).
+  double router_losses() const {
+    std::vector<double> losses(2 * moe_layers);
+    if (moe_layers > 0)
+      MOKA_CUDA_CHECK(cudaMemcpy(losses.data(), router_losses_dev.data(), losses.size() * sizeof(double),
+                                 cudaMemcpyDeviceToHost));
+    double total = 0;
+    for (int64_t l = 0; l < moe_layers; ++l) total += losses[2 * l] + losses[2 * l + 1];
+    return total;
   }
 
   std::vector<std::vector<int64_t>> expert_counts() const {
@@ -527,6 +785,53 @@ struct CudaEngine::Impl {
     return out;
   }
 
+  void run_step(const Batch& batch, double lr_factor, ActivationStats* stats, bool metrics, StepReport& r) {
+    const auto host_start = std::chrono::steady_clock::now();
+    const int64_t syncs_before = host_syncs;
+    ++steps_taken;
+    const auto& a = config.adam;
+    scalars_now.lr = a.lr * lr_factor;
+    scalars_now.bias_correction1 = float(1.0 - std::pow(a.beta1, double(steps_taken)));
+    scalars_now.bias_correction2 = float(1.0 - std::pow(a.beta2, double(steps_taken)));
+    if (clock) clock->new_step();
+    mark(Stage::inputs);
+    stage_inputs(batch);
+    // The inputs mark; the step's own marks follow (the captured ones on a replay).
+    std::vector<DeviceStageClock::Mark> marks;
+    if (clock) marks = clock->take();
+    if (config.cuda_graph && stats == nullptr && warmed_up) {
+      if (!graph) {
+        cudaGraph_t captured = capture_step();
+        const cudaError_t made = cudaGraphInstantiate(&graph, captured, 0);
+        cudaGraphDestroy(captured);
+        require(made == cudaSuccess, ErrorCode::cuda,
+                std::string("instantiating the captured training step failed: ") + cudaGetErrorString(made));
+      }
+      MOKA_CUDA_CHECK(cudaGraphLaunch(graph, stream));
+      marks.insert(marks.end(), graph_marks.begin(), graph_marks.end());
+    } else {
+      // Eager profiling counts the launches once, from a capture of the step that never runs.
+      if (clock && warmed_up && profile.launches_per_step < 0) cudaGraphDestroy(capture_step());
+      step_body(stats);
+      if (clock) {
+        auto rest = clock->end();
+        marks.insert(marks.end(), rest.begin(), rest.end());
+      }
+    }
+    const double host_ms =
+        std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - host_start).count();
+    if (metrics) read_metrics(r);
+    // The first steps allocate workspaces and capture the graph: the profile starts after them.
+    if (clock && steps_taken > kUnprofiledSteps) {
+      MOKA_CUDA_CHECK(cudaStreamSynchronize(stream));  // profiling's own wait, not counted
+      clock->accumulate(marks);
+      profile.host_ms += host_ms;
+      profile.host_syncs_per_step = host_syncs - syncs_before;
+    }
+    warmed_up = true;
+  }
+  static constexpr int64_t kUnprofiledSteps = 2;
+
   void swap_ema() {
     for (auto& p : params) std::swap(p.value, p.ema);
     refresh_shadows();
@@ -538,18 +843,9 @@ CudaEngine::CudaEngine(const TrainConfig& config, const std::vector<TensorRule>&
 
 CudaEngine::~CudaEngine() = default;
 
-void CudaEngine::step(const Batch& batch, double lr_factor, ActivationStats* stats, StepReport& r) {
-  auto& I = *impl_;
-  I.forward(batch, stats);
-  I.backward();
-  r.grad_norm = I.adamw_step(lr_factor);
-  r.cross_entropy = I.read_scalar(0);
-  r.loss = r.cross_entropy + I.router_losses();
-  const auto counts = I.expert_counts();
-  for (const auto& cnt : counts) r.load_max_over_mean = std::max(r.load_max_over_mean, load_stats(cnt).max_over_mean);
-  if (I.config.bias_update_rate > 0)
-    for (size_t i = 0; i < counts.size(); ++i)
-      update_selection_bias(I.selection_bias[i], counts[i], I.config.bias_update_rate);
+void CudaEngine::step(const Batch& batch, double lr_factor, ActivationStats* stats, bool read_metrics,
+                      StepReport& r) {
+  impl_->run_step(batch, lr_factor, stats, read_metrics, r);
 }
 
 double CudaEngine::evaluate(const std::vector<Batch>& batches, bool use_ema) {
@@ -557,7 +853,9 @@ double CudaEngine::evaluate(const std::vector<Batch>& batches, bool use_ema) {
   if (use_ema) I.swap_ema();
   double total = 0;
   for (const auto& b : batches) {
-    I.forward(b, nullptr);
+    I.stage_inputs(b);
+    I.forward(nullptr);
+    I.release_contexts();
     total += I.read_scalar(0);
   }
   if (use_ema) I.swap_ema();
@@ -573,7 +871,8 @@ TrainState CudaEngine::state() const {
     s.adam_v.push_back(p.v.download());
     if (!p.ema.empty()) s.ema.push_back(p.ema.download());
   }
-  s.selection_biases = I.selection_bias;
+  for (const auto& L : I.layers)
+    if (L.is_moe) s.selection_biases.push_back(L.bias64.download());
   s.steps = I.steps_taken;
   return s;
 }
@@ -588,18 +887,28 @@ void CudaEngine::set_state(const TrainState& s) {
     if (!p.ema.empty()) p.ema.upload(s.ema[i].data(), p.n);
   }
   I.refresh_shadows();
-  I.selection_bias = s.selection_biases;
+  for (auto& L : I.layers)
+    if (L.is_moe) {
+      const auto& bias = s.selection_biases[L.moe_index];
+      const std::vector<float> bias32(bias.begin(), bias.end());
+      L.bias64.upload(bias);
+      L.bias.upload(bias32);
+    }
   I.steps_taken = s.steps;
 }
 
 double CudaEngine::forward_backward(const Batch& batch, double* cross_entropy) {
   auto& I = *impl_;
-  I.forward(batch, nullptr);
+  I.stage_inputs(batch);
+  I.forward(nullptr);
   I.backward();
+  I.release_contexts();
   const double ce = I.read_scalar(0);
   if (cross_entropy) *cross_entropy = ce;
   return ce + I.router_losses();
 }
+
+StepProfile CudaEngine::profile() const { return impl_->profile; }
 
 std::vector<std::vector<float>> CudaEngine::gradients() const {
   std::vector<std::vector<float>> out;

@@ -3,9 +3,12 @@
 // with fp32 accumulation; attention, RMSNorm, embedding, cross-entropy and AdamW are the kernels
 // of cuda_kernels.cuh; the FFNs and routers are moka's CUDA MoE layer and router (bf16 in and out,
 // fed from bf16 copies of the master weights that the AdamW kernel refreshes). Everything runs on
-// the engine's own stream (cuBLAS is set to it and the moka layers and routers are given it);
-// each step synchronizes once, to read the loss, the gradient norm and the expert counts the
-// router-bias update needs.
+// the engine's own stream (cuBLAS is set to it and the moka layers and routers are given it).
+// A step waits for nothing: its inputs go through a pinned staging copy in one asynchronous
+// transfer, the learning rate and bias corrections are read from device memory, the router-bias
+// update runs on the device, and the loss, gradient norm and expert counts stay there until a
+// step asks for them. So the whole step (forward, backward, AdamW with the EMA, router-bias
+// update) can be captured in one CUDA graph and replayed (TrainConfig::cuda_graph).
 #pragma once
 #include <memory>
 #include <vector>
@@ -19,10 +22,12 @@ class CudaEngine final : public TrainEngine {
   CudaEngine(const TrainConfig& config, const std::vector<TensorRule>& rules);
   ~CudaEngine() override;
 
-  void step(const Batch& batch, double lr_factor, ActivationStats* stats, StepReport& report) override;
+  void step(const Batch& batch, double lr_factor, ActivationStats* stats, bool read_metrics,
+            StepReport& report) override;
   double evaluate(const std::vector<Batch>& batches, bool use_ema) override;
   TrainState state() const override;
   void set_state(const TrainState& state) override;
+  StepProfile profile() const override;
 
   // For the GPU tests: forward and backward only (no update); returns the loss (cross-entropy
   // plus router losses) and writes the cross-entropy.

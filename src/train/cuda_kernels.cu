@@ -1,6 +1,7 @@
 #include <cfloat>
 #include <cmath>
 
+#include "cuda/common/check.hpp"
 #include "train/cuda_kernels.cuh"
 
 namespace moka::train::cuda {
@@ -52,47 +53,81 @@ __global__ void embed_backward_kernel(const int32_t* offsets, const int32_t* pos
   grad[i] = acc;
 }
 
-// One warp per row.
-__global__ void rmsnorm_forward_kernel(const float* x, const float* gain, int64_t rows, int64_t d, float eps, float* y,
-                                       bf16* yb, float* inv_rms) {
+// One warp per row. Each lane reads back only the elements it wrote, so `sum` may alias x.
+__global__ void residual_rmsnorm_kernel(const float* x, ResidualDelta delta, float* sum, float* saved,
+                                        const float* gain, int64_t rows, int64_t d, float eps, float* y, bf16* yb,
+                                        float* inv_rms) {
   const int64_t r = int64_t(blockIdx.x) * kWarps + threadIdx.x / 32;
   const int lane = threadIdx.x & 31;
   if (r >= rows) return;
-  const float* xr = x + r * d;
+  const int64_t row = r * d;
+  auto at = [&](int64_t i) {
+    float v = x[row + i];
+    if (delta.f32) v += delta.f32[row + i];
+    if (delta.b16) v += __bfloat162float(delta.b16[row + i]);
+    return v;
+  };
   float ss = 0;
-  for (int64_t i = lane; i < d; i += 32) ss += xr[i] * xr[i];
+  for (int64_t i = lane; i < d; i += 32) {
+    const float v = at(i);
+    if (sum) sum[row + i] = v;
+    if (saved) saved[row + i] = v;
+    ss += v * v;
+  }
+  const float* s = sum ? sum : x;
   const float inv = 1.0f / sqrtf(warp_sum(ss) / float(d) + eps);
   if (lane == 0) inv_rms[r] = inv;
   for (int64_t i = lane; i < d; i += 32) {
-    const float v = xr[i] * inv * gain[i];
-    if (y) y[r * d + i] = v;
-    if (yb) yb[r * d + i] = __float2bfloat16(v);
+    const float v = (sum ? s[row + i] : at(i)) * inv * gain[i];
+    if (y) y[row + i] = v;
+    if (yb) yb[row + i] = __float2bfloat16(v);
   }
 }
 
-__global__ void rmsnorm_backward_rows(const float* x, const float* gain, const float* inv_rms, const float* dy,
-                                      int64_t rows, int64_t d, bool accumulate, float* dx) {
+__device__ float norm_grad_at(const NormGrad& g, int64_t i) {
+  if (g.f32) return g.f32[i];
+  float v = __bfloat162float(g.b16[0][i]);
+  if (g.b16[1]) v += __bfloat162float(g.b16[1][i]);
+  return v;
+}
+
+__global__ void rmsnorm_backward_rows(const float* x, const float* gain, const float* inv_rms, NormGrad dy,
+                                      int64_t rows, int64_t d, bool accumulate, float* dx, bf16* dx16) {
   const int64_t r = int64_t(blockIdx.x) * kWarps + threadIdx.x / 32;
   const int lane = threadIdx.x & 31;
   if (r >= rows) return;
   const float inv = inv_rms[r];
-  const float *xr = x + r * d, *dyr = dy + r * d;
+  const float* xr = x + r * d;
   float dot = 0;
-  for (int64_t i = lane; i < d; i += 32) dot += gain[i] * dyr[i] * xr[i] * inv;
+  for (int64_t i = lane; i < d; i += 32) dot += gain[i] * norm_grad_at(dy, r * d + i) * xr[i] * inv;
   const float mean = warp_sum(dot) / float(d);
   for (int64_t i = lane; i < d; i += 32) {
-    const float v = inv * (gain[i] * dyr[i] - xr[i] * inv * mean);
-    dx[r * d + i] = accumulate ? dx[r * d + i] + v : v;
+    const float v = inv * (gain[i] * norm_grad_at(dy, r * d + i) - xr[i] * inv * mean);
+    const float out = accumulate ? dx[r * d + i] + v : v;
+    dx[r * d + i] = out;
+    if (dx16) dx16[r * d + i] = __float2bfloat16(out);
   }
 }
 
-// One thread per column, rows in order.
-__global__ void rmsnorm_gain_grad(const float* x, const float* inv_rms, const float* dy, int64_t rows, int64_t d,
-                                  float* d_gain) {
+// Pass 1 of the gain gradient: thread (column, chunk) sums dy*xhat over the chunk's rows in
+// order; pass 2 sums the chunks in order. The chunks give the GPU d * kNormGainChunks threads:
+// d threads alone, each a chain of `rows` dependent adds, leave it nearly idle.
+__global__ void rmsnorm_gain_partials(const float* x, const float* inv_rms, NormGrad dy, int64_t rows, int64_t d,
+                                      float* partials) {
+  const int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (i >= d) return;
+  const int64_t per_chunk = (rows + kNormGainChunks - 1) / kNormGainChunks;
+  const int64_t first = blockIdx.y * per_chunk, last = min(rows, first + per_chunk);
+  float acc = 0;
+  for (int64_t r = first; r < last; ++r) acc += norm_grad_at(dy, r * d + i) * x[r * d + i] * inv_rms[r];
+  partials[blockIdx.y * d + i] = acc;
+}
+
+__global__ void rmsnorm_gain_sum(const float* partials, int64_t d, float* d_gain) {
   const int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
   if (i >= d) return;
   float acc = 0;
-  for (int64_t r = 0; r < rows; ++r) acc += dy[r * d + i] * x[r * d + i] * inv_rms[r];
+  for (int c = 0; c < kNormGainChunks; ++c) acc += partials[c * d + i];
   d_gain[i] = acc;
 }
 
@@ -109,19 +144,52 @@ __device__ float dot(const float* a, const float* b, int64_t n) {
   return s;
 }
 
+// The rows of one head's K or V: row j at base + j * pitch.
+struct HeadRows {
+  const float* base;
+  int64_t pitch;
+  __device__ const float* row(int64_t j) const { return base + j * pitch; }
+};
+
+// K and V of sequence b, head h: copied into shared memory when the launch gave it (rows padded
+// by one float, so lanes reading element c of different rows hit different banks: the dot
+// products below read one row per lane), else read where they are. The same values either way,
+// so the same bits.
+__device__ void stage_kv(const AttnDims& a, int64_t b, int64_t h, const float* k, const float* v, bool staged,
+                         float* smem, HeadRows& K, HeadRows& V) {
+  if (!staged) {
+    K = {k + a.at(b, h, 0), a.width()};
+    V = {v + a.at(b, h, 0), a.width()};
+    return;
+  }
+  const int64_t pitch = a.hd + 1;
+  float *ks = smem, *vs = smem + a.seq * pitch;
+  for (int64_t e = threadIdx.x; e < a.seq * a.hd; e += blockDim.x) {
+    const int64_t j = e / a.hd, c = e % a.hd;
+    ks[j * pitch + c] = k[a.at(b, h, j) + c];
+    vs[j * pitch + c] = v[a.at(b, h, j) + c];
+  }
+  __syncthreads();
+  K = {ks, pitch};
+  V = {vs, pitch};
+}
+
 // Block per (sequence, head); warp per query row. Lanes split the keys for scores and softmax,
 // then the head dims for the weighted sum of values.
 __global__ void attention_forward_kernel(AttnDims a, const float* q, const float* k, const float* v, float* probs,
-                                         float* out) {
+                                         float* out, bool staged) {
+  extern __shared__ float smem[];
   const int64_t bh = blockIdx.x, b = bh / a.heads, h = bh % a.heads, S = a.seq;
   const int lane = threadIdx.x & 31;
   const float scale = 1.0f / sqrtf(float(a.hd));
+  HeadRows K, V;
+  stage_kv(a, b, h, k, v, staged, smem, K, V);
   for (int64_t i = threadIdx.x / 32; i < S; i += kWarps) {
     float* P = probs + (bh * S + i) * S;
     const float* qi = q + a.at(b, h, i);
     float mx = -FLT_MAX;
     for (int64_t j = lane; j <= i; j += 32) {
-      const float s = dot(qi, k + a.at(b, h, j), a.hd) * scale;
+      const float s = dot(qi, K.row(j), a.hd) * scale;
       P[j] = s;
       mx = fmaxf(mx, s);
     }
@@ -133,7 +201,7 @@ __global__ void attention_forward_kernel(AttnDims a, const float* q, const float
     __syncwarp();
     for (int64_t c = lane; c < a.hd; c += 32) {
       float o = 0;
-      for (int64_t j = 0; j <= i; ++j) o += P[j] * v[a.at(b, h, j) + c];
+      for (int64_t j = 0; j <= i; ++j) o += P[j] * V.row(j)[c];
       out[a.at(b, h, i) + c] = o;
     }
   }
@@ -144,17 +212,20 @@ __global__ void attention_forward_kernel(AttnDims a, const float* q, const float
 // dk_j = sum_i dS[i, j] q_i and dv_j = sum_i P[i, j] dO_i over i >= j, in order.
 __global__ void attention_backward_kernel(AttnDims a, const float* q, const float* k, const float* v,
                                           const float* probs, const float* d_out, float* d_scores, float* dq, float* dk,
-                                          float* dv) {
+                                          float* dv, bool staged) {
+  extern __shared__ float smem[];
   const int64_t bh = blockIdx.x, b = bh / a.heads, h = bh % a.heads, S = a.seq;
   const int lane = threadIdx.x & 31;
   const float scale = 1.0f / sqrtf(float(a.hd));
+  HeadRows K, V;
+  stage_kv(a, b, h, k, v, staged, smem, K, V);
   const float* P = probs + bh * S * S;
   float* dS = d_scores + bh * S * S;
   for (int64_t i = threadIdx.x / 32; i < S; i += kWarps) {
     const float* doi = d_out + a.at(b, h, i);
     float row_dot = 0;
     for (int64_t j = lane; j <= i; j += 32) {
-      const float dp = dot(doi, v + a.at(b, h, j), a.hd);
+      const float dp = dot(doi, V.row(j), a.hd);
       dS[i * S + j] = dp;
       row_dot += dp * P[i * S + j];
     }
@@ -163,7 +234,7 @@ __global__ void attention_backward_kernel(AttnDims a, const float* q, const floa
     __syncwarp();
     for (int64_t c = lane; c < a.hd; c += 32) {
       float acc = 0;
-      for (int64_t j = 0; j <= i; ++j) acc += dS[i * S + j] * k[a.at(b, h, j) + c];
+      for (int64_t j = 0; j <= i; ++j) acc += dS[i * S + j] * K.row(j)[c];
       dq[a.at(b, h, i) + c] = acc;
     }
   }
@@ -199,14 +270,26 @@ __global__ void cross_entropy_kernel(const float* logits, const int32_t* targets
     d_logits[r * vocab + v] = (expf(l[v] - lse) - (v == t ? 1.0f : 0.0f)) / float(rows);
 }
 
-__global__ void reduce_partials_kernel(ReduceOp op, const void* x, bool is_bf16, int64_t n, double* partials) {
+// Partial `part` of kReduceBlocks over x: a grid-stride loop as if it were block `part` of a
+// kReduceBlocks-block launch.
+__device__ void reduce_part(ReduceOp op, const void* x, bool is_bf16, int64_t n, int part, double* out) {
   double acc = 0;
-  for (int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < n; i += int64_t(gridDim.x) * blockDim.x) {
+  for (int64_t i = int64_t(part) * blockDim.x + threadIdx.x; i < n; i += int64_t(kReduceBlocks) * blockDim.x) {
     const double v = is_bf16 ? double(__bfloat162float(static_cast<const bf16*>(x)[i])) : double(static_cast<const float*>(x)[i]);
     acc += op == ReduceOp::sum ? v : op == ReduceOp::abs ? fabs(v) : v * v;
   }
   acc = block_sum(acc);
-  if (threadIdx.x == 0) partials[blockIdx.x] = acc;
+  if (threadIdx.x == 0) *out = acc;
+}
+
+__global__ void reduce_partials_kernel(ReduceOp op, const void* x, bool is_bf16, int64_t n, double* partials) {
+  reduce_part(op, x, is_bf16, n, blockIdx.x, partials + blockIdx.x);
+}
+
+// Block b: partial b % kReduceBlocks of slot b / kReduceBlocks.
+__global__ void grad_square_partials_kernel(const TensorSlot* slots, double* partials) {
+  const TensorSlot& t = slots[blockIdx.x / kReduceBlocks];
+  reduce_part(ReduceOp::square, t.grad, t.grad_bf16, t.n, blockIdx.x % kReduceBlocks, partials + blockIdx.x);
 }
 
 __global__ void reduce_finish_kernel(const double* partials, int64_t count, double scale, double* out) {
@@ -216,33 +299,57 @@ __global__ void reduce_finish_kernel(const double* partials, int64_t count, doub
   if (threadIdx.x == 0) *out = scale * acc;
 }
 
-__global__ void add_bf16_kernel(const bf16* src, int64_t n, float* dst) {
-  const int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
-  if (i < n) dst[i] += __bfloat162float(src[i]);
-}
-
 __global__ void to_bf16_kernel(const float* src, int64_t n, bf16* dst) {
   const int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
   if (i < n) dst[i] = __float2bfloat16(src[i]);
 }
 
-__global__ void adamw_kernel(AdamWArgs a, const double* grad_sum_squares, const void* grad, bool grad_bf16, int64_t n,
-                             float* value, float* m, float* v, float* ema, bf16* shadow) {
-  const int64_t j = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
-  if (j >= n) return;
+// Block b updates kThreads elements of the slot whose blocks hold b (a binary search over the
+// slots' first blocks).
+__global__ void adamw_kernel(AdamWHyper a, const StepScalars* step, const double* grad_sum_squares,
+                             const TensorSlot* slots, int count) {
+  int lo = 0, hi = count - 1;
+  while (lo < hi) {
+    const int mid = (lo + hi + 1) / 2;
+    if (slots[mid].first_block <= int64_t(blockIdx.x)) lo = mid; else hi = mid - 1;
+  }
+  const TensorSlot& t = slots[lo];
+  const int64_t j = (int64_t(blockIdx.x) - t.first_block) * blockDim.x + threadIdx.x;
+  if (j >= t.n) return;
+  const double lr = step->lr;
   const double norm = sqrt(*grad_sum_squares);
   const float clip = float(a.clip_norm > 0 && norm > a.clip_norm ? a.clip_norm / norm : 1.0);
-  const float step_size = float(a.lr * a.lr_multiplier);
-  const float decay = float(1.0 - a.lr * a.weight_decay * a.weight_decay_multiplier);
-  const float raw = grad_bf16 ? __bfloat162float(static_cast<const bf16*>(grad)[j]) : static_cast<const float*>(grad)[j];
+  const float step_size = float(lr * t.lr_multiplier);
+  const float decay = float(1.0 - lr * a.weight_decay * t.weight_decay_multiplier);
+  const float raw = t.grad_bf16 ? __bfloat162float(static_cast<const bf16*>(t.grad)[j]) : static_cast<const float*>(t.grad)[j];
   const float g = clip * raw;
-  m[j] = a.beta1 * m[j] + (1 - a.beta1) * g;
-  v[j] = a.beta2 * v[j] + (1 - a.beta2) * g * g;
-  const float m_hat = m[j] / a.bias_correction1, v_hat = v[j] / a.bias_correction2;
-  const float p = value[j] * decay - step_size * m_hat / (sqrtf(v_hat) + a.eps);
-  value[j] = p;
-  if (ema) ema[j] = a.ema_decay * ema[j] + (1 - a.ema_decay) * p;
-  if (shadow) shadow[j] = __float2bfloat16(p);
+  const float m = a.beta1 * t.m[j] + (1 - a.beta1) * g;
+  const float v = a.beta2 * t.v[j] + (1 - a.beta2) * g * g;
+  t.m[j] = m;
+  t.v[j] = v;
+  const float m_hat = m / step->bias_correction1, v_hat = v / step->bias_correction2;
+  const float p = t.value[j] * decay - step_size * m_hat / (sqrtf(v_hat) + a.eps);
+  t.value[j] = p;
+  if (t.ema) t.ema[j] = a.ema_decay * t.ema[j] + (1 - a.ema_decay) * p;
+  if (t.shadow) t.shadow[j] = __float2bfloat16(p);
+}
+
+// One block: the mean over experts (an exact integer sum), then each expert's step.
+__global__ void selection_bias_kernel(const int32_t* counts, int64_t experts, double rate, double* bias,
+                                      float* bias32) {
+  __shared__ double mean;
+  if (threadIdx.x == 0) {
+    long long total = 0;
+    for (int64_t e = 0; e < experts; ++e) total += counts[e];
+    mean = double(total) / double(experts);
+  }
+  __syncthreads();
+  for (int64_t e = threadIdx.x; e < experts; e += blockDim.x) {
+    const double c = double(counts[e]);
+    const double b = bias[e] + rate * (c < mean ? 1.0 : (c > mean ? -1.0 : 0.0));
+    bias[e] = b;
+    bias32[e] = float(b);
+  }
 }
 
 }  // namespace
@@ -257,28 +364,48 @@ void embed_backward(const int32_t* offsets, const int32_t* positions, const floa
   embed_backward_kernel<<<blocks_for(vocab * d), kThreads, 0, s>>>(offsets, positions, d_h, scale, vocab, d, grad);
 }
 
-void rmsnorm_forward(const float* x, const float* gain, int64_t rows, int64_t d, float eps, float* y, bf16* yb,
-                     float* inv_rms, cudaStream_t s) {
-  rmsnorm_forward_kernel<<<blocks_for(rows, kWarps), kThreads, 0, s>>>(x, gain, rows, d, eps, y, yb, inv_rms);
+void residual_rmsnorm_forward(const float* x, ResidualDelta delta, float* sum, float* saved, const float* gain,
+                              int64_t rows, int64_t d, float eps, float* y, bf16* yb, float* inv_rms, cudaStream_t s) {
+  residual_rmsnorm_kernel<<<blocks_for(rows, kWarps), kThreads, 0, s>>>(x, delta, sum, saved, gain, rows, d, eps, y,
+                                                                         yb, inv_rms);
 }
 
-void rmsnorm_backward(const float* x, const float* gain, const float* inv_rms, const float* dy, int64_t rows,
-                      int64_t d, bool accumulate, float* dx, float* d_gain, cudaStream_t s) {
-  rmsnorm_backward_rows<<<blocks_for(rows, kWarps), kThreads, 0, s>>>(x, gain, inv_rms, dy, rows, d, accumulate, dx);
-  rmsnorm_gain_grad<<<blocks_for(d), kThreads, 0, s>>>(x, inv_rms, dy, rows, d, d_gain);
+void rmsnorm_backward(const float* x, const float* gain, const float* inv_rms, NormGrad dy, int64_t rows, int64_t d,
+                      bool accumulate, float* dx, bf16* dx16, float* d_gain, float* gain_partials, cudaStream_t s) {
+  rmsnorm_backward_rows<<<blocks_for(rows, kWarps), kThreads, 0, s>>>(x, gain, inv_rms, dy, rows, d, accumulate, dx,
+                                                                       dx16);
+  rmsnorm_gain_partials<<<dim3(blocks_for(d), kNormGainChunks), kThreads, 0, s>>>(x, inv_rms, dy, rows, d,
+                                                                                   gain_partials);
+  rmsnorm_gain_sum<<<blocks_for(d), kThreads, 0, s>>>(gain_partials, d, d_gain);
+}
+
+// The shared memory that stages one head's K and V (stage_kv), or 0 when it exceeds what a
+// block of `kernel` may have: the kernel then reads them from global memory.
+template <typename Kernel>
+size_t kv_staging_bytes(Kernel kernel, int64_t seq, int64_t head_dim) {
+  const size_t bytes = size_t(2 * seq * (head_dim + 1)) * sizeof(float);
+  int device = 0, limit = 0;
+  MOKA_CUDA_CHECK(cudaGetDevice(&device));
+  MOKA_CUDA_CHECK(cudaDeviceGetAttribute(&limit, cudaDevAttrMaxSharedMemoryPerBlockOptin, device));
+  if (bytes > size_t(limit)) return 0;
+  MOKA_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(bytes)));
+  return bytes;
 }
 
 void attention_forward(const float* q, const float* k, const float* v, int64_t batch, int64_t seq, int64_t heads,
                        int64_t head_dim, float* probs, float* out, cudaStream_t s) {
-  attention_forward_kernel<<<unsigned(batch * heads), kThreads, 0, s>>>({batch, seq, heads, head_dim}, q, k, v, probs,
-                                                                         out);
+  const size_t smem = kv_staging_bytes(attention_forward_kernel, seq, head_dim);
+  attention_forward_kernel<<<unsigned(batch * heads), kThreads, smem, s>>>({batch, seq, heads, head_dim}, q, k, v,
+                                                                            probs, out, smem > 0);
 }
 
 void attention_backward(const float* q, const float* k, const float* v, const float* probs, const float* d_out,
                         int64_t batch, int64_t seq, int64_t heads, int64_t head_dim, float* d_scores, float* dq,
                         float* dk, float* dv, cudaStream_t s) {
-  attention_backward_kernel<<<unsigned(batch * heads), kThreads, 0, s>>>({batch, seq, heads, head_dim}, q, k, v, probs,
-                                                                          d_out, d_scores, dq, dk, dv);
+  const size_t smem = kv_staging_bytes(attention_backward_kernel, seq, head_dim);
+  attention_backward_kernel<<<unsigned(batch * heads), kThreads, smem, s>>>({batch, seq, heads, head_dim}, q, k, v,
+                                                                             probs, d_out, d_scores, dq, dk, dv,
+                                                                             smem > 0);
 }
 
 void cross_entropy(const float* logits, const int32_t* targets, int64_t rows, int64_t vocab, float* row_loss,
@@ -294,17 +421,31 @@ void reduce_finish(const double* partials, int64_t count, double scale, double* 
   reduce_finish_kernel<<<1, kThreads, 0, s>>>(partials, count, scale, out);
 }
 
-void add_bf16(const bf16* src, int64_t n, float* dst, cudaStream_t s) {
-  add_bf16_kernel<<<blocks_for(n), kThreads, 0, s>>>(src, n, dst);
-}
-
 void to_bf16(const float* src, int64_t n, bf16* dst, cudaStream_t s) {
   to_bf16_kernel<<<blocks_for(n), kThreads, 0, s>>>(src, n, dst);
 }
 
-void adamw_update(const AdamWArgs& a, const double* grad_sum_squares, const void* grad, bool grad_bf16, int64_t n,
-                  float* value, float* m, float* v, float* ema, bf16* shadow, cudaStream_t s) {
-  adamw_kernel<<<blocks_for(n), kThreads, 0, s>>>(a, grad_sum_squares, grad, grad_bf16, n, value, m, v, ema, shadow);
+int64_t assign_adamw_blocks(TensorSlot* slots, int count) {
+  int64_t blocks = 0;
+  for (int i = 0; i < count; ++i) {
+    slots[i].first_block = blocks;
+    blocks += blocks_for(slots[i].n);
+  }
+  return blocks;
+}
+
+void grad_square_partials(const TensorSlot* slots, int count, double* partials, cudaStream_t s) {
+  grad_square_partials_kernel<<<unsigned(count) * kReduceBlocks, kThreads, 0, s>>>(slots, partials);
+}
+
+void adamw_update(const AdamWHyper& a, const StepScalars* step, const double* grad_sum_squares,
+                  const TensorSlot* slots, int count, int64_t blocks, cudaStream_t s) {
+  adamw_kernel<<<unsigned(blocks), kThreads, 0, s>>>(a, step, grad_sum_squares, slots, count);
+}
+
+void update_selection_bias(const int32_t* counts, int64_t experts, double rate, double* bias, float* bias32,
+                           cudaStream_t s) {
+  selection_bias_kernel<<<1, kThreads, 0, s>>>(counts, experts, rate, bias, bias32);
 }
 
 }  // namespace moka::train::cuda

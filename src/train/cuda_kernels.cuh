@@ -10,6 +10,8 @@
 
 #include <cstdint>
 
+#include "train/optimizer.hpp"
+
 namespace moka::train::cuda {
 
 using bf16 = __nv_bfloat16;
@@ -22,13 +24,31 @@ void embed_forward(const int32_t* tokens, const float* table, float scale, int64
 void embed_backward(const int32_t* offsets, const int32_t* positions, const float* d_h, float scale, int64_t vocab,
                     int64_t d, float* grad, cudaStream_t stream);
 
-// y = x / rms(x) * gain per row, into y (f32) and/or yb (bf16) (either may be null); inv_rms [rows].
-void rmsnorm_forward(const float* x, const float* gain, int64_t rows, int64_t d, float eps, float* y, bf16* yb,
-                     float* inv_rms, cudaStream_t stream);
-// dx = inv_rms * (gain*dy - xhat * mean(gain*dy*xhat)), written or (accumulate) added;
-// d_gain = sum over rows of dy*xhat (overwritten).
-void rmsnorm_backward(const float* x, const float* gain, const float* inv_rms, const float* dy, int64_t rows,
-                      int64_t d, bool accumulate, float* dx, float* d_gain, cudaStream_t stream);
+// The residual add and the RMSNorm after it, in one pass per row: s = x (+ delta, f32 or bf16,
+// when one is given), written to `sum` and `saved` where given (`sum` may be x itself: the
+// residual stream updated in place); then y = s / rms(s) * gain into y (f32) and/or yb (bf16)
+// (either may be null); inv_rms [rows].
+struct ResidualDelta {
+  const float* f32 = nullptr;
+  const bf16* b16 = nullptr;
+};
+void residual_rmsnorm_forward(const float* x, ResidualDelta delta, float* sum, float* saved, const float* gain,
+                              int64_t rows, int64_t d, float eps, float* y, bf16* yb, float* inv_rms,
+                              cudaStream_t stream);
+// The gradient reaching a norm's output: f32, or the sum of up to two bf16 tensors (the MoE
+// layer's and the router's d_x), added in that order in fp32.
+struct NormGrad {
+  const float* f32 = nullptr;
+  const bf16* b16[2] = {nullptr, nullptr};
+};
+// dx = inv_rms * (gain*dy - xhat * mean(gain*dy*xhat)), written or (accumulate) added, and its
+// bf16 copy into dx16 when given; d_gain = sum over rows of dy*xhat (overwritten), summed in
+// kNormGainChunks chunks of rows, each in row order, then the chunks in order; gain_partials:
+// scratch of kNormGainChunks * d floats.
+inline constexpr int kNormGainChunks = 64;
+void rmsnorm_backward(const float* x, const float* gain, const float* inv_rms, NormGrad dy, int64_t rows, int64_t d,
+                      bool accumulate, float* dx, bf16* dx16, float* d_gain, float* gain_partials,
+                      cudaStream_t stream);
 
 // Causal softmax attention, scale 1/sqrt(head_dim); q, k, v, out: [batch*seq, heads*head_dim];
 // probs: [batch*heads, seq, seq] (zeros above the diagonal), kept for backward.
@@ -50,21 +70,50 @@ inline constexpr int kReduceBlocks = 64;
 void reduce_partials(ReduceOp op, const void* x, bool is_bf16, int64_t n, double* partials, cudaStream_t stream);
 void reduce_finish(const double* partials, int64_t count, double scale, double* out, cudaStream_t stream);
 
-// dst (f32) += src (bf16); dst (bf16) = src (f32).
-void add_bf16(const bf16* src, int64_t n, float* dst, cudaStream_t stream);
+// dst (bf16) = src (f32).
 void to_bf16(const float* src, int64_t n, bf16* dst, cudaStream_t stream);
 
-// One tensor's AdamW update (optimizer.cpp's arithmetic, decoupled weight decay), with the
-// global-norm clip factor computed on the device from grad_sum_squares, then (when given) the
-// EMA update and the bf16 copy the moka layers read.
-struct AdamWArgs {
-  double lr = 0, lr_multiplier = 1, weight_decay = 0, weight_decay_multiplier = 1;
-  float beta1 = 0.9f, beta2 = 0.95f, eps = 1e-8f;
-  float bias_correction1 = 1, bias_correction2 = 1;  // 1 - beta^t
-  double clip_norm = 0;                              // 0 = no clipping
-  float ema_decay = 0;
+// One optimized tensor, as the multi-tensor kernels read it (a device table of these).
+struct TensorSlot {
+  float *value = nullptr, *m = nullptr, *v = nullptr;
+  float* ema = nullptr;     // null without EMA
+  bf16* shadow = nullptr;   // the bf16 copy the moka layers read, or null
+  const void* grad = nullptr;
+  bool grad_bf16 = false;
+  int64_t n = 0;
+  int64_t first_block = 0;  // of the AdamW launch: the blocks of the tensors before it
+  double lr_multiplier = 1, weight_decay_multiplier = 1;
 };
-void adamw_update(const AdamWArgs& a, const double* grad_sum_squares, const void* grad, bool grad_bf16, int64_t n,
-                  float* value, float* m, float* v, float* ema, bf16* shadow, cudaStream_t stream);
+// Sets every slot's first_block; returns the AdamW launch's block count.
+int64_t assign_adamw_blocks(TensorSlot* slots, int count);
+
+// reduce_partials(square) of every slot's gradient in one launch: kReduceBlocks partials per
+// slot, slot after slot (the same bits as one reduce_partials per tensor).
+void grad_square_partials(const TensorSlot* slots, int count, double* partials, cudaStream_t stream);
+
+// What changes from step to step, read from device memory so a captured step replays it.
+struct StepScalars {
+  double lr = 0;                                     // peak LR x the schedule's factor
+  float bias_correction1 = 1, bias_correction2 = 1;  // 1 - beta^t
+};
+// AdamW over every slot in one launch (optimizer.cpp's arithmetic, decoupled weight decay), with
+// the global-norm clip factor computed on the device from grad_sum_squares, then (where a slot
+// has them) the EMA update and the bf16 copy.
+struct AdamWHyper {
+  double weight_decay = 0;
+  float beta1 = 0.9f, beta2 = 0.95f, eps = 1e-8f;
+  double clip_norm = 0;  // 0 = no clipping
+  float ema_decay = 0;
+  AdamWHyper(const AdamWConfig& a, double ema)
+      : weight_decay(a.weight_decay), beta1(float(a.beta1)), beta2(float(a.beta2)), eps(float(a.eps)),
+        clip_norm(a.clip_norm), ema_decay(float(ema)) {}
+};
+void adamw_update(const AdamWHyper& a, const StepScalars* step, const double* grad_sum_squares,
+                  const TensorSlot* slots, int count, int64_t blocks, cudaStream_t stream);
+
+// Aux-loss-free balancing on the device (moka::update_selection_bias's arithmetic): bias
+// [experts] (f64) += rate * sign(mean count - count), and bias32 = its f32 copy the router reads.
+void update_selection_bias(const int32_t* counts, int64_t experts, double rate, double* bias, float* bias32,
+                           cudaStream_t stream);
 
 }  // namespace moka::train::cuda

@@ -253,6 +253,7 @@ double Model<T>::forward(const Batch& batch, ActivationStats* stats) {
   const int64_t Tn = batch.tokens(), H = config_.d_model, V = config_.vocab;
   const auto& embed = params_.at("embed");
   const T embed_scale = static_cast<T>(embed.rule.forward_multiplier);
+  mark(Stage::embedding_forward);
   c.residual.assign(Tn * H, T(0));
   for (int64_t t = 0; t < Tn; ++t) {
     const int32_t tok = batch.inputs[t];
@@ -262,22 +263,27 @@ double Model<T>::forward(const Batch& batch, ActivationStats* stats) {
   if (stats) *stats = ActivationStats{dense::mean_abs(c.residual)};
   double router_losses = 0;
   for (auto& L : layers_) {
+    mark(Stage::norms_forward);
     L.attn_in = c.residual;
     L.attn_x.resize(Tn * H);
     L.attn_inv_rms.resize(Tn);
     dense::rmsnorm(L.attn_in.data(), L.attn_norm->value.data(), Tn, H, config_.norm_eps, L.attn_x.data(),
                    L.attn_inv_rms.data());
+    mark(Stage::attention_forward);
     const auto a = attention_forward(L, L.attn_x);
     if (stats) stats->attention += dense::mean_abs(a);
+    mark(Stage::norms_forward);
     add_into(c.residual, a);
     L.ffn_in = c.residual;
     L.ffn_x.resize(Tn * H);
     L.ffn_inv_rms.resize(Tn);
     dense::rmsnorm(L.ffn_in.data(), L.ffn_norm->value.data(), Tn, H, config_.norm_eps, L.ffn_x.data(),
                    L.ffn_inv_rms.data());
+    mark(Stage::moe_forward);
     add_into(c.residual, ffn_forward(L, L.ffn_x, stats));
     if (L.router_ctx) router_losses += L.router_ctx->losses().aux_loss + L.router_ctx->losses().z_loss;
   }
+  mark(Stage::head_loss_forward);
   c.final_x.resize(Tn * H);
   c.final_inv_rms.resize(Tn);
   dense::rmsnorm(c.residual.data(), params_.at("final_norm").value.data(), Tn, H, config_.norm_eps,
@@ -297,6 +303,7 @@ template <typename T>
 void Model<T>::backward() {
   auto& c = *cache_;
   require(!c.logits.empty(), ErrorCode::invalid_argument, "backward called before forward");
+  mark(Stage::head_loss_backward);
   params_.zero_grads();
   const int64_t Tn = c.batch.tokens(), H = config_.d_model;
   const auto d_final = project_backward(c.final_x, params_.at("head"), c.d_logits);
@@ -305,15 +312,20 @@ void Model<T>::backward() {
                           d_final.data(), Tn, H, d_residual.data(), params_.at("final_norm").grad.data());
   for (auto it = layers_.rbegin(); it != layers_.rend(); ++it) {
     Layer& L = *it;
+    mark(Stage::moe_backward);
     const auto d_ffn_x = ffn_backward(L, d_residual);
+    mark(Stage::norms_backward);
     dense::rmsnorm_backward(L.ffn_in.data(), L.ffn_norm->value.data(), L.ffn_inv_rms.data(), d_ffn_x.data(), Tn, H,
                             d_branch_in.data(), L.ffn_norm->grad.data());
     add_into(d_residual, d_branch_in);
+    mark(Stage::attention_backward);
     const auto d_attn_x = attention_backward(L, L.attn_x, d_residual);
+    mark(Stage::norms_backward);
     dense::rmsnorm_backward(L.attn_in.data(), L.attn_norm->value.data(), L.attn_inv_rms.data(), d_attn_x.data(),
                             Tn, H, d_branch_in.data(), L.attn_norm->grad.data());
     add_into(d_residual, d_branch_in);
   }
+  mark(Stage::embedding_backward);
   auto& embed = params_.at("embed");
   const T embed_scale = static_cast<T>(embed.rule.forward_multiplier);
   for (int64_t t = 0; t < Tn; ++t)

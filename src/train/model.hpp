@@ -14,6 +14,7 @@
 #include "moka/moka.hpp"
 #include "train/model_config.hpp"
 #include "train/params.hpp"
+#include "train/step_profile.hpp"
 
 namespace moka::train {
 
@@ -67,6 +68,8 @@ class Model {
   void update_selection_biases(double rate);
   std::vector<std::vector<double>>& selection_biases() { return selection_bias_; }
   const std::vector<std::vector<double>>& selection_biases() const { return selection_bias_; }
+  // Stage boundaries of forward and backward go to `marker` (null: none); it must outlive them.
+  void set_stage_marker(StageMarker* marker) { marker_ = marker; }
 
  private:
   struct Layer;
@@ -78,6 +81,9 @@ class Model {
   std::vector<T> ffn_forward(Layer& layer, const std::vector<T>& x, ActivationStats* stats);
   std::vector<T> ffn_backward(Layer& layer, const std::vector<T>& d_out);
   MoeWeights ffn_weights(Layer& layer) const;
+  void mark(Stage s) {
+    if (marker_) marker_->mark(s);
+  }
 
   ModelConfig config_;
   ModelOptions options_;
@@ -86,6 +92,7 @@ class Model {
   std::vector<std::vector<double>> selection_bias_;  // per MoE layer [E]
   std::unique_ptr<Cache> cache_;
   double cross_entropy_ = 0;
+  StageMarker* marker_ = nullptr;
 };
 
 extern template class Model<float>;

@@ -2,6 +2,8 @@
 
 #include <algorithm>
 #include <charconv>
+#include <chrono>
+#include <cmath>
 #include <map>
 #include <nlohmann/json.hpp>
 #include <optional>
@@ -11,6 +13,40 @@
 namespace moka::train {
 namespace {
 
+// The CPU engine's stage clock: each mark closes the running stage on the host's steady clock.
+class HostStageClock final : public StageMarker {
+ public:
+  using clock = std::chrono::steady_clock;
+  explicit HostStageClock(StepProfile& profile) : profile_(profile) {}
+  void start() {
+    step_start_ = last_ = clock::now();
+    running_ = false;
+  }
+  void mark(Stage s) override {
+    close();
+    current_ = s;
+    running_ = true;
+  }
+  void finish() {
+    close();
+    const double ms = std::chrono::duration<double, std::milli>(clock::now() - step_start_).count();
+    profile_.step_ms += ms;
+    profile_.host_ms += ms;
+    ++profile_.steps;
+  }
+
+ private:
+  void close() {
+    const auto now = clock::now();
+    if (running_) profile_.add_stage(current_, std::chrono::duration<double, std::milli>(now - last_).count());
+    last_ = now;
+  }
+  StepProfile& profile_;
+  clock::time_point step_start_, last_;
+  Stage current_ = Stage::inputs;
+  bool running_ = false;
+};
+
 // The reference engine: Model<float> on the CPU backend, AdamW and the EMA on the host.
 class CpuEngine final : public TrainEngine {
  public:
@@ -18,18 +54,34 @@ class CpuEngine final : public TrainEngine {
       : config_(c), model_(c.model, rules, ModelOptions{Backend::cpu, c.threads}), adam_(c.adam, model_.params()) {
     model_.params().initialize(c.seed);
     if (c.ema_decay > 0) ema_.emplace(c.ema_decay, model_.params());
+    if (c.profile) {
+      profile_.clock = "host steady_clock";
+      profile_.mode = "cpu";
+      profile_.launches_per_step = -1;
+      stage_clock_.emplace(profile_);
+      model_.set_stage_marker(&*stage_clock_);
+    }
   }
 
-  void step(const Batch& batch, double lr_factor, ActivationStats* stats, StepReport& r) override {
+  // The CPU has every number at hand: the report is always filled.
+  void step(const Batch& batch, double lr_factor, ActivationStats* stats, bool, StepReport& r) override {
+    if (stage_clock_) stage_clock_->start();
     r.loss = model_.forward(batch, stats);
     r.cross_entropy = model_.last_cross_entropy();
     model_.backward();
+    mark(Stage::optimizer);
     r.grad_norm = adam_.step(model_.params(), lr_factor);
+    mark(Stage::router_bias);
+    r.load_max_over_mean = 0;
     for (const auto& counts : model_.expert_counts())
       r.load_max_over_mean = std::max(r.load_max_over_mean, load_stats(counts).max_over_mean);
     if (config_.bias_update_rate > 0) model_.update_selection_biases(config_.bias_update_rate);
+    mark(Stage::ema);
     if (ema_) ema_->update(model_.params());
+    if (stage_clock_) stage_clock_->finish();
   }
+
+  StepProfile profile() const override { return profile_; }
 
   double evaluate(const std::vector<Batch>& batches, bool use_ema) override {
     if (use_ema) ema_->swap_with(model_.params());
@@ -64,9 +116,15 @@ class CpuEngine final : public TrainEngine {
 
  private:
   TrainConfig config_;
+  void mark(Stage s) {
+    if (stage_clock_) stage_clock_->mark(s);
+  }
+
   Model<float> model_;
   AdamW adam_;
   std::optional<WeightEma> ema_;
+  StepProfile profile_;
+  std::optional<HostStageClock> stage_clock_;
 };
 
 std::unique_ptr<TrainEngine> make_engine(const TrainConfig& c, const std::vector<TensorRule>& rules) {
@@ -91,14 +149,15 @@ Trainer::Trainer(const TrainConfig& config, const TextSplit& text)
 
 Trainer::~Trainer() = default;
 
-StepReport Trainer::step(ActivationStats* stats) {
+StepReport Trainer::step(ActivationStats* stats, bool read_metrics) {
   StepReport r;
+  r.loss = r.cross_entropy = r.grad_norm = r.load_max_over_mean = NAN;
   r.step = steps_;
   const Batch batch = sample_batch(text_.train, config_.batch, config_.seq, config_.seed, r.step);
   r.tokens = batch.tokens();
   const double factor = config_.schedule.factor(r.step);
   r.lr = config_.adam.lr * factor;
-  engine_->step(batch, factor, stats, r);
+  engine_->step(batch, factor, stats, read_metrics, r);
   ++steps_;
   return r;
 }

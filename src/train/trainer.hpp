@@ -29,6 +29,11 @@ struct TrainConfig {
   // Seed of the validation batches; unset = `seed`. Runs that differ only in seed set it to one
   // value so they are compared on the same validation text.
   std::optional<uint64_t> validation_seed;
+  // CUDA: replay each step as one captured CUDA graph (forward, backward, AdamW, EMA, router-bias
+  // update) after a first eager step; the same bits as the eager step.
+  bool cuda_graph = false;
+  // Time every stage of each step (StepProfile); on the GPU this waits for every step to finish.
+  bool profile = false;
 };
 
 struct StepReport {
@@ -51,13 +56,17 @@ class TrainEngine {
  public:
   virtual ~TrainEngine() = default;
   // Forward, backward, AdamW with peak LR x lr_factor, then the router-bias and EMA updates.
-  // Fills loss, cross_entropy, grad_norm and load_max_over_mean; `stats` records this step's
-  // forward (before the update).
-  virtual void step(const Batch& batch, double lr_factor, ActivationStats* stats, StepReport& report) = 0;
+  // With `read_metrics`, fills loss, cross_entropy, grad_norm and load_max_over_mean (the GPU
+  // then waits for the step); without, the GPU step runs on while the host goes on, and those
+  // fields stay NaN. `stats` records this step's forward (before the update).
+  virtual void step(const Batch& batch, double lr_factor, ActivationStats* stats, bool read_metrics,
+                    StepReport& report) = 0;
   // Mean cross-entropy over the batches, with the EMA weights when asked.
   virtual double evaluate(const std::vector<Batch>& batches, bool use_ema) = 0;
   virtual TrainState state() const = 0;
   virtual void set_state(const TrainState& state) = 0;
+  // The stages' times over the steps so far (TrainConfig::profile); empty steps otherwise.
+  virtual StepProfile profile() const = 0;
 };
 
 // The CUDA engine; throws backend_unavailable when moka was built without CUDA or no GPU is
@@ -72,8 +81,9 @@ class Trainer {
   ~Trainer();
 
   // One optimizer step. With `stats`, records the activations of this step's forward (before
-  // the update), as the coordinate check needs.
-  StepReport step(ActivationStats* stats = nullptr);
+  // the update), as the coordinate check needs. Without `read_metrics` the report's loss,
+  // gradient norm and load are NaN and the GPU is not waited for (TrainEngine::step).
+  StepReport step(ActivationStats* stats = nullptr, bool read_metrics = true);
   // Mean cross-entropy over `batches` validation batches, with the EMA weights when asked.
   double evaluate(int batches, bool use_ema = false);
 
@@ -84,6 +94,7 @@ class Trainer {
 
   int64_t steps_done() const { return steps_; }
   TrainState state() const { return engine_->state(); }
+  StepProfile profile() const { return engine_->profile(); }
   const TrainConfig& config() const { return config_; }
   const std::vector<TensorRule>& rules() const { return rules_; }
 

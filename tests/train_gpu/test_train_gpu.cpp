@@ -7,6 +7,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <random>
 
 #include "cuda/common/device_memory.hpp"
@@ -17,6 +18,7 @@
 
 using namespace moka::train;
 namespace kern = moka::train::cuda;
+using kern::bf16;
 
 namespace {
 
@@ -59,50 +61,93 @@ constexpr double kFp32Tolerance = 1e-5;
 
 }  // namespace
 
-TEST(TrainGpuStages, RmsNormForwardAndBackward) {
+// The residual add fused into the norm (f32 and bf16 deltas), and the backward from an f32 or
+// a two-part bf16 gradient, with its bf16 copy.
+TEST(TrainGpuStages, ResidualRmsNormForwardAndBackward) {
   ASSERT_TRUE(moka::cuda_backend_available());
   std::mt19937_64 rng(fresh_seed());
   const int64_t rows = 37, d = 96;
-  const auto x = normal(rows * d, rng), dy = normal(rows * d, rng);
+  const auto x = normal(rows * d, rng), delta = normal(rows * d, rng), dy = normal(rows * d, rng);
+  const auto dy_b = normal(rows * d, rng);
   auto gain = normal(d, rng, 0.1f);
   for (auto& g : gain) g += 1.0f;
-  std::vector<float> y(rows * d), inv(rows), dx(rows * d), dgain(d, 0.0f);
-  dense::rmsnorm(x.data(), gain.data(), rows, d, 1e-6, y.data(), inv.data());
-  dense::rmsnorm_backward(x.data(), gain.data(), inv.data(), dy.data(), rows, d, dx.data(), dgain.data());
-  DeviceFloats gx(x), gg(gain), gdy(dy), gy(rows * d), ginv(rows), gdgain(d);
-  DeviceFloats gdx(std::vector<float>(rows * d, 1.0f));  // backward adds into it
-  kern::rmsnorm_forward(gx.p, gg.p, rows, d, 1e-6f, gy.p, nullptr, ginv.p, nullptr);
-  kern::rmsnorm_backward(gx.p, gg.p, ginv.p, gdy.p, rows, d, true, gdx.p, gdgain.p, nullptr);
-  ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
-  auto dx_gpu = gdx.host();
-  for (auto& v : dx_gpu) v -= 1.0f;
-  EXPECT_LT(rel_error(gy.host(), y), kFp32Tolerance);
-  EXPECT_LT(rel_error(ginv.host(), inv), kFp32Tolerance);
-  EXPECT_LT(rel_error(dx_gpu, dx), 1e-5 * 4);  // one more rounding: the add into 1.0
-  EXPECT_LT(rel_error(gdgain.host(), dgain), kFp32Tolerance);
+  // bf16 operands: the CPU reference gets the same rounded values.
+  std::vector<bf16> delta16(rows * d), dy16(rows * d), dy16_b(rows * d);
+  std::vector<float> delta_r(rows * d), dy_r(rows * d);
+  for (int64_t i = 0; i < rows * d; ++i) {
+    delta16[i] = __float2bfloat16(delta[i]);
+    dy16[i] = __float2bfloat16(dy[i]);
+    dy16_b[i] = __float2bfloat16(dy_b[i]);
+    delta_r[i] = __bfloat162float(delta16[i]);
+    dy_r[i] = __bfloat162float(dy16[i]) + __bfloat162float(dy16_b[i]);
+  }
+  moka::cuda::DeviceArray<bf16> gdelta16(rows * d), gdy16(rows * d), gdy16_b(rows * d), gdx16(rows * d);
+  gdelta16.upload(delta16);
+  gdy16.upload(dy16);
+  gdy16_b.upload(dy16_b);
+  for (const bool bf16_operands : {false, true}) {
+    SCOPED_TRACE(bf16_operands ? "bf16 delta and gradient" : "f32 delta and gradient");
+    const auto& dlt = bf16_operands ? delta_r : delta;
+    const auto& grad = bf16_operands ? dy_r : dy;
+    std::vector<float> sum(rows * d), y(rows * d), inv(rows), dx(rows * d), dgain(d, 0.0f);
+    for (int64_t i = 0; i < rows * d; ++i) sum[i] = x[i] + dlt[i];
+    dense::rmsnorm(sum.data(), gain.data(), rows, d, 1e-6, y.data(), inv.data());
+    dense::rmsnorm_backward(sum.data(), gain.data(), inv.data(), grad.data(), rows, d, dx.data(), dgain.data());
+    DeviceFloats gh(x), gdelta(delta), gsaved(rows * d), gg(gain), gdy(dy), gy(rows * d), ginv(rows), gdgain(d);
+    DeviceFloats gdx(std::vector<float>(rows * d, 1.0f));  // backward adds into it
+    kern::ResidualDelta rd;
+    if (bf16_operands) rd.b16 = gdelta16.data(); else rd.f32 = gdelta.p;
+    kern::residual_rmsnorm_forward(gh.p, rd, gh.p, gsaved.p, gg.p, rows, d, 1e-6f, gy.p, nullptr, ginv.p, nullptr);
+    kern::NormGrad ng;
+    if (bf16_operands) {
+      ng.b16[0] = gdy16.data();
+      ng.b16[1] = gdy16_b.data();
+    } else {
+      ng.f32 = gdy.p;
+    }
+    DeviceFloats gain_partials(kern::kNormGainChunks * d);
+    kern::rmsnorm_backward(gsaved.p, gg.p, ginv.p, ng, rows, d, true, gdx.p, gdx16.data(), gdgain.p, gain_partials.p,
+                           nullptr);
+    ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+    EXPECT_EQ(gh.host(), sum);  // the residual stream, updated in place: one f32 add per element
+    EXPECT_EQ(gsaved.host(), sum);
+    auto dx_gpu = gdx.host();
+    const auto dx16_gpu = gdx16.download();
+    for (int64_t i = 0; i < rows * d; ++i)
+      ASSERT_EQ(__bfloat162float(dx16_gpu[i]), __bfloat162float(__float2bfloat16(dx_gpu[i]))) << i;
+    for (auto& v : dx_gpu) v -= 1.0f;
+    EXPECT_LT(rel_error(gy.host(), y), kFp32Tolerance);
+    EXPECT_LT(rel_error(ginv.host(), inv), kFp32Tolerance);
+    EXPECT_LT(rel_error(dx_gpu, dx), 1e-5 * 4);  // one more rounding: the add into 1.0
+    EXPECT_LT(rel_error(gdgain.host(), dgain), kFp32Tolerance);
+  }
 }
 
+// Both ways the kernels read K and V: staged in shared memory (the first shape) and from global
+// memory where one head's K and V exceed a block's shared memory (the second).
 TEST(TrainGpuStages, CausalAttentionForwardAndBackward) {
   ASSERT_TRUE(moka::cuda_backend_available());
   std::mt19937_64 rng(fresh_seed());
   // seq > 32 and head_dim > 32 exercise the lane loops of both kernels.
-  const dense::AttentionDims a{3, 45, 2, 40};
-  const size_t n = a.tokens() * a.width(), np = a.batch * a.heads * a.seq * a.seq;
-  const auto q = normal(n, rng), k = normal(n, rng), v = normal(n, rng), dout = normal(n, rng);
-  std::vector<float> probs(np), out(n), dq(n), dk(n), dv(n);
-  dense::causal_attention(q.data(), k.data(), v.data(), a, probs.data(), out.data(), 1);
-  dense::causal_attention_backward(q.data(), k.data(), v.data(), probs.data(), dout.data(), a, dq.data(), dk.data(),
-                                   dv.data(), 1);
-  DeviceFloats gq(q), gk(k), gv(v), gdout(dout), gprobs(np), gout(n), gds(np), gdq(n), gdk(n), gdv(n);
-  kern::attention_forward(gq.p, gk.p, gv.p, a.batch, a.seq, a.heads, a.head_dim, gprobs.p, gout.p, nullptr);
-  kern::attention_backward(gq.p, gk.p, gv.p, gprobs.p, gdout.p, a.batch, a.seq, a.heads, a.head_dim, gds.p, gdq.p,
-                           gdk.p, gdv.p, nullptr);
-  ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
-  EXPECT_LT(rel_error(gprobs.host(), probs), kFp32Tolerance);  // zeros above the diagonal included
-  EXPECT_LT(rel_error(gout.host(), out), kFp32Tolerance);
-  EXPECT_LT(rel_error(gdq.host(), dq), kFp32Tolerance);
-  EXPECT_LT(rel_error(gdk.host(), dk), kFp32Tolerance);
-  EXPECT_LT(rel_error(gdv.host(), dv), kFp32Tolerance);
+  for (const dense::AttentionDims a : {dense::AttentionDims{3, 45, 2, 40}, dense::AttentionDims{1, 3000, 1, 16}}) {
+    SCOPED_TRACE("seq " + std::to_string(a.seq));
+    const size_t n = a.tokens() * a.width(), np = a.batch * a.heads * a.seq * a.seq;
+    const auto q = normal(n, rng), k = normal(n, rng), v = normal(n, rng), dout = normal(n, rng);
+    std::vector<float> probs(np), out(n), dq(n), dk(n), dv(n);
+    dense::causal_attention(q.data(), k.data(), v.data(), a, probs.data(), out.data(), 2);
+    dense::causal_attention_backward(q.data(), k.data(), v.data(), probs.data(), dout.data(), a, dq.data(), dk.data(),
+                                     dv.data(), 2);
+    DeviceFloats gq(q), gk(k), gv(v), gdout(dout), gprobs(np), gout(n), gds(np), gdq(n), gdk(n), gdv(n);
+    kern::attention_forward(gq.p, gk.p, gv.p, a.batch, a.seq, a.heads, a.head_dim, gprobs.p, gout.p, nullptr);
+    kern::attention_backward(gq.p, gk.p, gv.p, gprobs.p, gdout.p, a.batch, a.seq, a.heads, a.head_dim, gds.p, gdq.p,
+                             gdk.p, gdv.p, nullptr);
+    ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+    EXPECT_LT(rel_error(gprobs.host(), probs), kFp32Tolerance);  // zeros above the diagonal included
+    EXPECT_LT(rel_error(gout.host(), out), kFp32Tolerance);
+    EXPECT_LT(rel_error(gdq.host(), dq), kFp32Tolerance);
+    EXPECT_LT(rel_error(gdk.host(), dk), kFp32Tolerance);
+    EXPECT_LT(rel_error(gdv.host(), dv), kFp32Tolerance);
+  }
 }
 
 TEST(TrainGpuStages, CrossEntropyAndItsGradient) {
@@ -132,53 +177,118 @@ TEST(TrainGpuStages, CrossEntropyAndItsGradient) {
   }
 }
 
-TEST(TrainGpuStages, AdamWWithClippingAndEmaMatchesTheHostOptimizer) {
+// The multi-tensor AdamW (one launch for all tensors, EMA and bf16 copies included) and the
+// one-launch gradient norm against the host optimizer, on tensors of several sizes (a block
+// straddles no tensor) with f32 and bf16 gradients.
+TEST(TrainGpuStages, MultiTensorAdamWWithClippingAndEmaMatchesTheHostOptimizer) {
   ASSERT_TRUE(moka::cuda_backend_available());
   std::mt19937_64 rng(fresh_seed());
-  TensorRule rule{{"w", TensorClass::expert_fc1, {24, 40}, 40, 24}};
-  rule.init_std = 0.1;
-  rule.lr_multiplier = 0.5;
-  rule.weight_decay_multiplier = 1.0;
-  ParamStore<float> host({rule});
+  std::vector<TensorRule> rules{{{"a", TensorClass::expert_fc1, {24, 40}, 40, 24}},
+                                {{"b", TensorClass::attention_out, {1, 7}, 7, 1}},
+                                {{"c", TensorClass::expert_fc2, {33, 65}, 65, 33}}};
+  for (auto& r : rules) {
+    r.init_std = 0.1;
+    r.weight_decay_multiplier = 1.0;
+  }
+  rules[0].lr_multiplier = 0.5;
+  rules[2].lr_multiplier = 2.0;
+  rules[1].weight_decay_multiplier = 0.0;
+  const std::vector<bool> bf16_grad{false, false, true};
+  ParamStore<float> host(rules);
   host.initialize(rng());
   AdamWConfig cfg;
   cfg.lr = 3e-3;
   cfg.weight_decay = 0.1;
-  cfg.clip_norm = 0.5;  // the random gradients below have norm ~30: clipping is active
+  cfg.clip_norm = 0.5;  // the random gradients below have norm ~40: clipping is active
   AdamW adam(cfg, host);
   WeightEma ema(0.9, host);
-  const int64_t n = rule.spec.numel();
-  DeviceFloats value(host[0].value), m(std::vector<float>(n, 0.0f)), v(std::vector<float>(n, 0.0f)),
-      shadow_ema(host[0].value);
-  moka::cuda::DeviceArray<double> sum_of_squares(kern::kReduceBlocks + 1);
-  double* ss = sum_of_squares.data();
+  const size_t T = rules.size();
+  std::vector<DeviceFloats> value, m, v, ema_dev, grad;
+  std::vector<moka::cuda::DeviceArray<bf16>> shadow, grad16;
+  std::vector<kern::TensorSlot> slots(T);
+  for (size_t i = 0; i < T; ++i) {
+    const size_t n = host[i].value.size();
+    value.emplace_back(host[i].value);
+    m.emplace_back(std::vector<float>(n, 0.0f));
+    v.emplace_back(std::vector<float>(n, 0.0f));
+    ema_dev.emplace_back(host[i].value);
+    grad.emplace_back(n);
+    shadow.emplace_back(n);
+    grad16.emplace_back(n);
+  }
+  for (size_t i = 0; i < T; ++i) {
+    slots[i] = {value[i].p, m[i].p, v[i].p, ema_dev[i].p, bf16_grad[i] ? shadow[i].data() : nullptr,
+                bf16_grad[i] ? static_cast<const void*>(grad16[i].data()) : grad[i].p, bf16_grad[i],
+                int64_t(host[i].value.size()), 0, rules[i].lr_multiplier, rules[i].weight_decay_multiplier};
+  }
+  const int64_t blocks = kern::assign_adamw_blocks(slots.data(), int(T));
+  moka::cuda::DeviceArray<kern::TensorSlot> table(T);
+  table.upload(slots);
+  moka::cuda::DeviceArray<double> partials(T * kern::kReduceBlocks + 1);
+  double* ss = partials.data() + T * kern::kReduceBlocks;
+  moka::cuda::DeviceArray<kern::StepScalars> scalars(1);
   for (int step = 1; step <= 3; ++step) {
-    host[0].grad = normal(n, rng);
-    DeviceFloats grad(host[0].grad);
     const double factor = 0.7;
+    for (size_t i = 0; i < T; ++i) {
+      host[i].grad = normal(host[i].value.size(), rng);
+      if (bf16_grad[i]) {
+        std::vector<bf16> g16(host[i].grad.size());
+        for (size_t j = 0; j < g16.size(); ++j) {
+          g16[j] = __float2bfloat16(host[i].grad[j]);
+          host[i].grad[j] = __bfloat162float(g16[j]);
+        }
+        grad16[i].upload(g16);
+      } else {
+        grad[i].array.upload(host[i].grad);
+      }
+    }
     adam.step(host, factor);
     ema.update(host);
-    kern::reduce_partials(kern::ReduceOp::square, grad.p, false, n, ss, nullptr);
-    kern::reduce_finish(ss, kern::kReduceBlocks, 1.0, ss + kern::kReduceBlocks, nullptr);
-    kern::AdamWArgs args;
-    args.lr = cfg.lr * factor;
-    args.lr_multiplier = rule.lr_multiplier;
-    args.weight_decay = cfg.weight_decay;
-    args.beta1 = float(cfg.beta1);
-    args.beta2 = float(cfg.beta2);
-    args.eps = float(cfg.eps);
-    args.bias_correction1 = float(1.0 - std::pow(cfg.beta1, step));
-    args.bias_correction2 = float(1.0 - std::pow(cfg.beta2, step));
-    args.clip_norm = cfg.clip_norm;
-    args.ema_decay = 0.9f;
-    kern::adamw_update(args, ss + kern::kReduceBlocks, grad.p, false, n, value.p, m.p, v.p, shadow_ema.p, nullptr,
-                       nullptr);
+    kern::StepScalars sc{cfg.lr * factor, float(1.0 - std::pow(cfg.beta1, step)),
+                         float(1.0 - std::pow(cfg.beta2, step))};
+    scalars.upload(&sc, 1);
+    kern::grad_square_partials(table.data(), int(T), partials.data(), nullptr);
+    kern::reduce_finish(partials.data(), int64_t(T) * kern::kReduceBlocks, 1.0, ss, nullptr);
+    kern::adamw_update(kern::AdamWHyper(cfg, 0.9), scalars.data(), ss, table.data(), int(T), blocks, nullptr);
     ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
   }
-  EXPECT_LT(rel_error(value.host(), host[0].value), kFp32Tolerance);
-  EXPECT_LT(rel_error(m.host(), adam.m[0]), kFp32Tolerance);
-  EXPECT_LT(rel_error(v.host(), adam.v[0]), kFp32Tolerance);
-  EXPECT_LT(rel_error(shadow_ema.host(), ema.shadow[0]), kFp32Tolerance);
+  for (size_t i = 0; i < T; ++i) {
+    SCOPED_TRACE(rules[i].spec.name);
+    EXPECT_LT(rel_error(value[i].host(), host[i].value), kFp32Tolerance);
+    EXPECT_LT(rel_error(m[i].host(), adam.m[i]), kFp32Tolerance);
+    EXPECT_LT(rel_error(v[i].host(), adam.v[i]), kFp32Tolerance);
+    EXPECT_LT(rel_error(ema_dev[i].host(), ema.shadow[i]), kFp32Tolerance);
+    if (bf16_grad[i]) {
+      const auto s16 = shadow[i].download();
+      const auto p = value[i].host();
+      for (size_t j = 0; j < p.size(); ++j) ASSERT_EQ(__bfloat162float(s16[j]), __bfloat162float(__float2bfloat16(p[j])));
+    }
+  }
+}
+
+// The device's router-bias update is moka::update_selection_bias bit for bit (ties included).
+TEST(TrainGpuStages, SelectionBiasUpdateMatchesTheHost) {
+  ASSERT_TRUE(moka::cuda_backend_available());
+  std::mt19937_64 rng(fresh_seed());
+  for (const int64_t experts : {4, 37, 300}) {
+    std::vector<int32_t> counts(experts);
+    for (auto& c : counts) c = int32_t(rng() % 5);  // small counts: some equal the mean
+    counts[0] = 2;
+    std::vector<double> bias(experts);
+    for (auto& b : bias) b = std::normal_distribution<double>(0.0, 1e-2)(rng);
+    moka::cuda::DeviceArray<int32_t> gcounts(experts);
+    moka::cuda::DeviceArray<double> gbias(experts);
+    moka::cuda::DeviceArray<float> gbias32(experts);
+    gcounts.upload(counts);
+    gbias.upload(bias);
+    const double rate = 1e-3;
+    kern::update_selection_bias(gcounts.data(), experts, rate, gbias.data(), gbias32.data(), nullptr);
+    ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+    moka::update_selection_bias(bias, std::vector<int64_t>(counts.begin(), counts.end()), rate);
+    EXPECT_EQ(gbias.download(), bias) << experts << " experts";
+    const std::vector<float> bias32(bias.begin(), bias.end());
+    EXPECT_EQ(gbias32.download(), bias32) << experts << " experts";
+  }
 }
 
 namespace {
@@ -284,4 +394,133 @@ TEST(TrainGpuLoop, CheckpointResumeIsBitwiseIdentical) {
   config.backend = moka::Backend::cuda;
   config.seed = fresh_seed();
   moka::train::testing::expect_resume_is_bitwise(config, *text, "moka_gpu_resume_test.safetensors");
+}
+
+namespace {
+
+// A config with every part of the step on: EMA, clipping, a schedule that changes the LR each
+// step, a shared expert, the router-bias update and z-loss.
+TrainConfig full_step_config() {
+  auto config = moka::train::testing::tiny_train_config(Parameterization::mup, 3e-3);
+  config.backend = moka::Backend::cuda;
+  config.seed = fresh_seed();
+  config.schedule = {ScheduleKind::cosine, 2, 10, 0.0, 0.1};
+  config.ema_decay = 0.9;
+  config.adam.clip_norm = 0.5;
+  config.model.shared_intermediate = config.base.shared_intermediate = 8;
+  config.model.z_loss_coef = config.base.z_loss_coef = 1e-3;
+  return config;
+}
+
+void expect_same_bits(const std::vector<std::vector<float>>& a, const std::vector<std::vector<float>>& b,
+                      const char* what) {
+  ASSERT_EQ(a.size(), b.size()) << what;
+  for (size_t i = 0; i < a.size(); ++i) {
+    ASSERT_EQ(a[i].size(), b[i].size()) << what << " " << i;
+    EXPECT_EQ(std::memcmp(a[i].data(), b[i].data(), a[i].size() * sizeof(float)), 0) << what << " tensor " << i;
+  }
+}
+
+}  // namespace
+
+// N steps replayed from one captured CUDA graph equal N eager steps bit for bit: every step's
+// loss, cross-entropy, gradient norm and load, and the weights, Adam moments, EMA and router
+// biases after them. Read every step, and read only at the end (the steps then run without any
+// host synchronization).
+TEST(TrainGpuLoop, CapturedStepsEqualEagerStepsBitwise) {
+  const TextSplit* text = moka::train::testing::corpus_slice();
+  ASSERT_NE(text, nullptr) << "text corpus missing: set MOKA_TEXT_DIR";
+  const auto config = full_step_config();
+  constexpr int kSteps = 10;
+  auto run = [&](bool graph, bool read_every_step, std::vector<StepReport>& reports) {
+    auto c = config;
+    c.cuda_graph = graph;
+    Trainer t(c, *text);
+    for (int s = 0; s < kSteps; ++s) reports.push_back(t.step(nullptr, read_every_step || s + 1 == kSteps));
+    return t.state();
+  };
+  std::vector<StepReport> eager_reports, graph_reports, quiet_reports;
+  const TrainState eager = run(false, true, eager_reports);
+  const TrainState graph = run(true, true, graph_reports);
+  const TrainState quiet = run(true, false, quiet_reports);
+  for (int s = 0; s < kSteps; ++s) {
+    SCOPED_TRACE("step " + std::to_string(s));
+    const auto &e = eager_reports[s], &g = graph_reports[s];
+    EXPECT_EQ(std::memcmp(&e.loss, &g.loss, sizeof(double)), 0) << e.loss << " vs " << g.loss;
+    EXPECT_EQ(std::memcmp(&e.cross_entropy, &g.cross_entropy, sizeof(double)), 0);
+    EXPECT_EQ(std::memcmp(&e.grad_norm, &g.grad_norm, sizeof(double)), 0);
+    EXPECT_EQ(e.load_max_over_mean, g.load_max_over_mean);
+    EXPECT_TRUE(std::isfinite(e.loss));
+    if (s + 1 < kSteps) {
+      EXPECT_TRUE(std::isnan(quiet_reports[s].loss)) << "a step read without being asked";
+    }
+  }
+  EXPECT_EQ(std::memcmp(&eager_reports.back().loss, &quiet_reports.back().loss, sizeof(double)), 0);
+  for (const auto* other : {&graph, &quiet}) {
+    expect_same_bits(eager.values, other->values, "weights");
+    expect_same_bits(eager.adam_m, other->adam_m, "adam m");
+    expect_same_bits(eager.adam_v, other->adam_v, "adam v");
+    expect_same_bits(eager.ema, other->ema, "ema");
+    EXPECT_EQ(eager.selection_biases, other->selection_biases);
+    EXPECT_EQ(eager.steps, other->steps);
+  }
+  // The biases moved: the update ran (and so the comparison above can fail).
+  bool moved = false;
+  for (const auto& layer : eager.selection_biases)
+    for (double b : layer) moved |= b != 0.0;
+  EXPECT_TRUE(moved);
+}
+
+// A captured run resumes from a checkpoint and validates (eager forwards between replays) and
+// still equals the eager run.
+TEST(TrainGpuLoop, CapturedStepsSurviveEvaluationAndResume) {
+  const TextSplit* text = moka::train::testing::corpus_slice();
+  ASSERT_NE(text, nullptr) << "text corpus missing: set MOKA_TEXT_DIR";
+  auto config = full_step_config();
+  config.cuda_graph = true;
+  moka::train::testing::expect_resume_is_bitwise(config, *text, "moka_gpu_graph_resume_test.safetensors");
+  auto eager_config = config;
+  eager_config.cuda_graph = false;
+  Trainer graph(config, *text), eager(eager_config, *text);
+  for (int s = 0; s < 6; ++s) {
+    graph.step(nullptr, false);
+    eager.step(nullptr, false);
+    if (s % 2 == 1) {
+      EXPECT_EQ(graph.evaluate(2, s == 3), eager.evaluate(2, s == 3)) << "step " << s;
+    }
+  }
+  expect_same_bits(eager.state().values, graph.state().values, "weights");
+}
+
+// The profile: every stage that runs on the GPU has time and launches; a replayed step waits
+// for the host never, an eager one only where the caller reads.
+TEST(TrainGpuLoop, ProfileCountsLaunchesAndTimesStages) {
+  const TextSplit* text = moka::train::testing::corpus_slice();
+  ASSERT_NE(text, nullptr) << "text corpus missing: set MOKA_TEXT_DIR";
+  for (const bool graph : {false, true}) {
+    SCOPED_TRACE(graph ? "cuda graph" : "eager");
+    auto config = full_step_config();
+    config.cuda_graph = graph;
+    config.profile = true;
+    Trainer t(config, *text);
+    for (int s = 0; s < 5; ++s) t.step(nullptr, false);
+    const StepProfile p = t.profile();
+    std::cout << p.table();
+    EXPECT_EQ(p.steps, 3);  // the first two steps (allocation, capture) are not profiled
+    EXPECT_EQ(p.mode, graph ? "cuda graph" : "eager");
+    EXPECT_GT(p.launches_per_step, 50);
+    EXPECT_EQ(p.host_syncs_per_step, 0);
+    int64_t staged = 0;
+    for (int i = 0; i < kStageCount; ++i) staged += p.launches[i];
+    EXPECT_EQ(staged, p.launches_per_step);
+    for (Stage s : {Stage::embedding_forward, Stage::norms_forward, Stage::attention_forward, Stage::moe_forward,
+                    Stage::head_loss_forward, Stage::head_loss_backward, Stage::moe_backward,
+                    Stage::norms_backward, Stage::attention_backward, Stage::embedding_backward,
+                    Stage::optimizer, Stage::router_bias}) {
+      EXPECT_GT(p.ms[size_t(s)], 0.0) << stage_name(s);
+      EXPECT_GT(p.launches[size_t(s)], 0) << stage_name(s);
+    }
+    EXPECT_EQ(p.launches[size_t(Stage::optimizer)], 3);  // grad norm partials, their sum, AdamW + EMA
+    EXPECT_GT(p.step_ms, 0.0);
+  }
 }

@@ -199,6 +199,7 @@ struct CudaRouterState final : RouterContext {
     MOKA_CUDA_CHECK(cudaMemcpy(h, losses_dev->data(), sizeof(h), cudaMemcpyDeviceToHost));
     return {h[0], h[1]};
   }
+  const double* device_losses() const override { return losses_dev->data(); }
 };
 
 class CudaRouter final : public Router {
@@ -211,6 +212,7 @@ class CudaRouter final : public Router {
     require(std::isfinite(c.route_scale), ErrorCode::invalid_argument, "route_scale must be finite");
     MOKA_CUDA_CHECK(cudaGetDevice(&device_));
     MOKA_CUBLAS_CHECK(cublasCreate(&cublas_));
+    workspace_ = DeviceArray<unsigned char>(kCublasWorkspace);
   }
   ~CudaRouter() override { cublasDestroy(cublas_); }
   const RouterConfig& config() const override { return c_; }
@@ -244,7 +246,7 @@ class CudaRouter final : public Router {
     st->counts = std::make_unique<StreamScratch<int32_t>>(E, s);
     st->mean_p = std::make_unique<StreamScratch<double>>(E, s);
     st->losses_dev = std::make_unique<StreamScratch<double>>(2, s);
-    MOKA_CUBLAS_CHECK(cublasSetStream(cublas_, s));
+    use_stream(s);
     const float one = 1.0f, zero = 0.0f;
     // Column-major logits^T [E, T] = W (as [H, E])^T x (as [H, T]).
     MOKA_CUBLAS_CHECK(cublasGemmEx(cublas_, CUBLAS_OP_T, CUBLAS_OP_N, int(E), int(T), int(H), &one, w.data,
@@ -282,7 +284,7 @@ class CudaRouter final : public Router {
                                                             d_weights.as<float>(), ds.data(),
                                                             d_logits.data());
     MOKA_CUDA_CHECK_LAUNCH();
-    MOKA_CUBLAS_CHECK(cublasSetStream(cublas_, s));
+    use_stream(s);
     const float one = 1.0f, zero = 0.0f;
     // d_x^T [H, T] (+)= W^T (W as column-major [H, E]) d_logits^T (as [E, T]); adding in the
     // GEMM's fp32 epilogue rounds the sum to bf16 once.
@@ -300,6 +302,14 @@ class CudaRouter final : public Router {
   RouterConfig c_;
   int device_ = 0;
   cublasHandle_t cublas_ = nullptr;
+  // cuBLAS's workspace, the router's own: a call captured in a CUDA graph then allocates nothing
+  // (cublasSetStream drops a workspace set before it, so it is set again after each).
+  static constexpr size_t kCublasWorkspace = size_t(32) << 20;  // what cuBLAS asks for on Hopper
+  DeviceArray<unsigned char> workspace_;
+  void use_stream(cudaStream_t s) {
+    MOKA_CUBLAS_CHECK(cublasSetStream(cublas_, s));
+    MOKA_CUBLAS_CHECK(cublasSetWorkspace(cublas_, workspace_.data(), kCublasWorkspace));
+  }
 };
 
 }  // namespace
