@@ -303,6 +303,13 @@ void check_gemm(const GemmShape& s) {
   EXPECT_TRUE(run(3) == one) << "bits depend on the CTA count or the run";
 }
 
+// The forward's layout (both K-major) through the same harness: the baseline that tells a
+// harness fault from an MN-major one; K from k-block 1 on (kblock0 in the contiguous dimension).
+TEST(MegakernelBackwardGemm, ForwardLayoutBaseline) {
+  check_gemm<Major::K, Major::K>({.m = 200, .n = 264, .k = 320, .products = 1, .pair = false, .kblock0 = 1,
+                                  .batch = 2, .expert = 1});
+}
+
 // dH = d_out . W_down[e]: m = rows (partial last row tile), k = H, n = I = 264 (the last
 // 256-column tile's second B box lies wholly past W_down's rows, its first partly).
 TEST(MegakernelBackwardGemm, DgdWithMnMajorDownWeights) {
