@@ -337,7 +337,8 @@ TEST(MegakernelBackwardGemm, WeightGradientPairFromInsideTheRows) {
 // The dgd task's GEMM with its SwiGLU-backward epilogue against the same math in fp64 on the
 // host (core/activation.hpp, the functions the CPU reference and emulation use): dg, du, hs
 // within bf16 rounding of the values the fp64 dH gives (plus the fp32 dH's error carried
-// through act'), each row's partial of <dH, h> per 256-column tile, same bits from 1 and 3 CTAs.
+// through act'), each row's partial of <dH, h> per 256-column tile, zeros in the last row
+// tile's padding rows, same bits from 1 and 3 CTAs.
 void check_dgd_epilogue(core::ActParams act) {
   const GemmShape s{.m = 200, .n = 264, .k = 320, .products = 1, .pair = false, .kblock0 = 0, .batch = 2, .expert = 1};
   CoreGemm<Major::K, Major::MN> gemm(s, 0xd9d0000ull + uint64_t(act.clamped));
@@ -349,7 +350,9 @@ void check_dgd_epilogue(core::ActParams act) {
   for (auto& w : weight) w = w01(gemm.rng());
   DeviceArray<float> weight_device(rows);
   weight_device.upload(weight);
-  PoisonedOutput<uint16_t> dg(rows * I), du(rows * I), hs(rows * I);
+  // dg, du, hs hold whole row tiles: the padding rows [rows, padded_rows) must come back zero.
+  const int64_t padded_rows = int64_t(gemm.tiles_m()) * kTileM;
+  PoisonedOutput<uint16_t> dg(padded_rows * I), du(padded_rows * I), hs(padded_rows * I);
   PoisonedOutput<float> partials(rows * col_tiles);
   DgdStore store;
   store.tile = {gate.data(),
@@ -368,7 +371,10 @@ void check_dgd_epilogue(core::ActParams act) {
   };
   const auto one = run(1);
   const auto& [got_dg, got_du, got_hs, got_partials] = one;
-  Mismatches bad_dg{"dg"}, bad_du{"du"}, bad_hs{"hs"}, bad_partial{"partial"};
+  Mismatches bad_dg{"dg"}, bad_du{"du"}, bad_hs{"hs"}, bad_partial{"partial"}, bad_padding{"padding row"};
+  for (int64_t at = rows * I; at < padded_rows * I; ++at)
+    for (const auto* got : {&got_dg, &got_du, &got_hs})
+      bad_padding.check((*got)[at] == 0, at / I, at % I, value_of((*got)[at]), 0.0);
   const double limit = act.limit;
   for (int64_t r = 0; r < rows; ++r) {
     std::vector<double> partial(col_tiles, 0.0), partial_scale(col_tiles, 0.0);

@@ -21,7 +21,10 @@ namespace moka::cuda::mk {
 
 // Where a dgd tile's epilogue reads and writes: rows [row0, row0 + valid_rows) and columns
 // [col0, col0 + kTileN) (clipped at `width` = I) of row-major [rows, I] buffers; one partial per
-// (row, column tile) in `partials` [rows, col_tiles].
+// (row, column tile) in `partials` [rows, col_tiles]. The tile's padding rows [valid_rows,
+// kTileM) of dg, du and hs are written as zeros (the buffers hold whole row tiles, as the ring
+// does): the weight-gradient tasks sum over whole row tiles, and a ring slot's padding rows
+// would otherwise hold an earlier step's values.
 struct DgdTile {
   const __nv_bfloat16 *gate, *up;
   const float* weight;  // the route weight of each row
@@ -50,8 +53,13 @@ __device__ inline void store_dgd_tile(const Accumulator& acc, const DgdTile& t) 
     const int slot = (r >> 3) & 1;
     row_of[slot] = r;
     const int64_t row = t.row0 + r, col = t.col0 + c;
-    if (r >= t.valid_rows || col >= t.width) return;  // zero accumulator: no term to add
+    if (col >= t.width) return;
     const int64_t at = row * t.width + col;
+    if (r >= t.valid_rows) {
+      const __nv_bfloat162 zero = __floats2bfloat162_rn(0.f, 0.f);
+      for (__nv_bfloat16* out : {t.d_gate, t.d_up, t.scaled_hidden}) *reinterpret_cast<__nv_bfloat162*>(out + at) = zero;
+      return;
+    }
     const float2 g = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(t.gate + at));
     const float2 u = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(t.up + at));
     const float w = t.weight[row];
