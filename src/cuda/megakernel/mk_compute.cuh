@@ -23,6 +23,8 @@
 #pragma once
 #include <cuda_bf16.h>
 
+#include <type_traits>
+
 #include "core/activation.hpp"
 #include "core/megakernel_plan.hpp"
 #include "cuda/megakernel/megakernel_launch.hpp"
@@ -101,10 +103,13 @@ __device__ inline int expert_of_row(const int32_t* offsets, int64_t experts, int
 // by side (column tile `col`), down 256 consecutive rows of `b0` (b1 null). A down tile's second
 // box may lie wholly past the weights' last row (H an odd multiple of 128 or less): it then
 // reloads the last row tile instead, whose columns the epilogue masks, so every stage carries
-// the same bytes without relying on fully out-of-range boxes.
-__device__ inline TileLoads tile_loads(const Operand& a, int row_tile, const Operand& b0, const Operand* b1, int col,
-                                       int batch) {
-  TileLoads l;
+// the same bytes without relying on fully out-of-range boxes. The backward's tiles take the
+// same shapes with MN-major operands.
+template <Major MA, Major MB>
+__device__ inline TileLoadsOf<MA, MB> tile_loads(const OperandOf<MA>& a, int row_tile, const OperandOf<MB>& b0,
+                                                 const std::type_identity_t<OperandOf<MB>>* b1, int col,
+                                                 int batch) {
+  TileLoadsOf<MA, MB> l;
   l.a = {&a, row_tile, 0};
   if (b1) {
     l.b[0] = {&b0, col, batch};

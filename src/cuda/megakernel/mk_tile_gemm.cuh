@@ -1,7 +1,15 @@
-// The megakernel's GEMM core: 128 x 256 output tiles of D = A B^T (A [rows, K], B [N, K], both
-// K-major bf16, fp32 accumulation) on a warp-specialized CTA, in the style of CUTLASS's sm90
-// cooperative kernel: a producer warpgroup issues TMA loads into a kStages-deep shared-memory
-// ring and two consumer warpgroups each compute 64 x 256 of the tile with wgmma (sm_90a).
+// The megakernel's GEMM core: 128 x 256 output tiles of D = A B^T (A [rows, K], B [N, K], bf16,
+// fp32 accumulation) on a warp-specialized CTA, in the style of CUTLASS's sm90 cooperative
+// kernel: a producer warpgroup issues TMA loads into a kStages-deep shared-memory ring and two
+// consumer warpgroups each compute 64 x 256 of the tile with wgmma (sm_90a).
+//
+// Each operand is K-major (K contiguous: the forward's activations and weights) or MN-major (its
+// rows contiguous: the backward reads W_down [H, I] as B of d_out . W_down, and the ring's rows
+// as both operands of the weight gradients, K = rows), a template parameter of the loop. The
+// majorness changes only CuTe types: the swizzle atom of the shared-memory tiles, the TMA box
+// (an MN-major 128 x 64 tile is two 64 x 64 boxes, 128 bytes of rows each) and the wgmma's
+// transpose flags; CuTe's GMMA fragments build the matching descriptors (make_gmma_desc). The
+// pipeline, the barriers and the accumulator layout are the same for every combination.
 //
 // Why a tile loop and not CUTLASS's grouped GEMM kernel: inside the megakernel a compute CTA
 // takes one task at a time from the task ticket and waits on the counters of exactly the rows
@@ -34,8 +42,11 @@
 #include <cutlass/bfloat16.h>
 
 #include <cstdint>
+#include <string>
+#include <type_traits>
 
 #include "cuda/megakernel/mk_sync.cuh"
+#include "moka/error.hpp"
 
 namespace moka::cuda::mk {
 
@@ -58,63 +69,118 @@ inline constexpr int kThreads = kWarpgroupThreads + kConsumerThreads;
 inline constexpr uint32_t kProducerRegisters = 40;
 inline constexpr uint32_t kConsumerRegisters = 232;
 
-// One 128 x 64 operand box (the unit of TMA), and the stage rings of A (one box per stage) and
-// B (two boxes per stage, rows 0-127 and 128-255: the halves are consecutive in memory).
-using BoxLayout = decltype(tile_to_shape(GMMA::Layout_K_SW128_Atom<Element>{},
-                                         make_shape(Int<kTileM>{}, Int<kTileK>{})));
-using SmemLayoutA = decltype(tile_to_shape(GMMA::Layout_K_SW128_Atom<Element>{},
-                                           make_shape(Int<kTileM>{}, Int<kTileK>{}, Int<kStages>{})));
-using SmemLayoutB = decltype(tile_to_shape(GMMA::Layout_K_SW128_Atom<Element>{},
-                                           make_shape(Int<kTileN>{}, Int<kTileK>{}, Int<kStages>{})));
+using Major = GMMA::Major;
+
+// Shared-memory layout of operand tiles of `shape` (rows, K[, stages]), swizzled in 128-byte
+// lines. K-major: CuTe's K atoms (8 rows x 64 K) stacked along the rows. MN-major: CuTe's MN
+// atoms (64 rows x 8 K) stacked along K first, so that every 64-row x 64-K block is one
+// contiguous 8 KB TMA box (CUTLASS's sm90 collectives order MN-major tiles the same way).
+template <Major M, class Shape>
+constexpr auto smem_tile_layout(Shape shape) {
+  if constexpr (M == Major::K) {
+    return tile_to_shape(GMMA::Layout_K_SW128_Atom<Element>{}, shape);
+  } else if constexpr (rank(Shape{}) == 2) {
+    return tile_to_shape(GMMA::Layout_MN_SW128_Atom<Element>{}, shape, Step<_2, _1>{});
+  } else {
+    return tile_to_shape(GMMA::Layout_MN_SW128_Atom<Element>{}, shape, Step<_2, _1, _3>{});
+  }
+}
+
+// One 128 x 64 operand tile (what one TileCoord loads), and the stage rings of A (one tile per
+// stage) and B (two tiles per stage, rows 0-127 and 128-255: the halves are consecutive in
+// memory, for either majorness).
+template <Major M>
+using BoxLayoutOf = decltype(smem_tile_layout<M>(make_shape(Int<kTileM>{}, Int<kTileK>{})));
+template <Major M>
+using SmemLayoutAOf = decltype(smem_tile_layout<M>(make_shape(Int<kTileM>{}, Int<kTileK>{}, Int<kStages>{})));
+template <Major M>
+using SmemLayoutBOf = decltype(smem_tile_layout<M>(make_shape(Int<kTileN>{}, Int<kTileK>{}, Int<kStages>{})));
+using BoxLayout = BoxLayoutOf<Major::K>;
+using SmemLayoutA = SmemLayoutAOf<Major::K>;
+using SmemLayoutB = SmemLayoutBOf<Major::K>;
 inline constexpr int kBoxElements = kTileM * kTileK;
 inline constexpr uint32_t kStageBytes = 3 * kBoxElements * sizeof(Element);  // A + two B boxes
+static_assert(cosize_v<SmemLayoutAOf<Major::MN>> == cosize_v<SmemLayoutA> &&
+                  cosize_v<SmemLayoutBOf<Major::MN>> == cosize_v<SmemLayoutB> &&
+                  cosize_v<BoxLayoutOf<Major::MN>> == kBoxElements,
+              "both majornesses fill the same stage ring");
 
-// Two warpgroups stacked along M: each computes 64 x 256 of the tile.
-using TiledMma = decltype(make_tiled_mma(SM90_64x256x16_F32BF16BF16_SS<GMMA::Major::K, GMMA::Major::K>{},
-                                         Layout<Shape<_2, _1, _1>>{}));
+// Two warpgroups stacked along M: each computes 64 x 256 of the tile. The majors set the
+// wgmma's transpose flags; the accumulator layout does not depend on them.
+template <Major MA, Major MB>
+using TiledMmaOf = decltype(make_tiled_mma(SM90_64x256x16_F32BF16BF16_SS<MA, MB>{}, Layout<Shape<_2, _1, _1>>{}));
+using TiledMma = TiledMmaOf<Major::K, Major::K>;
 
-// Every operand is a 3-D K-major tensor (rows, K, batch): activations have batch 1, expert
-// weights [E, N, K] have batch E. One TMA descriptor type (128 x 64 boxes) for all of them.
+// Every operand is a dense 3-D tensor (rows, K, batch): activations and ring rows have batch 1,
+// expert weights have batch E. K-major: element (r, k) at r * K + k (activations [rows, K],
+// weights [E, N, K]). MN-major: at k * rows + r (W_down [E, H, I] as B of d_out . W_down with
+// rows = I and K = H; ring rows [R, I] as an operand of a weight gradient, rows = I, K = R).
+template <Major M>
 inline auto operand_tensor(const Element* base, int rows, int k, int batch) {
-  return make_tensor(make_gmem_ptr(base), make_shape(rows, k, batch),
-                     make_stride(int64_t(k), _1{}, int64_t(rows) * k));
+  if constexpr (M == Major::K) {
+    return make_tensor(make_gmem_ptr(base), make_shape(rows, k, batch), make_stride(int64_t(k), _1{}, int64_t(rows) * k));
+  } else {
+    return make_tensor(make_gmem_ptr(base), make_shape(rows, k, batch), make_stride(_1{}, int64_t(rows), int64_t(rows) * k));
+  }
 }
+template <Major M>
 inline auto make_operand_tma(const Element* base, int rows, int k, int batch) {
-  return make_tma_atom(SM90_TMA_LOAD{}, operand_tensor(base, rows, k, batch), BoxLayout{},
+  return make_tma_atom(SM90_TMA_LOAD{}, operand_tensor<M>(base, rows, k, batch), BoxLayoutOf<M>{},
                        make_shape(Int<kTileM>{}, Int<kTileK>{}));
 }
-using TmaAtom = decltype(make_operand_tma(nullptr, 1, 1, 1));
 
 // A TMA descriptor with the extents it was made for (the device side rebuilds the coordinate
 // tensor from them).
-struct Operand {
-  TmaAtom tma;
+template <Major M>
+struct OperandOf {
+  decltype(make_operand_tma<M>(nullptr, 1, 1, 1)) tma;
   int rows = 0, k = 0, batch = 0;
 };
+using Operand = OperandOf<Major::K>;
 
-inline Operand make_operand(const void* base, int64_t rows, int64_t k, int64_t batch) {
-  return {make_operand_tma(static_cast<const Element*>(base), int(rows), int(k), int(batch)), int(rows), int(k),
+// TMA needs 16-byte aligned rows: the contiguous extent (K for K-major, rows for MN-major) must
+// be a multiple of 8 bf16, and the base 16-byte aligned.
+template <Major M = Major::K>
+inline OperandOf<M> make_operand(const void* base, int64_t rows, int64_t k, int64_t batch) {
+  const int64_t contiguous = M == Major::K ? k : rows;
+  require(contiguous % 8 == 0 && reinterpret_cast<uintptr_t>(base) % 16 == 0, ErrorCode::unsupported_size,
+          "megakernel operand of " + std::to_string(rows) + " x " + std::to_string(k) + " (" +
+              (M == Major::K ? "K" : "MN") + "-major): TMA needs the contiguous extent " + std::to_string(contiguous) +
+              " to be a multiple of 8 and a 16-byte aligned base");
+  return {make_operand_tma<M>(static_cast<const Element*>(base), int(rows), int(k), int(batch)), int(rows), int(k),
           int(batch)};
 }
 
 // Where one operand box lives: the 128-row tile index along its rows and its batch index.
-struct TileCoord {
-  const Operand* op;
+template <Major M>
+struct TileCoordOf {
+  const OperandOf<M>* op;
   int row_tile;
   int batch;
 };
+using TileCoord = TileCoordOf<Major::K>;
 
-// What the producer loads for one task: A's row tile and the two B boxes over the common K.
-struct TileLoads {
-  TileCoord a, b[2];
+// What the producer loads for one product: A's row tile and the two B boxes over the common K,
+// k-blocks [kblock0, kblock0 + kblocks) of it. Products loaded one after another for the same
+// tile accumulate into one accumulator (d_x = dg . W_gate + du . W_up): the consumers see only
+// the total count of k-blocks.
+template <Major MA, Major MB>
+struct TileLoadsOf {
+  TileCoordOf<MA> a;
+  TileCoordOf<MB> b[2];
   int kblocks = 0;  // 0: nothing to compute (a task beyond the schedule's rows)
+  int kblock0 = 0;  // a K range that starts inside the operands (a segment of an expert's rows)
 };
+using TileLoads = TileLoadsOf<Major::K, Major::K>;
 
 using FullBarrier = cutlass::arch::ClusterTransactionBarrier;
 using EmptyBarrier = cutlass::arch::ClusterBarrier;
 
-// Accumulator fragment of one consumer thread for a 128 x 256 tile.
+// Accumulator fragment of one consumer thread for a 128 x 256 tile (every majorness's).
 using Accumulator = decltype(partition_fragment_C(TiledMma{}, Shape<Int<kTileM>, Int<kTileN>>{}));
+static_assert(std::is_same_v<Accumulator, decltype(partition_fragment_C(TiledMmaOf<Major::MN, Major::MN>{},
+                                                                         Shape<Int<kTileM>, Int<kTileN>>{}))>,
+              "the epilogues assume one accumulator layout for every majorness");
 inline constexpr int kAccumulatorSize = decltype(size(std::declval<Accumulator>()))::value;
 
 struct TileSmem {
@@ -191,20 +257,23 @@ __device__ inline void init_tile_pipeline(TileSmem& sm) {
 
 // ---- Producer ------------------------------------------------------------------------------
 
-// k-block `kb` of an operand box, into the box at `smem`, completing bytes on `bar`.
-__device__ inline void issue_tma(const TileCoord& c, Element* smem, uint64_t& bar, int kb) {
+// k-block `kb` of an operand box, into the box at `smem`, completing bytes on `bar`. An
+// MN-major box is two TMA instructions (CuTe's partition iterates them).
+template <Major M>
+__device__ inline void issue_tma(const TileCoordOf<M>& c, Element* smem, uint64_t& bar, int kb) {
   Tensor m = c.op->tma.get_tma_tensor(make_shape(c.op->rows, c.op->k, c.op->batch));
   Tensor g = local_tile(m(_, _, c.batch), Shape<Int<kTileM>, Int<kTileK>>{}, make_coord(c.row_tile, _));
-  Tensor s = make_tensor(make_smem_ptr(smem), BoxLayout{});
+  Tensor s = make_tensor(make_smem_ptr(smem), BoxLayoutOf<M>{});
   auto [tg, ts] = tma_partition(c.op->tma, Int<0>{}, Layout<_1>{}, group_modes<0, 2>(s), group_modes<0, 2>(g));
   copy(c.op->tma.with(bar), tg(_, kb), ts);
 }
 
 // The TMA thread: loads every k-block of one task, each into the next stage of the ring once
 // the consumers released that stage's previous k-block. `loads` is its running k-block count.
-__device__ inline void load_tile(TileSmem& sm, uint32_t& loads, const TileLoads& l, const PipelineWatch& watch,
-                                 const TaskSite& site) {
-  for (int kb = 0; kb < l.kblocks; ++kb, ++loads) {
+template <Major MA, Major MB>
+__device__ inline void load_tile(TileSmem& sm, uint32_t& loads, const TileLoadsOf<MA, MB>& l,
+                                 const PipelineWatch& watch, const TaskSite& site) {
+  for (int kb = l.kblock0; kb < l.kblock0 + l.kblocks; ++kb, ++loads) {
     const int stage = int(loads % kStages);
     if (loads >= uint32_t(kStages))
       wait_phase(&sm.empty[stage], ((loads / kStages) - 1) & 1u, watch, watch.stage_bound_ns, core::PipelineWait::stage_free,
@@ -230,7 +299,9 @@ __device__ inline void drain_tile_pipeline(TileSmem& sm, uint32_t loads, const P
 // their running k-block count. One k-block of MMAs stays in flight: after issuing block kb each
 // warp waits only for block kb-1 and then releases its stage (one arrival per warp, after the
 // warp's own wgmma reads completed). A wait that fails (a fault already reported) still runs the
-// loop, so the consumer warpgroups stay in step and reach the task's end together.
+// loop, so the consumer warpgroups stay in step and reach the task's end together. MA and MB
+// must be the majors of the operands the producer loaded (the forward's: both K-major).
+template <Major MA = Major::K, Major MB = Major::K>
 __device__ inline void mma_tile(TileSmem& sm, uint32_t& consumed, int kblocks, Accumulator& acc,
                                 const PipelineWatch& watch, const TaskSite& site) {
   auto stage_of = [&](int kb) { return int((consumed + kb) % kStages); };
@@ -238,10 +309,11 @@ __device__ inline void mma_tile(TileSmem& sm, uint32_t& consumed, int kblocks, A
   auto release = [&](int kb) {
     if (signals) EmptyBarrier::arrive(&sm.empty[stage_of(kb)]);
   };
-  TiledMma mma;
+  TiledMmaOf<MA, MB> mma;
   ThrMMA thr = mma.get_thread_slice(consumer_thread());
-  Tensor tA = thr.make_fragment_A(thr.partition_A(make_tensor(make_smem_ptr(sm.a), SmemLayoutA{})));
-  Tensor tB = thr.make_fragment_B(thr.partition_B(make_tensor(make_smem_ptr(sm.b), SmemLayoutB{})));
+  // GMMA descriptors of every stage (make_gmma_desc: swizzle mode and strides of the major).
+  Tensor tA = thr.make_fragment_A(thr.partition_A(make_tensor(make_smem_ptr(sm.a), SmemLayoutAOf<MA>{})));
+  Tensor tB = thr.make_fragment_B(thr.partition_B(make_tensor(make_smem_ptr(sm.b), SmemLayoutBOf<MB>{})));
   clear(acc);
   warpgroup_fence_operand(acc);
   for (int kb = 0; kb < kblocks; ++kb) {
