@@ -31,6 +31,7 @@ from torch.profiler import ProfilerActivity, profile
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from torch_baseline import SHAPES, paired_runs  # noqa: E402
 
+import moka.torch  # noqa: E402
 from moka.torch import MoE, _dl, _selection_bias, _stream, _weights, moe_experts  # noqa: E402
 
 
@@ -131,6 +132,17 @@ def torch_work(step, device):
         phases.append(work)
 
 
+class NoMoka:
+    """Stands in for moka's router and layer: calls that do nothing, so that what is timed is the
+    Python layer alone (outputs stay unwritten; only times are read)."""
+
+    def forward(self, *args):
+        return None
+
+    def backward(self, *args):
+        return None
+
+
 def host_overhead(name, tokens, calls, seed, device):
     moe, x, ids, weights, d_out = make_layer(name, tokens, seed, device)
     args = (ids, weights.detach(), moe.w_gate.detach(), moe.w_up.detach(), moe.w_down.detach())
@@ -226,6 +238,12 @@ def host_overhead(name, tokens, calls, seed, device):
         (op_work,) = torch_work(op_step, device)
     except Exception as e:
         fwd_work = bwd_work = op_work = {"error": repr(e)[:300]}
+    # Last, as it replaces moka's engines: the Python layer alone, moka's calls doing nothing.
+    no_moka = NoMoka()
+    moe._engines = {key: (no_moka, no_moka) for key in moe._engines}
+    moka.torch._op_layers.update((key, no_moka) for key in list(moka.torch._op_layers))
+    _, python_fwd, python_bwd = host_us(module_step, calls, device)
+    (python_op,) = host_us(op_step, calls, device)
     return {"measure": "host", "shape": name, "tokens_per_rank": tokens, "calls": calls,
             "module_forward_us": fwd, "module_backward_us": bwd, "op_forward_us": op,
             "extension_router_forward_us": router_fwd, "extension_layer_forward_us": layer_fwd,
@@ -237,7 +255,10 @@ def host_overhead(name, tokens, calls, seed, device):
             # (Function.apply and the engine) and the glue between the steps.
             "module_forward_pieces_us": forward_us, "module_backward_pieces_us": backward_us,
             "module_forward_rest_us": fwd - sum(forward_us.values()),
-            "module_backward_rest_us": bwd - sum(backward_us.values())}
+            "module_backward_rest_us": bwd - sum(backward_us.values()),
+            # The same calls with moka's router and layer calls doing nothing.
+            "python_only_forward_us": python_fwd, "python_only_backward_us": python_bwd,
+            "python_only_op_forward_us": python_op}
 
 
 def main():
