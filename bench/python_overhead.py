@@ -238,12 +238,13 @@ def host_overhead(name, tokens, calls, seed, device):
         (op_work,) = torch_work(op_step, device)
     except Exception as e:
         fwd_work = bwd_work = op_work = {"error": repr(e)[:300]}
-    # Last, as it replaces moka's engines: the Python layer alone, moka's calls doing nothing.
-    no_moka = NoMoka()
+    # Last, as it replaces this layer's engines: the Python layer alone, moka's calls doing nothing.
+    no_moka, op_layers = NoMoka(), dict(moka.torch._op_layers)
     moe._engines = {key: (no_moka, no_moka) for key in moe._engines}
-    moka.torch._op_layers.update((key, no_moka) for key in list(moka.torch._op_layers))
+    moka.torch._op_layers.update((key, no_moka) for key in op_layers)
     _, python_fwd, python_bwd = host_us(module_step, calls, device)
     (python_op,) = host_us(op_step, calls, device)
+    moka.torch._op_layers.update(op_layers)
     return {"measure": "host", "shape": name, "tokens_per_rank": tokens, "calls": calls,
             "module_forward_us": fwd, "module_backward_us": bwd, "op_forward_us": op,
             "extension_router_forward_us": router_fwd, "extension_layer_forward_us": layer_fwd,
