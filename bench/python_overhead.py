@@ -31,7 +31,8 @@ from torch.profiler import ProfilerActivity, profile
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from torch_baseline import SHAPES, paired_runs  # noqa: E402
 
-from moka.torch import MoE, _dl, _weights, moe_experts  # noqa: E402
+import moka.torch  # noqa: E402
+from moka.torch import MoE, _dl, _selection_bias, _stream, _weights, moe_experts  # noqa: E402
 
 
 # Host-time shapes: the named ones, and one whose CPU-backend compute is small beside the Python.
@@ -131,6 +132,17 @@ def torch_work(step, device):
         phases.append(work)
 
 
+class NoMoka:
+    """Stands in for moka's router and layer: calls that do nothing, so that what is timed is the
+    Python layer alone (outputs stay unwritten; only times are read)."""
+
+    def forward(self, *args):
+        return None
+
+    def backward(self, *args):
+        return None
+
+
 def host_overhead(name, tokens, calls, seed, device):
     moe, x, ids, weights, d_out = make_layer(name, tokens, seed, device)
     args = (ids, weights.detach(), moe.w_gate.detach(), moe.w_up.detach(), moe.w_down.detach())
@@ -172,10 +184,53 @@ def host_overhead(name, tokens, calls, seed, device):
         router.backward(router_saved, *router_grad_args)
         yield
 
+    forward_pieces = ("engine", "tensors", "route_alloc", "route_capsules", "route_call", "out_alloc",
+                      "layer_capsules", "layer_call")
+    backward_pieces = ("grad_alloc", "layer_grad_capsules", "layer_grad_call", "router_grad_capsules",
+                       "router_grad_call")
+
+    def module_pieces_step():  # what MoE's forward and backward do, piece by piece (see moka.torch)
+        moe.zero_grad()
+        yield
+        router, layer = moe._engine(xs)
+        yield
+        (w_router, bias, load), expert_weights = moe._tensors()
+        bias = _selection_bias(bias, xs)
+        yield
+        T, k = xs.shape[0], moe.top_k
+        ids = torch.empty(T, k, dtype=torch.int32, device=xs.device)
+        weights = torch.empty(T, k, dtype=torch.float32, device=xs.device)
+        yield
+        route_args = (_dl(xs), _dl(w_router), _dl(bias), _dl(ids), _dl(weights), None, _dl(load), _stream(xs))
+        yield
+        router_saved = router.forward(*route_args)
+        yield
+        out = torch.empty_like(xs)
+        yield
+        layer_args = (_dl(xs), _dl(ids), _dl(weights), _weights(*expert_weights), _dl(out), _stream(xs))
+        yield
+        layer_saved = layer.forward(*layer_args)
+        yield
+        d_x, d_topk_weights, d_w_router = torch.empty_like(xs), torch.empty_like(weights), torch.empty_like(w_router)
+        d_weights = [None if w is None else torch.empty_like(w) for w in expert_weights]
+        yield
+        layer_grad_args = (_dl(d_out.contiguous()), _weights(*expert_weights), _dl(d_x), _dl(d_topk_weights),
+                           _weights(*d_weights), _stream(xs))
+        yield
+        layer.backward(layer_saved, *layer_grad_args)
+        yield
+        router_grad_args = (_dl(d_topk_weights.contiguous()), _dl(d_x), _dl(d_w_router), _stream(xs), True)
+        yield
+        router.backward(router_saved, *router_grad_args)
+        yield
+
     for _ in range(3):  # warm: moka's engines and workspaces for this token count
         list(module_step())
         list(op_step())
     _, fwd, bwd = host_us(module_step, calls, device)
+    _, *pieces = host_us(module_pieces_step, calls, device)
+    forward_us = dict(zip(forward_pieces, pieces[:len(forward_pieces)]))
+    backward_us = dict(zip(backward_pieces, pieces[len(forward_pieces):]))
     (op,) = host_us(op_step, calls, device)
     _, router_fwd, layer_fwd, layer_bwd, router_bwd = host_us(extension_step, calls, device)
     try:  # the explanation; the times above stand without it
@@ -183,13 +238,28 @@ def host_overhead(name, tokens, calls, seed, device):
         (op_work,) = torch_work(op_step, device)
     except Exception as e:
         fwd_work = bwd_work = op_work = {"error": repr(e)[:300]}
+    # Last, as it replaces this layer's engines: the Python layer alone, moka's calls doing nothing.
+    no_moka, op_layers = NoMoka(), dict(moka.torch._op_layers)
+    moe._engines = {key: (no_moka, no_moka) for key in moe._engines}
+    moka.torch._op_layers.update((key, no_moka) for key in op_layers)
+    _, python_fwd, python_bwd = host_us(module_step, calls, device)
+    (python_op,) = host_us(op_step, calls, device)
+    moka.torch._op_layers.update(op_layers)
     return {"measure": "host", "shape": name, "tokens_per_rank": tokens, "calls": calls,
             "module_forward_us": fwd, "module_backward_us": bwd, "op_forward_us": op,
             "extension_router_forward_us": router_fwd, "extension_layer_forward_us": layer_fwd,
             "extension_layer_backward_us": layer_bwd, "extension_router_backward_us": router_bwd,
             "python_adds_forward_us": fwd - router_fwd - layer_fwd,
             "python_adds_backward_us": bwd - layer_bwd - router_bwd, "python_adds_op_forward_us": op - layer_fwd,
-            "module_forward_work": fwd_work, "module_backward_work": bwd_work, "op_forward_work": op_work}
+            "module_forward_work": fwd_work, "module_backward_work": bwd_work, "op_forward_work": op_work,
+            # The module's own steps timed one by one; what is left of its time is autograd's
+            # (Function.apply and the engine) and the glue between the steps.
+            "module_forward_pieces_us": forward_us, "module_backward_pieces_us": backward_us,
+            "module_forward_rest_us": fwd - sum(forward_us.values()),
+            "module_backward_rest_us": bwd - sum(backward_us.values()),
+            # The same calls with moka's router and layer calls doing nothing.
+            "python_only_forward_us": python_fwd, "python_only_backward_us": python_bwd,
+            "python_only_op_forward_us": python_op}
 
 
 def main():

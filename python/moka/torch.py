@@ -234,12 +234,29 @@ def _make_layer(backend, group, hidden, intermediate, experts, top_k, shared, ac
                        torch.get_num_threads(), tile_rows, path, max_tokens)
 
 
-@torch.library.custom_op("moka::moe_experts", mutates_args=())
-def _moe_experts_op(x: Tensor, topk_ids: Tensor, topk_weights: Tensor, w_gate: Tensor, w_up: Tensor,
-                    w_down: Tensor, ws_gate: Optional[Tensor], ws_up: Optional[Tensor], ws_down: Optional[Tensor],
-                    activation: str, clamp_limit: float, group_name: str) -> Tensor:
+# What the op computes, as plain functions: the op wraps them for the dispatcher (torch.compile,
+# modes, transforms), _EagerExperts calls them directly in plain eager calls.
+
+def _recomputing_experts_forward(x: Tensor, topk_ids: Tensor, topk_weights: Tensor, w_gate: Tensor, w_up: Tensor,
+                                 w_down: Tensor, ws_gate: Optional[Tensor], ws_up: Optional[Tensor],
+                                 ws_down: Optional[Tensor], activation: str, clamp_limit: float,
+                                 group_name: str) -> Tensor:
     layer = _op_layer(x, topk_ids, w_gate, ws_gate, activation, clamp_limit, group_name)
     return _experts_forward(layer, x, topk_ids, topk_weights, (w_gate, w_up, w_down, ws_gate, ws_up, ws_down))[1]
+
+
+def _recomputing_experts_backward(d_out, x, topk_ids, topk_weights, w_gate, w_up, w_down, ws_gate, ws_up, ws_down,
+                                  activation, clamp_limit, group_name):
+    """(d_x, d_topk_weights, [d_w_gate, ..., d_ws_down], None for absent shared-expert weights).
+    Nothing is kept between forward and backward (a graph holds tensors only), so backward runs
+    moka's forward again for the state it needs, like activation checkpointing."""
+    layer = _op_layer(x, topk_ids, w_gate, ws_gate, activation, clamp_limit, group_name)
+    expert_weights = (w_gate, w_up, w_down, ws_gate, ws_up, ws_down)
+    saved, _ = _experts_forward(layer, x, topk_ids, topk_weights, expert_weights)
+    return _experts_backward(layer, saved, d_out, x, topk_weights, expert_weights)
+
+
+_moe_experts_op = torch.library.custom_op("moka::moe_experts", _recomputing_experts_forward, mutates_args=())
 
 
 @_moe_experts_op.register_fake
@@ -253,12 +270,9 @@ def _moe_experts_backward_op(d_out: Tensor, x: Tensor, topk_ids: Tensor, topk_we
                              w_up: Tensor, w_down: Tensor, ws_gate: Optional[Tensor], ws_up: Optional[Tensor],
                              ws_down: Optional[Tensor], activation: str, clamp_limit: float,
                              group_name: str) -> list[Tensor]:
-    # The op keeps no state between its forward and backward (a graph holds tensors only), so
-    # backward runs moka's forward again for the state it needs, like activation checkpointing.
-    layer = _op_layer(x, topk_ids, w_gate, ws_gate, activation, clamp_limit, group_name)
-    expert_weights = (w_gate, w_up, w_down, ws_gate, ws_up, ws_down)
-    saved, _ = _experts_forward(layer, x, topk_ids, topk_weights, expert_weights)
-    d_x, d_topk_weights, d_weights = _experts_backward(layer, saved, d_out, x, topk_weights, expert_weights)
+    d_x, d_topk_weights, d_weights = _recomputing_experts_backward(
+        d_out, x, topk_ids, topk_weights, w_gate, w_up, w_down, ws_gate, ws_up, ws_down, activation, clamp_limit,
+        group_name)
     # Absent shared-expert weights get empty gradients (an op returns tensors only).
     return [d_x, d_topk_weights, *(g if g is not None else x.new_empty(0) for g in d_weights)]
 
@@ -291,6 +305,34 @@ def _moe_experts_backward(ctx, d_out):
 _moe_experts_op.register_autograd(_moe_experts_backward, setup_context=_setup_context)
 
 
+class _EagerExperts(torch.autograd.Function):
+    """The op's forward and backward for a plain eager call, without torch.library's dispatch
+    (about 15 us of Python a call on top of moka's own)."""
+
+    @staticmethod
+    def forward(ctx, *inputs):
+        _setup_context(ctx, inputs, None)
+        return _recomputing_experts_forward(*inputs)
+
+    @staticmethod
+    def backward(ctx, d_out):
+        d_x, d_topk_weights, d_weights = _recomputing_experts_backward(d_out.contiguous(), *ctx.saved_tensors,
+                                                                       *ctx.attributes)
+        return (d_x, None, d_topk_weights, *d_weights, None, None, None)
+
+
+_PLAIN_TENSORS = (Tensor, nn.Parameter)
+
+
+def _plain_eager_call(tensors) -> bool:
+    """Whether nothing needs to see the op: plain tensors, and no compiler, tracer, torch function
+    or dispatch mode, or functorch transform around."""
+    return (not torch.compiler.is_compiling() and not torch.jit.is_tracing()
+            and torch._C._len_torch_dispatch_stack() == 0 and torch._C._len_torch_function_stack() == 0
+            and not torch._C._are_functorch_transforms_active()
+            and all(t is None or type(t) in _PLAIN_TENSORS for t in tensors))
+
+
 def moe_experts(x: Tensor, topk_ids: Tensor, topk_weights: Tensor, w_gate: Tensor, w_up: Tensor, w_down: Tensor,
                 ws_gate: Optional[Tensor] = None, ws_up: Optional[Tensor] = None, ws_down: Optional[Tensor] = None,
                 *, activation: str = "swiglu", clamp_limit: float = 7.0,
@@ -300,14 +342,18 @@ def moe_experts(x: Tensor, topk_ids: Tensor, topk_weights: Tensor, w_gate: Tenso
     x [T, H]; topk_ids [T, k] int32 global expert ids; topk_weights [T, k] (float32, float64 for
     float64 x); expert weights in the module's layouts (this rank's experts with a ``group``).
     Returns out [T, H]. Differentiable in x, topk_weights and every weight. A ``torch.library``
-    op (``torch.ops.moka.moe_experts``): ``torch.compile(fullgraph=True)`` traces it as one node.
+    op (``torch.ops.moka.moe_experts``): ``torch.compile(fullgraph=True)`` traces it as one node,
+    modes and transforms see it; a plain eager call runs the same code without the dispatcher.
     Its backward runs the forward again (the op keeps no state); ``MoE`` keeps it instead.
     """
     group_name = ""
     if moka_group(group) is not None:
         group_name = group.group_name
-    return _moe_experts_op(x, topk_ids, topk_weights, w_gate, w_up, w_down, ws_gate, ws_up, ws_down,
-                           activation, clamp_limit, group_name)
+    inputs = (x, topk_ids, topk_weights, w_gate, w_up, w_down, ws_gate, ws_up, ws_down, activation, clamp_limit,
+              group_name)
+    if _plain_eager_call(inputs[:9]):
+        return _EagerExperts.apply(*inputs)
+    return _moe_experts_op(*inputs)
 
 
 # --- the layer ---

@@ -5,8 +5,10 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+import moka.torch
 from conftest import tiny_moe
-from moka.torch import MoE
+from moka import reference
+from moka.torch import MoE, moe_experts
 
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)]
 # What a call may ask of torch: outputs and gradients from the caching allocator (no fill), and
@@ -99,3 +101,30 @@ def test_a_parametrized_weight_is_used_as_its_attribute_gives_it():
     torch.nn.utils.parametrize.register_parametrization(moe, "w_up", Doubled())
     x = torch.randn(6, 8, dtype=torch.float64)
     assert torch.equal(moe(x), doubled(x))
+
+
+@pytest.mark.parametrize("shared", [0, 5])
+def test_an_eager_call_of_moe_experts_skips_the_dispatcher_with_the_ops_results(shared, monkeypatch):
+    moe = tiny_moe(shared=shared)
+    x = torch.randn(7, 8, dtype=torch.float64)
+    ids, weights = reference.route(x, moe.w_router.detach(), moe.top_k)
+    weights = weights.requires_grad_()
+    d_out = torch.randn_like(x)
+    expert_weights = (moe.w_gate, moe.w_up, moe.w_down, moe.ws_gate, moe.ws_up, moe.ws_down)
+
+    def results(call):
+        moe.zero_grad()
+        weights.grad = None
+        out = call()
+        out.backward(d_out)
+        return [out, weights.grad, *(p.grad for p in expert_weights if p is not None)]
+
+    want = results(lambda: torch.ops.moka.moe_experts(x, ids, weights, *expert_weights, "swiglu", 7.0, ""))
+    with monkeypatch.context() as patched:
+        patched.setattr(moka.torch, "_moe_experts_op", None)  # an eager call must not reach it
+        got = results(lambda: moe_experts(x, ids, weights, *expert_weights))
+    for g, w in zip(got, want, strict=True):
+        assert torch.equal(g, w)
+    with TorchOps() as mode:  # what a mode (or a compiler, a transform) sees: the op
+        moe_experts(x, ids, weights, *expert_weights)
+    assert mode.ops == {"moka.moe_experts.default": 1}
