@@ -18,7 +18,7 @@ struct TrainCliOptions {
   std::string parameterization = "mup";
   std::string schedule = "wsd";
   std::string backend = "cpu";
-  std::string cuda_graph = "off";
+  std::string cuda_graph = "on";
   std::string data_dir;
   int64_t max_bytes = 0;
   int64_t steps = 200;

@@ -26,7 +26,7 @@ nlohmann::json StepProfile::to_json() const {
           {"step_ms", step_ms * per},
           {"host_ms_per_step", host_ms * per},
           {"launches_per_step", launches_per_step},
-          {"host_syncs_per_step", host_syncs_per_step},
+          {"host_syncs_per_step", double(host_syncs) * per},
           {"stages", stages}};
 }
 
@@ -50,7 +50,8 @@ std::string StepProfile::table() const {
                 clock.c_str(), staged * per, host_ms * per);
   out += line;
   if (launches_per_step >= 0) out += std::to_string(launches_per_step) + " launches, ";
-  out += std::to_string(host_syncs_per_step) + " host syncs per step\n";
+  std::snprintf(line, sizeof line, "%.2f host syncs per step\n", double(host_syncs) * per);
+  out += line;
   return out;
 }
 

@@ -42,17 +42,22 @@ __device__ void block_argmax(float key, int id, float& best_key, int& best_id) {
   __syncthreads();
 }
 
-__device__ float block_reduce(float v, bool is_max) {
-  __shared__ float part[kThreads / 32];
+__device__ float max_of(float a, float b) { return fmaxf(a, b); }
+__device__ double max_of(double a, double b) { return fmax(a, b); }
+
+// Block-wide max or sum in a fixed order (lanes, then warps in order); every thread gets it.
+template <typename T>
+__device__ T block_reduce(T v, bool is_max) {
+  __shared__ T part[kThreads / 32];
 #pragma unroll
   for (int o = 16; o > 0; o >>= 1) {
-    const float u = __shfl_xor_sync(0xffffffffu, v, o);
-    v = is_max ? fmaxf(v, u) : v + u;
+    const T u = __shfl_xor_sync(0xffffffffu, v, o);
+    v = is_max ? max_of(v, u) : v + u;
   }
   if ((threadIdx.x & 31) == 0) part[threadIdx.x / 32] = v;
   __syncthreads();
-  float r = part[0];
-  for (int w = 1; w < kThreads / 32; ++w) r = is_max ? fmaxf(r, part[w]) : r + part[w];
+  T r = part[0];
+  for (int w = 1; w < kThreads / 32; ++w) r = is_max ? max_of(r, part[w]) : r + part[w];
   __syncthreads();
   return r;
 }
@@ -113,27 +118,37 @@ __global__ void __launch_bounds__(kThreads) route_tokens(RouterParams P, const f
   }
 }
 
-// Losses in fixed order: P_e = mean_t p[t, e] (one thread per expert, tokens in order), then one
-// thread sums over experts and tokens. losses = {aux, z} in double. The counts also go out here,
-// to the caller's expert_counts and added to its expert_load (either may be null), which saves
-// the launches of a copy and of an accumulation.
-__global__ void router_losses(RouterParams P, const float* p, const float* lse, const int32_t* counts,
-                              double* mean_p, double* losses, int32_t* expert_counts, int64_t* expert_load) {
+// The router's losses = {aux, z} in double, every sum in a fixed order (same bits every run).
+// router_loss_sums, blocks 0..E-1: mean_p of expert e, its column of p summed over the tokens by the whole block
+// (a fixed order); block E: the z-loss, lse^2 summed likewise. A block per sum: one thread per
+// expert over every token made this the router's slowest kernel.
+__global__ void router_loss_sums(RouterParams P, const float* p, const float* lse, double* mean_p, double* losses) {
+  double s = 0;
+  if (blockIdx.x < P.experts) {
+    const int64_t e = blockIdx.x;
+    for (int64_t t = threadIdx.x; t < P.tokens; t += blockDim.x) s += p[t * P.experts + e];
+    s = block_reduce(s, false);
+    if (threadIdx.x == 0) mean_p[e] = s / double(P.tokens);
+  } else {
+    for (int64_t t = threadIdx.x; t < P.tokens; t += blockDim.x) s += double(lse[t]) * lse[t];
+    s = block_reduce(s, false);
+    if (threadIdx.x == 0) losses[1] = P.z_coef * s / double(P.tokens);
+  }
+}
+
+// The aux loss from mean_p and the counts, experts in order. The counts also go out here, to the
+// caller's expert_counts and added to its expert_load (either may be null), which saves the
+// launches of a copy and of an accumulation.
+__global__ void router_aux_loss(RouterParams P, const int32_t* counts, const double* mean_p, double* losses,
+                                int32_t* expert_counts, int64_t* expert_load) {
   for (int64_t e = threadIdx.x; e < P.experts; e += blockDim.x) {
     if (expert_counts) expert_counts[e] = counts[e];
     if (expert_load) expert_load[e] += counts[e];
-    double s = 0;
-    for (int64_t t = 0; t < P.tokens; ++t) s += p[t * P.experts + e];
-    mean_p[e] = s / double(P.tokens);
   }
-  __syncthreads();
-  if (threadIdx.x == 0) {
-    double aux = 0, z = 0;
-    for (int64_t e = 0; e < P.experts; ++e) aux += double(counts[e]) / double(P.tokens * P.top_k) * mean_p[e];
-    for (int64_t t = 0; t < P.tokens; ++t) z += double(lse[t]) * lse[t];
-    losses[0] = P.aux_coef * double(P.experts) * aux;
-    losses[1] = P.z_coef * z / double(P.tokens);
-  }
+  if (threadIdx.x != 0) return;
+  double aux = 0;
+  for (int64_t e = 0; e < P.experts; ++e) aux += double(counts[e]) / double(P.tokens * P.top_k) * mean_p[e];
+  losses[0] = P.aux_coef * double(P.experts) * aux;
 }
 
 // d_logits of one token (bf16 for the cuBLAS products), mirroring the CPU router's backward.
@@ -259,9 +274,11 @@ class CudaRouter final : public Router {
                                                   out.topk_ids.as<int32_t>(), st->ids->data(),
                                                   out.topk_weights.as<float>(), st->counts->data());
     MOKA_CUDA_CHECK_LAUNCH();
-    router_losses<<<1, 256, 0, s>>>(st->params, st->p->data(), st->lse->data(), st->counts->data(),
-                                    st->mean_p->data(), st->losses_dev->data(), out.expert_counts.as<int32_t>(),
-                                    out.expert_load.as<int64_t>());
+    router_loss_sums<<<unsigned(E + 1), kThreads, 0, s>>>(st->params, st->p->data(), st->lse->data(),
+                                                        st->mean_p->data(), st->losses_dev->data());
+    MOKA_CUDA_CHECK_LAUNCH();
+    router_aux_loss<<<1, kThreads, 0, s>>>(st->params, st->counts->data(), st->mean_p->data(), st->losses_dev->data(),
+                                           out.expert_counts.as<int32_t>(), out.expert_load.as<int64_t>());
     MOKA_CUDA_CHECK_LAUNCH();
     return st;
   }
