@@ -34,16 +34,19 @@ struct StartsFromZero {
 };
 
 // The plain epilogue: the accumulator as bf16 into out[0] (m x n, row-major); with `pair`, the
-// tile's left half into out[0] and its right half into out[1], 128 columns each.
+// tile's left half into out[0] and its right half into out[1], 128 columns each; with
+// `transposed` (pair only), the halves as n x m matrices (the gate|up weight gradients).
 struct PlainStore : StartsFromZero {
   bf16* out[2] = {};
   int64_t m = 0, n = 0;
-  bool pair = false;
+  bool pair = false, transposed = false;
 
   __device__ void operator()(const Accumulator& acc, int row_tile, int col_tile) const {
     const int64_t row0 = int64_t(row_tile) * kTileM;
     const TileOut o{row0, m - row0, int64_t(col_tile) * (pair ? kHalfN : kTileN), n};
-    if (pair) {
+    if (transposed) {
+      store_transposed_halves(acc, out[0], out[1], o.row0, o.col0, m, n);
+    } else if (pair) {
       constexpr int right = kAccumulatorSize / 2;
       for_each_pair<false>([&](int r, int c, int i) {
         store_pair(out[0], o, r, c, acc(i), acc(i + 1));
@@ -306,9 +309,9 @@ struct Mismatches {
 
 // Checks one plain case: every element within bf16 rounding (plus fp32 summation slack) of
 // the fp64 product, nothing written past the outputs, and the same bits from one CTA (every
-// tile through one pipeline) and from three.
+// tile through one pipeline) and from three. `transposed`: the outputs are stored n x m.
 template <Major MA, Major MB>
-void check_gemm(const GemmShape& s) {
+void check_gemm(const GemmShape& s, bool transposed = false) {
   CoreGemm<MA, MB> gemm(s, 0x5eed0000ull + uint64_t(s.m * 131 + s.n * 7 + s.k));
   ASSERT_GT(gemm.tiles_m() * gemm.tiles_n(), 3) << "the case must give each of three CTAs more than one tile";
   std::vector<PoisonedOutput<uint16_t>> out;
@@ -318,6 +321,7 @@ void check_gemm(const GemmShape& s) {
   store.m = s.m;
   store.n = s.n;
   store.pair = s.pair;
+  store.transposed = transposed;
   auto run = [&](int ctas) {
     std::vector<std::vector<uint16_t>> bits;
     for (auto& o : out) o.poison();
@@ -331,7 +335,8 @@ void check_gemm(const GemmShape& s) {
     for (int64_t r = 0; r < s.m; ++r)
       for (int64_t c = 0; c < s.n; ++c) {
         double magnitude;
-        const double want = gemm.reference(h, r, c, magnitude), got = value_of(one[h][r * s.n + c]);
+        const double want = gemm.reference(h, r, c, magnitude);
+        const double got = value_of(one[h][transposed ? c * s.m + r : r * s.n + c]);
         bad.check(std::fabs(got - want) <= std::fabs(want) * 0x1p-8 + magnitude * kSumSlack, r, c, got, want);
       }
   }
@@ -367,6 +372,12 @@ TEST(MegakernelBackwardGemm, WeightGradientOverRows) {
 // dW_gate^T | dW_up^T = x^T . [dg | du]: two accumulators sharing x, K = rows [64, 197).
 TEST(MegakernelBackwardGemm, WeightGradientPairFromInsideTheRows) {
   check_gemm<Major::MN, Major::MN>({.m = 320, .n = 136, .k = 197, .products = 1, .pair = true, .kblock0 = 1});
+}
+
+// The same tile stored as dW_gate and dW_up themselves ([I, H]: each half transposed).
+TEST(MegakernelBackwardGemm, WeightGradientPairStoredTransposed) {
+  check_gemm<Major::MN, Major::MN>({.m = 320, .n = 136, .k = 197, .products = 1, .pair = true, .kblock0 = 0},
+                                   /*transposed=*/true);
 }
 
 // dW_down over K = 197 rows in two segments, k-blocks [0, 2) and [2, 4): the first leaves its

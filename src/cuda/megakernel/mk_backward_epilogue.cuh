@@ -81,6 +81,28 @@ __device__ inline void store_dgd_tile(const Accumulator& acc, const DgdTile& t) 
   fence_generic_to_async();
 }
 
+// ---- Weight-gradient stores -----------------------------------------------------------------
+
+// The gate|up weight-gradient tile computes x^T [dg | du] (M = H; the left 128 columns are I
+// columns of dW_gate, the right ones of dW_up), and dW_gate, dW_up are [I, H]: each half is
+// stored transposed, tile element (r, c) at row col0 + c, column row0 + r of a row-major
+// [cols, rows] matrix (rows = H, cols = I), as bf16. Scalar stores: the 8 quads of a warp
+// write 8 consecutive elements of each destination row.
+__device__ inline void store_transposed_halves(const Accumulator& acc, __nv_bfloat16* left, __nv_bfloat16* right,
+                                               int64_t row0, int64_t col0, int64_t rows, int64_t cols) {
+  constexpr int half = kAccumulatorSize / 2;
+  for_each_pair<false>([&](int r, int c, int i) {
+    const int64_t row = row0 + r;
+    if (row >= rows) return;
+    for (int j = 0; j < 2; ++j) {
+      const int64_t col = col0 + c + j;
+      if (col >= cols) return;
+      left[col * rows + row] = __float2bfloat16_rn(acc(i + j));
+      right[col * rows + row] = __float2bfloat16_rn(acc(half + i + j));
+    }
+  });
+}
+
 // ---- Weight-gradient carries -------------------------------------------------------------
 
 // A weight gradient whose expert's rows straddle a macrobatch boundary is summed in segments:
