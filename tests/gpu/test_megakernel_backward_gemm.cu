@@ -10,6 +10,7 @@
 #include <cuda_bf16.h>
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -27,17 +28,25 @@ namespace {
 
 inline constexpr int kMaxProducts = 2;
 
+// An epilogue's start(acc, row_tile, col_tile): true when it loaded acc to continue from.
+struct StartsFromZero {
+  __device__ bool start(Accumulator&, int, int) const { return false; }
+};
+
 // The plain epilogue: the accumulator as bf16 into out[0] (m x n, row-major); with `pair`, the
-// tile's left half into out[0] and its right half into out[1], 128 columns each.
-struct PlainStore {
+// tile's left half into out[0] and its right half into out[1], 128 columns each; with
+// `transposed` (pair only), the halves as n x m matrices (the gate|up weight gradients).
+struct PlainStore : StartsFromZero {
   bf16* out[2] = {};
   int64_t m = 0, n = 0;
-  bool pair = false;
+  bool pair = false, transposed = false;
 
   __device__ void operator()(const Accumulator& acc, int row_tile, int col_tile) const {
     const int64_t row0 = int64_t(row_tile) * kTileM;
     const TileOut o{row0, m - row0, int64_t(col_tile) * (pair ? kHalfN : kTileN), n};
-    if (pair) {
+    if (transposed) {
+      store_transposed_halves(acc, out[0], out[1], o.row0, o.col0, m, n);
+    } else if (pair) {
       constexpr int right = kAccumulatorSize / 2;
       for_each_pair<false>([&](int r, int c, int i) {
         store_pair(out[0], o, r, c, acc(i), acc(i + 1));
@@ -50,7 +59,7 @@ struct PlainStore {
 };
 
 // The dgd epilogue of the backward (mk_backward_epilogue.cuh) on 256-column tiles.
-struct DgdStore {
+struct DgdStore : StartsFromZero {
   DgdTile tile;  // row0, col0 and col_tile are set per tile
 
   __device__ void operator()(const Accumulator& acc, int row_tile, int col_tile) const {
@@ -63,14 +72,35 @@ struct DgdStore {
   }
 };
 
+// A weight gradient's segment: the fp32 accumulator into `out` [m, n], starting from the carry
+// `carry_in` [m, n] that an earlier segment left (null: from zero). 256-column tiles.
+struct CarryStore {
+  const float* carry_in = nullptr;
+  float* out = nullptr;
+  int64_t m = 0, n = 0;
+
+  __device__ TileOut tile_out(int row_tile, int col_tile) const {
+    const int64_t row0 = int64_t(row_tile) * kTileM;
+    return {row0, m - row0, int64_t(col_tile) * kTileN, n};
+  }
+  __device__ bool start(Accumulator& acc, int row_tile, int col_tile) const {
+    if (!carry_in) return false;
+    load_carry(acc, carry_in, tile_out(row_tile, col_tile));
+    return true;
+  }
+  __device__ void operator()(const Accumulator& acc, int row_tile, int col_tile) const {
+    store_carry(acc, out, tile_out(row_tile, col_tile));
+  }
+};
+
 // One GEMM on the core: D (m x n) = sum over products q of A_q B_q^T, over k-blocks
-// [kblock0, ceil(k / kTileK)) of K. pair: B_q0 and B_q1 fill the two 128-column halves of each
+// [kblock0, kblock0 + kblocks) of K (kblocks 0: to K's end). pair: B_q0 and B_q1 fill the two 128-column halves of each
 // tile; else one B of n rows (256-column tiles). The epilogue stores each finished tile.
 template <Major MA, Major MB, class Epilogue>
 struct CoreGemmParams {
   OperandOf<MA> a[kMaxProducts];
   OperandOf<MB> b[kMaxProducts][2];
-  int products = 1, kblock0 = 0, expert = 0, tiles_m = 0, tiles_n = 0;
+  int products = 1, kblock0 = 0, kblocks = 0, expert = 0, tiles_m = 0, tiles_n = 0;
   bool pair = false;
   Epilogue epilogue;
   MegakernelControl* control = nullptr;
@@ -82,7 +112,7 @@ __device__ TileLoadsOf<MA, MB> product_loads(const CoreGemmParams<MA, MB, Epilog
   TileLoadsOf<MA, MB> l = tile_loads(p.a[product], tile % p.tiles_m, p.b[product][0],
                                      p.pair ? &p.b[product][1] : nullptr, tile / p.tiles_m, p.expert);
   l.kblock0 = p.kblock0;
-  l.kblocks -= p.kblock0;
+  l.kblocks = p.kblocks > 0 ? p.kblocks : l.kblocks - p.kblock0;
   return l;
 }
 
@@ -107,7 +137,8 @@ __global__ void __launch_bounds__(kThreads, 1) core_gemm_kernel(
     for (int t = int(blockIdx.x); t < tiles; t += int(gridDim.x)) {
       int kblocks = 0;
       for (int q = 0; q < p.products; ++q) kblocks += product_loads(p, q, t).kblocks;
-      mma_tile<MA, MB>(sm, consumed, kblocks, acc, watch, TaskSite{});
+      const bool continue_acc = p.epilogue.start(acc, t % p.tiles_m, t / p.tiles_m);
+      mma_tile<MA, MB>(sm, consumed, kblocks, acc, watch, TaskSite{}, continue_acc);
       p.epilogue(acc, t % p.tiles_m, t / p.tiles_m);
     }
   } else {
@@ -130,6 +161,7 @@ struct GemmShape {
   bool pair;
   int kblock0;
   int64_t batch = 1, expert = 0;
+  int kblocks = 0;  // k-blocks from kblock0 on; 0: to K's end
 };
 
 uint16_t bits_of(float v) { return __nv_bfloat16_raw(__float2bfloat16_rn(v)).x; }
@@ -203,6 +235,10 @@ class CoreGemm {
   int tiles_m() const { return int((s_.m + kTileM - 1) / kTileM); }
   int tiles_n() const { return int((s_.n + (s_.pair ? kHalfN : kTileN) - 1) / (s_.pair ? kHalfN : kTileN)); }
   std::mt19937_64& rng() { return rng_; }
+  void set_k_range(int kblock0, int kblocks) {
+    s_.kblock0 = kblock0;
+    s_.kblocks = kblocks;
+  }
 
   // Runs the tile loop on `ctas` CTAs (fewer than the tiles: each CTA's TMA thread loads the
   // next tile while its consumers finish one, as in the megakernel).
@@ -215,6 +251,7 @@ class CoreGemm {
     }
     p.products = s_.products;
     p.kblock0 = s_.kblock0;
+    p.kblocks = s_.kblocks;
     p.expert = int(s_.expert);
     p.pair = s_.pair;
     p.tiles_m = tiles_m();
@@ -238,7 +275,7 @@ class CoreGemm {
     double sum = 0;
     magnitude = 0;
     for (int q = 0; q < s_.products; ++q)
-      for (int64_t kk = int64_t(s_.kblock0) * kTileK; kk < s_.k; ++kk) {
+      for (int64_t kk = int64_t(s_.kblock0) * kTileK; kk < k_end(); ++kk) {
         const double t = double(a_[q].at(0, r, kk)) * b(q, h).at(s_.expert, c, kk);
         sum += t;
         magnitude += std::fabs(t);
@@ -248,6 +285,7 @@ class CoreGemm {
 
  private:
   const HostOperand& b(int q, int h) const { return b_[q * outputs() + h]; }
+  int64_t k_end() const { return s_.kblocks > 0 ? std::min(s_.k, int64_t(s_.kblock0 + s_.kblocks) * kTileK) : s_.k; }
 
   GemmShape s_;
   std::mt19937_64 rng_;
@@ -271,9 +309,9 @@ struct Mismatches {
 
 // Checks one plain case: every element within bf16 rounding (plus fp32 summation slack) of
 // the fp64 product, nothing written past the outputs, and the same bits from one CTA (every
-// tile through one pipeline) and from three.
+// tile through one pipeline) and from three. `transposed`: the outputs are stored n x m.
 template <Major MA, Major MB>
-void check_gemm(const GemmShape& s) {
+void check_gemm(const GemmShape& s, bool transposed = false) {
   CoreGemm<MA, MB> gemm(s, 0x5eed0000ull + uint64_t(s.m * 131 + s.n * 7 + s.k));
   ASSERT_GT(gemm.tiles_m() * gemm.tiles_n(), 3) << "the case must give each of three CTAs more than one tile";
   std::vector<PoisonedOutput<uint16_t>> out;
@@ -283,6 +321,7 @@ void check_gemm(const GemmShape& s) {
   store.m = s.m;
   store.n = s.n;
   store.pair = s.pair;
+  store.transposed = transposed;
   auto run = [&](int ctas) {
     std::vector<std::vector<uint16_t>> bits;
     for (auto& o : out) o.poison();
@@ -296,7 +335,8 @@ void check_gemm(const GemmShape& s) {
     for (int64_t r = 0; r < s.m; ++r)
       for (int64_t c = 0; c < s.n; ++c) {
         double magnitude;
-        const double want = gemm.reference(h, r, c, magnitude), got = value_of(one[h][r * s.n + c]);
+        const double want = gemm.reference(h, r, c, magnitude);
+        const double got = value_of(one[h][transposed ? c * s.m + r : r * s.n + c]);
         bad.check(std::fabs(got - want) <= std::fabs(want) * 0x1p-8 + magnitude * kSumSlack, r, c, got, want);
       }
   }
@@ -332,6 +372,40 @@ TEST(MegakernelBackwardGemm, WeightGradientOverRows) {
 // dW_gate^T | dW_up^T = x^T . [dg | du]: two accumulators sharing x, K = rows [64, 197).
 TEST(MegakernelBackwardGemm, WeightGradientPairFromInsideTheRows) {
   check_gemm<Major::MN, Major::MN>({.m = 320, .n = 136, .k = 197, .products = 1, .pair = true, .kblock0 = 1});
+}
+
+// The same tile stored as dW_gate and dW_up themselves ([I, H]: each half transposed).
+TEST(MegakernelBackwardGemm, WeightGradientPairStoredTransposed) {
+  check_gemm<Major::MN, Major::MN>({.m = 320, .n = 136, .k = 197, .products = 1, .pair = true, .kblock0 = 0},
+                                   /*transposed=*/true);
+}
+
+// dW_down over K = 197 rows in two segments, k-blocks [0, 2) and [2, 4): the first leaves its
+// fp32 accumulator in a carry buffer, the second continues from it. Bitwise the one-pass
+// result (the macrobatch carry of the plan), which itself matches the fp64 product.
+TEST(MegakernelBackwardGemm, WeightGradientCarryEqualsOnePass) {
+  const GemmShape s{.m = 320, .n = 264, .k = 197, .products = 1, .pair = false, .kblock0 = 0};
+  CoreGemm<Major::MN, Major::MN> gemm(s, 0xca770000ull);
+  PoisonedOutput<float> whole(s.m * s.n), carry(s.m * s.n), continued(s.m * s.n);
+  auto run = [&](PoisonedOutput<float>& out, const float* carry_in, int kblock0, int kblocks, const char* name) {
+    out.poison();
+    gemm.set_k_range(kblock0, kblocks);
+    gemm.run(CarryStore{carry_in, out.device.data(), s.m, s.n}, 3);
+    return out.read(name);
+  };
+  const auto one_pass = run(whole, nullptr, 0, 0, "one pass");
+  run(carry, nullptr, 0, 2, "carry");
+  const auto two_pass = run(continued, carry.device.data(), 2, 0, "continued");
+  EXPECT_EQ(std::memcmp(one_pass.data(), two_pass.data(), one_pass.size() * sizeof(float)), 0)
+      << "the carried segments differ from one pass";
+  gemm.set_k_range(0, 0);
+  Mismatches bad{"one pass"};
+  for (int64_t r = 0; r < s.m; ++r)
+    for (int64_t c = 0; c < s.n; ++c) {
+      double magnitude;
+      const double want = gemm.reference(0, r, c, magnitude), got = one_pass[r * s.n + c];
+      bad.check(std::fabs(got - want) <= magnitude * kSumSlack + std::fabs(want) * 0x1p-16, r, c, got, want);
+    }
 }
 
 // The dgd task's GEMM with its SwiGLU-backward epilogue against the same math in fp64 on the

@@ -15,6 +15,7 @@
 #include <cuda_bf16.h>
 
 #include "core/activation.hpp"
+#include "cuda/megakernel/mk_compute.cuh"
 #include "cuda/megakernel/mk_tile_gemm.cuh"
 
 namespace moka::cuda::mk {
@@ -78,6 +79,52 @@ __device__ inline void store_dgd_tile(const Accumulator& acc, const DgdTile& t) 
       t.partials[(t.row0 + row_of[slot]) * t.col_tiles + t.col_tile] = p;
   }
   fence_generic_to_async();
+}
+
+// ---- Weight-gradient stores -----------------------------------------------------------------
+
+// The gate|up weight-gradient tile computes x^T [dg | du] (M = H; the left 128 columns are I
+// columns of dW_gate, the right ones of dW_up), and dW_gate, dW_up are [I, H]: each half is
+// stored transposed, tile element (r, c) at row col0 + c, column row0 + r of a row-major
+// [cols, rows] matrix (rows = H, cols = I), as bf16. Scalar stores: the 8 quads of a warp
+// write 8 consecutive elements of each destination row.
+__device__ inline void store_transposed_halves(const Accumulator& acc, __nv_bfloat16* left, __nv_bfloat16* right,
+                                               int64_t row0, int64_t col0, int64_t rows, int64_t cols) {
+  constexpr int half = kAccumulatorSize / 2;
+  for_each_pair<false>([&](int r, int c, int i) {
+    const int64_t row = row0 + r;
+    if (row >= rows) return;
+    for (int j = 0; j < 2; ++j) {
+      const int64_t col = col0 + c + j;
+      if (col >= cols) return;
+      left[col * rows + row] = __float2bfloat16_rn(acc(i + j));
+      right[col * rows + row] = __float2bfloat16_rn(acc(half + i + j));
+    }
+  });
+}
+
+// ---- Weight-gradient carries -------------------------------------------------------------
+
+// A weight gradient whose expert's rows straddle a macrobatch boundary is summed in segments:
+// each segment but the last leaves its fp32 accumulator in the carry buffer (the tile's
+// elements of a row-major matrix, `o.width` = the matrix's columns), the next reloads it and
+// continues (mma_tile's continue_acc). Elements outside the matrix are neither stored nor
+// loaded (they stay zero: their operands are zero-filled).
+__device__ inline void store_carry(const Accumulator& acc, float* carry, const TileOut& o) {
+  for_each_pair<true>([&](int r, int c, int i) {
+    if (r >= o.valid_rows || o.col0 + c >= o.width) return;
+    *reinterpret_cast<float2*>(carry + (o.row0 + r) * o.width + o.col0 + c) = make_float2(acc(i), acc(i + 1));
+  });
+}
+
+__device__ inline void load_carry(Accumulator& acc, const float* carry, const TileOut& o) {
+  clear(acc);
+  for_each_pair<true>([&](int r, int c, int i) {
+    if (r >= o.valid_rows || o.col0 + c >= o.width) return;
+    const float2 v = *reinterpret_cast<const float2*>(carry + (o.row0 + r) * o.width + o.col0 + c);
+    acc(i) = v.x;
+    acc(i + 1) = v.y;
+  });
 }
 
 }  // namespace moka::cuda::mk

@@ -301,9 +301,12 @@ __device__ inline void drain_tile_pipeline(TileSmem& sm, uint32_t loads, const P
 // warp's own wgmma reads completed). A wait that fails (a fault already reported) still runs the
 // loop, so the consumer warpgroups stay in step and reach the task's end together. MA and MB
 // must be the majors of the operands the producer loaded (the forward's: both K-major).
+// `continue_acc`: add to the values acc holds (a weight gradient whose rows continue an earlier
+// segment's, reloaded from its fp32 carry) instead of starting from zero; the k-blocks then
+// meet the same accumulator values as in one pass, so the bits are the same.
 template <Major MA = Major::K, Major MB = Major::K>
 __device__ inline void mma_tile(TileSmem& sm, uint32_t& consumed, int kblocks, Accumulator& acc,
-                                const PipelineWatch& watch, const TaskSite& site) {
+                                const PipelineWatch& watch, const TaskSite& site, bool continue_acc = false) {
   auto stage_of = [&](int kb) { return int((consumed + kb) % kStages); };
   const bool signals = threadIdx.x % 32 == 0;
   auto release = [&](int kb) {
@@ -314,7 +317,7 @@ __device__ inline void mma_tile(TileSmem& sm, uint32_t& consumed, int kblocks, A
   // GMMA descriptors of every stage (make_gmma_desc: swizzle mode and strides of the major).
   Tensor tA = thr.make_fragment_A(thr.partition_A(make_tensor(make_smem_ptr(sm.a), SmemLayoutAOf<MA>{})));
   Tensor tB = thr.make_fragment_B(thr.partition_B(make_tensor(make_smem_ptr(sm.b), SmemLayoutBOf<MB>{})));
-  clear(acc);
+  if (!continue_acc) clear(acc);
   warpgroup_fence_operand(acc);
   for (int kb = 0; kb < kblocks; ++kb) {
     const int stage = stage_of(kb);
