@@ -219,7 +219,7 @@ struct CudaEngine::Impl {
 
   // Scratch.
   DeviceArray<float> h, d_res, d_tmp, branch, final_x, final_inv_rms, logits, d_logits, row_loss, d_topk_weights;
-  DeviceArray<float> d_context, dq, dk, dv, d_q_latent, d_kv_latent, d_scores, probs_t, stats_x, stats_logits;
+  DeviceArray<float> d_context, dq, dk, dv, d_q_latent, d_kv_latent, d_scores, stats_x, stats_logits;
   DeviceArray<bf16> moe_out, d_out16, dx16, dx_router16;
   DeviceArray<double> partials, scalars;  // scalars: [0] cross-entropy, [1] grad sum of squares, [2] stats
   DeviceArray<double> router_losses_dev;  // per MoE layer {aux, z} of the last forward
@@ -400,7 +400,6 @@ struct CudaEngine::Impl {
       d_kv_latent = DeviceArray<float>(N * c.kv_rank);
     }
     d_scores = DeviceArray<float>(config.batch * c.num_heads * config.seq * config.seq);
-    probs_t = DeviceArray<float>(config.batch * c.num_heads * config.seq * config.seq);
     stats_logits = DeviceArray<float>(N * c.num_experts);
     for (auto* a : {&moe_out, &d_out16, &dx16, &dx_router16}) *a = DeviceArray<bf16>(N * d);
     partials = DeviceArray<double>(std::max<int64_t>(int64_t(params.size()), 1) * cuda::kReduceBlocks);
@@ -548,8 +547,7 @@ struct CudaEngine::Impl {
     mark(Stage::attention_backward);
     linear_backward(L.context.data(), *L.attn_out, d_res.data(), d_context.data(), false);
     cuda::attention_backward(L.q.data(), L.k.data(), L.v.data(), L.probs.data(), d_context.data(), config.batch,
-                             config.seq, c.num_heads, c.head_dim, d_scores.data(), probs_t.data(), dq.data(), dk.data(),
-                             dv.data(), stream);
+                             config.seq, c.num_heads, c.head_dim, d_scores.data(), dq.data(), dk.data(), dv.data(), stream);
     MOKA_CUDA_CHECK_LAUNCH();
     const float* x = L.attn_x.data();
     float* dx = d_tmp.data();

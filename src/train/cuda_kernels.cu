@@ -144,18 +144,19 @@ __device__ float dot(const float* a, const float* b, int64_t n) {
   return s;
 }
 
-// The rows of one head's Q, K, V or dO: row j at base + j * pitch.
+// The rows of one head's K or V: row j at base + j * pitch.
 struct HeadRows {
   const float* base;
   int64_t pitch;
   __device__ const float* row(int64_t j) const { return base + j * pitch; }
 };
 
-// Shared memory, when the launch gives it (`staged`): one head's tensors copied in (rows padded
+// Shared memory, when the launch gives it (`staged`): one head's K and V copied in (rows padded
 // by one float, so lanes reading element c of different rows hit different banks: the dot
-// products read one row per lane), and one row of scores per warp (the softmax and the weighted
-// sums then read it there instead of from global memory). The same values either way, so the
-// same bits. Unstaged, the kernels read the tensors where they are and use the global row.
+// products read one row per lane), and in the forward one row of scores per warp (the softmax
+// and the weighted sum then read it there instead of from global memory). The same values either
+// way, so the same bits. Unstaged, the kernels read the tensors where they are and use the
+// global row.
 __device__ int64_t head_tile(const AttnDims& a) { return a.seq * (a.hd + 1); }
 
 __device__ HeadRows head_rows(const AttnDims& a, int64_t b, int64_t h, const float* t, float* tile) {
@@ -209,60 +210,49 @@ __global__ void attention_forward_kernel(AttnDims a, const float* q, const float
   }
 }
 
-// Block per (sequence, head). Phase 1, warp per query row i: dS[i, j] = P (dP - <dP, P>) scale
-// with dP = dO_i . v_j, and dq_i = sum_j dS[i, j] k_j; dS and P are also written transposed
-// (ds_t, p_t: a key's column as a row), so that phase 2, warp per key row j, reads them in order
-// along cache lines: dk_j = sum_i dS[i, j] q_i and dv_j = sum_i P[i, j] dO_i over i >= j, in order.
+// Block per (sequence, head), K and V staged. Phase 1, warp per query row i:
+// dS[i, j] = P (dP - <dP, P>) scale with dP = dO_i . v_j, and dq_i = sum_j dS[i, j] k_j. Phase 2,
+// warp per key row j: dk_j = sum_i dS[i, j] q_i and dv_j = sum_i P[i, j] dO_i over i >= j, in
+// order. (Staging Q and dO as well, with a score row per warp and transposed dS and P for phase
+// 2, was slower on the H200: the larger shared memory halves the blocks per SM and the
+// transposed stores scatter; docs/BENCHMARKS.md.)
 __global__ void attention_backward_kernel(AttnDims a, const float* q, const float* k, const float* v,
-                                          const float* probs, const float* d_out, float* ds_t_all, float* p_t_all,
-                                          float* dq, float* dk, float* dv, bool staged) {
+                                          const float* probs, const float* d_out, float* d_scores, float* dq, float* dk,
+                                          float* dv, bool staged) {
   extern __shared__ float smem[];
   const int64_t bh = blockIdx.x, b = bh / a.heads, h = bh % a.heads, S = a.seq;
-  const int lane = threadIdx.x & 31, warp = threadIdx.x / 32;
+  const int lane = threadIdx.x & 31;
   const float scale = 1.0f / sqrtf(float(a.hd));
   const int64_t tile = head_tile(a);
   const HeadRows K = head_rows(a, b, h, k, staged ? smem : nullptr);
   const HeadRows V = head_rows(a, b, h, v, staged ? smem + tile : nullptr);
-  const HeadRows Q = head_rows(a, b, h, q, staged ? smem + 2 * tile : nullptr);
-  const HeadRows DO = head_rows(a, b, h, d_out, staged ? smem + 3 * tile : nullptr);
   __syncthreads();
   const float* P = probs + bh * S * S;
-  float *ds_t = ds_t_all + bh * S * S, *p_t = p_t_all + bh * S * S;
-  for (int64_t i = warp; i < S; i += kWarps) {
-    const float* doi = DO.row(i);
-    // The warp's dS row: in shared memory, or in place in ds_t's column i.
-    float* row = staged ? smem + 4 * tile + warp * S : nullptr;
+  float* dS = d_scores + bh * S * S;
+  for (int64_t i = threadIdx.x / 32; i < S; i += kWarps) {
+    const float* doi = d_out + a.at(b, h, i);
     float row_dot = 0;
     for (int64_t j = lane; j <= i; j += 32) {
       const float dp = dot(doi, V.row(j), a.hd);
-      (row ? row[j] : ds_t[j * S + i]) = dp;
+      dS[i * S + j] = dp;
       row_dot += dp * P[i * S + j];
     }
     row_dot = warp_sum(row_dot);
-    for (int64_t j = lane; j <= i; j += 32) {
-      const float p = P[i * S + j];
-      float& slot = row ? row[j] : ds_t[j * S + i];
-      const float ds = p * (slot - row_dot) * scale;
-      slot = ds;
-      ds_t[j * S + i] = ds;
-      p_t[j * S + i] = p;
-    }
+    for (int64_t j = lane; j <= i; j += 32) dS[i * S + j] = P[i * S + j] * (dS[i * S + j] - row_dot) * scale;
     __syncwarp();
     for (int64_t c = lane; c < a.hd; c += 32) {
       float acc = 0;
-      for (int64_t j = 0; j <= i; ++j) acc += (row ? row[j] : ds_t[j * S + i]) * K.row(j)[c];
+      for (int64_t j = 0; j <= i; ++j) acc += dS[i * S + j] * K.row(j)[c];
       dq[a.at(b, h, i) + c] = acc;
     }
-    __syncwarp();  // the next row overwrites `row`
   }
   __syncthreads();
-  for (int64_t j = warp; j < S; j += kWarps) {
-    const float *ds_j = ds_t + j * S, *p_j = p_t + j * S;
+  for (int64_t j = threadIdx.x / 32; j < S; j += kWarps) {
     for (int64_t c = lane; c < a.hd; c += 32) {
       float acc_k = 0, acc_v = 0;
       for (int64_t i = j; i < S; ++i) {
-        acc_k += ds_j[i] * Q.row(i)[c];
-        acc_v += p_j[i] * DO.row(i)[c];
+        acc_k += dS[i * S + j] * q[a.at(b, h, i) + c];
+        acc_v += P[i * S + j] * d_out[a.at(b, h, i) + c];
       }
       dk[a.at(b, h, j) + c] = acc_k;
       dv[a.at(b, h, j) + c] = acc_v;
@@ -397,11 +387,11 @@ void rmsnorm_backward(const float* x, const float* gain, const float* inv_rms, N
   rmsnorm_gain_sum<<<blocks_for(d), kThreads, 0, s>>>(gain_partials, d, d_gain);
 }
 
-// `bytes` of shared memory for a block of `kernel` (head_rows' tiles and the warps' score rows),
-// or 0 when that is more than a block may have: the kernel then reads global memory.
+// `floats` of shared memory for a block of `kernel`, in bytes, or 0 when that is more than a
+// block may have: the kernel then reads global memory.
 template <typename Kernel>
-size_t staging_bytes(Kernel kernel, int64_t tiles, int64_t seq, int64_t head_dim) {
-  const size_t bytes = size_t(tiles * seq * (head_dim + 1) + kWarps * seq) * sizeof(float);
+size_t staging_bytes(Kernel kernel, int64_t floats) {
+  const size_t bytes = size_t(floats) * sizeof(float);
   int device = 0, limit = 0;
   MOKA_CUDA_CHECK(cudaGetDevice(&device));
   MOKA_CUDA_CHECK(cudaDeviceGetAttribute(&limit, cudaDevAttrMaxSharedMemoryPerBlockOptin, device));
@@ -412,18 +402,19 @@ size_t staging_bytes(Kernel kernel, int64_t tiles, int64_t seq, int64_t head_dim
 
 void attention_forward(const float* q, const float* k, const float* v, int64_t batch, int64_t seq, int64_t heads,
                        int64_t head_dim, float* probs, float* out, cudaStream_t s) {
-  const size_t smem = staging_bytes(attention_forward_kernel, 2, seq, head_dim);  // K, V
+  // K and V, and a row of scores per warp.
+  const size_t smem = staging_bytes(attention_forward_kernel, 2 * seq * (head_dim + 1) + kWarps * seq);
   attention_forward_kernel<<<unsigned(batch * heads), kThreads, smem, s>>>({batch, seq, heads, head_dim}, q, k, v,
                                                                             probs, out, smem > 0);
 }
 
 void attention_backward(const float* q, const float* k, const float* v, const float* probs, const float* d_out,
-                        int64_t batch, int64_t seq, int64_t heads, int64_t head_dim, float* d_scores,
-                        float* probs_t, float* dq, float* dk, float* dv, cudaStream_t s) {
-  const size_t smem = staging_bytes(attention_backward_kernel, 4, seq, head_dim);  // K, V, Q, dO
+                        int64_t batch, int64_t seq, int64_t heads, int64_t head_dim, float* d_scores, float* dq,
+                        float* dk, float* dv, cudaStream_t s) {
+  const size_t smem = staging_bytes(attention_backward_kernel, 2 * seq * (head_dim + 1));  // K and V
   attention_backward_kernel<<<unsigned(batch * heads), kThreads, smem, s>>>({batch, seq, heads, head_dim}, q, k, v,
-                                                                             probs, d_out, d_scores, probs_t, dq, dk,
-                                                                             dv, smem > 0);
+                                                                             probs, d_out, d_scores, dq, dk, dv,
+                                                                             smem > 0);
 }
 
 void cross_entropy(const float* logits, const int32_t* targets, int64_t rows, int64_t vocab, float* row_loss,

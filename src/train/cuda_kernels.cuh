@@ -54,10 +54,10 @@ void rmsnorm_backward(const float* x, const float* gain, const float* inv_rms, N
 // probs: [batch*heads, seq, seq] (zeros above the diagonal), kept for backward.
 void attention_forward(const float* q, const float* k, const float* v, int64_t batch, int64_t seq, int64_t heads,
                        int64_t head_dim, float* probs, float* out, cudaStream_t stream);
-// dq, dk, dv overwritten; d_scores and probs_t: [batch*heads, seq, seq] scratch each.
+// dq, dk, dv overwritten; d_scores: [batch*heads, seq, seq] scratch.
 void attention_backward(const float* q, const float* k, const float* v, const float* probs, const float* d_out,
-                        int64_t batch, int64_t seq, int64_t heads, int64_t head_dim, float* d_scores,
-                        float* probs_t, float* dq, float* dk, float* dv, cudaStream_t stream);
+                        int64_t batch, int64_t seq, int64_t heads, int64_t head_dim, float* d_scores, float* dq,
+                        float* dk, float* dv, cudaStream_t stream);
 
 // Per row: row_loss = logsumexp(logits) - logits[target]; d_logits = (softmax - onehot) / rows.
 void cross_entropy(const float* logits, const int32_t* targets, int64_t rows, int64_t vocab, float* row_loss,

@@ -137,10 +137,10 @@ TEST(TrainGpuStages, CausalAttentionForwardAndBackward) {
     dense::causal_attention(q.data(), k.data(), v.data(), a, probs.data(), out.data(), 2);
     dense::causal_attention_backward(q.data(), k.data(), v.data(), probs.data(), dout.data(), a, dq.data(), dk.data(),
                                      dv.data(), 2);
-    DeviceFloats gq(q), gk(k), gv(v), gdout(dout), gprobs(np), gout(n), gds(np), gpt(np), gdq(n), gdk(n), gdv(n);
+    DeviceFloats gq(q), gk(k), gv(v), gdout(dout), gprobs(np), gout(n), gds(np), gdq(n), gdk(n), gdv(n);
     kern::attention_forward(gq.p, gk.p, gv.p, a.batch, a.seq, a.heads, a.head_dim, gprobs.p, gout.p, nullptr);
-    kern::attention_backward(gq.p, gk.p, gv.p, gprobs.p, gdout.p, a.batch, a.seq, a.heads, a.head_dim, gds.p, gpt.p,
-                             gdq.p, gdk.p, gdv.p, nullptr);
+    kern::attention_backward(gq.p, gk.p, gv.p, gprobs.p, gdout.p, a.batch, a.seq, a.heads, a.head_dim, gds.p, gdq.p,
+                             gdk.p, gdv.p, nullptr);
     ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
     EXPECT_LT(rel_error(gprobs.host(), probs), kFp32Tolerance);  // zeros above the diagonal included
     EXPECT_LT(rel_error(gout.host(), out), kFp32Tolerance);
