@@ -243,8 +243,6 @@ MOKA_HD int64_t compute_task_count(const MegakernelPlan& p) {
   return shared_task_count(p) + p.num_steps * compute_tasks_per_step(p);
 }
 
-// Compute ticket -> task: shared gate|up, shared down, then per step its gate|up then down tiles,
-// row tile major. Tickets past the end give TaskKind::none (the CTA exits).
 // Tile `i` of a rows x cols tile grid in band order: bands of `band` row tiles, and inside a
 // band column by column (the last band may be shorter). band 1 is row-major order.
 MOKA_HD Task banded_tile(TaskKind kind, int64_t step, int64_t i, int64_t rows, int64_t cols, int64_t band) {
@@ -254,6 +252,8 @@ MOKA_HD Task banded_tile(TaskKind kind, int64_t step, int64_t i, int64_t rows, i
   return {kind, step, first_row + j % height, j / height};
 }
 
+// Compute ticket -> task: shared gate|up, shared down, then per step its gate|up then down tiles,
+// each GEMM's tiles in band order. Tickets past the end give TaskKind::none (the CTA exits).
 MOKA_HD Task compute_task(const MegakernelPlan& p, int64_t ticket) {
   const int64_t band = p.band_row_tiles;
   const int64_t shared_gate_up = p.shared_row_tiles * p.shared_gate_up_col_tiles;

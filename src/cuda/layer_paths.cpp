@@ -36,14 +36,12 @@ bool peers_reachable(int world, int device) {
 // Whether the megakernel path can run this layer: the buffers' size is known, its tiles fit the
 // shape, the configuration is valid on this GPU, and the ranks reach each other's memory.
 bool megakernel_applies(const MoeShape& s, int world, int device, const LayerOptions& o) {
-  if (o.max_tokens < 1 || o.tile_rows != 128 || o.megakernel.tile_n != 128 || o.megakernel.down_tile_n != 256) return false;
-  if (s.hidden % 8 || s.intermediate % 8 || s.shared_intermediate % 8 || world > kMaxScheduleSources) return false;
   MegakernelConfig c = o.megakernel;
   c.tile_rows = o.tile_rows;
   int sms = 0;
   MOKA_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
   try {
-    core::validate_megakernel_config(c);
+    supported_plan(s, c, world, o.max_tokens);
     core::validate_megakernel_grid(c, sms);
   } catch (const Error&) {
     return false;

@@ -6,6 +6,7 @@
 #include <cstdint>
 #include <memory>
 
+#include "core/megakernel_plan.hpp"
 #include "cuda/gemm/grouped_gemm.hpp"
 #include "moka/device_group.hpp"
 #include "moka/layer.hpp"
@@ -29,6 +30,10 @@ std::unique_ptr<StagedLayer> make_staged_layer(const MoeShape& shape, DeviceGrou
                                                GemmEngine engine);
 std::unique_ptr<MoeLayer> make_megakernel_layer(const MoeShape& shape, DeviceGroup* group,
                                                 std::unique_ptr<DeviceGroup> owned, const LayerOptions& options);
+
+// The worst-case megakernel plan for up to `max_tokens` tokens per rank; Error (naming the field)
+// when the GPU megakernel cannot run this shape and configuration over `world` ranks.
+core::MegakernelPlan supported_plan(const MoeShape& s, const MegakernelConfig& c, int world, int64_t max_tokens);
 
 // The path LayerOptions::path resolves to for a layer over `world` ranks on `device`. Raises
 // invalid_argument when an explicit path cannot run there (single_gpu over several ranks,

@@ -76,24 +76,6 @@ int sm_count() {
   return sms;
 }
 
-// The worst-case plan for up to `max_tokens` tokens per rank, after the checks of what the GPU
-// megakernel supports.
-core::MegakernelPlan supported_plan(const MoeShape& s, const MegakernelConfig& c, int world, int64_t max_tokens) {
-  core::validate_shape(s, world);
-  core::validate_megakernel_config(c);
-  require(max_tokens >= 1, ErrorCode::invalid_argument,
-          "the megakernel path needs LayerOptions::max_tokens >= 1 (tokens per rank its buffers hold)");
-  require(c.tile_rows == 128 && c.tile_n == 128 && c.down_tile_n == 256, ErrorCode::unsupported_size,
-          "the GPU megakernel's GEMM tiles are 128 x (128 gate + 128 up) and 128 x 256 (down): tile_rows and "
-          "megakernel.tile_n must be 128, megakernel.down_tile_n 256");
-  require(s.hidden % 8 == 0 && s.intermediate % 8 == 0 && s.shared_intermediate % 8 == 0,
-          ErrorCode::unsupported_size,
-          "the megakernel needs hidden, intermediate and shared sizes that are multiples of 8 (16-byte rows)");
-  require(world <= kMaxScheduleSources, ErrorCode::unsupported_size,
-          "the megakernel takes at most " + std::to_string(kMaxScheduleSources) + " ranks");
-  return core::build_megakernel_plan(c, dims_of(s, world, max_tokens));
-}
-
 // The megakernel forward of one layer: its buffers, launch sequence and error reports.
 class CudaMegakernelForward final : public MegakernelExtension {
  public:
@@ -370,6 +352,22 @@ class MegakernelMoeLayer final : public MoeLayer {
 };
 
 }  // namespace
+
+core::MegakernelPlan supported_plan(const MoeShape& s, const MegakernelConfig& c, int world, int64_t max_tokens) {
+  core::validate_shape(s, world);
+  core::validate_megakernel_config(c);
+  require(max_tokens >= 1, ErrorCode::invalid_argument,
+          "the megakernel path needs LayerOptions::max_tokens >= 1 (tokens per rank its buffers hold)");
+  require(c.tile_rows == 128 && c.tile_n == 128 && c.down_tile_n == 256, ErrorCode::unsupported_size,
+          "the GPU megakernel's GEMM tiles are 128 x (128 gate + 128 up) and 128 x 256 (down): tile_rows and "
+          "megakernel.tile_n must be 128, megakernel.down_tile_n 256");
+  require(s.hidden % 8 == 0 && s.intermediate % 8 == 0 && s.shared_intermediate % 8 == 0,
+          ErrorCode::unsupported_size,
+          "the megakernel needs hidden, intermediate and shared sizes that are multiples of 8 (16-byte rows)");
+  require(world <= kMaxScheduleSources, ErrorCode::unsupported_size,
+          "the megakernel takes at most " + std::to_string(kMaxScheduleSources) + " ranks");
+  return core::build_megakernel_plan(c, dims_of(s, world, max_tokens));
+}
 
 std::unique_ptr<MoeLayer> make_megakernel_layer(const MoeShape& shape, DeviceGroup* group,
                                                 std::unique_ptr<DeviceGroup> owned, const LayerOptions& options) {
