@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Copies what the GPU scripts need on a bare GPU machine (binaries, scripts and the training
 # text, no sources) into DEST (default: .dev/cuda of this checkout), for the device tool's
-# `carry`: scripts/gpu_check.sh, device_check.sh, ep_bench.sh, train_gpu.sh, train_speed_gpu.sh, ep_scale_runs.sh and
+# `carry`: scripts/gpu_check.sh, device_check.sh, ep_bench.sh, train_gpu.sh, train_speed_gpu.sh, ep_scale_runs.sh,
+# mup_study_gpu.sh and
 # bench/sanitize_gpu.sh run from there.
 set -euo pipefail
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
@@ -10,7 +11,7 @@ mkdir -p "$DEST"
 cp "$ROOT/build/tests/gpu/moka_gpu_tests" "$ROOT/build/tests/train_gpu/moka_train_gpu_tests" "$ROOT/build/tools/moka" "$DEST/"
 [ -x "$ROOT/build/tests/moka_ep_gpu_check" ] && cp "$ROOT/build/tests/moka_ep_gpu_check" "$DEST/"
 cp "$ROOT/scripts/gpu_check.sh" "$ROOT/scripts/device_check.sh" "$ROOT/scripts/ep_bench.sh" "$ROOT/scripts/train_gpu.sh" "$ROOT/scripts/train_speed_gpu.sh" \
-   "$ROOT/scripts/ep_scale_runs.sh" \
+   "$ROOT/scripts/ep_scale_runs.sh" "$ROOT/scripts/mup_study_gpu.sh" \
   "$ROOT/scripts/gpu_env.sh" "$ROOT/bench/torch_baseline.py" "$ROOT/bench/torch_train_baseline.py" \
   "$ROOT/bench/sanitize_gpu.sh" "$DEST/"
 # The commit the binaries were built from, for the results' JSON lines.
