@@ -13,11 +13,8 @@
 # each part and of the whole (the issue's budget: 600 s on two H200s).
 set -uo pipefail
 HERE=$(cd "$(dirname "$0")" && pwd)
-BIN=$(cd "${1:-$HERE}" && pwd)
-OUT=${OUT:-$PWD/mup_study_out}
-mkdir -p "$OUT"
 source "$HERE/gpu_env.sh"
-MOKA=$BIN/moka; [[ -x $MOKA ]] || MOKA=$BIN/tools/moka
+gpu_script_folders "${1:-}" mup_study_out
 DATA=${DATA:-}
 if [[ -z $DATA ]]; then
   DATA=$OUT/gcide

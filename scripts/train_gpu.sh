@@ -15,14 +15,9 @@
 # python3 tools/plot_mup.py coordcheck|lrsweep CSV PNG).
 set -uo pipefail
 HERE=$(cd "$(dirname "$0")" && pwd)
-BIN=$(cd "${1:-$HERE}" && pwd)
-OUT=${OUT:-$PWD/train_gpu_out}
-mkdir -p "$OUT"
 source "$HERE/gpu_env.sh"
+gpu_script_folders "${1:-}" train_gpu_out
 BUDGET_S=${BUDGET_S:-450}
-MOKA=$BIN/moka; [[ -x $MOKA ]] || MOKA=$BIN/tools/moka
-TESTS=$BIN/moka_train_gpu_tests; [[ -x $TESTS ]] || TESTS=$BIN/tests/train_gpu/moka_train_gpu_tests
-BENCH=$HERE; [[ -f $BENCH/torch_train_baseline.py ]] || BENCH=$HERE/../bench
 if [[ -z ${MOKA_TEXT_DIR:-} && -d $BIN/fortunes ]]; then export MOKA_TEXT_DIR=$BIN/fortunes; fi
 SUMMARY=$OUT/summary.txt
 : > "$SUMMARY"
@@ -43,7 +38,7 @@ tps_of() { grep -oP 'throughput: \K[0-9.]+' "$1" | tail -1; }
 # 1. Tests, then the muP coordinate check, on GPU 0.
 tests_and_mup_coordcheck() {
   export CUDA_VISIBLE_DEVICES=0
-  timeout 240 "$TESTS" --gtest_color=no > "$OUT/train_gpu_tests.log" 2>&1 || echo failed > "$OUT/tests.failed"
+  timeout 240 "$TRAIN_TESTS" --gtest_color=no > "$OUT/train_gpu_tests.log" 2>&1 || echo failed > "$OUT/tests.failed"
   coordcheck mup
 }
 

@@ -11,13 +11,8 @@
 # every result.
 set -uo pipefail
 HERE=$(cd "$(dirname "$0")" && pwd)
-BIN=$(cd "${1:-$HERE}" && pwd)
-OUT=${OUT:-$PWD/train_speed_out}
-mkdir -p "$OUT"
 source "$HERE/gpu_env.sh"
-MOKA=$BIN/moka; [[ -x $MOKA ]] || MOKA=$BIN/tools/moka
-TESTS=$BIN/moka_train_gpu_tests; [[ -x $TESTS ]] || TESTS=$BIN/tests/train_gpu/moka_train_gpu_tests
-BENCH=$HERE; [[ -f $BENCH/torch_train_baseline.py ]] || BENCH=$HERE/../bench
+gpu_script_folders "${1:-}" train_speed_out
 if [[ -z ${MOKA_TEXT_DIR:-} && -d $BIN/fortunes ]]; then export MOKA_TEXT_DIR=$BIN/fortunes; fi
 COMMIT=$(cat "$BIN/commit.txt" 2>/dev/null || git -C "$HERE" rev-parse --short HEAD 2>/dev/null || echo unknown)
 DEVICE=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1)
@@ -40,7 +35,7 @@ tps_of() { grep -oP 'throughput: \K[0-9.]+' "$OUT/$1" 2>/dev/null | tail -1; }
 
 # 1. Tests.
 say "train GPU tests"
-timeout 200 "$TESTS" --gtest_color=no > "$OUT/train_gpu_tests.log" 2>&1 || rc=1
+timeout 200 "$TRAIN_TESTS" --gtest_color=no > "$OUT/train_gpu_tests.log" 2>&1 || rc=1
 grep -E "^\[  (PASSED|FAILED|SKIPPED) |^\[       OK |^\[  FAILED  |Failure|error|^\[ result|Expected|Which is|^ *Actual" \
   "$OUT/train_gpu_tests.log" | head -80
 grep -E "^profile:|^stage|^(embedding|norms|attention|MoE|head|optimizer|EMA|router|inputs|step:)" \
