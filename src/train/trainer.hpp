@@ -32,6 +32,9 @@ struct TrainConfig {
   // CUDA: replay each step as one captured CUDA graph (forward, backward, AdamW, EMA, router-bias
   // update) after a first eager step; the same bits as the eager step (tested on the H200).
   bool cuda_graph = true;
+  // CUDA: attention through the fused kernels (no seq x seq matrix in memory, TF32 tensor cores)
+  // where they take the head_dim; false: the straightforward fp32 kernels they are tested against.
+  bool fused_attention = true;
   // Time every stage of each step (StepProfile); on the GPU this waits for every step to finish.
   bool profile = false;
 };
