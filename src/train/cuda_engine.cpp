@@ -446,11 +446,13 @@ struct CudaEngine::Impl {
     MOKA_CUDA_CHECK_LAUNCH();
   }
 
-  // --- cuBLAS, column-major views of row-major matrices; TF32 tensor cores, fp32 accumulation.
+  // --- cuBLAS, column-major views of row-major matrices; TF32 (or bf16: TrainConfig::bf16_matmuls)
+  // tensor cores, fp32 accumulation.
   void gemm(cublasOperation_t ta, cublasOperation_t tb, int64_t m, int64_t n, int64_t k, float alpha, const float* A,
             int64_t lda, const float* B, int64_t ldb, float beta, float* C, int64_t ldc) {
     MOKA_CUBLAS_CHECK(cublasGemmEx(cublas, ta, tb, int(m), int(n), int(k), &alpha, A, CUDA_R_32F, int(lda), B,
-                                   CUDA_R_32F, int(ldb), &beta, C, CUDA_R_32F, int(ldc), CUBLAS_COMPUTE_32F_FAST_TF32,
+                                   CUDA_R_32F, int(ldb), &beta, C, CUDA_R_32F, int(ldc),
+                                   config.bf16_matmuls ? CUBLAS_COMPUTE_32F_FAST_16BF : CUBLAS_COMPUTE_32F_FAST_TF32,
                                    CUBLAS_GEMM_DEFAULT));
   }
   // y [rows, out] = fwd * x W^T;  W: [out, in].

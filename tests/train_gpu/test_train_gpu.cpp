@@ -379,6 +379,7 @@ bool same_experts_per_token(const std::vector<std::vector<int32_t>>& a, const st
 // The engine's kernel and precision choices (TrainConfig's CUDA options).
 struct EngineChoices {
   bool fused_attention = true;
+  bool bf16_matmuls = false;
 };
 
 void compare_with_cpu(AttentionKind attention, EngineChoices choices = {}, int draw = 1) {
@@ -396,6 +397,7 @@ void compare_with_cpu(AttentionKind attention, EngineChoices choices = {}, int d
   tc.seq = 32;
   tc.seed = seed;
   tc.fused_attention = choices.fused_attention;
+  tc.bf16_matmuls = choices.bf16_matmuls;
   const auto rules = parameterize(tc.base, tc.model, tc.parameterization);
 
   std::mt19937_64 rng(seed);
@@ -442,6 +444,10 @@ TEST(TrainGpuModel, LossAndEveryGradientMatchTheCpuMla) { compare_with_cpu(Atten
 TEST(TrainGpuModel, LossAndEveryGradientMatchTheCpuMha) { compare_with_cpu(AttentionKind::mha); }
 TEST(TrainGpuModel, LossAndEveryGradientMatchTheCpuReferenceAttention) {
   compare_with_cpu(AttentionKind::mla, {.fused_attention = false});
+}
+// bf16 projections round at 2^-9 as the bf16 MoE layers already do: the same bounds.
+TEST(TrainGpuModel, LossAndEveryGradientMatchTheCpuBf16Matmuls) {
+  compare_with_cpu(AttentionKind::mla, {.bf16_matmuls = true});
 }
 
 TEST(TrainGpuLoop, LossDecreases) {
