@@ -479,11 +479,15 @@ __global__ void __launch_bounds__(kFlashThreads)
   const int64_t q0 = int64_t(blockIdx.y) * kFlashTile, row0 = q0 + warp * 16;
   load_tile<HD>(a, b, h, q, q0, sh.own[0]);
   load_tile<HD>(a, b, h, d_out, q0, sh.own[1]);
+  __syncthreads();
+  // row_dot from the TF32-rounded dO that dP is computed from, so that dP - row_dot cancels where
+  // it should (exactly, up to the order of summation, at seq 1).
+  const float* dOw = sh.own[1] + warp * 16 * sh.ld;
   for (int r = 0; r < 16; ++r) {
     const int64_t i = row0 + r;
     float d = 0;
     if (i < a.seq)
-      for (int64_t c = lane; c < a.hd; c += 32) d += d_out[a.at(b, h, i) + c] * out[a.at(b, h, i) + c];
+      for (int64_t c = lane; c < a.hd; c += 32) d += dOw[r * sh.ld + c] * out[a.at(b, h, i) + c];
     d = warp_sum(d);
     if (lane == 0) {
       sh.row_dot[warp * 16 + r] = d;
