@@ -153,6 +153,16 @@ void add_train_options(CLI::App* cmd, TrainCliOptions& o, SharedOptions which) {
                   "as off)")
       ->capture_default_str()
       ->check(CLI::IsMember({"on", "off"}));
+  cmd->add_option("--attention-kernel", o.attention_kernel,
+                  "with --backend cuda: fused (FlashAttention-style on tensor cores, head_dim up to 128) | reference "
+                  "(fp32, the seq x seq probabilities kept)")
+      ->capture_default_str()
+      ->check(CLI::IsMember({"fused", "reference"}));
+  cmd->add_option("--matmul", o.matmul,
+                  "with --backend cuda: the projections' and LM head's tensor-core precision, tf32 | bf16 (fp32 "
+                  "weights, activations and accumulation either way)")
+      ->capture_default_str()
+      ->check(CLI::IsMember({"tf32", "bf16"}));
   cmd->add_option("--data", o.data_dir, "fortune text folder (default: $MOKA_TEXT_DIR or the fortunes package)");
   cmd->add_option("--max-bytes", o.max_bytes, "load only this much text (0 = all)")
       ->capture_default_str()
@@ -165,6 +175,8 @@ train::TrainConfig TrainCliOptions::resolve(int64_t multiplier) {
   train::TrainConfig t = train;
   t.backend = parse_backend(backend);
   t.cuda_graph = cuda_graph == "on";
+  t.fused_attention = attention_kernel == "fused";
+  t.bf16_matmuls = matmul == "bf16";
   t.base = base;
   t.base.attention = attention == "mla" ? train::AttentionKind::mla : train::AttentionKind::mha;
   t.model = train::scale_width(t.base, multiplier);

@@ -177,7 +177,8 @@ struct CudaEngine::Impl {
     std::unique_ptr<MoeContext> ffn_ctx;
     std::unique_ptr<RouterContext> router_ctx;
     // Saved by forward for backward.
-    DeviceArray<float> attn_in, attn_x, attn_inv_rms, q_latent, kv_latent, q, k, v, probs, context;
+    // probs [B*H, S, S] for the reference attention, lse [B*H, S] for the fused one.
+    DeviceArray<float> attn_in, attn_x, attn_inv_rms, q_latent, kv_latent, q, k, v, probs, lse, context;
     DeviceArray<float> ffn_in, ffn_inv_rms, topk_weights;
     DeviceArray<bf16> ffn_x;
     DeviceArray<int32_t> topk_ids, counts;
@@ -219,7 +220,9 @@ struct CudaEngine::Impl {
 
   // Scratch.
   DeviceArray<float> h, d_res, d_tmp, branch, final_x, final_inv_rms, logits, d_logits, row_loss, d_topk_weights;
-  DeviceArray<float> d_context, dq, dk, dv, d_q_latent, d_kv_latent, d_scores, stats_x, stats_logits;
+  DeviceArray<float> d_context, dq, dk, dv, d_q_latent, d_kv_latent, stats_x, stats_logits;
+  // The attention backward's scratch: d_scores [B*H, S, S] (reference) or row_dot [B*H, S] (fused).
+  DeviceArray<float> d_scores, row_dot;
   DeviceArray<bf16> moe_out, d_out16, dx16, dx_router16;
   DeviceArray<double> partials, scalars;  // scalars: [0] cross-entropy, [1] grad sum of squares, [2] stats
   DeviceArray<double> router_losses_dev;  // per MoE layer {aux, z} of the last forward
@@ -238,6 +241,8 @@ struct CudaEngine::Impl {
   std::unique_ptr<DeviceStageClock> clock;
   std::vector<DeviceStageClock::Mark> graph_marks;  // the captured step's marks
   int64_t host_syncs = 0;  // the device waits inside steps so far
+  // The fused attention kernels, where asked for and they take the head_dim (else the reference).
+  bool fused_attention = false;
 
   Impl(const TrainConfig& cfg, const std::vector<TensorRule>& rules) : config(cfg), c(cfg.model) {
     require(cuda_backend_available(), ErrorCode::backend_unavailable,
@@ -252,6 +257,7 @@ struct CudaEngine::Impl {
     MOKA_CUBLAS_CHECK(cublasSetWorkspace(cublas, cublas_workspace.data(), kCublasWorkspace));
     N = cfg.batch * cfg.seq;
     require(N > 0, ErrorCode::invalid_argument, "the batch holds no tokens");
+    fused_attention = cfg.fused_attention && cuda::flash_attention_supports(c.head_dim);
 
     // Initial weights from the host initializer: the same values the CPU engine starts from.
     ParamStore<float> host(rules);
@@ -365,7 +371,10 @@ struct CudaEngine::Impl {
       L.q = DeviceArray<float>(N * W);
       L.k = DeviceArray<float>(N * W);
       L.v = DeviceArray<float>(N * W);
-      L.probs = DeviceArray<float>(B * c.num_heads * S * S);
+      if (fused_attention)
+        L.lse = DeviceArray<float>(B * c.num_heads * S);
+      else
+        L.probs = DeviceArray<float>(B * c.num_heads * S * S);
       L.context = DeviceArray<float>(N * W);
       L.ffn_in = DeviceArray<float>(N * c.d_model);
       L.ffn_inv_rms = DeviceArray<float>(N);
@@ -399,7 +408,10 @@ struct CudaEngine::Impl {
       d_q_latent = DeviceArray<float>(N * c.q_rank);
       d_kv_latent = DeviceArray<float>(N * c.kv_rank);
     }
-    d_scores = DeviceArray<float>(config.batch * c.num_heads * config.seq * config.seq);
+    if (fused_attention)
+      row_dot = DeviceArray<float>(config.batch * c.num_heads * config.seq);
+    else
+      d_scores = DeviceArray<float>(config.batch * c.num_heads * config.seq * config.seq);
     stats_logits = DeviceArray<float>(N * c.num_experts);
     for (auto* a : {&moe_out, &d_out16, &dx16, &dx_router16}) *a = DeviceArray<bf16>(N * d);
     partials = DeviceArray<double>(std::max<int64_t>(int64_t(params.size()), 1) * cuda::kReduceBlocks);
@@ -434,11 +446,13 @@ struct CudaEngine::Impl {
     MOKA_CUDA_CHECK_LAUNCH();
   }
 
-  // --- cuBLAS, column-major views of row-major matrices; TF32 tensor cores, fp32 accumulation.
+  // --- cuBLAS, column-major views of row-major matrices; TF32 (or bf16: TrainConfig::bf16_matmuls)
+  // tensor cores, fp32 accumulation.
   void gemm(cublasOperation_t ta, cublasOperation_t tb, int64_t m, int64_t n, int64_t k, float alpha, const float* A,
             int64_t lda, const float* B, int64_t ldb, float beta, float* C, int64_t ldc) {
     MOKA_CUBLAS_CHECK(cublasGemmEx(cublas, ta, tb, int(m), int(n), int(k), &alpha, A, CUDA_R_32F, int(lda), B,
-                                   CUDA_R_32F, int(ldb), &beta, C, CUDA_R_32F, int(ldc), CUBLAS_COMPUTE_32F_FAST_TF32,
+                                   CUDA_R_32F, int(ldb), &beta, C, CUDA_R_32F, int(ldc),
+                                   config.bf16_matmuls ? CUBLAS_COMPUTE_32F_FAST_16BF : CUBLAS_COMPUTE_32F_FAST_TF32,
                                    CUBLAS_GEMM_DEFAULT));
   }
   // y [rows, out] = fwd * x W^T;  W: [out, in].
@@ -535,8 +549,12 @@ struct CudaEngine::Impl {
       linear(x, *L.attn[1], L.k.data());
       linear(x, *L.attn[2], L.v.data());
     }
-    cuda::attention_forward(L.q.data(), L.k.data(), L.v.data(), config.batch, config.seq, c.num_heads, c.head_dim,
-                            L.probs.data(), L.context.data(), stream);
+    if (fused_attention)
+      cuda::flash_attention_forward(L.q.data(), L.k.data(), L.v.data(), config.batch, config.seq, c.num_heads,
+                                    c.head_dim, L.lse.data(), L.context.data(), stream);
+    else
+      cuda::attention_forward(L.q.data(), L.k.data(), L.v.data(), config.batch, config.seq, c.num_heads, c.head_dim,
+                              L.probs.data(), L.context.data(), stream);
     MOKA_CUDA_CHECK_LAUNCH();
     linear(L.context.data(), *L.attn_out, branch.data());
   }
@@ -546,8 +564,14 @@ struct CudaEngine::Impl {
   void attention_backward(Layer& L) {
     mark(Stage::attention_backward);
     linear_backward(L.context.data(), *L.attn_out, d_res.data(), d_context.data(), false);
-    cuda::attention_backward(L.q.data(), L.k.data(), L.v.data(), L.probs.data(), d_context.data(), config.batch,
-                             config.seq, c.num_heads, c.head_dim, d_scores.data(), dq.data(), dk.data(), dv.data(), stream);
+    if (fused_attention)
+      cuda::flash_attention_backward(L.q.data(), L.k.data(), L.v.data(), L.context.data(), L.lse.data(),
+                                     d_context.data(), config.batch, config.seq, c.num_heads, c.head_dim,
+                                     row_dot.data(), dq.data(), dk.data(), dv.data(), stream);
+    else
+      cuda::attention_backward(L.q.data(), L.k.data(), L.v.data(), L.probs.data(), d_context.data(), config.batch,
+                               config.seq, c.num_heads, c.head_dim, d_scores.data(), dq.data(), dk.data(), dv.data(),
+                               stream);
     MOKA_CUDA_CHECK_LAUNCH();
     const float* x = L.attn_x.data();
     float* dx = d_tmp.data();

@@ -59,6 +59,20 @@ void attention_backward(const float* q, const float* k, const float* v, const fl
                         int64_t batch, int64_t seq, int64_t heads, int64_t head_dim, float* d_scores, float* dq,
                         float* dk, float* dv, cudaStream_t stream);
 
+// The same attention fused (FlashAttention-style, TF32 tensor cores, fp32 softmax): no seq x seq
+// matrix in global memory. The forward saves the output and lse [batch*heads, seq], each query
+// row's logsumexp of its scaled scores; the backward recomputes the probabilities from them.
+// row_dot: [batch*heads, seq] scratch. For head_dim up to kFlashMaxHeadDim where the GPU has the
+// shared memory (flash_attention_supports); the kernels above are the reference they are tested
+// against and the path for other shapes.
+inline constexpr int64_t kFlashMaxHeadDim = 128;
+bool flash_attention_supports(int64_t head_dim);
+void flash_attention_forward(const float* q, const float* k, const float* v, int64_t batch, int64_t seq,
+                             int64_t heads, int64_t head_dim, float* lse, float* out, cudaStream_t stream);
+void flash_attention_backward(const float* q, const float* k, const float* v, const float* out, const float* lse,
+                              const float* d_out, int64_t batch, int64_t seq, int64_t heads, int64_t head_dim,
+                              float* row_dot, float* dq, float* dk, float* dv, cudaStream_t stream);
+
 // Per row: row_loss = logsumexp(logits) - logits[target]; d_logits = (softmax - onehot) / rows.
 void cross_entropy(const float* logits, const int32_t* targets, int64_t rows, int64_t vocab, float* row_loss,
                    float* d_logits, cudaStream_t stream);

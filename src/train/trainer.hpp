@@ -32,6 +32,13 @@ struct TrainConfig {
   // CUDA: replay each step as one captured CUDA graph (forward, backward, AdamW, EMA, router-bias
   // update) after a first eager step; the same bits as the eager step (tested on the H200).
   bool cuda_graph = true;
+  // CUDA: attention through the fused kernels (no seq x seq matrix in memory, TF32 tensor cores)
+  // where they take the head_dim; false: the straightforward fp32 kernels they are tested against.
+  bool fused_attention = true;
+  // CUDA: the projections and LM head (cuBLAS) multiply in bf16 (operands rounded to bf16 inside
+  // cuBLAS, CUBLAS_COMPUTE_32F_FAST_16BF) instead of TF32; weights, activations and gradients
+  // stay fp32 in memory, accumulation fp32.
+  bool bf16_matmuls = false;
   // Time every stage of each step (StepProfile); on the GPU this waits for every step to finish.
   bool profile = false;
 };
