@@ -87,3 +87,13 @@ def test_tokens_keep_their_leading_dimensions():
     moe = tiny_moe()
     x = torch.randn(2, 3, 8, dtype=torch.float64)
     assert moe(x).shape == (2, 3, 8)
+
+
+def test_a_weight_changed_in_place_between_forward_and_backward_raises():
+    moe = tiny_moe()
+    out = moe(torch.randn(5, 8, dtype=torch.float64, requires_grad=True))
+    with torch.no_grad():
+        moe.w_gate.add_(1.0)  # moka's saved state points into w_gate: its gradient would be wrong
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        out.sum().backward()
+
