@@ -188,9 +188,9 @@ class _Experts(torch.autograd.Function):
 
 class _MoE(torch.autograd.Function):
     """Routing, experts and combine as one autograd node and one moka call each way (what
-    ``MoE.forward`` runs). moka's saved state keeps the arrays it points into; autograd saves x
-    and the weights for its check that nothing changed them in place, and for their gradients'
-    shapes."""
+    ``MoE.forward`` runs). moka's saved state keeps the routes and the weights it points into;
+    autograd saves x (moka points into it too) and the weights, for its check that nothing changed
+    them in place and for their gradients' shapes."""
 
     @staticmethod
     def forward(ctx, x, w_router, w_gate, w_up, w_down, ws_gate, ws_up, ws_down, bias, expert_load, moe, top_k):

@@ -259,8 +259,10 @@ class Router {
 class Moe;
 
 // What one Moe.forward saved for its backward: the router's and the layer's contexts, and the
-// arrays they point into, kept alive here (the caller hands none of them back, and a hook that
-// moves autograd's saved tensors elsewhere cannot pull memory from under moka).
+// arrays they point into but the caller does not keep: the routes (topk_ids, topk_weights), and
+// the weights, so that backward needs none of them passed again. x is the caller's to keep
+// (autograd's saved tensors release it after backward; holding it here would keep every layer's
+// input alive for as long as its graph lives).
 class MoeForward {
  public:
   MoeForward(const Moe& moe, moka::Stream stream) : moe_(moe), stream_(stream) {}
@@ -270,7 +272,7 @@ class MoeForward {
                 const Array& d_w_gate, const Array& d_w_up, const Array& d_w_down, const OptionalArray& d_ws_gate,
                 const OptionalArray& d_ws_up, const OptionalArray& d_ws_down);
 
-  Array x, w_router, topk_ids, topk_weights;
+  Array w_router, topk_ids, topk_weights;
   OptionalArray bias;
   Weights weights;
   std::unique_ptr<moka::RouterContext> router_saved;
@@ -295,7 +297,7 @@ class Moe {
                                       const Array& out, uintptr_t stream) const {
     return layer_.on_rank_.run([&] {
       auto saved = std::make_unique<MoeForward>(*this, stream_of(stream));
-      saved->x = x, saved->w_router = w_router, saved->bias = bias;
+      saved->w_router = w_router, saved->bias = bias;
       saved->topk_ids = topk_ids, saved->topk_weights = topk_weights;
       saved->weights = Weights{w_gate, w_up, w_down, ws_gate, ws_up, ws_down};
       const moka::TensorView x_view = view_of(x, "x"), ids = view_of(topk_ids, "topk_ids");

@@ -1,4 +1,6 @@
 """moka.torch.MoE and moe_experts on the CPU backend against the pure-PyTorch reference."""
+import weakref
+
 import pytest
 import torch
 
@@ -97,3 +99,17 @@ def test_a_weight_changed_in_place_between_forward_and_backward_raises():
     with pytest.raises(RuntimeError, match="modified by an inplace operation"):
         out.sum().backward()
 
+
+
+def test_the_layers_input_is_released_by_backward_while_its_output_lives():
+    # Autograd releases what it saved once backward has run; moka's saved state must not keep the
+    # input (an activation as large as the layer's output) alive for as long as the graph lives.
+    moe = tiny_moe()
+    leaf = torch.randn(5, 8, dtype=torch.float64, requires_grad=True)
+    x = leaf * 2
+    x_alive = weakref.ref(x)
+    out = moe(x)
+    del x
+    assert x_alive() is not None  # saved for backward
+    out.sum().backward()
+    assert x_alive() is None and out.grad_fn is not None
