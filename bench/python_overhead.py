@@ -202,6 +202,11 @@ def host_overhead(name, tokens, calls, seed, device):
         out.backward(d_out)
         yield
 
+    def forward_step():  # forwards only: no backward (on autograd's device thread on the GPU) between them
+        out = moe(xs)
+        yield
+        del out
+
     def before_step():  # the same with the router and the layer called one after the other
         moe.zero_grad()
         yield
@@ -332,6 +337,7 @@ def host_overhead(name, tokens, calls, seed, device):
         list(before_step())
         list(op_step())
     _, fwd, bwd = host_us(module_step, calls, device)
+    (fwd_alone,) = host_us(forward_step, calls, device)
     _, before_fwd, before_bwd = host_us(before_step, calls, device)
     _, floor_fwd, floor_bwd = host_us(autograd_step, calls, device)
     _, *pieces = host_us(pieces_step, calls, device)
@@ -360,6 +366,8 @@ def host_overhead(name, tokens, calls, seed, device):
     return {"measure": "host", "shape": name, "tokens_per_rank": tokens, "calls": calls,
             # MoE's forward and backward: routing through combine as one moka call each way.
             "module_forward_us": fwd, "module_backward_us": bwd,
+            # Forwards with no backward between them: a forward's time beside a backward's.
+            "module_forward_alone_us": fwd_alone,
             "extension_forward_us": moka_fwd, "extension_backward_us": moka_bwd,
             "python_adds_forward_us": fwd - moka_fwd, "python_adds_backward_us": bwd - moka_bwd,
             # Its own steps timed one by one; what is left of its time is autograd's
