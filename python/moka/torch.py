@@ -186,21 +186,26 @@ class _Experts(torch.autograd.Function):
         return (d_x, None, d_topk_weights, *d_weights, None)
 
 
+def _moe_forward(x, w_router, w_gate, w_up, w_down, ws_gate, ws_up, ws_down, bias, expert_load, moe, top_k):
+    """moka's forward of the whole layer: (saved state, out, topk_weights)."""
+    ids, weights = _routes(x, top_k)
+    out = torch.empty_like(x)
+    state = moe.forward(_dlpack(x), _dlpack(w_router), _dl(bias), _dlpack(expert_load), _dlpack(w_gate),
+                        _dlpack(w_up), _dlpack(w_down), _dl(ws_gate), _dl(ws_up), _dl(ws_down), _dlpack(ids),
+                        _dlpack(weights), _dlpack(out), _stream(x))
+    return state, out, weights
+
+
 class _MoE(torch.autograd.Function):
     """Routing, experts and combine as one autograd node and one moka call each way (what
-    ``MoE.forward`` runs). moka's saved state keeps the routes and the weights it points into;
-    autograd saves x (moka points into it too) and the weights, for its check that nothing changed
-    them in place and for their gradients' shapes."""
+    ``MoE.forward`` runs where autograd records). moka's saved state keeps the routes and the
+    weights it points into; autograd saves x (moka points into it too) and the weights, for its
+    check that nothing changed them in place and for their gradients' shapes."""
 
     @staticmethod
-    def forward(ctx, x, w_router, w_gate, w_up, w_down, ws_gate, ws_up, ws_down, bias, expert_load, moe, top_k):
-        ids, weights = _routes(x, top_k)
-        out = torch.empty_like(x)
-        ctx.state = moe.forward(_dlpack(x), _dlpack(w_router), _dl(bias), _dlpack(expert_load), _dlpack(w_gate),
-                                _dlpack(w_up), _dlpack(w_down), _dl(ws_gate), _dl(ws_up), _dl(ws_down), _dlpack(ids),
-                                _dlpack(weights), _dlpack(out), _stream(x))
-        ctx.topk_weights = weights  # for the shape of the router's gradient scratch
-        ctx.save_for_backward(x, w_router, w_gate, w_up, w_down, ws_gate, ws_up, ws_down)
+    def forward(ctx, *inputs):
+        ctx.state, out, ctx.topk_weights = _moe_forward(*inputs)  # topk_weights: the router scratch's shape
+        ctx.save_for_backward(*inputs[:8])  # x, w_router and the expert weights
         return out
 
     @staticmethod
@@ -497,7 +502,9 @@ class MoE(nn.Module):
         tokens = (x if x.dim() == 2 else x.reshape(-1, self.hidden)).contiguous()
         moe = self._engine(tokens)[2]
         (w_router, bias, load), experts = self._tensors()
-        out = _MoE.apply(tokens, w_router, *experts, _selection_bias(bias, tokens), load, moe, self.top_k)
+        inputs = (tokens, w_router, *experts, _selection_bias(bias, tokens), load, moe, self.top_k)
+        # With autograd off (evaluation, inference mode) the call skips Function.apply.
+        out = _MoE.apply(*inputs) if torch.is_grad_enabled() else _moe_forward(*inputs)[1]
         return out if x.dim() == 2 else out.reshape(x.shape)
 
     def check_errors(self):

@@ -4,6 +4,7 @@ import weakref
 import pytest
 import torch
 
+import moka.torch
 from conftest import reference_of, tiny_moe
 from moka import reference
 from moka.torch import moe_experts
@@ -113,3 +114,14 @@ def test_the_layers_input_is_released_by_backward_while_its_output_lives():
     assert x_alive() is not None  # saved for backward
     out.sum().backward()
     assert x_alive() is None and out.grad_fn is not None
+
+
+def test_a_forward_without_autograd_skips_the_autograd_function(monkeypatch):
+    moe = tiny_moe()
+    x = torch.randn(5, 8, dtype=torch.float64)
+    want = moe(x)
+    monkeypatch.setattr(moka.torch._MoE, "apply", None)  # a call through it would raise
+    for no_autograd in (torch.no_grad, torch.inference_mode):
+        with no_autograd():
+            got = moe(x)
+        assert got.grad_fn is None and torch.equal(got, want)
