@@ -207,6 +207,11 @@ def host_overhead(name, tokens, calls, seed, device):
         yield
         del out
 
+    def no_grad_step():  # evaluation: autograd off
+        with torch.no_grad():
+            moe(xs)
+        yield
+
     def before_step():  # the same with the router and the layer called one after the other
         moe.zero_grad()
         yield
@@ -338,6 +343,7 @@ def host_overhead(name, tokens, calls, seed, device):
         list(op_step())
     _, fwd, bwd = host_us(module_step, calls, device)
     (fwd_alone,) = host_us(forward_step, calls, device)
+    (fwd_no_grad,) = host_us(no_grad_step, calls, device)
     _, before_fwd, before_bwd = host_us(before_step, calls, device)
     _, floor_fwd, floor_bwd = host_us(autograd_step, calls, device)
     _, *pieces = host_us(pieces_step, calls, device)
@@ -367,7 +373,7 @@ def host_overhead(name, tokens, calls, seed, device):
             # MoE's forward and backward: routing through combine as one moka call each way.
             "module_forward_us": fwd, "module_backward_us": bwd,
             # Forwards with no backward between them: a forward's time beside a backward's.
-            "module_forward_alone_us": fwd_alone,
+            "module_forward_alone_us": fwd_alone, "module_forward_no_grad_us": fwd_no_grad,
             "extension_forward_us": moka_fwd, "extension_backward_us": moka_bwd,
             "python_adds_forward_us": fwd - moka_fwd, "python_adds_backward_us": bwd - moka_bwd,
             # Its own steps timed one by one; what is left of its time is autograd's
