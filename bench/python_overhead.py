@@ -9,13 +9,18 @@
 2. Host time per call at a small token count: the wall time the Python process spends in one
    ``MoE`` forward (routing + experts), one backward (gradients starting at None, as after a
    training step's zero_grad), and one ``moe_experts`` forward, while the GPU is kept busy so
-   that launches never wait on it; and the extension's router and layer calls alone, so that
-   what Python adds is the difference (target: at most 40 us per call). Beside each call, what
-   explains its time: the torch ops it runs (top-level aten ops, by name), the autograd nodes
-   backward runs, and on the GPU the CUDA launches (kernels, memsets, copies) made inside torch
-   ops and in all (moka's own are the difference), from one profiled call.
-   ``--host-only --device cpu`` measures the host part on the CPU backend (shape "tiny" by
-   default, where compute is small beside the Python).
+   that launches never wait on it; and the extension's calls alone (the module's one call each
+   way, and the router's and layer's calls), so that what Python adds is the difference (target:
+   at most 40 us per call). Beside each: the module's own steps timed one by one (engine and
+   tensor lookups, allocations, DLPack capsules, the call), an autograd node with the same inputs
+   that does nothing (what Function.apply and the engine cost any Python layer), the same calls
+   with moka's calls made no-ops (the Python alone), and "before": the module as it was, the
+   router's and the layer's calls one after the other in one autograd node (``TwoCalls``), timed
+   the same ways. What explains the calls' time: the torch ops they run (top-level aten ops, by
+   name), the autograd nodes backward runs, and on the GPU the CUDA launches (kernels, memsets,
+   copies) made inside torch ops and in all (moka's own are the difference), from one profiled
+   call. ``--host-only --device cpu`` measures the host part on the CPU backend (shape "tiny" by
+   default, where compute is small beside the Python; use few tokens, e.g. --host-tokens 16).
 One JSON line per measurement on stdout (and appended to --out).
 """
 import argparse
@@ -32,7 +37,8 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from torch_baseline import SHAPES, paired_runs  # noqa: E402
 
 import moka.torch  # noqa: E402
-from moka.torch import MoE, _dl, _selection_bias, _stream, _weights, moe_experts  # noqa: E402
+from moka.torch import (MoE, _dl, _empty_like, _experts_backward, _experts_forward, _route_forward,  # noqa: E402
+                        _routes, _selection_bias, _stream, _weights, moe_experts)
 
 
 # Host-time shapes: the named ones, and one whose CPU-backend compute is small beside the Python.
@@ -133,14 +139,54 @@ def torch_work(step, device):
 
 
 class NoMoka:
-    """Stands in for moka's router and layer: calls that do nothing, so that what is timed is the
-    Python layer alone (outputs stay unwritten; only times are read)."""
+    """Stands in for moka's router, layer and the two as one call, and for what a forward saved:
+    calls that do nothing, so that what is timed is the Python layer alone (outputs stay
+    unwritten; only times are read)."""
 
     def forward(self, *args):
-        return None
+        return self
 
     def backward(self, *args):
         return None
+
+
+class TwoCalls(torch.autograd.Function):
+    """The module's forward before routing and experts became one moka call each way: one autograd
+    node calling moka's router, then its layer (backward: the layer, then the router adding its
+    part of x's gradient), each with its own DLPack arguments and the expert weights passed again
+    to backward. Timed beside ``MoE.forward`` as the "before"."""
+
+    @staticmethod
+    def forward(ctx, x, w_router, bias, w_gate, w_up, w_down, ws_gate, ws_up, ws_down, router, layer, top_k, load):
+        expert_weights = (w_gate, w_up, w_down, ws_gate, ws_up, ws_down)
+        ctx.router_saved, ids, weights = _route_forward(router, x, w_router, bias, top_k, load)
+        ctx.layer_saved, out = _experts_forward(layer, x, ids, weights, expert_weights)
+        ctx.router = router
+        ctx.layer = layer
+        ctx.save_for_backward(x, w_router, ids, weights, *expert_weights)
+        return out
+
+    @staticmethod
+    def backward(ctx, d_out):
+        x, w_router, _ids, topk_weights, *weights = ctx.saved_tensors
+        d_x, d_topk_weights, d_weights = _experts_backward(ctx.layer, ctx.layer_saved, d_out, x, topk_weights,
+                                                           weights)
+        d_w_router = torch.empty_like(w_router)
+        ctx.router.backward(ctx.router_saved, _dl(d_topk_weights), _dl(d_x), _dl(d_w_router), _stream(x), True)
+        return (d_x, d_w_router, None, *d_weights, None, None, None, None)
+
+
+class NoOp(torch.autograd.Function):
+    """An autograd node with the module's tensor inputs that does nothing (an empty output, no
+    gradients): what Function.apply and autograd's engine cost any Python layer."""
+
+    @staticmethod
+    def forward(ctx, x, *inputs):
+        return torch.empty_like(x)
+
+    @staticmethod
+    def backward(ctx, d_out):
+        return (None,) * 12
 
 
 def host_overhead(name, tokens, calls, seed, device):
@@ -156,12 +202,41 @@ def host_overhead(name, tokens, calls, seed, device):
         out.backward(d_out)
         yield
 
+    def forward_step():  # forwards only: no backward (on autograd's device thread on the GPU) between them
+        out = moe(xs)
+        yield
+        del out
+
+    def no_grad_step():  # evaluation: autograd off
+        with torch.no_grad():
+            moe(xs)
+        yield
+
+    def before_step():  # the same with the router and the layer called one after the other
+        moe.zero_grad()
+        yield
+        router, layer, _ = moe._engine(xs)
+        (w_router, bias, load), experts = moe._tensors()
+        out = TwoCalls.apply(xs, w_router, _selection_bias(bias, xs), *experts, router, layer, moe.top_k, load)
+        yield
+        out.backward(d_out)
+        yield
+
+    def autograd_step():  # an autograd node that does nothing, with the module's inputs
+        moe.zero_grad()
+        yield
+        (w_router, bias, load), experts = moe._tensors()
+        out = NoOp.apply(xs, w_router, *experts, bias, load, None, moe.top_k)
+        yield
+        out.backward(d_out)
+        yield
+
     def op_step():
         moe_experts(xs, *args)
         yield
 
-    router, layer = moe._engine(xs)
-    stream = torch.cuda.current_stream().cuda_stream if device == "cuda" else 0
+    router, layer, fused = moe._engine(xs)
+    stream = _stream(xs)
     routed = (torch.empty_like(ids), torch.empty_like(weights.detach()))
     expert_weights = (*args[2:], None, None, None)
     grads = (torch.empty_like(xs), torch.empty_like(args[1]), *(torch.empty_like(w) for w in args[2:]))
@@ -184,22 +259,31 @@ def host_overhead(name, tokens, calls, seed, device):
         router.backward(router_saved, *router_grad_args)
         yield
 
-    forward_pieces = ("engine", "tensors", "route_alloc", "route_capsules", "route_call", "out_alloc",
-                      "layer_capsules", "layer_call")
-    backward_pieces = ("grad_alloc", "layer_grad_capsules", "layer_grad_call", "router_grad_capsules",
-                       "router_grad_call")
+    def fused_extension_step():  # the module's one call each way alone, arguments made before
+        forward_args = (_dl(xs), _dl(moe.w_router), None, _dl(moe.expert_load), *(_dl(w) for w in args[2:]),
+                        None, None, None, *(_dl(t) for t in routed), _dl(torch.empty_like(xs)), stream)
+        backward_args = (_dl(d_out), _dl(router_grads[0]), _dl(grads[1]), _dl(router_grads[1]),
+                         *(_dl(g) for g in grads[2:]), None, None, None)
+        yield
+        saved = fused.forward(*forward_args)
+        yield
+        saved.backward(*backward_args)
+        yield
 
-    def module_pieces_step():  # what MoE's forward and backward do, piece by piece (see moka.torch)
+    before_forward_pieces = ("engine", "tensors", "route_alloc", "route_capsules", "route_call", "out_alloc",
+                             "layer_capsules", "layer_call")
+    before_backward_pieces = ("grad_alloc", "layer_grad_capsules", "layer_grad_call", "router_grad_capsules",
+                              "router_grad_call")
+
+    def before_pieces_step():  # what the two-call forward and backward do, piece by piece
         moe.zero_grad()
         yield
-        router, layer = moe._engine(xs)
+        router, layer, _ = moe._engine(xs)
         yield
         (w_router, bias, load), expert_weights = moe._tensors()
         bias = _selection_bias(bias, xs)
         yield
-        T, k = xs.shape[0], moe.top_k
-        ids = torch.empty(T, k, dtype=torch.int32, device=xs.device)
-        weights = torch.empty(T, k, dtype=torch.float32, device=xs.device)
+        ids, weights = _routes(xs, moe.top_k)
         yield
         route_args = (_dl(xs), _dl(w_router), _dl(bias), _dl(ids), _dl(weights), None, _dl(load), _stream(xs))
         yield
@@ -224,41 +308,97 @@ def host_overhead(name, tokens, calls, seed, device):
         router.backward(router_saved, *router_grad_args)
         yield
 
+    forward_pieces = ("engine", "tensors", "alloc", "capsules", "call")
+    backward_pieces = ("grad_alloc", "capsules", "call")
+
+    def pieces_step():  # what MoE's forward and backward do inside autograd, piece by piece
+        moe.zero_grad()
+        yield
+        fused = moe._engine(xs)[2]
+        yield
+        (w_router, bias, load), (w_gate, w_up, w_down, ws_gate, ws_up, ws_down) = moe._tensors()
+        bias = _selection_bias(bias, xs)
+        yield
+        ids, weights = _routes(xs, moe.top_k)
+        out = torch.empty_like(xs)
+        yield
+        forward_args = (_dl(xs), _dl(w_router), _dl(bias), _dl(load), _dl(w_gate), _dl(w_up), _dl(w_down),
+                        _dl(ws_gate), _dl(ws_up), _dl(ws_down), _dl(ids), _dl(weights), _dl(out), _stream(xs))
+        yield
+        saved = fused.forward(*forward_args)
+        yield
+        d_x, d_w_router = torch.empty_like(xs), torch.empty_like(w_router)
+        d_weights = [_empty_like(w) for w in (w_gate, w_up, w_down, ws_gate, ws_up, ws_down)]
+        d_topk_weights = torch.empty_like(weights)
+        yield
+        backward_args = (_dl(d_out.contiguous()), _dl(d_x), _dl(d_topk_weights), _dl(d_w_router),
+                         *(_dl(g) for g in d_weights))
+        yield
+        saved.backward(*backward_args)
+        yield
+
     for _ in range(3):  # warm: moka's engines and workspaces for this token count
         list(module_step())
+        list(before_step())
         list(op_step())
     _, fwd, bwd = host_us(module_step, calls, device)
-    _, *pieces = host_us(module_pieces_step, calls, device)
+    (fwd_alone,) = host_us(forward_step, calls, device)
+    (fwd_no_grad,) = host_us(no_grad_step, calls, device)
+    _, before_fwd, before_bwd = host_us(before_step, calls, device)
+    _, floor_fwd, floor_bwd = host_us(autograd_step, calls, device)
+    _, *pieces = host_us(pieces_step, calls, device)
     forward_us = dict(zip(forward_pieces, pieces[:len(forward_pieces)]))
     backward_us = dict(zip(backward_pieces, pieces[len(forward_pieces):]))
+    _, *pieces = host_us(before_pieces_step, calls, device)
+    before_forward_us = dict(zip(before_forward_pieces, pieces[:len(before_forward_pieces)]))
+    before_backward_us = dict(zip(before_backward_pieces, pieces[len(before_forward_pieces):]))
     (op,) = host_us(op_step, calls, device)
     _, router_fwd, layer_fwd, layer_bwd, router_bwd = host_us(extension_step, calls, device)
+    _, moka_fwd, moka_bwd = host_us(fused_extension_step, calls, device)
     try:  # the explanation; the times above stand without it
         _, fwd_work, bwd_work = torch_work(module_step, device)
         (op_work,) = torch_work(op_step, device)
     except Exception as e:
         fwd_work = bwd_work = op_work = {"error": repr(e)[:300]}
     # Last, as it replaces this layer's engines: the Python layer alone, moka's calls doing nothing.
-    no_moka, op_layers = NoMoka(), dict(moka.torch._op_layers)
-    moe._engines = {key: (no_moka, no_moka) for key in moe._engines}
+    no_moka, op_layers, engines = NoMoka(), dict(moka.torch._op_layers), moe._engines
+    moe._engines = {key: (no_moka, no_moka, no_moka) for key in engines}
     moka.torch._op_layers.update((key, no_moka) for key in op_layers)
     _, python_fwd, python_bwd = host_us(module_step, calls, device)
+    _, python_before_fwd, python_before_bwd = host_us(before_step, calls, device)
     (python_op,) = host_us(op_step, calls, device)
     moka.torch._op_layers.update(op_layers)
+    moe._engines = engines
     return {"measure": "host", "shape": name, "tokens_per_rank": tokens, "calls": calls,
-            "module_forward_us": fwd, "module_backward_us": bwd, "op_forward_us": op,
-            "extension_router_forward_us": router_fwd, "extension_layer_forward_us": layer_fwd,
-            "extension_layer_backward_us": layer_bwd, "extension_router_backward_us": router_bwd,
-            "python_adds_forward_us": fwd - router_fwd - layer_fwd,
-            "python_adds_backward_us": bwd - layer_bwd - router_bwd, "python_adds_op_forward_us": op - layer_fwd,
-            "module_forward_work": fwd_work, "module_backward_work": bwd_work, "op_forward_work": op_work,
-            # The module's own steps timed one by one; what is left of its time is autograd's
-            # (Function.apply and the engine) and the glue between the steps.
+            # MoE's forward and backward: routing through combine as one moka call each way.
+            "module_forward_us": fwd, "module_backward_us": bwd,
+            # Forwards with no backward between them: a forward's time beside a backward's.
+            "module_forward_alone_us": fwd_alone, "module_forward_no_grad_us": fwd_no_grad,
+            "extension_forward_us": moka_fwd, "extension_backward_us": moka_bwd,
+            "python_adds_forward_us": fwd - moka_fwd, "python_adds_backward_us": bwd - moka_bwd,
+            # Its own steps timed one by one; what is left of its time is autograd's
+            # (Function.apply and the engine: compare autograd_floor_*) and the glue between the steps.
             "module_forward_pieces_us": forward_us, "module_backward_pieces_us": backward_us,
             "module_forward_rest_us": fwd - sum(forward_us.values()),
             "module_backward_rest_us": bwd - sum(backward_us.values()),
-            # The same calls with moka's router and layer calls doing nothing.
+            # An autograd node with the same inputs doing nothing: what any Python autograd layer costs.
+            "autograd_floor_forward_us": floor_fwd, "autograd_floor_backward_us": floor_bwd,
+            # Before: the router's and the layer's calls one after the other in one autograd node.
+            "before_module_forward_us": before_fwd, "before_module_backward_us": before_bwd,
+            "before_python_adds_forward_us": before_fwd - router_fwd - layer_fwd,
+            "before_python_adds_backward_us": before_bwd - layer_bwd - router_bwd,
+            "before_module_forward_pieces_us": before_forward_us,
+            "before_module_backward_pieces_us": before_backward_us,
+            "before_module_forward_rest_us": before_fwd - sum(before_forward_us.values()),
+            "before_module_backward_rest_us": before_bwd - sum(before_backward_us.values()),
+            "extension_router_forward_us": router_fwd, "extension_layer_forward_us": layer_fwd,
+            "extension_layer_backward_us": layer_bwd, "extension_router_backward_us": router_bwd,
+            # The functional op's forward (its layer call alone: extension_layer_forward_us).
+            "op_forward_us": op, "python_adds_op_forward_us": op - layer_fwd,
+            "module_forward_work": fwd_work, "module_backward_work": bwd_work, "op_forward_work": op_work,
+            # The same calls with moka's calls doing nothing.
             "python_only_forward_us": python_fwd, "python_only_backward_us": python_bwd,
+            "before_python_only_forward_us": python_before_fwd, "before_python_only_backward_us": python_before_bwd,
             "python_only_op_forward_us": python_op}
 
 

@@ -116,25 +116,26 @@ def _empty_like(t: Optional[Tensor]) -> Optional[Tensor]:
 # moka's router and layer calls, shared by the autograd functions below (moka's saved state
 # points into the tensors given, so the functions keep those for backward).
 
+def _routes(x: Tensor, top_k: int) -> tuple[Tensor, Tensor]:
+    """Unfilled topk_ids [T, k] and topk_weights [T, k] for x [T, H]."""
+    tokens = x.shape[0]
+    return (torch.empty(tokens, top_k, dtype=torch.int32, device=x.device),
+            torch.empty(tokens, top_k, dtype=router_weight_dtype(x.dtype), device=x.device))
+
+
 def _route_forward(router, x, w_router, bias, top_k, expert_load):
     """moka's routing of x: (saved state, topk_ids, topk_weights); the routes per expert are added
     to expert_load [E] int64 inside moka's call (no torch launch for the statistics)."""
-    tokens = x.shape[0]
-    ids = torch.empty(tokens, top_k, dtype=torch.int32, device=x.device)
-    weights = torch.empty(tokens, top_k, dtype=router_weight_dtype(x.dtype), device=x.device)
+    ids, weights = _routes(x, top_k)
     saved = router.forward(_dl(x), _dl(w_router), _dl(bias), _dl(ids), _dl(weights), None, _dl(expert_load),
                            _stream(x))
     return saved, ids, weights
 
 
-def _route_backward(router, saved, x, w_router, d_weights, d_x=None):
-    """(d_x, d_w_router) of the routing from the gradient of topk_weights; a d_x given (the
-    experts' part of x's gradient) gets the router's part added inside moka's call."""
-    add_to_d_x = d_x is not None
-    if not add_to_d_x:
-        d_x = torch.empty_like(x)
-    d_w_router = torch.empty_like(w_router)
-    router.backward(saved, _dl(d_weights.contiguous()), _dl(d_x), _dl(d_w_router), _stream(x), add_to_d_x)
+def _route_backward(router, saved, x, w_router, d_weights):
+    """(d_x, d_w_router) of the routing from the gradient of topk_weights."""
+    d_x, d_w_router = torch.empty_like(x), torch.empty_like(w_router)
+    router.backward(saved, _dl(d_weights.contiguous()), _dl(d_x), _dl(d_w_router), _stream(x))
     return d_x, d_w_router
 
 
@@ -185,28 +186,38 @@ class _Experts(torch.autograd.Function):
         return (d_x, None, d_topk_weights, *d_weights, None)
 
 
-class _RoutedExperts(torch.autograd.Function):
-    """Routing and experts as one autograd node (what ``MoE.forward`` runs): half the per-call
-    Python of _Route followed by _Experts, and the router's part of x's gradient added to the
-    experts' part inside moka's router call (no torch launch for the sum)."""
+def _moe_forward(x, w_router, w_gate, w_up, w_down, ws_gate, ws_up, ws_down, bias, expert_load, moe, top_k):
+    """moka's forward of the whole layer: (saved state, out, topk_weights)."""
+    ids, weights = _routes(x, top_k)
+    out = torch.empty_like(x)
+    state = moe.forward(_dlpack(x), _dlpack(w_router), _dl(bias), _dlpack(expert_load), _dlpack(w_gate),
+                        _dlpack(w_up), _dlpack(w_down), _dl(ws_gate), _dl(ws_up), _dl(ws_down), _dlpack(ids),
+                        _dlpack(weights), _dlpack(out), _stream(x))
+    return state, out, weights
+
+
+class _MoE(torch.autograd.Function):
+    """Routing, experts and combine as one autograd node and one moka call each way (what
+    ``MoE.forward`` runs where autograd records). moka's saved state keeps the routes and the
+    weights it points into; autograd saves x (moka points into it too) and the weights, for its
+    check that nothing changed them in place and for their gradients' shapes."""
 
     @staticmethod
-    def forward(ctx, x, w_router, bias, w_gate, w_up, w_down, ws_gate, ws_up, ws_down, router, layer, top_k,
-                expert_load):
-        expert_weights = (w_gate, w_up, w_down, ws_gate, ws_up, ws_down)
-        ctx.router_saved, ids, weights = _route_forward(router, x, w_router, bias, top_k, expert_load)
-        ctx.layer_saved, out = _experts_forward(layer, x, ids, weights, expert_weights)
-        ctx.router, ctx.layer = router, layer
-        ctx.save_for_backward(x, w_router, ids, weights, *expert_weights)
+    def forward(ctx, *inputs):
+        ctx.state, out, ctx.topk_weights = _moe_forward(*inputs)  # topk_weights: the router scratch's shape
+        ctx.save_for_backward(*inputs[:8])  # x, w_router and the expert weights
         return out
 
     @staticmethod
     def backward(ctx, d_out):
-        x, w_router, _ids, topk_weights, *weights = ctx.saved_tensors
-        d_x, d_topk_weights, d_weights = _experts_backward(ctx.layer, ctx.layer_saved, d_out, x, topk_weights,
-                                                           weights)
-        d_x, d_w_router = _route_backward(ctx.router, ctx.router_saved, x, w_router, d_topk_weights, d_x)
-        return (d_x, d_w_router, None, *d_weights, None, None, None, None)
+        x, w_router, w_gate, w_up, w_down, ws_gate, ws_up, ws_down = ctx.saved_tensors
+        d_x, d_w_router = torch.empty_like(x), torch.empty_like(w_router)
+        d_w_gate, d_w_up, d_w_down = torch.empty_like(w_gate), torch.empty_like(w_up), torch.empty_like(w_down)
+        d_ws_gate, d_ws_up, d_ws_down = _empty_like(ws_gate), _empty_like(ws_up), _empty_like(ws_down)
+        ctx.state.backward(_dlpack(d_out.contiguous()), _dlpack(d_x), _dlpack(torch.empty_like(ctx.topk_weights)),
+                           _dlpack(d_w_router), _dlpack(d_w_gate), _dlpack(d_w_up), _dlpack(d_w_down), _dl(d_ws_gate),
+                           _dl(d_ws_up), _dl(d_ws_down))
+        return d_x, d_w_router, d_w_gate, d_w_up, d_w_down, d_ws_gate, d_ws_up, d_ws_down, None, None, None, None
 
 
 # --- the functional op, for models that route themselves (traceable by torch.compile) ---
@@ -417,7 +428,7 @@ class MoE(nn.Module):
         # Routes per expert since the last update_selection_bias (this rank's tokens).
         self.register_buffer("expert_load", torch.zeros(experts, dtype=torch.int64, device=device), persistent=False)
         self.reset_parameters(init_std)
-        self._engines: dict[tuple, tuple[_moka.Router, _moka.Layer]] = {}
+        self._engines: dict[tuple, tuple[_moka.Router, _moka.Layer, _moka.Moe]] = {}
 
     @torch.no_grad()
     def reset_parameters(self, std: float = 0.02):
@@ -443,7 +454,8 @@ class MoE(nn.Module):
             for w in (self.w_gate, self.w_up, self.w_down):
                 w[local].copy_(normal(w.shape[1:]))
 
-    def _engine(self, x: Tensor) -> tuple[_moka.Router, _moka.Layer]:
+    def _engine(self, x: Tensor) -> tuple[_moka.Router, _moka.Layer, _moka.Moe]:
+        """moka's router, layer, and the two as one call each way, for x's device."""
         backend = _backend(x)
         key = (backend, x.device.index)
         engines = self._engines.get(key)
@@ -454,7 +466,7 @@ class MoE(nn.Module):
             layer = _make_layer(backend, group, self.hidden, self.intermediate, self.experts, self.top_k,
                                 self.shared_intermediate, self.activation, self.clamp_limit, self.path,
                                 self.tile_rows, self.max_tokens)
-            engines = self._engines[key] = (router, layer)
+            engines = self._engines[key] = (router, layer, _moka.Moe(router, layer))
         return engines
 
     def _tensors(self) -> tuple:
@@ -473,7 +485,7 @@ class MoE(nn.Module):
     def route(self, x: Tensor) -> tuple[Tensor, Tensor]:
         """topk_ids [T, k] int32 and topk_weights [T, k] for x [T, H] (differentiable in x and the
         router weight through topk_weights)."""
-        router, _ = self._engine(x)
+        router, _, _ = self._engine(x)
         (w_router, bias, load), _ = self._tensors()
         return _Route.apply(x, w_router, _selection_bias(bias, x), router, self.top_k, load)
 
@@ -481,22 +493,23 @@ class MoE(nn.Module):
         """The routed experts and the shared expert for x [T, H] routed by the caller (``route`` or
         your own router): out [T, H], differentiable in x, topk_weights and every expert weight.
         Unlike ``moe_experts``, the backward reuses this forward's state instead of recomputing it."""
-        _, layer = self._engine(x)
+        _, layer, _ = self._engine(x)
         _, experts = self._tensors()
         return _Experts.apply(x, topk_ids, topk_weights, *experts, layer)
 
     def forward(self, x: Tensor) -> Tensor:
         # [T, H] input goes in as it is: a reshape would add a view and its autograd node each way.
         tokens = (x if x.dim() == 2 else x.reshape(-1, self.hidden)).contiguous()
-        router, layer = self._engine(tokens)
+        moe = self._engine(tokens)[2]
         (w_router, bias, load), experts = self._tensors()
-        out = _RoutedExperts.apply(tokens, w_router, _selection_bias(bias, tokens), *experts, router, layer, self.top_k,
-                                   load)
+        inputs = (tokens, w_router, *experts, _selection_bias(bias, tokens), load, moe, self.top_k)
+        # With autograd off (evaluation, inference mode) the call skips Function.apply.
+        out = _MoE.apply(*inputs) if torch.is_grad_enabled() else _moe_forward(*inputs)[1]
         return out if x.dim() == 2 else out.reshape(x.shape)
 
     def check_errors(self):
         """Raises (as moka.Error) what the GPU kernels of finished calls found; synchronize first."""
-        for _, layer in self._engines.values():
+        for _, layer, _ in self._engines.values():
             layer.check_errors()
 
     @torch.no_grad()

@@ -146,6 +146,7 @@ struct Weights {
 
 class Layer {
  public:
+  friend class Moe;
   Layer(int64_t hidden, int64_t intermediate, int64_t experts, int64_t top_k, int64_t shared_intermediate,
         const std::string& activation, double clamp_limit, const std::string& backend, Group* group,
         int num_threads, int64_t tile_rows, const std::string& path, int64_t max_tokens)
@@ -209,6 +210,7 @@ struct RouterContext {
 
 class Router {
  public:
+  friend class Moe;
   Router(int64_t hidden, int64_t experts, int64_t top_k, const std::string& score, bool selection_bias,
          bool renormalize, double route_scale, const std::string& backend, Group* group, int num_threads)
       : on_rank_{group ? group->get() : nullptr} {
@@ -253,6 +255,86 @@ class Router {
   RankScope on_rank_;
   std::unique_ptr<moka::Router> router_;
 };
+
+class Moe;
+
+// What one Moe.forward saved for its backward: the router's and the layer's contexts, and the
+// arrays they point into but the caller does not keep: the routes (topk_ids, topk_weights), and
+// the weights, so that backward needs none of them passed again. x is the caller's to keep
+// (autograd's saved tensors release it after backward; holding it here would keep every layer's
+// input alive for as long as its graph lives).
+class MoeForward {
+ public:
+  MoeForward(const Moe& moe, moka::Stream stream) : moe_(moe), stream_(stream) {}
+  // Writes every gradient: d_x, d_w_router and the expert weights' (the shared expert's where
+  // it has one); d_topk_weights is scratch for the router's part.
+  void backward(const Array& d_out, const Array& d_x, const Array& d_topk_weights, const Array& d_w_router,
+                const Array& d_w_gate, const Array& d_w_up, const Array& d_w_down, const OptionalArray& d_ws_gate,
+                const OptionalArray& d_ws_up, const OptionalArray& d_ws_down);
+
+  Array w_router, topk_ids, topk_weights;
+  OptionalArray bias;
+  Weights weights;
+  std::unique_ptr<moka::RouterContext> router_saved;
+  std::unique_ptr<moka::MoeContext> layer_saved;
+
+ private:
+  const Moe& moe_;
+  moka::Stream stream_;  // the forward's: the router frees its scratch in this stream's order
+};
+
+// The whole layer, routing through combine, as one call each way (what moka.torch.MoE runs):
+// one crossing of the boundary per direction, and the router's part of x's gradient added to the
+// experts' part inside the router's call.
+class Moe {
+ public:
+  Moe(Router& router, Layer& layer) : router_(router), layer_(layer) {}
+
+  std::unique_ptr<MoeForward> forward(const Array& x, const Array& w_router, const OptionalArray& bias,
+                                      const OptionalArray& expert_load, const Array& w_gate, const Array& w_up,
+                                      const Array& w_down, const OptionalArray& ws_gate, const OptionalArray& ws_up,
+                                      const OptionalArray& ws_down, const Array& topk_ids, const Array& topk_weights,
+                                      const Array& out, uintptr_t stream) const {
+    return layer_.on_rank_.run([&] {
+      auto saved = std::make_unique<MoeForward>(*this, stream_of(stream));
+      saved->w_router = w_router, saved->bias = bias;
+      saved->topk_ids = topk_ids, saved->topk_weights = topk_weights;
+      saved->weights = Weights{w_gate, w_up, w_down, ws_gate, ws_up, ws_down};
+      const moka::TensorView x_view = view_of(x, "x"), ids = view_of(topk_ids, "topk_ids");
+      const moka::TensorView weights = view_of(topk_weights, "topk_weights");
+      const moka::RouterOutputs routes{ids, weights, {}, view_of(expert_load, "expert_load", true)};
+      saved->router_saved = router_.router_->forward(x_view, view_of(w_router, "w_router"),
+                                                     view_of(bias, "selection_bias"), routes, stream_of(stream));
+      saved->layer_saved = layer_.layer_->forward({x_view, ids, weights}, saved->weights.view(), view_of(out, "out"),
+                                                  stream_of(stream));
+      return saved;
+    });
+  }
+
+  void backward(const MoeForward& saved, moka::Stream stream, const Array& d_out, const Array& d_x,
+                const Array& d_topk_weights, const Array& d_w_router, const Weights& d_weights) const {
+    layer_.on_rank_.run([&] {
+      const moka::MoeWeights g = d_weights.view();
+      const moka::MoeGradients grads{view_of(d_x, "d_x"), view_of(d_topk_weights, "d_topk_weights"),
+                                     g.w_gate, g.w_up, g.w_down, g.ws_gate, g.ws_up, g.ws_down};
+      layer_.layer_->backward(*saved.layer_saved, view_of(d_out, "d_out"), saved.weights.view(), grads, stream);
+      router_.router_->backward(*saved.router_saved, grads.d_topk_weights, grads.d_x,
+                                view_of(d_w_router, "d_w_router"), stream, /*add_to_d_x=*/true);
+    });
+  }
+
+ private:
+  Router& router_;
+  Layer& layer_;
+};
+
+void MoeForward::backward(const Array& d_out, const Array& d_x, const Array& d_topk_weights, const Array& d_w_router,
+                          const Array& d_w_gate, const Array& d_w_up, const Array& d_w_down,
+                          const OptionalArray& d_ws_gate, const OptionalArray& d_ws_up,
+                          const OptionalArray& d_ws_down) {
+  moe_.backward(*this, stream_, d_out, d_x, d_topk_weights, d_w_router,
+                Weights{d_w_gate, d_w_up, d_w_down, d_ws_gate, d_ws_up, d_ws_down});
+}
 
 }  // namespace
 
@@ -340,4 +422,20 @@ NB_MODULE(_moka, m) {
       .def("backward", &Router::backward, "saved"_a, "d_topk_weights"_a.noconvert(), "d_x"_a.noconvert(),
            "d_w_router"_a.noconvert(), "stream"_a, "add_to_d_x"_a = false, nb::call_guard<nb::gil_scoped_release>(),
            "Writes d_w_router, and d_x (or adds to it with add_to_d_x).");
+
+  nb::class_<MoeForward>(m, "MoeForward", "What one Moe.forward saved for its backward.")
+      .def("backward", &MoeForward::backward, "d_out"_a.noconvert(), "d_x"_a.noconvert(),
+           "d_topk_weights"_a.noconvert(), "d_w_router"_a.noconvert(), "d_w_gate"_a.noconvert(),
+           "d_w_up"_a.noconvert(), "d_w_down"_a.noconvert(), "d_ws_gate"_a.noconvert().none(),
+           "d_ws_up"_a.noconvert().none(), "d_ws_down"_a.noconvert().none(), nb::call_guard<nb::gil_scoped_release>(),
+           "Writes d_x and every weight's gradient (d_topk_weights: scratch), on the forward's stream.");
+  nb::class_<Moe>(m, "Moe", "A router and a layer run as one call each way (routing through combine).")
+      .def(nb::init<Router&, Layer&>(), "router"_a, "layer"_a, nb::keep_alive<1, 2>(), nb::keep_alive<1, 3>())
+      .def("forward", &Moe::forward, "x"_a.noconvert(), "w_router"_a.noconvert(),
+           "selection_bias"_a.noconvert().none(), "expert_load"_a.noconvert().none(), "w_gate"_a.noconvert(),
+           "w_up"_a.noconvert(), "w_down"_a.noconvert(), "ws_gate"_a.noconvert().none(),
+           "ws_up"_a.noconvert().none(), "ws_down"_a.noconvert().none(), "topk_ids"_a.noconvert(),
+           "topk_weights"_a.noconvert(), "out"_a.noconvert(), "stream"_a, nb::keep_alive<0, 1>(),
+           nb::call_guard<nb::gil_scoped_release>(),
+           "Routes x (adding the routes per expert to expert_load), runs the experts into out.");
 }

@@ -1,7 +1,10 @@
 """moka.torch.MoE and moe_experts on the CPU backend against the pure-PyTorch reference."""
+import weakref
+
 import pytest
 import torch
 
+import moka.torch
 from conftest import reference_of, tiny_moe
 from moka import reference
 from moka.torch import moe_experts
@@ -87,3 +90,38 @@ def test_tokens_keep_their_leading_dimensions():
     moe = tiny_moe()
     x = torch.randn(2, 3, 8, dtype=torch.float64)
     assert moe(x).shape == (2, 3, 8)
+
+
+def test_a_weight_changed_in_place_between_forward_and_backward_raises():
+    moe = tiny_moe()
+    out = moe(torch.randn(5, 8, dtype=torch.float64, requires_grad=True))
+    with torch.no_grad():
+        moe.w_gate.add_(1.0)  # moka's saved state points into w_gate: its gradient would be wrong
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        out.sum().backward()
+
+
+
+def test_the_layers_input_is_released_by_backward_while_its_output_lives():
+    # Autograd releases what it saved once backward has run; moka's saved state must not keep the
+    # input (an activation as large as the layer's output) alive for as long as the graph lives.
+    moe = tiny_moe()
+    leaf = torch.randn(5, 8, dtype=torch.float64, requires_grad=True)
+    x = leaf * 2
+    x_alive = weakref.ref(x)
+    out = moe(x)
+    del x
+    assert x_alive() is not None  # saved for backward
+    out.sum().backward()
+    assert x_alive() is None and out.grad_fn is not None
+
+
+def test_a_forward_without_autograd_skips_the_autograd_function(monkeypatch):
+    moe = tiny_moe()
+    x = torch.randn(5, 8, dtype=torch.float64)
+    want = moe(x)
+    monkeypatch.setattr(moka.torch._MoE, "apply", None)  # a call through it would raise
+    for no_autograd in (torch.no_grad, torch.inference_mode):
+        with no_autograd():
+            got = moe(x)
+        assert got.grad_fn is None and torch.equal(got, want)
