@@ -355,6 +355,20 @@ TEST(MegakernelBackward, BitsDoNotDependOnSplitsOrBatchSizes) {
   EXPECT_TRUE(same_bits(first, c.run(config(1, 128, 256), 4))) << "the same run again";
 }
 
+// Named shapes' layer dimensions with a few experts and tokens: gpt-oss-120b's H = I = 2880
+// (no multiple of 256: partial column tiles and half B boxes everywhere), deepseek-v3's H = 7168,
+// I = 2048 and shared expert Is = 2048.
+void check_dimensions(int64_t H, int64_t I, int64_t Is, int64_t E, int64_t k, int64_t T, uint64_t seed) {
+  const MoeShape shape{H, I, E, k, Is, Activation::swiglu, 7.0f};
+  std::mt19937_64 rng(seed);
+  BackwardCase c(shape, T, uniform_routing(T, k, E, rng), seed);
+  c.expect_close(c.run(config(2, 128, 256), 0));
+}
+TEST(MegakernelBackward, GptOss120bDimensions) { check_dimensions(2880, 2880, 0, 8, 4, 24, 0xbac0005ull); }
+TEST(MegakernelBackward, DeepseekV3DimensionsWithSharedExpert) {
+  check_dimensions(7168, 2048, 2048, 4, 4, 16, 0xbac0006ull);
+}
+
 // A 1 ns bound: a wait not satisfied at its first read times out; every CTA leaves and the host
 // raises a timeout naming the task and its counter. The next call (control words reset) works.
 TEST(MegakernelBackward, WaitTimeoutIsReported) {
