@@ -124,8 +124,8 @@ class BackwardCase {
   const core::ReceiveSchedule& schedule() const { return schedule_; }
 
   // Runs the backward megakernel once into poisoned outputs.
-  Gradients run(const MegakernelConfig& config, int num_ctas) {
-    MegakernelBackward kernel(s_, config, 1, T_, num_ctas);
+  Gradients run(const MegakernelConfig& config, int num_ctas, core::ContextMode mode = core::ContextMode::resident) {
+    MegakernelBackward kernel(s_, config, 1, T_, mode, num_ctas);
     const int64_t H = s_.hidden, I = s_.intermediate, Is = s_.shared_intermediate, E = s_.num_experts;
     const int64_t k = s_.top_k;
     Poisoned<bf16> d_x(T_ * H), dg(E * I * H), du(E * I * H), dd(E * H * I), dsg(Is * H), dsu(Is * H), dsd(H * Is);
@@ -133,6 +133,7 @@ class BackwardCase {
     Poisoned<bf16> dx_slots(T_ * k * H);
     for (auto* p : {&d_x, &dg, &du, &dd, &dsg, &dsu, &dsd, &dx_slots}) p->poison();
     d_topk.poison();
+    const DeviceArray<const bf16*> x_peers = on_device(std::vector<const bf16*>{x_dev_.data()});
     const DeviceArray<const bf16*> d_out_peers = on_device(std::vector<const bf16*>{d_out_dev_.data()});
     const DeviceArray<const float*> weight_peers = on_device(std::vector<const float*>{weights_dev_.data()});
     const DeviceArray<bf16*> dx_peers = on_device(std::vector<bf16*>{dx_slots.device.data()});
@@ -140,6 +141,7 @@ class BackwardCase {
     MegakernelBackwardIo io;
     io.offsets = offsets_dev_.data();
     io.slot_of_row = slot_of_row_dev_.data();
+    io.x_peers = x_peers.data();
     io.d_out_peers = d_out_peers.data();
     io.weight_peers = weight_peers.data();
     io.dx_slot_peers = dx_peers.data();
@@ -353,6 +355,22 @@ TEST(MegakernelBackward, BitsDoNotDependOnSplitsOrBatchSizes) {
   EXPECT_TRUE(same_bits(first, c.run(config(2, 256, 512), 9))) << "another split and minibatch/macrobatch";
   EXPECT_TRUE(same_bits(first, c.run(config(3, 128, 1024), 0))) << "every SM, one macrobatch";
   EXPECT_TRUE(same_bits(first, c.run(config(1, 128, 256), 4))) << "the same run again";
+}
+
+// Replay mode: x pulled again and g, u recomputed by the forward's gate|up tile (fp32 sums, so
+// within bf16 rounding of the host's g, u the resident cases read); the shared expert's too.
+TEST(MegakernelBackward, ReplayModeMatchesReferenceAndItsBitsDoNotDependOnSplits) {
+  BackwardCase c = skewed_case(false, 0xbac0007ull);
+  const Gradients first = c.run(config(1, 128, 256), 4, core::ContextMode::replay);
+  c.expect_close(first);
+  EXPECT_TRUE(same_bits(first, c.run(config(2, 256, 512), 9, core::ContextMode::replay)));
+}
+
+TEST(MegakernelBackward, ReplayModeWithEightRoutesOfOneToken) {
+  const MoeShape shape{256, 128, 16, 8, 64, Activation::swiglu_clamped, 0.3f};
+  std::mt19937_64 rng(0xbac0008ull);
+  BackwardCase c(shape, 1, uniform_routing(1, 8, 16, rng), 0xbac0008ull);
+  c.expect_close(c.run(config(1, 256, 512), 5, core::ContextMode::replay));
 }
 
 // Named shapes' layer dimensions with a few experts and tokens: gpt-oss-120b's H = I = 2880

@@ -21,29 +21,32 @@ int sm_count() {
 }
 
 core::MegakernelBackwardPlan gpu_backward_plan(const MoeShape& s, const MegakernelConfig& config, int world,
-                                               int64_t tokens) {
+                                               int64_t tokens, core::ContextMode mode) {
   require(config.tile_rows == 128, ErrorCode::unsupported_size,
           "megakernel backward: tile_rows must be 128 (the GEMM core's tile), got " + std::to_string(config.tile_rows));
   require(tokens >= 1, ErrorCode::invalid_argument, "megakernel backward: needs at least one token");
   const core::MegakernelDims dims{world, tokens, s.top_k, s.hidden, s.intermediate, s.shared_intermediate,
                                   s.num_experts / world};
-  return core::build_backward_plan(config, {dims, core::ContextMode::resident, kBackwardGpuTiling});
+  return core::build_backward_plan(config, {dims, mode, kBackwardGpuTiling});
 }
 
 }  // namespace
 
 MegakernelBackward::MegakernelBackward(const MoeShape& shape, const MegakernelConfig& config, int world_size,
-                                       int64_t tokens, int num_ctas)
-    : shape_(shape), config_(config), tokens_(tokens), plan_(gpu_backward_plan(shape, config, world_size, tokens)),
+                                       int64_t tokens, core::ContextMode mode, int num_ctas)
+    : shape_(shape), config_(config), tokens_(tokens),
+      plan_(gpu_backward_plan(shape, config, world_size, tokens, mode)),
       num_ctas_(num_ctas > 0 ? num_ctas : sm_count()) {
   require(config.num_comm_sms >= 1 && config.num_comm_sms < num_ctas_, ErrorCode::invalid_argument,
           "megakernel backward: num_comm_sms " + std::to_string(config.num_comm_sms) +
               " must be >= 1 and leave a compute CTA of " + std::to_string(num_ctas_));
   const int64_t H = shape.hidden, I = shape.intermediate, Is = shape.shared_intermediate, ring = plan_.ring_rows;
   const int64_t shared_rows = plan_.shared_row_tiles * plan_.tile_m;
-  // One allocation per element type: ring d_out, x, dx (H wide), dg, du, hs (I wide).
-  ring_bf16_ = DeviceArray<bf16>(size_t(ring * (3 * H + 3 * I)));
-  shared_bf16_ = DeviceArray<bf16>(size_t(shared_rows * 3 * Is + (Is > 0 ? tokens * H : 0)));
+  // One allocation per element type: ring d_out, x, dx (H wide), dg, du, hs (and in replay g, u:
+  // I wide); the shared expert's dg, du, hs (and g, u), Is wide, and its dx.
+  const int64_t i_rows = replay() ? 5 : 3;
+  ring_bf16_ = DeviceArray<bf16>(size_t(ring * (3 * H + i_rows * I)));
+  shared_bf16_ = DeviceArray<bf16>(size_t(shared_rows * i_rows * Is + (Is > 0 ? tokens * H : 0)));
   ring_float_ = DeviceArray<float>(size_t(ring * (1 + plan_.dgd_col_tiles)));
   shared_partials_ = DeviceArray<float>(size_t(tokens * plan_.shared_dgd_col_tiles));
   ones_ = DeviceArray<float>(size_t(tokens));
@@ -78,6 +81,10 @@ void MegakernelBackward::run(const MegakernelBackwardIo& io, cudaStream_t stream
   for (bf16** at : {&l.ring_dg, &l.ring_du, &l.ring_hs}) *at = std::exchange(b, b + ring * I);
   bf16* s = shared_bf16_.data();
   for (bf16** at : {&l.shared_dg, &l.shared_du, &l.shared_hs}) *at = std::exchange(s, s + shared_rows * Is);
+  if (replay()) {
+    for (bf16** at : {&l.ring_gate, &l.ring_up}) *at = std::exchange(b, b + ring * I);
+    for (bf16** at : {&l.recomputed_shared_gate, &l.recomputed_shared_up}) *at = std::exchange(s, s + shared_rows * Is);
+  }
   l.shared_dx = s;
   l.ring_weight = ring_float_.data();
   l.ring_partials = ring_float_.data() + ring;

@@ -2,8 +2,9 @@
 // persistent kernel that follows core/megakernel_backward_plan.hpp. Its comm CTAs pull d_out
 // rows and route weights into the ring and push d_x rows and d_topk_weights to their origin
 // slots; its compute CTAs run the shared expert's and the routed experts' dgd, dx and weight-
-// gradient tiles on the megakernel's GEMM core (mk_tile_gemm.cuh). Resident context mode: the
-// forward's grouped rows of x, g and u stay readable for the whole call.
+// gradient tiles on the megakernel's GEMM core (mk_tile_gemm.cuh). Context modes
+// (core::ContextMode): resident reads the forward's grouped rows of x, g and u; replay pulls x
+// from its origin rank again and recomputes g, u (the forward's gate|up tile, its bits).
 //
 // This header is plain C++ (no CuTe): the launch's pointers and sizes, and the host-side owner of
 // the kernel's workspace. The TMA descriptors are made in megakernel_backward_kernel.cu.
@@ -45,10 +46,12 @@ struct MegakernelBackwardIo {
   bf16* const* dx_slot_peers = nullptr;       // [world] every rank's d_x slots [T*k, H] (push)
   float* const* dw_slot_peers = nullptr;      // [world] every rank's d_topk_weights [T*k] (push)
 
+  const bf16* const* x_peers = nullptr;  // [world] every rank's x [T, H] (replay: pulled again)
   const bf16* x = nullptr;      // this rank's tokens [T, H] (shared expert)
   const bf16* d_out = nullptr;  // this rank's d_out [T, H] (shared expert)
   const bf16* dx_slots = nullptr;  // this rank's own d_x slots (dx_slot_peers[rank])
-  // Resident context: the forward's grouped rows (row index = grouped row; padding rows finite).
+  // Resident context (replay: unread): the forward's grouped rows (row index = grouped row;
+  // padding rows finite) and the shared expert's g, u.
   const bf16 *context_x = nullptr, *context_gate = nullptr, *context_up = nullptr;  // [rows, H], [rows, I] x2
   const bf16 *shared_gate = nullptr, *shared_up = nullptr;                          // [T, Is]
 
@@ -72,8 +75,10 @@ struct MegakernelBackwardLaunch {
   // Ring ([ring_rows, width]) and the shared expert's rows ([T rounded up to tile_m, width]).
   bf16 *ring_d_out = nullptr, *ring_x = nullptr, *ring_dx = nullptr;         // H wide
   bf16 *ring_dg = nullptr, *ring_du = nullptr, *ring_hs = nullptr;           // I wide
+  bf16 *ring_gate = nullptr, *ring_up = nullptr;                             // I wide, replay only
   float *ring_weight = nullptr, *ring_partials = nullptr;                    // 1, dgd_col_tiles wide
   bf16 *shared_dg = nullptr, *shared_du = nullptr, *shared_hs = nullptr;     // Is wide
+  bf16 *recomputed_shared_gate = nullptr, *recomputed_shared_up = nullptr;   // Is wide, replay only
   bf16* shared_dx = nullptr;                                                 // [T, H]
   float* shared_partials = nullptr;  // [T, shared dgd column tiles]: written, not read
   const float* ones = nullptr;       // [T]: the shared expert's route weight
@@ -103,13 +108,14 @@ inline constexpr core::BackwardTiling kBackwardGpuTiling{256, 128};
 void launch_megakernel_backward(const MegakernelBackwardLaunch& launch, cudaStream_t stream);
 size_t megakernel_backward_smem_bytes();
 
-// Owner of the backward's workspace for one shape, config and token count (resident mode).
+// Owner of the backward's workspace for one shape, config, token count and context mode.
 class MegakernelBackward {
  public:
   // num_ctas 0: one CTA per SM. config.tile_rows must be 128 (the GEMM core's tile).
   MegakernelBackward(const MoeShape& shape, const MegakernelConfig& config, int world_size, int64_t tokens,
-                     int num_ctas = 0);
+                     core::ContextMode mode = core::ContextMode::resident, int num_ctas = 0);
   const core::MegakernelBackwardPlan& plan() const { return plan_; }
+  bool replay() const { return plan_.mode == core::ContextMode::replay; }
   // Enqueues one call on `stream` (no host synchronization; capturable).
   void run(const MegakernelBackwardIo& io, cudaStream_t stream);
   // After the stream is synchronized: throws the kernel's first failure (capacity, a timed-out

@@ -10,6 +10,7 @@
 // waits and publishes jobs into a two-slot queue, a TMA thread loads their k-blocks, two
 // consumer warpgroups run the MMAs and the epilogue and release the task's counters. A job holds
 // up to two products of one operand layout:
+//   (shared_)gate_up  x . [W_gate | W_up] (K, K)        replay: g, u again (the forward's tile)
 //   shared_dgd, dgd   d_out . W_down (K, MN)            store_dgd_tile (SwiGLU backward)
 //   shared_dx, dx     dg . W_gate + du . W_up (K, MN)   bf16 rows of d_x
 //   wgrad gate|up     x^T . [dg | du] (MN, MN)          dW_gate, dW_up stored transposed
@@ -38,6 +39,7 @@ using MnOperand = OperandOf<Major::MN>;
 // K-major as A of dx (K = I), MN-major as operands of the weight gradients (K = rows).
 struct BackwardOperands {
   Operand d_out_local, ring_d_out, ring_dg, ring_du, shared_dg, shared_du;
+  Operand x_local, ring_x, w_gate_k, w_up_k, ws_gate_k, ws_up_k;  // replay: the forward's gate|up tile
   MnOperand w_down, w_gate, w_up, ws_down, ws_gate, ws_up;
   MnOperand x_local_t, d_out_local_t, shared_dg_t, shared_du_t, shared_hs_t;
   MnOperand ring_x_t, ring_d_out_t, ring_dg_t, ring_du_t, ring_hs_t;
@@ -92,20 +94,23 @@ __device__ inline Origin origin_of(const MegakernelBackwardLaunch& p, int64_t ro
   return {slot / per_rank, slot % per_rank};
 }
 
-// Pull: each row's d_out (from its origin rank) and x (resident: the forward's grouped row) into
-// the ring, and its route weight; padding rows get zeros.
+// Pull: each row's d_out (from its origin rank) and x (resident: the forward's grouped row;
+// replay: from its origin rank too) into the ring, and its route weight; padding rows get zeros.
 __device__ inline void pull_block(const MegakernelBackwardLaunch& p, const MegakernelBackwardPlan& plan,
                                   const BackwardTask& task) {
   __shared__ const int4* src[2 * kTileM];
   __shared__ int4* dst[2 * kTileM];
   const int64_t H = p.hidden, first = core::task_first_row(plan, task);
+  const bool replay = plan.mode == core::ContextMode::replay;
   for (int64_t r = threadIdx.x; r < plan.tile_m; r += blockDim.x) {
     const int64_t row = first + r, ring = core::ring_row(plan, row);
     const Origin o = origin_of(p, row);
     const bool real = o.rank >= 0;
     src[r] = real ? reinterpret_cast<const int4*>(p.io.d_out_peers[o.rank] + o.slot / p.top_k * H) : nullptr;
     dst[r] = reinterpret_cast<int4*>(p.ring_d_out + ring * H);
-    src[kTileM + r] = real ? reinterpret_cast<const int4*>(p.io.context_x + row * H) : nullptr;
+    const bf16* x = nullptr;
+    if (real) x = replay ? p.io.x_peers[o.rank] + o.slot / p.top_k * H : p.io.context_x + row * H;
+    src[kTileM + r] = reinterpret_cast<const int4*>(x);
     dst[kTileM + r] = reinterpret_cast<int4*>(p.ring_x + ring * H);
     p.ring_weight[ring] = real ? p.io.weight_peers[o.rank][o.slot] : 0.f;
   }
@@ -168,8 +173,8 @@ __device__ inline void run_comm_cta(const MegakernelBackwardLaunch& p, const Meg
 
 // ---- Compute: tasks -> jobs -------------------------------------------------------------------
 
-enum class JobLayout : int32_t { k_mn, mn_mn };
-enum class JobStore : int32_t { none, dgd, rows, weight_pair, weight_down };
+enum class JobLayout : int32_t { k_k, k_mn, mn_mn };
+enum class JobStore : int32_t { none, gate_up, dgd, rows, weight_pair, weight_down };
 
 // One published task: what the TMA thread loads (up to two products of one layout) and what the
 // consumers' epilogue writes.
@@ -179,11 +184,13 @@ struct BackwardJob {
   TaskSite site;
   JobLayout layout = JobLayout::k_mn;
   int products = 0;  // 0: nothing to compute (a task beyond the schedule's rows): release only
+  TileLoads k_k;
   TileLoadsOf<Major::K, Major::MN> k_mn[2];
   TileLoadsOf<Major::MN, Major::MN> mn_mn;
   JobStore store = JobStore::none;
   DgdTile dgd;
-  bf16 *out0 = nullptr, *out1 = nullptr;  // rows, weight_down: out0; weight_pair: dW_gate, dW_up
+  // rows, weight_down: out0; weight_pair: dW_gate, dW_up; gate_up: g, u
+  bf16 *out0 = nullptr, *out1 = nullptr;
   TileOut o{};                            // weight_pair: row0 = H row, col0 = I column, width = I, rows H
   const float* carry_in = nullptr;        // start from this carry (continue_acc)
   float* carry_out = nullptr;             // leave the accumulator here instead of storing
@@ -191,6 +198,7 @@ struct BackwardJob {
 };
 
 __device__ inline int kblocks_of(const BackwardJob& j) {
+  if (j.layout == JobLayout::k_k) return j.products > 0 ? j.k_k.kblocks : 0;
   if (j.layout == JobLayout::mn_mn) return j.products > 0 ? j.mn_mn.kblocks : 0;
   int n = 0;
   for (int q = 0; q < j.products; ++q) n += j.k_mn[q].kblocks;
@@ -254,14 +262,25 @@ __device__ inline BackwardJob make_job(const MegakernelBackwardLaunch& p, const 
   j.site = {core::TaskKind::none, t.step, t.row_tile};
   const int64_t H = p.hidden, I = p.intermediate, Is = p.shared_intermediate, T = p.tokens, tm = plan.tile_m;
   const int col = int(t.col_tile);
+  const bool replay = plan.mode == core::ContextMode::replay;
   switch (t.kind) {
+    case BackwardTaskKind::shared_gate_up:
+      j.layout = JobLayout::k_k;
+      j.products = 1;
+      j.k_k = tile_loads(ops.x_local, int(t.row_tile), ops.ws_gate_k, &ops.ws_up_k, col, 0);
+      j.store = JobStore::gate_up;
+      j.out0 = p.recomputed_shared_gate;
+      j.out1 = p.recomputed_shared_up;
+      j.o = {t.row_tile * tm, T - t.row_tile * tm, int64_t(col) * kHalfN, Is};
+      break;
     case BackwardTaskKind::shared_dgd:
       j.products = 1;
       j.k_mn[0] = tile_loads(ops.d_out_local, int(t.row_tile), ops.ws_down, nullptr, col, 0);
       j.store = JobStore::dgd;
-      j.dgd = dgd_tile(p.io.shared_gate, p.io.shared_up, p.ones, p.shared_dg, p.shared_du, p.shared_hs,
-                       p.shared_partials, t.row_tile * tm, T - t.row_tile * tm, col, Is, plan.shared_dgd_col_tiles,
-                       p.act);
+      j.dgd = dgd_tile(replay ? p.recomputed_shared_gate : p.io.shared_gate,
+                       replay ? p.recomputed_shared_up : p.io.shared_up, p.ones, p.shared_dg, p.shared_du,
+                       p.shared_hs, p.shared_partials, t.row_tile * tm, T - t.row_tile * tm, col, Is,
+                       plan.shared_dgd_col_tiles, p.act);
       break;
     case BackwardTaskKind::shared_dx:
       j.products = 2;
@@ -277,20 +296,31 @@ __device__ inline BackwardJob make_job(const MegakernelBackwardLaunch& p, const 
                       t.col_tile, plan.shared_wgrad_gate_up_tiles, 0, int(core::ceil_div(T, kTileK)), nullptr,
                       nullptr);
       break;
+    case BackwardTaskKind::gate_up:
     case BackwardTaskKind::dgd:
     case BackwardTaskKind::dx: {
       if (!core::task_has_rows(plan, t)) break;  // beyond the schedule's rows: release only
       const int64_t first = core::task_first_row(plan, t), ring = core::ring_row(plan, first);
       const int expert = expert_of_row(p.io.offsets, p.local_experts, first);
-      if (t.kind == BackwardTaskKind::dgd) {
+      if (t.kind == BackwardTaskKind::gate_up) {
+        j.layout = JobLayout::k_k;
+        j.products = 1;
+        j.k_k = tile_loads(ops.ring_x, int(ring / tm), ops.w_gate_k, &ops.w_up_k, col, expert);
+        j.store = JobStore::gate_up;
+        j.out0 = p.ring_gate;
+        j.out1 = p.ring_up;
+        j.o = {ring, tm, int64_t(col) * kHalfN, I};
+      } else if (t.kind == BackwardTaskKind::dgd) {
         j.products = 1;
         j.k_mn[0] = tile_loads(ops.ring_d_out, int(ring / tm), ops.w_down, nullptr, col, expert);
         j.store = JobStore::dgd;
-        // g and u are the forward's grouped rows: offset so that ring row r reads grouped row
-        // first + (r - ring).
+        // Resident: g and u are the forward's grouped rows, offset so that ring row r reads
+        // grouped row first + (r - ring). Replay: the ring's recomputed rows.
         const int64_t shift = (first - ring) * I;
-        j.dgd = dgd_tile(p.io.context_gate + shift, p.io.context_up + shift, p.ring_weight, p.ring_dg, p.ring_du,
-                         p.ring_hs, p.ring_partials, ring, tm, col, I, plan.dgd_col_tiles, p.act);
+        const bf16* gate = replay ? p.ring_gate : p.io.context_gate + shift;
+        const bf16* up = replay ? p.ring_up : p.io.context_up + shift;
+        j.dgd = dgd_tile(gate, up, p.ring_weight, p.ring_dg, p.ring_du, p.ring_hs, p.ring_partials, ring, tm, col, I,
+                         plan.dgd_col_tiles, p.act);
       } else {
         j.products = 2;
         j.k_mn[0] = tile_loads(ops.ring_dg, int(ring / tm), ops.w_gate, nullptr, col, expert);
@@ -392,7 +422,9 @@ __device__ inline void load_backward(BackwardSmem& sm, const PipelineWatch& watc
       // The scheduler thread acquired the rows' counter; the TMA reads them through the async
       // proxy (this thread's mbarrier wait orders it after that acquire).
       fence_generic_to_async();
-      if (job.layout == JobLayout::mn_mn) {
+      if (job.layout == JobLayout::k_k) {
+        if (job.products > 0) load_tile(sm.tile, loads, job.k_k, watch, job.site);
+      } else if (job.layout == JobLayout::mn_mn) {
         if (job.products > 0) load_tile(sm.tile, loads, job.mn_mn, watch, job.site);
       } else {
         for (int i = 0; i < job.products; ++i) load_tile(sm.tile, loads, job.k_mn[i], watch, job.site);
@@ -411,6 +443,16 @@ __device__ inline void store_backward_job(const Accumulator& acc, const Backward
     return;
   }
   switch (j.store) {
+    case JobStore::gate_up: {
+      // The forward's g and u: the fp32 accumulator rounded to bf16 (gate left, up right).
+      constexpr int up = kAccumulatorSize / 2;
+      for_each_pair<false>([&](int r, int c, int i) {
+        store_pair(j.out0, j.o, r, c, acc(i), acc(i + 1));
+        store_pair(j.out1, j.o, r, c, acc(up + i), acc(up + i + 1));
+      });
+      fence_generic_to_async();
+      break;
+    }
     case JobStore::dgd: store_dgd_tile(acc, j.dgd); break;
     case JobStore::rows:
     case JobStore::weight_down:
@@ -452,7 +494,9 @@ __device__ __forceinline__ void compute_backward(BackwardSmem& sm, const Megaker
       const int kblocks = kblocks_of(job);
       const bool carried = job.carry_in != nullptr;
       if (carried) load_carry(acc, job.carry_in, job.carry_o);
-      if (job.layout == JobLayout::mn_mn) {
+      if (job.layout == JobLayout::k_k) {
+        mma_tile<Major::K, Major::K>(sm.tile, consumed, kblocks, acc, watch, job.site);
+      } else if (job.layout == JobLayout::mn_mn) {
         mma_tile<Major::MN, Major::MN>(sm.tile, consumed, kblocks, acc, watch, job.site, carried);
       } else {
         mma_tile<Major::K, Major::MN>(sm.tile, consumed, kblocks, acc, watch, job.site, carried);
@@ -546,6 +590,12 @@ BackwardOperands make_operands(const MegakernelBackwardLaunch& p) {
   const int64_t ring = p.plan.ring_rows, shared_rows = p.plan.shared_row_tiles * p.plan.tile_m;
   BackwardOperands o;
   o.ring_d_out = make_operand(p.ring_d_out, ring, H, 1);
+  const bool replay = p.plan.mode == core::ContextMode::replay;
+  if (replay) {
+    o.ring_x = make_operand(p.ring_x, ring, H, 1);
+    o.w_gate_k = make_operand(p.io.w_gate, I, H, E);
+    o.w_up_k = make_operand(p.io.w_up, I, H, E);
+  }
   o.ring_dg = make_operand(p.ring_dg, ring, I, 1);
   o.ring_du = make_operand(p.ring_du, ring, I, 1);
   o.w_down = make_operand<Major::MN>(p.io.w_down, I, H, E);
@@ -563,6 +613,11 @@ BackwardOperands make_operands(const MegakernelBackwardLaunch& p) {
     o.ws_down = make_operand<Major::MN>(p.io.ws_down, Is, H, 1);
     o.ws_gate = make_operand<Major::MN>(p.io.ws_gate, H, Is, 1);
     o.ws_up = make_operand<Major::MN>(p.io.ws_up, H, Is, 1);
+    if (replay) {
+      o.x_local = make_operand(p.io.x, T, H, 1);
+      o.ws_gate_k = make_operand(p.io.ws_gate, Is, H, 1);
+      o.ws_up_k = make_operand(p.io.ws_up, Is, H, 1);
+    }
     // K = the T tokens: the rows past T (the last tile's padding) are zero-filled by the TMA.
     o.x_local_t = make_operand<Major::MN>(p.io.x, H, T, 1);
     o.d_out_local_t = make_operand<Major::MN>(p.io.d_out, H, T, 1);
