@@ -35,13 +35,20 @@ __device__ inline bool failed(const MegakernelControl* control) {
 }
 
 // First failure wins; the code is published last so a reader of a non-ok code sees the fields.
-__device__ inline void report(MegakernelControl* control, core::MegakernelStatus status) {
+// `details()` writes what a caller keeps beside the status word (the backward's task and
+// counter), before the code is published.
+template <class Details>
+__device__ inline void report(MegakernelControl* control, core::MegakernelStatus status, Details&& details) {
   if (atomicCAS(&control->claim, 0, 1) != 0) return;
   const core::StatusCode code = status.code;
   status.code = core::StatusCode::ok;
   control->status = status;
+  details();
   __threadfence();
   *reinterpret_cast<volatile int32_t*>(&control->status.code) = static_cast<int32_t>(code);
+}
+__device__ inline void report(MegakernelControl* control, core::MegakernelStatus status) {
+  report(control, status, [] {});
 }
 
 // The CTA's place in the order CTAs start (uniform over the CTA): roles go by it, not by
@@ -54,45 +61,58 @@ __device__ inline int arrival_index(MegakernelControl* control) {
   return index;
 }
 
-// The thread that issues (comm: thread 0) or hands to the TMA thread (compute: the scheduler
-// thread) the task's loads: waits until the task's counter reaches its target (relaxed polling with backoff,
-// then one acquire fence), at most timeout_ns. False when this or another CTA failed.
-__device__ inline bool wait_for(const MegakernelLaunch& p, const core::MegakernelPlan& plan, const core::Task& task) {
-  const core::CounterRef need = core::task_wait(plan, task);
-  if (need.kind == core::CounterKind::none) return !failed(p.control);
-  const int64_t* counter = p.counters + core::counter_index(plan, need);
+enum class WaitOutcome { reached, failed, timed_out };
+
+// Polls `counter` until it reaches `target` (relaxed polling with backoff, then one acquire
+// fence and a proxy fence: the waiting thread issues, or hands to the TMA thread, loads of rows
+// other CTAs stored), at most timeout_ns. `seen`: the last value read. failed: another CTA
+// already reported a failure.
+__device__ inline WaitOutcome wait_counter(const int64_t* counter, int64_t target, const MegakernelControl* control,
+                                           uint64_t timeout_ns, int64_t& seen) {
   uint64_t start = 0;
   unsigned sleep_ns = 32;
   for (;;) {
-    const int64_t seen = load_relaxed(counter);
-    if (seen >= need.target) {
+    seen = load_relaxed(counter);
+    if (seen >= target) {
       asm volatile("fence.acq_rel.gpu;" ::: "memory");
-      // This thread issues the task's TMA loads (async proxy) of rows other CTAs stored.
       asm volatile("fence.proxy.async.global;" ::: "memory");
-      return true;
+      return WaitOutcome::reached;
     }
-    if (failed(p.control)) return false;
+    if (failed(control)) return WaitOutcome::failed;
     const uint64_t now = global_ns();
     if (start == 0) {
       start = now;
-    } else if (now - start > p.timeout_ns) {
-      const int64_t minibatch = task.step < 0 ? -1 : core::minibatch_of_step(plan, task.step);
-      core::MegakernelStatus s;
-      s.code = core::StatusCode::timeout;
-      s.stage = task.kind;
-      s.counter = need.kind;
-      s.minibatch = minibatch;
-      s.row_tile = task.row_tile;
-      s.target = need.target;
-      s.observed = seen;
-      report(p.control, s);
-      return false;
+    } else if (now - start > timeout_ns) {
+      return WaitOutcome::timed_out;
     }
     __nanosleep(sleep_ns);
     // Capped low: a counter is usually released within a few hundred ns of the first miss, and
     // a longer sleep would leave the waiting CTA idle after its rows arrived.
     if (sleep_ns < kMaxBackoffNs) sleep_ns *= 2;
   }
+}
+
+// The thread that issues (comm: thread 0) or hands to the TMA thread (compute: the scheduler
+// thread) the task's loads: waits until the task's counter reaches its target. False when this
+// or another CTA failed.
+__device__ inline bool wait_for(const MegakernelLaunch& p, const core::MegakernelPlan& plan, const core::Task& task) {
+  const core::CounterRef need = core::task_wait(plan, task);
+  if (need.kind == core::CounterKind::none) return !failed(p.control);
+  int64_t seen = 0;
+  const WaitOutcome outcome =
+      wait_counter(p.counters + core::counter_index(plan, need), need.target, p.control, p.timeout_ns, seen);
+  if (outcome == WaitOutcome::timed_out) {
+    core::MegakernelStatus s;
+    s.code = core::StatusCode::timeout;
+    s.stage = task.kind;
+    s.counter = need.kind;
+    s.minibatch = task.step < 0 ? -1 : core::minibatch_of_step(plan, task.step);
+    s.row_tile = task.row_tile;
+    s.target = need.target;
+    s.observed = seen;
+    report(p.control, s);
+  }
+  return outcome == WaitOutcome::reached;
 }
 
 // One thread, after the barrier that ends the task for every thread that stored its outputs.

@@ -1,0 +1,118 @@
+// Host side of the backward megakernel: sizes its workspace from the worst-case plan, fills the
+// launch, and turns the kernel's status word into an Error.
+#include "cuda/megakernel/megakernel_backward.hpp"
+
+#include <algorithm>
+#include <sstream>
+#include <utility>
+#include <vector>
+
+#include "cuda/common/check.hpp"
+#include "moka/error.hpp"
+
+namespace moka::cuda {
+namespace {
+
+int sm_count() {
+  int device = 0, sms = 0;
+  MOKA_CUDA_CHECK(cudaGetDevice(&device));
+  MOKA_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
+  return sms;
+}
+
+core::MegakernelBackwardPlan gpu_backward_plan(const MoeShape& s, const MegakernelConfig& config, int world,
+                                               int64_t tokens, core::ContextMode mode) {
+  require(config.tile_rows == 128, ErrorCode::unsupported_size,
+          "megakernel backward: tile_rows must be 128 (the GEMM core's tile), got " + std::to_string(config.tile_rows));
+  require(tokens >= 1, ErrorCode::invalid_argument, "megakernel backward: needs at least one token");
+  const core::MegakernelDims dims{world, tokens, s.top_k, s.hidden, s.intermediate, s.shared_intermediate,
+                                  s.num_experts / world};
+  return core::build_backward_plan(config, {dims, mode, kBackwardGpuTiling});
+}
+
+}  // namespace
+
+MegakernelBackward::MegakernelBackward(const MoeShape& shape, const MegakernelConfig& config, int world_size,
+                                       int64_t tokens, core::ContextMode mode, int num_ctas)
+    : shape_(shape), config_(config), tokens_(tokens),
+      plan_(gpu_backward_plan(shape, config, world_size, tokens, mode)),
+      num_ctas_(num_ctas > 0 ? num_ctas : sm_count()) {
+  require(config.num_comm_sms >= 1 && config.num_comm_sms < num_ctas_, ErrorCode::invalid_argument,
+          "megakernel backward: num_comm_sms " + std::to_string(config.num_comm_sms) +
+              " must be >= 1 and leave a compute CTA of " + std::to_string(num_ctas_));
+  const int64_t H = shape.hidden, I = shape.intermediate, Is = shape.shared_intermediate, ring = plan_.ring_rows;
+  const int64_t shared_rows = plan_.shared_row_tiles * plan_.tile_m;
+  // One allocation per element type: ring d_out, x, dx (H wide), dg, du, hs (and in replay g, u:
+  // I wide); the shared expert's dg, du, hs (and g, u), Is wide, and its dx.
+  const int64_t i_rows = replay() ? 5 : 3;
+  ring_bf16_ = DeviceArray<bf16>(size_t(ring * (3 * H + i_rows * I)));
+  shared_bf16_ = DeviceArray<bf16>(size_t(shared_rows * i_rows * Is + (Is > 0 ? tokens * H : 0)));
+  ring_float_ = DeviceArray<float>(size_t(ring * (1 + plan_.dgd_col_tiles)));
+  shared_partials_ = DeviceArray<float>(size_t(tokens * plan_.shared_dgd_col_tiles));
+  ones_ = DeviceArray<float>(size_t(tokens));
+  const std::vector<float> ones(size_t(tokens), 1.f);
+  ones_.upload(ones);
+  carries_ = DeviceArray<float>(size_t(std::max<int64_t>(plan_.max_macrobatches - 1, 1) * backward_carry_floats(H, I)));
+  expert_offset_ = DeviceArray<int64_t>(size_t(shape.num_experts / world_size + 1));
+  segments_ = DeviceArray<core::WeightGradSegment>(size_t(core::max_segments(plan_)));
+  first_of_step_ = DeviceArray<int64_t>(size_t(plan_.max_steps + 1));
+  counters_ = DeviceArray<int64_t>(size_t(core::counter_count(plan_)));
+  control_ = DeviceArray<BackwardControl>(1);
+}
+
+void MegakernelBackward::run(const MegakernelBackwardIo& io, cudaStream_t stream) {
+  const int64_t H = shape_.hidden, I = shape_.intermediate, Is = shape_.shared_intermediate, ring = plan_.ring_rows;
+  const int64_t shared_rows = plan_.shared_row_tiles * plan_.tile_m;
+  MegakernelBackwardLaunch l;
+  l.plan = plan_;
+  l.num_ctas = num_ctas_;
+  l.num_comm_ctas = config_.num_comm_sms;
+  l.tokens = tokens_;
+  l.top_k = shape_.top_k;
+  l.hidden = H;
+  l.intermediate = I;
+  l.shared_intermediate = Is;
+  l.local_experts = int64_t(expert_offset_.size()) - 1;
+  l.act = core::ActParams::of(shape_);
+  l.timeout_ns = static_cast<uint64_t>(config_.spin_timeout_seconds * 1e9);
+  l.io = io;
+  bf16* b = ring_bf16_.data();
+  for (bf16** at : {&l.ring_d_out, &l.ring_x, &l.ring_dx}) *at = std::exchange(b, b + ring * H);
+  for (bf16** at : {&l.ring_dg, &l.ring_du, &l.ring_hs}) *at = std::exchange(b, b + ring * I);
+  bf16* s = shared_bf16_.data();
+  for (bf16** at : {&l.shared_dg, &l.shared_du, &l.shared_hs}) *at = std::exchange(s, s + shared_rows * Is);
+  if (replay()) {
+    for (bf16** at : {&l.ring_gate, &l.ring_up}) *at = std::exchange(b, b + ring * I);
+    for (bf16** at : {&l.recomputed_shared_gate, &l.recomputed_shared_up}) *at = std::exchange(s, s + shared_rows * Is);
+  }
+  l.shared_dx = s;
+  l.ring_weight = ring_float_.data();
+  l.ring_partials = ring_float_.data() + ring;
+  l.shared_partials = shared_partials_.data();
+  l.ones = ones_.data();
+  l.carries = carries_.data();
+  l.expert_offset = expert_offset_.data();
+  l.segments = segments_.data();
+  l.first_of_step = first_of_step_.data();
+  l.counters = counters_.data();
+  l.control = control_.data();
+  MOKA_CUDA_CHECK(cudaMemsetAsync(control_.data(), 0, sizeof(BackwardControl), stream));
+  MOKA_CUDA_CHECK(cudaMemsetAsync(counters_.data(), 0, counters_.bytes(), stream));
+  launch_megakernel_backward(l, stream);
+}
+
+void MegakernelBackward::check_errors() {
+  const BackwardControl c = control_.download()[0];
+  const core::MegakernelStatus& s = c.base.status;
+  if (s.code == core::StatusCode::timeout && c.wait.kind != core::BackwardTaskKind::none) {
+    const core::BackwardTask task{c.wait.kind, c.wait.step, c.wait.row_tile, c.wait.col_tile, c.wait.segment};
+    std::ostringstream os;
+    os << "megakernel backward: " << core::describe(plan_, task) << " timed out after " << config_.spin_timeout_seconds
+       << " s waiting for " << core::to_string(c.wait.counter) << " " << c.wait.at << " to reach " << c.wait.target
+       << ", saw " << c.wait.observed;
+    throw Error(ErrorCode::timeout, os.str());
+  }
+  core::throw_megakernel_status(s, config_);
+}
+
+}  // namespace moka::cuda
