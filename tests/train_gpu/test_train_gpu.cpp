@@ -244,7 +244,9 @@ TEST(TrainGpuStages, CrossEntropyAndItsGradient) {
 
 // The multi-tensor AdamW (one launch for all tensors, EMA and bf16 copies included) and the
 // one-launch gradient norm against the host optimizer, on tensors of several sizes (a block
-// straddles no tensor) with f32 and bf16 gradients.
+// straddles no tensor; sizes not a multiple of a thread's 4 elements) with f32 and bf16
+// gradients; tensor "b"'s arrays start one element into their allocations, so its threads take
+// the element-by-element path (no 16-byte accesses).
 TEST(TrainGpuStages, MultiTensorAdamWWithClippingAndEmaMatchesTheHostOptimizer) {
   ASSERT_TRUE(moka::cuda_backend_available());
   std::mt19937_64 rng(fresh_seed());
@@ -271,19 +273,27 @@ TEST(TrainGpuStages, MultiTensorAdamWWithClippingAndEmaMatchesTheHostOptimizer) 
   std::vector<DeviceFloats> value, m, v, ema_dev, grad;
   std::vector<moka::cuda::DeviceArray<bf16>> shadow, grad16;
   std::vector<kern::TensorSlot> slots(T);
+  const std::vector<size_t> lead{0, 1, 0};  // elements before the tensor in its allocations
+  auto with_lead = [&](size_t i, const std::vector<float>& x) {
+    std::vector<float> out(lead[i], -7.0f);
+    out.insert(out.end(), x.begin(), x.end());
+    return out;
+  };
   for (size_t i = 0; i < T; ++i) {
     const size_t n = host[i].value.size();
-    value.emplace_back(host[i].value);
-    m.emplace_back(std::vector<float>(n, 0.0f));
-    v.emplace_back(std::vector<float>(n, 0.0f));
-    ema_dev.emplace_back(host[i].value);
-    grad.emplace_back(n);
-    shadow.emplace_back(n);
-    grad16.emplace_back(n);
+    value.emplace_back(with_lead(i, host[i].value));
+    m.emplace_back(with_lead(i, std::vector<float>(n, 0.0f)));
+    v.emplace_back(with_lead(i, std::vector<float>(n, 0.0f)));
+    ema_dev.emplace_back(with_lead(i, host[i].value));
+    grad.emplace_back(lead[i] + n);
+    shadow.emplace_back(lead[i] + n);
+    grad16.emplace_back(lead[i] + n);
   }
   for (size_t i = 0; i < T; ++i) {
-    slots[i] = {value[i].p, m[i].p, v[i].p, ema_dev[i].p, bf16_grad[i] ? shadow[i].data() : nullptr,
-                bf16_grad[i] ? static_cast<const void*>(grad16[i].data()) : grad[i].p, bf16_grad[i],
+    const size_t k = lead[i];
+    slots[i] = {value[i].p + k, m[i].p + k, v[i].p + k, ema_dev[i].p + k,
+                bf16_grad[i] ? shadow[i].data() + k : nullptr,
+                bf16_grad[i] ? static_cast<const void*>(grad16[i].data() + k) : grad[i].p + k, bf16_grad[i],
                 int64_t(host[i].value.size()), 0, rules[i].lr_multiplier, rules[i].weight_decay_multiplier};
   }
   const int64_t blocks = kern::assign_adamw_blocks(slots.data(), int(T));
@@ -302,9 +312,10 @@ TEST(TrainGpuStages, MultiTensorAdamWWithClippingAndEmaMatchesTheHostOptimizer) 
           g16[j] = __float2bfloat16(host[i].grad[j]);
           host[i].grad[j] = __bfloat162float(g16[j]);
         }
+        g16.insert(g16.begin(), lead[i], __float2bfloat16(0.0f));
         grad16[i].upload(g16);
       } else {
-        grad[i].array.upload(host[i].grad);
+        grad[i].array.upload(with_lead(i, host[i].grad));
       }
     }
     adam.step(host, factor);
@@ -319,14 +330,22 @@ TEST(TrainGpuStages, MultiTensorAdamWWithClippingAndEmaMatchesTheHostOptimizer) 
   }
   for (size_t i = 0; i < T; ++i) {
     SCOPED_TRACE(rules[i].spec.name);
-    EXPECT_LT(rel_error(value[i].host(), host[i].value), kFp32Tolerance);
-    EXPECT_LT(rel_error(m[i].host(), adam.m[i]), kFp32Tolerance);
-    EXPECT_LT(rel_error(v[i].host(), adam.v[i]), kFp32Tolerance);
-    EXPECT_LT(rel_error(ema_dev[i].host(), ema.shadow[i]), kFp32Tolerance);
+    const auto k = std::ptrdiff_t(lead[i]);
+    // The tensor's part of its allocation; what lies before it must be untouched.
+    auto tensor = [&](const DeviceFloats& d) {
+      const auto all = d.host();
+      for (std::ptrdiff_t j = 0; j < k; ++j) EXPECT_EQ(all[size_t(j)], -7.0f) << "written before the tensor";
+      return std::vector<float>(all.begin() + k, all.end());
+    };
+    EXPECT_LT(rel_error(tensor(value[i]), host[i].value), kFp32Tolerance);
+    EXPECT_LT(rel_error(tensor(m[i]), adam.m[i]), kFp32Tolerance);
+    EXPECT_LT(rel_error(tensor(v[i]), adam.v[i]), kFp32Tolerance);
+    EXPECT_LT(rel_error(tensor(ema_dev[i]), ema.shadow[i]), kFp32Tolerance);
     if (bf16_grad[i]) {
       const auto s16 = shadow[i].download();
-      const auto p = value[i].host();
-      for (size_t j = 0; j < p.size(); ++j) ASSERT_EQ(__bfloat162float(s16[j]), __bfloat162float(__float2bfloat16(p[j])));
+      const auto p = tensor(value[i]);
+      for (size_t j = 0; j < p.size(); ++j)
+        ASSERT_EQ(__bfloat162float(s16[j + size_t(k)]), __bfloat162float(__float2bfloat16(p[j])));
     }
   }
 }
