@@ -12,7 +12,8 @@
    that launches never wait on it; and the extension's calls alone (the module's one call each
    way, and the router's and layer's calls), so that what Python adds is the difference (target:
    at most 40 us per call; the module's call alone also with each backward on another thread,
-   as autograd runs a CUDA backward on its device thread). Beside each: the module's own steps timed one by one (engine and
+   as autograd runs a CUDA backward on its device thread, and the module with moka's calls
+   keeping the GIL). Beside each: the module's own steps timed one by one (engine and
    tensor lookups, allocations, DLPack capsules, the call), an autograd node with the same inputs
    that does nothing (what Function.apply and the engine cost any Python layer), the same calls
    with moka's calls made no-ops (the Python alone), and "before": the module as it was, the
@@ -389,6 +390,13 @@ def host_overhead(name, tokens, calls, seed, device):
     _, router_fwd, layer_fwd, layer_bwd, router_bwd = host_us(extension_step, calls, device)
     _, moka_fwd, moka_bwd = host_us(fused_extension_step, calls, device)
     _, threads_fwd, threads_bwd = host_us(fused_extension_threads_step, calls, device)
+    # The module with moka's calls keeping the GIL: whether taking it back after autograd's
+    # device thread held it is what a forward after a backward pays.
+    releasing = moe._engines
+    moe._engines = {key: (r, l, moka.torch._moka.Moe(r, l, release_gil=False)) for key, (r, l, _) in releasing.items()}
+    _, gil_held_fwd, gil_held_bwd = host_us(module_step, calls, device)
+    (gil_held_fwd_alone,) = host_us(forward_step, calls, device)
+    moe._engines = releasing
     try:  # the explanation; the times above stand without it
         _, fwd_work, bwd_work = torch_work(module_step, device)
         (op_work,) = torch_work(op_step, device)
@@ -408,6 +416,9 @@ def host_overhead(name, tokens, calls, seed, device):
             "module_forward_us": fwd, "module_backward_us": bwd,
             # Forwards with no backward between them: a forward's time beside a backward's.
             "module_forward_alone_us": fwd_alone, "module_forward_no_grad_us": fwd_no_grad,
+            # The same with moka's calls keeping the GIL (they release it in the module).
+            "gil_held_module_forward_us": gil_held_fwd, "gil_held_module_backward_us": gil_held_bwd,
+            "gil_held_module_forward_alone_us": gil_held_fwd_alone,
             "extension_forward_us": moka_fwd, "extension_backward_us": moka_bwd,
             # The same calls with each backward on another thread (the forward on this one):
             # whether moka's calls cost more where the thread using the GPU alternates.
