@@ -11,7 +11,9 @@
    training step's zero_grad), and one ``moe_experts`` forward, while the GPU is kept busy so
    that launches never wait on it; and the extension's calls alone (the module's one call each
    way, and the router's and layer's calls), so that what Python adds is the difference (target:
-   at most 40 us per call). Beside each: the module's own steps timed one by one (engine and
+   at most 40 us per call; the module's call alone also with each backward on another thread,
+   as autograd runs a CUDA backward on its device thread, and the module with moka's calls
+   keeping the GIL). Beside each: the module's own steps timed one by one (engine and
    tensor lookups, allocations, DLPack capsules, the call), an autograd node with the same inputs
    that does nothing (what Function.apply and the engine cost any Python layer), the same calls
    with moka's calls made no-ops (the Python alone), and "before": the module as it was, the
@@ -26,8 +28,10 @@ One JSON line per measurement on stdout (and appended to --out).
 import argparse
 import json
 import os
+import queue
 import statistics
 import sys
+import threading
 import time
 
 import torch
@@ -150,6 +154,23 @@ class NoMoka:
         return None
 
 
+class OtherThread:
+    """Runs calls on one other thread, the caller waiting for each: as autograd's engine runs a
+    CUDA backward on its device thread while the thread that called backward waits."""
+
+    def __init__(self):
+        self.jobs, self.results = queue.SimpleQueue(), queue.SimpleQueue()
+        threading.Thread(target=self._serve, daemon=True).start()
+
+    def _serve(self):
+        while True:
+            self.results.put(self.jobs.get()())
+
+    def run(self, job):
+        self.jobs.put(job)
+        return self.results.get()
+
+
 class TwoCalls(torch.autograd.Function):
     """The module's forward before routing and experts became one moka call each way: one autograd
     node calling moka's router, then its layer (backward: the layer, then the router adding its
@@ -270,6 +291,19 @@ def host_overhead(name, tokens, calls, seed, device):
         saved.backward(*backward_args)
         yield
 
+    other_thread = OtherThread()
+
+    def fused_extension_threads_step():  # the same with the backward call on another thread
+        forward_args = (_dl(xs), _dl(moe.w_router), None, _dl(moe.expert_load), *(_dl(w) for w in args[2:]),
+                        None, None, None, *(_dl(t) for t in routed), _dl(torch.empty_like(xs)), stream)
+        backward_args = (_dl(d_out), _dl(router_grads[0]), _dl(grads[1]), _dl(router_grads[1]),
+                         *(_dl(g) for g in grads[2:]), None, None, None)
+        yield
+        saved = fused.forward(*forward_args)
+        yield
+        other_thread.run(lambda: saved.backward(*backward_args))
+        yield
+
     before_forward_pieces = ("engine", "tensors", "route_alloc", "route_capsules", "route_call", "out_alloc",
                              "layer_capsules", "layer_call")
     before_backward_pieces = ("grad_alloc", "layer_grad_capsules", "layer_grad_call", "router_grad_capsules",
@@ -355,6 +389,14 @@ def host_overhead(name, tokens, calls, seed, device):
     (op,) = host_us(op_step, calls, device)
     _, router_fwd, layer_fwd, layer_bwd, router_bwd = host_us(extension_step, calls, device)
     _, moka_fwd, moka_bwd = host_us(fused_extension_step, calls, device)
+    _, threads_fwd, threads_bwd = host_us(fused_extension_threads_step, calls, device)
+    # The module with moka's calls keeping the GIL: whether taking it back after autograd's
+    # device thread held it is what a forward after a backward pays.
+    releasing = moe._engines
+    moe._engines = {key: (r, l, moka.torch._moka.Moe(r, l, release_gil=False)) for key, (r, l, _) in releasing.items()}
+    _, gil_held_fwd, gil_held_bwd = host_us(module_step, calls, device)
+    (gil_held_fwd_alone,) = host_us(forward_step, calls, device)
+    moe._engines = releasing
     try:  # the explanation; the times above stand without it
         _, fwd_work, bwd_work = torch_work(module_step, device)
         (op_work,) = torch_work(op_step, device)
@@ -374,7 +416,13 @@ def host_overhead(name, tokens, calls, seed, device):
             "module_forward_us": fwd, "module_backward_us": bwd,
             # Forwards with no backward between them: a forward's time beside a backward's.
             "module_forward_alone_us": fwd_alone, "module_forward_no_grad_us": fwd_no_grad,
+            # The same with moka's calls keeping the GIL (they release it in the module).
+            "gil_held_module_forward_us": gil_held_fwd, "gil_held_module_backward_us": gil_held_bwd,
+            "gil_held_module_forward_alone_us": gil_held_fwd_alone,
             "extension_forward_us": moka_fwd, "extension_backward_us": moka_bwd,
+            # The same calls with each backward on another thread (the forward on this one):
+            # whether moka's calls cost more where the thread using the GPU alternates.
+            "extension_forward_threads_us": threads_fwd, "extension_backward_threads_us": threads_bwd,
             "python_adds_forward_us": fwd - moka_fwd, "python_adds_backward_us": bwd - moka_bwd,
             # Its own steps timed one by one; what is left of its time is autograd's
             # (Function.apply and the engine: compare autograd_floor_*) and the glue between the steps.

@@ -288,13 +288,17 @@ class MoeForward {
 // experts' part inside the router's call.
 class Moe {
  public:
-  Moe(Router& router, Layer& layer) : router_(router), layer_(layer) {}
+  // release_gil: whether a call lets other Python threads run meanwhile (a choice measured by
+  // bench/python_overhead.py: taking the GIL back after another thread held it costs a hand-off).
+  Moe(Router& router, Layer& layer, bool release_gil) : router_(router), layer_(layer), release_gil_(release_gil) {}
 
   std::unique_ptr<MoeForward> forward(const Array& x, const Array& w_router, const OptionalArray& bias,
                                       const OptionalArray& expert_load, const Array& w_gate, const Array& w_up,
                                       const Array& w_down, const OptionalArray& ws_gate, const OptionalArray& ws_up,
                                       const OptionalArray& ws_down, const Array& topk_ids, const Array& topk_weights,
                                       const Array& out, uintptr_t stream) const {
+    std::optional<nb::gil_scoped_release> unlocked;
+    if (release_gil_) unlocked.emplace();
     return layer_.on_rank_.run([&] {
       auto saved = std::make_unique<MoeForward>(*this, stream_of(stream));
       saved->w_router = w_router, saved->bias = bias;
@@ -313,6 +317,8 @@ class Moe {
 
   void backward(const MoeForward& saved, moka::Stream stream, const Array& d_out, const Array& d_x,
                 const Array& d_topk_weights, const Array& d_w_router, const Weights& d_weights) const {
+    std::optional<nb::gil_scoped_release> unlocked;
+    if (release_gil_) unlocked.emplace();
     layer_.on_rank_.run([&] {
       const moka::MoeWeights g = d_weights.view();
       const moka::MoeGradients grads{view_of(d_x, "d_x"), view_of(d_topk_weights, "d_topk_weights"),
@@ -326,6 +332,7 @@ class Moe {
  private:
   Router& router_;
   Layer& layer_;
+  bool release_gil_;
 };
 
 void MoeForward::backward(const Array& d_out, const Array& d_x, const Array& d_topk_weights, const Array& d_w_router,
@@ -427,15 +434,15 @@ NB_MODULE(_moka, m) {
       .def("backward", &MoeForward::backward, "d_out"_a.noconvert(), "d_x"_a.noconvert(),
            "d_topk_weights"_a.noconvert(), "d_w_router"_a.noconvert(), "d_w_gate"_a.noconvert(),
            "d_w_up"_a.noconvert(), "d_w_down"_a.noconvert(), "d_ws_gate"_a.noconvert().none(),
-           "d_ws_up"_a.noconvert().none(), "d_ws_down"_a.noconvert().none(), nb::call_guard<nb::gil_scoped_release>(),
+           "d_ws_up"_a.noconvert().none(), "d_ws_down"_a.noconvert().none(),
            "Writes d_x and every weight's gradient (d_topk_weights: scratch), on the forward's stream.");
   nb::class_<Moe>(m, "Moe", "A router and a layer run as one call each way (routing through combine).")
-      .def(nb::init<Router&, Layer&>(), "router"_a, "layer"_a, nb::keep_alive<1, 2>(), nb::keep_alive<1, 3>())
+      .def(nb::init<Router&, Layer&, bool>(), "router"_a, "layer"_a, "release_gil"_a = true, nb::keep_alive<1, 2>(),
+           nb::keep_alive<1, 3>())
       .def("forward", &Moe::forward, "x"_a.noconvert(), "w_router"_a.noconvert(),
            "selection_bias"_a.noconvert().none(), "expert_load"_a.noconvert().none(), "w_gate"_a.noconvert(),
            "w_up"_a.noconvert(), "w_down"_a.noconvert(), "ws_gate"_a.noconvert().none(),
            "ws_up"_a.noconvert().none(), "ws_down"_a.noconvert().none(), "topk_ids"_a.noconvert(),
            "topk_weights"_a.noconvert(), "out"_a.noconvert(), "stream"_a, nb::keep_alive<0, 1>(),
-           nb::call_guard<nb::gil_scoped_release>(),
            "Routes x (adding the routes per expert to expert_load), runs the experts into out.");
 }
