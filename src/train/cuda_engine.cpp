@@ -42,9 +42,11 @@ struct DeviceParam {
   TensorRule rule;
   int64_t n = 0;
   DeviceArray<float> value, m, v, ema, grad;  // grad: tensors of the dense path
-  DeviceArray<bf16> shadow, grad16;           // tensors of the moka layers
-  bool bf16_path() const { return !shadow.empty(); }
-  const void* grad_data() const { return bf16_path() ? static_cast<const void*>(grad16.data()) : grad.data(); }
+  // shadow: the bf16 copy the moka layers (and, with bf16 matmuls, the projections) read;
+  // grad16: the bf16 gradient of the moka layers' tensors.
+  DeviceArray<bf16> shadow, grad16;
+  bool bf16_grad() const { return !grad16.empty(); }
+  const void* grad_data() const { return bf16_grad() ? static_cast<const void*>(grad16.data()) : grad.data(); }
   float fwd() const { return float(rule.forward_multiplier); }
 };
 
@@ -224,6 +226,7 @@ struct CudaEngine::Impl {
   // The attention backward's scratch: d_scores [B*H, S, S] (reference) or row_dot [B*H, S] (fused).
   DeviceArray<float> d_scores, row_dot;
   DeviceArray<bf16> moe_out, d_out16, dx16, dx_router16;
+  DeviceArray<bf16> matmul16[2];  // with bf16 matmuls: the bf16 activation and gradient operands
   DeviceArray<double> partials, scalars;  // scalars: [0] cross-entropy, [1] grad sum of squares, [2] stats
   DeviceArray<double> router_losses_dev;  // per MoE layer {aux, z} of the last forward
   DeviceArray<float> gain_partials;       // the norm backward's scratch
@@ -292,6 +295,7 @@ struct CudaEngine::Impl {
     final_norm = &at("final_norm");
     head = &at("head");
     build_layers();
+    add_matmul_shadows();
     allocate_scratch();
     build_slots();
     if (cfg.profile) {
@@ -391,6 +395,22 @@ struct CudaEngine::Impl {
     }
   }
 
+  // With bf16 matmuls, the projections and the LM head read bf16 copies of their weights, which
+  // the AdamW launch refreshes with the moka layers' copies.
+  void add_matmul_shadows() {
+    if (!config.bf16_matmuls) return;
+    std::vector<DeviceParam*> matmul_weights{head};
+    for (auto& L : layers) {
+      matmul_weights.insert(matmul_weights.end(), L.attn.begin(), L.attn.end());
+      matmul_weights.push_back(L.attn_out);
+    }
+    for (DeviceParam* p : matmul_weights) {
+      p->shadow = DeviceArray<bf16>(p->n);
+      cuda::to_bf16(p->value.data(), p->n, p->shadow.data(), stream);
+    }
+    MOKA_CUDA_CHECK_LAUNCH();
+  }
+
   void allocate_scratch() {
     const int64_t d = c.d_model, W = c.attention_width(), V = c.vocab;
     input_words = kScalarWords + 3 * N + V + 1;
@@ -414,6 +434,10 @@ struct CudaEngine::Impl {
       d_scores = DeviceArray<float>(config.batch * c.num_heads * config.seq * config.seq);
     stats_logits = DeviceArray<float>(N * c.num_experts);
     for (auto* a : {&moe_out, &d_out16, &dx16, &dx_router16}) *a = DeviceArray<bf16>(N * d);
+    if (config.bf16_matmuls) {
+      const int64_t widest = std::max({d, W, V, c.q_rank, c.kv_rank});
+      for (auto& m : matmul16) m = DeviceArray<bf16>(N * widest);
+    }
     partials = DeviceArray<double>(std::max<int64_t>(int64_t(params.size()), 1) * cuda::kReduceBlocks);
     scalars = DeviceArray<double>(4);
     router_losses_dev = DeviceArray<double>(std::max<int64_t>(2 * moe_layers, 1));
@@ -427,9 +451,9 @@ struct CudaEngine::Impl {
       t.m = p.m.data();
       t.v = p.v.data();
       t.ema = p.ema.data();
-      t.shadow = p.bf16_path() ? p.shadow.data() : nullptr;
+      t.shadow = p.shadow.empty() ? nullptr : p.shadow.data();
       t.grad = p.grad_data();
-      t.grad_bf16 = p.bf16_path();
+      t.grad_bf16 = p.bf16_grad();
       t.n = p.n;
       t.lr_multiplier = p.rule.lr_multiplier;
       t.weight_decay_multiplier = p.rule.weight_decay_multiplier;
@@ -442,29 +466,45 @@ struct CudaEngine::Impl {
 
   void refresh_shadows() {
     for (auto& p : params)
-      if (p.bf16_path()) cuda::to_bf16(p.value.data(), p.n, p.shadow.data(), stream);
+      if (!p.shadow.empty()) cuda::to_bf16(p.value.data(), p.n, p.shadow.data(), stream);
     MOKA_CUDA_CHECK_LAUNCH();
   }
 
-  // --- cuBLAS, column-major views of row-major matrices; TF32 (or bf16: TrainConfig::bf16_matmuls)
-  // tensor cores, fp32 accumulation.
-  void gemm(cublasOperation_t ta, cublasOperation_t tb, int64_t m, int64_t n, int64_t k, float alpha, const float* A,
-            int64_t lda, const float* B, int64_t ldb, float beta, float* C, int64_t ldc) {
-    MOKA_CUBLAS_CHECK(cublasGemmEx(cublas, ta, tb, int(m), int(n), int(k), &alpha, A, CUDA_R_32F, int(lda), B,
-                                   CUDA_R_32F, int(ldb), &beta, C, CUDA_R_32F, int(ldc),
-                                   config.bf16_matmuls ? CUBLAS_COMPUTE_32F_FAST_16BF : CUBLAS_COMPUTE_32F_FAST_TF32,
+  // --- cuBLAS, column-major views of row-major matrices; operands f32 on TF32 tensor cores, or
+  // bf16 (`bf16_operands`) on bf16 tensor cores; C f32, fp32 accumulation either way.
+  void gemm(cublasOperation_t ta, cublasOperation_t tb, int64_t m, int64_t n, int64_t k, float alpha, const void* A,
+            int64_t lda, const void* B, int64_t ldb, float beta, float* C, int64_t ldc, bool bf16_operands = false) {
+    const cudaDataType operand = bf16_operands ? CUDA_R_16BF : CUDA_R_32F;
+    MOKA_CUBLAS_CHECK(cublasGemmEx(cublas, ta, tb, int(m), int(n), int(k), &alpha, A, operand, int(lda), B, operand,
+                                   int(ldb), &beta, C, CUDA_R_32F, int(ldc),
+                                   bf16_operands ? CUBLAS_COMPUTE_32F : CUBLAS_COMPUTE_32F_FAST_TF32,
                                    CUBLAS_GEMM_DEFAULT));
+  }
+  // With bf16 matmuls: the bf16 copy of an f32 activation or gradient of n elements, in one of the
+  // two operand buffers.
+  const bf16* matmul_operand(const float* x, int64_t n, int buffer) {
+    cuda::to_bf16(x, n, matmul16[buffer].data(), stream);
+    MOKA_CUDA_CHECK_LAUNCH();
+    return matmul16[buffer].data();
   }
   // y [rows, out] = fwd * x W^T;  W: [out, in].
   void linear(const float* x, const DeviceParam& w, float* y) {
     const int64_t out = w.rule.spec.shape[0], in = w.rule.spec.shape[1];
-    gemm(CUBLAS_OP_T, CUBLAS_OP_N, out, N, in, w.fwd(), w.value.data(), in, x, in, 0.0f, y, out);
+    if (config.bf16_matmuls)
+      gemm(CUBLAS_OP_T, CUBLAS_OP_N, out, N, in, w.fwd(), w.shadow.data(), in, matmul_operand(x, N * in, 0), in, 0.0f,
+           y, out, true);
+    else
+      gemm(CUBLAS_OP_T, CUBLAS_OP_N, out, N, in, w.fwd(), w.value.data(), in, x, in, 0.0f, y, out);
   }
   // dx = fwd * dy W (added to dx when `accumulate`); dW = fwd * dy^T x (overwritten).
   void linear_backward(const float* x, DeviceParam& w, const float* dy, float* dx, bool accumulate) {
     const int64_t out = w.rule.spec.shape[0], in = w.rule.spec.shape[1];
-    gemm(CUBLAS_OP_N, CUBLAS_OP_N, in, N, out, w.fwd(), w.value.data(), in, dy, out, accumulate ? 1.0f : 0.0f, dx, in);
-    gemm(CUBLAS_OP_N, CUBLAS_OP_T, in, out, N, w.fwd(), x, in, dy, out, 0.0f, w.grad.data(), in);
+    const bool b16 = config.bf16_matmuls;
+    const void* W = b16 ? static_cast<const void*>(w.shadow.data()) : w.value.data();
+    const void* X = b16 ? static_cast<const void*>(matmul_operand(x, N * in, 0)) : x;
+    const void* dY = b16 ? static_cast<const void*>(matmul_operand(dy, N * out, 1)) : dy;
+    gemm(CUBLAS_OP_N, CUBLAS_OP_N, in, N, out, w.fwd(), W, in, dY, out, accumulate ? 1.0f : 0.0f, dx, in, b16);
+    gemm(CUBLAS_OP_N, CUBLAS_OP_T, in, out, N, w.fwd(), X, in, dY, out, 0.0f, w.grad.data(), in, b16);
   }
   double mean_abs(const void* x, bool is_bf16, int64_t n) {
     cuda::reduce_partials(cuda::ReduceOp::abs, x, is_bf16, n, partials.data(), stream);
@@ -937,7 +977,7 @@ StepProfile CudaEngine::profile() const { return impl_->profile; }
 std::vector<std::vector<float>> CudaEngine::gradients() const {
   std::vector<std::vector<float>> out;
   for (const auto& p : impl_->params) {
-    if (!p.bf16_path()) {
+    if (!p.bf16_grad()) {
       out.push_back(p.grad.download());
       continue;
     }
@@ -959,7 +999,7 @@ std::vector<std::vector<int32_t>> CudaEngine::routed_experts() const {
 void CudaEngine::poison_gradients() {
   // All-ones bytes are a NaN in both f32 and bf16.
   for (auto& p : impl_->params) {
-    if (p.bf16_path())
+    if (p.bf16_grad())
       MOKA_CUDA_CHECK(cudaMemset(p.grad16.data(), 0xFF, p.n * sizeof(bf16)));
     else
       MOKA_CUDA_CHECK(cudaMemset(p.grad.data(), 0xFF, p.n * sizeof(float)));

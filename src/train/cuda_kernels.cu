@@ -317,14 +317,49 @@ __device__ void store(const Accumulator (&acc)[F], float* to, int ld) {
 }
 
 // Rows [r0, r0 + kFlashTile) of head (b, h) of t into a shared tile (row pitch HD + kFlashPad),
-// rounded to TF32; rows past seq and columns past head_dim are zeros.
+// rounded to TF32; rows past seq and columns past head_dim are zeros. `Width` floats per load
+// (4 where head_dim and t allow 16-byte loads), each thread's loads issued kLoadsInFlight at a
+// time before their values are stored: a tile costs a few memory latencies, not one per element
+// (more in flight would cost registers the kernels' occupancy needs).
+constexpr int kLoadsInFlight = 4;
+
+__device__ float component(float v, int) { return v; }
+__device__ float component(const float4& v, int w) { return w == 0 ? v.x : w == 1 ? v.y : w == 2 ? v.z : v.w; }
+
+template <int HD, int Width>
+__device__ void load_tile_by(const AttnDims& a, int64_t b, int64_t h, const float* t, int64_t r0, float* tile) {
+  using Vec = std::conditional_t<Width == 4, float4, float>;
+  constexpr int per_row = HD / Width, per_thread = kFlashTile * per_row / kFlashThreads;
+  constexpr int in_flight = per_thread < kLoadsInFlight ? per_thread : kLoadsInFlight;
+  static_assert(kFlashTile * per_row % kFlashThreads == 0 && per_thread % in_flight == 0);
+#pragma unroll 1
+  for (int u0 = 0; u0 < per_thread; u0 += in_flight) {
+    Vec x[in_flight];
+#pragma unroll
+    for (int u = 0; u < in_flight; ++u) {
+      const int e = threadIdx.x + (u0 + u) * kFlashThreads, r = e / per_row, c = Width * (e % per_row);
+      x[u] = r0 + r < a.seq && c < a.hd ? *reinterpret_cast<const Vec*>(t + a.at(b, h, r0 + r) + c) : Vec{};
+    }
+#pragma unroll
+    for (int u = 0; u < in_flight; ++u) {
+      const int e = threadIdx.x + (u0 + u) * kFlashThreads, r = e / per_row, c = Width * (e % per_row);
+#pragma unroll
+      for (int w = 0; w < Width; ++w) tile[r * (HD + kFlashPad) + c + w] = wmma::__float_to_tf32(component(x[u], w));
+    }
+  }
+}
+
 template <int HD>
 __device__ void load_tile(const AttnDims& a, int64_t b, int64_t h, const float* t, int64_t r0, float* tile) {
-  for (int e = threadIdx.x; e < kFlashTile * HD; e += blockDim.x) {
-    const int r = e / HD, c = e % HD;
-    const float x = r0 + r < a.seq && c < a.hd ? t[a.at(b, h, r0 + r) + c] : 0.0f;
-    tile[r * (HD + kFlashPad) + c] = wmma::__float_to_tf32(x);
-  }
+  if (a.hd % 4 == 0 && reinterpret_cast<uintptr_t>(t) % 16 == 0)
+    load_tile_by<HD, 4>(a, b, h, t, r0, tile);
+  else
+    load_tile_by<HD, 1>(a, b, h, t, r0, tile);
+}
+
+// src[bh * seq + q0 + r] for the tile's rows r (0 past seq): lse or row_dot of a query tile.
+__device__ void load_row_values(const AttnDims& a, const float* src, int64_t bh, int64_t q0, float* to) {
+  for (int r = threadIdx.x; r < kFlashTile; r += kFlashThreads) to[r] = q0 + r < a.seq ? src[bh * a.seq + q0 + r] : 0.0f;
 }
 
 // Rows [0, 16) of a warp's shared tile (pitch ld) to rows r0.. of head (b, h) of t, below seq.
@@ -338,11 +373,19 @@ __device__ void store_warp_rows(const AttnDims& a, int64_t b, int64_t h, const f
 template <int HD>
 constexpr size_t flash_forward_floats() { return 4 * kFlashTile * (HD + kFlashPad) + kFlashWarps * kWarpScores; }
 
-// Block (b*heads + h, query tile); warp w owns query rows [16w, 16w + 16) of the tile, its running
-// max and sum in registers (every lane holds all 16), its output rows in shared memory (rescaled
-// by the softmax correction before each key tile's P V is added).
+// The blocks an SM holds by shared memory (228 KB, 1 KB of it reserved per block; at most 4):
+// the kernels' register budget is set to match (__launch_bounds__), so that registers do not
+// cut the occupancy below what shared memory allows.
+constexpr int flash_blocks_per_sm(size_t floats) {
+  const size_t blocks = (228 * 1024) / (floats * sizeof(float) + 1024);
+  return blocks < 1 ? 1 : blocks > 4 ? 4 : int(blocks);
+}
+
+// Block (b*heads + h, query tile); warp w owns query rows [16w, 16w + 16) of the tile, the running
+// max and sum of row r in lanes r and r + 16 (read by the others through shuffles), its output
+// rows in shared memory (rescaled by the softmax correction before each key tile's P V is added).
 template <int HD>
-__global__ void __launch_bounds__(kFlashThreads)
+__global__ void __launch_bounds__(kFlashThreads, flash_blocks_per_sm(flash_forward_floats<HD>()))
     flash_forward_kernel(AttnDims a, const float* q, const float* k, const float* v, float* lse, float* out) {
   constexpr int ld = HD + kFlashPad, F = HD / 16;
   extern __shared__ __align__(128) float smem[];
@@ -355,9 +398,7 @@ __global__ void __launch_bounds__(kFlashThreads)
   const float scale = 1.0f / sqrtf(float(a.hd));
   load_tile<HD>(a, b, h, q, q0, Qs);
   for (int e = threadIdx.x; e < kFlashTile * ld; e += blockDim.x) Os[e] = 0.0f;
-  float row_max[16], row_sum[16];
-#pragma unroll
-  for (int r = 0; r < 16; ++r) row_max[r] = -INFINITY, row_sum[r] = 0.0f;
+  float my_max = -INFINITY, my_sum = 0.0f;  // of row lane % 16
   // Key tiles up to the tile's last query row (causal). Key 0 is in the first, so every row's
   // max is finite from then on (rows past seq included: their keys are zeros).
   const int64_t key_end = min(a.seq, q0 + kFlashTile);
@@ -381,8 +422,9 @@ __global__ void __launch_bounds__(kFlashThreads)
         x[u] = j <= row0 + r && j < a.seq ? Sw[r * kScoreLd + lane + 32 * u] * scale : -INFINITY;
         tile_max = fmaxf(tile_max, x[u]);
       }
-      const float new_max = fmaxf(row_max[r], warp_max(tile_max));
-      const float correction = expf(row_max[r] - new_max);
+      const float old_max = __shfl_sync(0xffffffffu, my_max, r), old_sum = __shfl_sync(0xffffffffu, my_sum, r);
+      const float new_max = fmaxf(old_max, warp_max(tile_max));
+      const float correction = expf(old_max - new_max);
       float sum = 0;
 #pragma unroll
       for (int u = 0; u < kFlashTile / 32; ++u) {
@@ -390,8 +432,8 @@ __global__ void __launch_bounds__(kFlashThreads)
         sum += p;
         Sw[r * kScoreLd + lane + 32 * u] = wmma::__float_to_tf32(p);
       }
-      row_sum[r] = row_sum[r] * correction + warp_sum(sum);
-      row_max[r] = new_max;
+      const float new_sum = old_sum * correction + warp_sum(sum);
+      if ((lane & 15) == r) my_max = new_max, my_sum = new_sum;
       for (int c = lane; c < HD; c += 32) Ow[r * ld + c] *= correction;
     }
     __syncwarp();
@@ -404,9 +446,10 @@ __global__ void __launch_bounds__(kFlashThreads)
   }
 #pragma unroll
   for (int r = 0; r < 16; ++r) {
-    for (int c = lane; c < HD; c += 32) Ow[r * ld + c] /= row_sum[r];
-    if (lane == 0 && row0 + r < a.seq) lse[bh * a.seq + row0 + r] = row_max[r] + logf(row_sum[r]);
+    const float row_sum = __shfl_sync(0xffffffffu, my_sum, r);
+    for (int c = lane; c < HD; c += 32) Ow[r * ld + c] /= row_sum;
   }
+  if (lane < 16 && row0 + lane < a.seq) lse[bh * a.seq + row0 + lane] = my_max + logf(my_sum);
   __syncwarp();
   store_warp_rows(a, b, h, Ow, ld, row0, out);
 }
@@ -470,7 +513,7 @@ constexpr size_t flash_backward_floats() {
 // Block (b*heads + h, query tile), run before the dK/dV kernel: row_dot_i = dO_i . O_i for the
 // tile's rows (written for that kernel), then dQ_i = sum over key tiles of dS K.
 template <int HD>
-__global__ void __launch_bounds__(kFlashThreads)
+__global__ void __launch_bounds__(kFlashThreads, flash_blocks_per_sm(flash_backward_floats<HD>()))
     flash_backward_dq_kernel(AttnDims a, const float* q, const float* k, const float* v, const float* out,
                              const float* lse, const float* d_out, float* row_dot, float* dq) {
   extern __shared__ __align__(128) float smem[];
@@ -480,20 +523,19 @@ __global__ void __launch_bounds__(kFlashThreads)
   const int64_t q0 = int64_t(blockIdx.y) * kFlashTile, row0 = q0 + warp * 16;
   load_tile<HD>(a, b, h, q, q0, sh.own[0]);
   load_tile<HD>(a, b, h, d_out, q0, sh.own[1]);
+  load_tile<HD>(a, b, h, out, q0, sh.other[0]);  // O, until the first key tile replaces it
+  load_row_values(a, lse, bh, q0, sh.lse);
   __syncthreads();
   // row_dot from the TF32-rounded dO that dP is computed from, so that dP - row_dot cancels where
-  // it should (exactly, up to the order of summation, at seq 1).
-  const float* dOw = sh.own[1] + warp * 16 * sh.ld;
+  // it should (exactly, up to the order of summation, at seq 1, where O is V).
+  const int at = warp * 16 * sh.ld;
   for (int r = 0; r < 16; ++r) {
-    const int64_t i = row0 + r;
     float d = 0;
-    if (i < a.seq)
-      for (int64_t c = lane; c < a.hd; c += 32) d += dOw[r * sh.ld + c] * out[a.at(b, h, i) + c];
+    for (int c = lane; c < HD; c += 32) d += sh.own[1][at + r * sh.ld + c] * sh.other[0][at + r * sh.ld + c];
     d = warp_sum(d);
     if (lane == 0) {
       sh.row_dot[warp * 16 + r] = d;
-      sh.lse[warp * 16 + r] = i < a.seq ? lse[bh * a.seq + i] : 0.0f;
-      if (i < a.seq) row_dot[bh * a.seq + i] = d;
+      if (row0 + r < a.seq) row_dot[bh * a.seq + row0 + r] = d;
     }
   }
   Accumulator acc[HD / 16];
@@ -517,7 +559,7 @@ __global__ void __launch_bounds__(kFlashThreads)
 // blocks (keys by queries): dV_j = sum_i P_ij dO_i and dK_j = sum_i dS_ij Q_i over the query
 // tiles from the key tile's own on (causal), in order.
 template <int HD>
-__global__ void __launch_bounds__(kFlashThreads)
+__global__ void __launch_bounds__(kFlashThreads, flash_blocks_per_sm(flash_backward_floats<HD>()))
     flash_backward_dkv_kernel(AttnDims a, const float* q, const float* k, const float* v, const float* lse,
                               const float* row_dot, const float* d_out, float* dk, float* dv) {
   extern __shared__ __align__(128) float smem[];
@@ -534,11 +576,8 @@ __global__ void __launch_bounds__(kFlashThreads)
     __syncthreads();
     load_tile<HD>(a, b, h, q, q0, sh.other[0]);
     load_tile<HD>(a, b, h, d_out, q0, sh.other[1]);
-    for (int r = threadIdx.x; r < kFlashTile; r += blockDim.x) {
-      const bool in = q0 + r < a.seq;
-      sh.lse[r] = in ? lse[bh * a.seq + q0 + r] : 0.0f;
-      sh.row_dot[r] = in ? row_dot[bh * a.seq + q0 + r] : 0.0f;
-    }
+    load_row_values(a, lse, bh, q0, sh.lse);
+    load_row_values(a, row_dot, bh, q0, sh.row_dot);
     __syncthreads();
     sh.score_blocks(a, warp, row0, q0, true);
     warp_mma<HD / 16, kFlashTile, wmma::row_major>(acc_v, sh.scores, kScoreLd, sh.other[1], sh.ld);   // dV += P^T dO

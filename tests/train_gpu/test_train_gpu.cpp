@@ -409,28 +409,39 @@ struct EngineChoices {
   bool bf16_matmuls = false;
 };
 
-void compare_with_cpu(AttentionKind attention, EngineChoices choices = {}, int draw = 1) {
-  ASSERT_TRUE(moka::cuda_backend_available());
-  const uint64_t seed = fresh_seed();
+// The model the CPU comparisons use: muP x2 (multipliers != 1, including the head's forward one)
+// with a shared expert and z-loss, 4 x 32 tokens.
+TrainConfig comparison_config(AttentionKind attention, EngineChoices choices, uint64_t seed) {
   ModelConfig base = moka::train::testing::tiny_config();
   base.attention = attention;
   base.shared_intermediate = 16;
   base.z_loss_coef = 1e-3;
   TrainConfig tc;
   tc.base = base;
-  tc.model = scale_width(base, 2);  // muP multipliers != 1, including the head's forward one
+  tc.model = scale_width(base, 2);
   tc.parameterization = Parameterization::mup;
   tc.batch = 4;
   tc.seq = 32;
   tc.seed = seed;
   tc.fused_attention = choices.fused_attention;
   tc.bf16_matmuls = choices.bf16_matmuls;
-  const auto rules = parameterize(tc.base, tc.model, tc.parameterization);
+  return tc;
+}
 
+Batch random_batch(const TrainConfig& tc, uint64_t seed) {
   std::mt19937_64 rng(seed);
   Batch batch{tc.batch, tc.seq, std::vector<int32_t>(tc.batch * tc.seq), std::vector<int32_t>(tc.batch * tc.seq)};
   for (auto& t : batch.inputs) t = int32_t(32 + rng() % 95);
   for (auto& t : batch.targets) t = int32_t(32 + rng() % 95);
+  return batch;
+}
+
+void compare_with_cpu(AttentionKind attention, EngineChoices choices = {}, int draw = 1) {
+  ASSERT_TRUE(moka::cuda_backend_available());
+  const uint64_t seed = fresh_seed();
+  const TrainConfig tc = comparison_config(attention, choices, seed);
+  const auto rules = parameterize(tc.base, tc.model, tc.parameterization);
+  const Batch batch = random_batch(tc, seed);
 
   Model<float> cpu(tc.model, rules, ModelOptions{moka::Backend::cpu, 2});
   cpu.params().initialize(seed);
@@ -475,6 +486,21 @@ TEST(TrainGpuModel, LossAndEveryGradientMatchTheCpuReferenceAttention) {
 // bf16 projections round at 2^-9 as the bf16 MoE layers already do: the same bounds.
 TEST(TrainGpuModel, LossAndEveryGradientMatchTheCpuBf16Matmuls) {
   compare_with_cpu(AttentionKind::mla, {.bf16_matmuls = true});
+}
+// bf16 matmuls take effect: the same weights and batch give another loss than TF32 (bf16 keeps 8
+// mantissa bits to TF32's 10), close to it.
+TEST(TrainGpuModel, Bf16MatmulsChangeTheLoss) {
+  ASSERT_TRUE(moka::cuda_backend_available());
+  const uint64_t seed = fresh_seed();
+  double losses[2] = {0, 0};
+  for (const bool bf16 : {false, true}) {
+    const TrainConfig tc = comparison_config(AttentionKind::mla, {.bf16_matmuls = bf16}, seed);
+    CudaEngine gpu(tc, parameterize(tc.base, tc.model, tc.parameterization));
+    double ce = 0;
+    losses[bf16] = gpu.forward_backward(random_batch(tc, seed), &ce);
+  }
+  EXPECT_NE(losses[0], losses[1]) << "--matmul bf16 left the loss bit for bit as TF32's";
+  EXPECT_NEAR(losses[0], losses[1], 1e-2);
 }
 
 TEST(TrainGpuLoop, LossDecreases) {
