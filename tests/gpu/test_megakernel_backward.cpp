@@ -167,7 +167,7 @@ class BackwardCase {
     io.d_ws_gate = dsg.device.data();
     io.d_ws_up = dsu.device.data();
     io.d_ws_down = dsd.device.data();
-    kernel.run(io, nullptr);
+    kernel.run(io, T_, nullptr);
     MOKA_CUDA_CHECK(cudaDeviceSynchronize());
     kernel.check_errors();
     return {d_x.device.download(),  dg.device.download(),  du.device.download(),    dd.device.download(),

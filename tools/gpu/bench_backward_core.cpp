@@ -100,7 +100,7 @@ BenchRow run_cuda_backward_core_case(const NamedShape& ns, int64_t tokens, const
   io.d_w_gate = d_wg.as<cuda::bf16>();
   io.d_w_up = d_wu.as<cuda::bf16>();
   io.d_w_down = d_wd.as<cuda::bf16>();
-  auto run_backward = [&] { backward.run(io, s); };
+  auto run_backward = [&] { backward.run(io, tokens, s); };
   run_backward();
   MOKA_CUDA_CHECK(cudaStreamSynchronize(s));
   core.check_errors();
