@@ -47,6 +47,7 @@ MegakernelBackward::MegakernelBackward(const MoeShape& shape, const MegakernelCo
       plan_(gpu_backward_plan(shape, config, world_size, max_tokens, mode)), last_plan_(plan_),
       num_ctas_(num_ctas > 0 ? num_ctas : sm_count()) {
   const int64_t tokens = max_tokens;
+  require(megakernel_backward_ctas_per_sm() >= 1, ErrorCode::cuda, "the backward megakernel's CTA does not fit on an SM");
   require(config.num_comm_sms >= 1 && config.num_comm_sms < num_ctas_, ErrorCode::invalid_argument,
           "megakernel backward: num_comm_sms " + std::to_string(config.num_comm_sms) +
               " must be >= 1 and leave a compute CTA of " + std::to_string(num_ctas_));

@@ -107,6 +107,9 @@ inline constexpr core::BackwardTiling kBackwardGpuTiling{256, 128};
 // kernel and the d_x sum (every push landed); at EP = 1 the stream orders them.
 void launch_megakernel_backward(const MegakernelBackwardLaunch& launch, cudaStream_t stream);
 size_t megakernel_backward_smem_bytes();
+// Sets the kernel's shared-memory attribute (once, outside any graph capture) and returns how
+// many CTAs fit on one SM (must be >= 1: one CTA per SM, all resident).
+int megakernel_backward_ctas_per_sm();
 
 // Writes `count` (<= 8) pointers into the device array `table` on `stream` (a kernel: capturable,
 // unlike a copy from pageable host memory): the one-entry peer tables of a one-rank call.
