@@ -123,6 +123,8 @@ void MegakernelBackward::run(const MegakernelBackwardIo& io, int64_t tokens, cud
 void MegakernelBackward::check_errors() {
   const BackwardControl c = control_.download()[0];
   const core::MegakernelStatus& s = c.base.status;
+  if (s.code == core::StatusCode::ok) return;
+  MOKA_CUDA_CHECK(cudaMemset(control_.data(), 0, control_.bytes()));  // each failure is raised once
   if (s.code == core::StatusCode::timeout && c.wait.kind != core::BackwardTaskKind::none) {
     const core::BackwardTask task{c.wait.kind, c.wait.step, c.wait.row_tile, c.wait.col_tile, c.wait.segment};
     std::ostringstream os;

@@ -133,7 +133,7 @@ class MegakernelBackward {
   // capturable).
   void run(const MegakernelBackwardIo& io, int64_t tokens, cudaStream_t stream);
   // After the stream is synchronized: throws the kernel's first failure (capacity, a timed-out
-  // wait naming the task and counter, a stalled pipeline), if any.
+  // wait naming the task and counter, a stalled pipeline), if any, once.
   void check_errors();
 
  private:
