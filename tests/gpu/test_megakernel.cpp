@@ -324,6 +324,30 @@ void check_megakernel_path(const MegakernelConfig& config) {
 TEST(MegakernelPath, ResidentBackwardMatchesTheStagedPath) { check_megakernel_path(megakernel_config(4, 512, 1 << 20)); }
 TEST(MegakernelPath, ReplayBackwardMatchesTheStagedPath) { check_megakernel_path(kRingReuse); }
 
+// Forward and backward through both megakernels captured in one CUDA graph (EP = 1, replay
+// mode: the ring is smaller than the rows): every replay gives the eager call's bits.
+TEST(MegakernelPath, ForwardAndBackwardReplayInOneGraph) {
+  const MoeShape s = shape(1024, 512, 32, 4, 256);
+  const uint64_t seed = fresh_seed();
+  GpuCase c(s, 700, seed);
+  route_and_upload(c, U, seed + 1);
+  auto mk = make_moe_layer(s, nullptr, gpu_test::megakernel_options(kRingReuse, 700));
+  auto step = [&](Stream stream) {
+    auto ctx = mk->forward(c.inputs(), c.weights(), c.out_view(), stream);
+    mk->backward(*ctx, c.d_out_view(), c.weights(), c.gradients(), stream);
+  };
+  step(Stream{});
+  MOKA_CUDA_CHECK(cudaDeviceSynchronize());
+  mk->check_errors();
+  const auto eager = c.output_bytes();
+  c.poison();
+  gpu_test::replay_in_graph(step, 3, [&](int i) {
+    mk->check_errors();
+    EXPECT_TRUE(c.output_bytes() == eager) << "replay " << i;
+    c.poison();
+  });
+}
+
 // LayerPath::automatic takes the megakernel where it applies and was measured faster.
 TEST(MegakernelPath, AutomaticPicksTheMegakernelWhereItApplies) {
   const MoeShape narrow = shape(1024, 512, 32, 4, 256), wide = shape(1024, 14336, 8, 2);
