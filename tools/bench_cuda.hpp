@@ -39,6 +39,10 @@ BenchRow run_cuda_case(const NamedShape& ns, int64_t tokens, const CudaBenchOpti
 // the same rows; the megakernel's minibatch_size comes from o.megakernel.
 BenchRow run_cuda_core_case(const NamedShape& ns, int64_t tokens, const CudaBenchOptions& o);
 
+// `moka bench --mode backward-core`: the backward megakernel alone (EP = 1, resident context from
+// the forward core's grouped rows, routed experts only), timed alternately with the forward core.
+BenchRow run_cuda_backward_core_case(const NamedShape& ns, int64_t tokens, const CudaBenchOptions& o);
+
 // `moka bench --paired-steps`: holds one case on the GPU (the same tensors and routing as
 // run_cuda_case), prints "ready" after the warm-up, then times one forward+backward for every
 // "step" line read from `in` and prints its milliseconds. bench/torch_baseline.py --paired-with

@@ -15,6 +15,9 @@ BenchRow run_cuda_case(const NamedShape&, int64_t, const CudaBenchOptions&) { un
 BenchRow run_cuda_core_case(const NamedShape&, int64_t, const CudaBenchOptions&) {
   unavailable("moka bench --mode core");
 }
+BenchRow run_cuda_backward_core_case(const NamedShape&, int64_t, const CudaBenchOptions&) {
+  unavailable("moka bench --mode backward-core");
+}
 void serve_cuda_steps(const NamedShape&, int64_t, const CudaBenchOptions&, std::istream&, std::ostream&) {
   unavailable("moka bench --paired-steps");
 }

@@ -247,20 +247,27 @@ void run_bench(const BenchOptions& o) {
   const auto [backend, backend_choice] =
       automatic ? automatic_backend() : std::pair<Backend, std::string>{parse_backend(o.backend), ""};
   validate_cases(o, shapes, backend);
-  require(o.mode != "core" || (backend == Backend::cuda && o.gpus == 1 && o.ep == 1 && !o.paired_steps),
+  require(o.mode == "layer" || (backend == Backend::cuda && o.gpus == 1 && o.ep == 1 && !o.paired_steps),
           ErrorCode::invalid_argument,
-          "--mode core runs on one GPU: it takes --backend cuda (or auto with a GPU visible), and neither --gpus, "
-          "--ep nor --paired-steps");
+          "--mode " + o.mode + " runs on one GPU: it takes --backend cuda (or auto with a GPU visible), and neither "
+          "--gpus, --ep nor --paired-steps");
   if (ran_as_workers(o.gpus, "bench")) return;
-  if (o.mode == "core") {
+  if (o.mode != "layer") {
+    const bool backward = o.mode == "backward-core";
     std::vector<BenchRow> rows;
     for (const auto& ns : shapes) {
       for (int64_t t : o.tokens) {
-        rows.push_back(run_cuda_core_case(ns, t, cuda_options(o, "")));
+        rows.push_back(backward ? run_cuda_backward_core_case(ns, t, cuda_options(o, ""))
+                                : run_cuda_core_case(ns, t, cuda_options(o, "")));
         if (o.json) std::cout << bench_json(rows.back()) << std::endl;
       }
     }
-    if (!o.json) print_core_comparison(std::cout, rows);
+    if (o.json) return;
+    if (backward) {
+      print_table(std::cout, rows);
+    } else {
+      print_core_comparison(std::cout, rows);
+    }
     return;
   }
   if (o.paired_steps) {
@@ -368,8 +375,10 @@ void register_bench(CLI::App& app) {
   cmd->add_option("--timeline", o->timeline, "Megakernel: write the first case's task timeline to FILE (JSON lines)");
   cmd->add_option("--mode", o->mode,
                   "layer: the whole layer (default) | core: the megakernel's GEMM core alone against the CUTLASS "
-                  "grouped GEMMs on the same grouped rows (one GPU; --minibatch applies)")
-      ->check(CLI::IsMember({"layer", "core"}));
+                  "grouped GEMMs on the same grouped rows (one GPU; --minibatch applies) | backward-core: the "
+                  "backward megakernel alone on the forward core's rows (one GPU; --comm-sms, --minibatch and "
+                  "--macrobatch apply)")
+      ->check(CLI::IsMember({"layer", "core", "backward-core"}));
   cmd->add_flag("--paired-steps", o->paired_steps,
                 "Hold one CUDA case and time one forward+backward per 'step' line on stdin (driven by "
                 "bench/torch_baseline.py --paired-with)");

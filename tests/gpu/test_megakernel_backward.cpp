@@ -167,7 +167,7 @@ class BackwardCase {
     io.d_ws_gate = dsg.device.data();
     io.d_ws_up = dsu.device.data();
     io.d_ws_down = dsd.device.data();
-    kernel.run(io, nullptr);
+    kernel.run(io, T_, nullptr);
     MOKA_CUDA_CHECK(cudaDeviceSynchronize());
     kernel.check_errors();
     return {d_x.device.download(),  dg.device.download(),  du.device.download(),    dd.device.download(),
@@ -340,11 +340,16 @@ TEST(MegakernelBackward, GradientsMatchReferenceWithCarriesAndAnEmptyExpert) {
   c.expect_close(c.run(config(1, 128, 256), 4));
 }
 
-TEST(MegakernelBackward, ClampedSwigluWithEightRoutesOfOneToken) {
-  // T = 1, k = 8 of 16 experts: eight one-row experts (each a padded tile), eight empty ones.
+// T = 1, k = 8 of 16 experts: eight one-row experts (each a padded tile), eight empty ones;
+// clamped SwiGLU with a limit inside the values' range.
+BackwardCase eight_routes_of_one_token(uint64_t seed) {
   const MoeShape shape{256, 128, 16, 8, 64, Activation::swiglu_clamped, 0.3f};
-  std::mt19937_64 rng(0xbac0002ull);
-  BackwardCase c(shape, 1, uniform_routing(1, 8, 16, rng), 0xbac0002ull);
+  std::mt19937_64 rng(seed);
+  return BackwardCase(shape, 1, uniform_routing(1, 8, 16, rng), seed);
+}
+
+TEST(MegakernelBackward, ClampedSwigluWithEightRoutesOfOneToken) {
+  BackwardCase c = eight_routes_of_one_token(0xbac0002ull);
   c.expect_close(c.run(config(1, 256, 512), 5));
 }
 
@@ -367,9 +372,7 @@ TEST(MegakernelBackward, ReplayModeMatchesReferenceAndItsBitsDoNotDependOnSplits
 }
 
 TEST(MegakernelBackward, ReplayModeWithEightRoutesOfOneToken) {
-  const MoeShape shape{256, 128, 16, 8, 64, Activation::swiglu_clamped, 0.3f};
-  std::mt19937_64 rng(0xbac0008ull);
-  BackwardCase c(shape, 1, uniform_routing(1, 8, 16, rng), 0xbac0008ull);
+  BackwardCase c = eight_routes_of_one_token(0xbac0008ull);
   c.expect_close(c.run(config(1, 256, 512), 5, core::ContextMode::replay));
 }
 

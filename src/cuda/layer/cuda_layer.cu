@@ -192,7 +192,8 @@ class CudaMoeLayer final : public StagedLayer {
       // The megakernel ran this forward: its activations sit in its ring, laid out for its
       // tiles. This path's forward stages recompute what backward reads (the schedule, the
       // grouped x, gate/up/hidden) on the same inputs, into a scratch output: one staged
-      // forward more per backward, until the backward megakernel exists.
+      // forward more per backward (the megakernel layer's backward at EP > 1, or for a context
+      // a later forward overwrote).
       const int64_t T = ctx->tokens;
       if (recompute_out_.size() < size_t(T * shape_.hidden)) recompute_out_ = DeviceArray<bf16>(T * shape_.hidden);
       forward(ctx->inputs, w, TensorView(recompute_out_.data(), DType::bf16, {T, shape_.hidden}, Device::cuda(device_)),

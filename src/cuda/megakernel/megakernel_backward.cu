@@ -30,13 +30,24 @@ core::MegakernelBackwardPlan gpu_backward_plan(const MoeShape& s, const Megakern
   return core::build_backward_plan(config, {dims, mode, kBackwardGpuTiling});
 }
 
+__global__ void write_pointers(void** table, const PointerValues values) {
+  for (int i = 0; i < values.count; ++i) table[i] = const_cast<void*>(values.at[i]);
+}
+
 }  // namespace
 
+void write_pointer_table(void** table, const PointerValues& values, cudaStream_t stream) {
+  write_pointers<<<1, 1, 0, stream>>>(table, values);
+  MOKA_CUDA_CHECK_LAUNCH();
+}
+
 MegakernelBackward::MegakernelBackward(const MoeShape& shape, const MegakernelConfig& config, int world_size,
-                                       int64_t tokens, core::ContextMode mode, int num_ctas)
-    : shape_(shape), config_(config), tokens_(tokens),
-      plan_(gpu_backward_plan(shape, config, world_size, tokens, mode)),
+                                       int64_t max_tokens, core::ContextMode mode, int num_ctas)
+    : shape_(shape), config_(config), world_(world_size), max_tokens_(max_tokens),
+      plan_(gpu_backward_plan(shape, config, world_size, max_tokens, mode)), last_plan_(plan_),
       num_ctas_(num_ctas > 0 ? num_ctas : sm_count()) {
+  const int64_t tokens = max_tokens;
+  require(megakernel_backward_ctas_per_sm() >= 1, ErrorCode::cuda, "the backward megakernel's CTA does not fit on an SM");
   require(config.num_comm_sms >= 1 && config.num_comm_sms < num_ctas_, ErrorCode::invalid_argument,
           "megakernel backward: num_comm_sms " + std::to_string(config.num_comm_sms) +
               " must be >= 1 and leave a compute CTA of " + std::to_string(num_ctas_));
@@ -58,16 +69,24 @@ MegakernelBackward::MegakernelBackward(const MoeShape& shape, const MegakernelCo
   first_of_step_ = DeviceArray<int64_t>(size_t(plan_.max_steps + 1));
   counters_ = DeviceArray<int64_t>(size_t(core::counter_count(plan_)));
   control_ = DeviceArray<BackwardControl>(1);
+  // check_errors before any call finds no failure.
+  MOKA_CUDA_CHECK(cudaMemset(control_.data(), 0, control_.bytes()));
 }
 
-void MegakernelBackward::run(const MegakernelBackwardIo& io, cudaStream_t stream) {
+void MegakernelBackward::run(const MegakernelBackwardIo& io, int64_t tokens, cudaStream_t stream) {
+  require(tokens >= 1 && tokens <= max_tokens_, ErrorCode::capacity_exceeded,
+          "megakernel backward call has " + std::to_string(tokens) + " tokens, its workspace holds 1 to " +
+              std::to_string(max_tokens_));
+  // The workspace is carved by the max_tokens plan; the call runs the plan of its own tokens,
+  // whose ring, shared rows, segments and counters fit inside.
   const int64_t H = shape_.hidden, I = shape_.intermediate, Is = shape_.shared_intermediate, ring = plan_.ring_rows;
   const int64_t shared_rows = plan_.shared_row_tiles * plan_.tile_m;
+  last_plan_ = gpu_backward_plan(shape_, config_, world_, tokens, plan_.mode);
   MegakernelBackwardLaunch l;
-  l.plan = plan_;
+  l.plan = last_plan_;
   l.num_ctas = num_ctas_;
   l.num_comm_ctas = config_.num_comm_sms;
-  l.tokens = tokens_;
+  l.tokens = tokens;
   l.top_k = shape_.top_k;
   l.hidden = H;
   l.intermediate = I;
@@ -104,10 +123,12 @@ void MegakernelBackward::run(const MegakernelBackwardIo& io, cudaStream_t stream
 void MegakernelBackward::check_errors() {
   const BackwardControl c = control_.download()[0];
   const core::MegakernelStatus& s = c.base.status;
+  if (s.code == core::StatusCode::ok) return;
+  MOKA_CUDA_CHECK(cudaMemset(control_.data(), 0, control_.bytes()));  // each failure is raised once
   if (s.code == core::StatusCode::timeout && c.wait.kind != core::BackwardTaskKind::none) {
     const core::BackwardTask task{c.wait.kind, c.wait.step, c.wait.row_tile, c.wait.col_tile, c.wait.segment};
     std::ostringstream os;
-    os << "megakernel backward: " << core::describe(plan_, task) << " timed out after " << config_.spin_timeout_seconds
+    os << "megakernel backward: " << core::describe(last_plan_, task) << " timed out after " << config_.spin_timeout_seconds
        << " s waiting for " << core::to_string(c.wait.counter) << " " << c.wait.at << " to reach " << c.wait.target
        << ", saw " << c.wait.observed;
     throw Error(ErrorCode::timeout, os.str());

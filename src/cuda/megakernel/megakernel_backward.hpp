@@ -107,26 +107,41 @@ inline constexpr core::BackwardTiling kBackwardGpuTiling{256, 128};
 // kernel and the d_x sum (every push landed); at EP = 1 the stream orders them.
 void launch_megakernel_backward(const MegakernelBackwardLaunch& launch, cudaStream_t stream);
 size_t megakernel_backward_smem_bytes();
+// Sets the kernel's shared-memory attribute (once, outside any graph capture) and returns how
+// many CTAs fit on one SM (must be >= 1: one CTA per SM, all resident).
+int megakernel_backward_ctas_per_sm();
 
-// Owner of the backward's workspace for one shape, config, token count and context mode.
+// Writes `count` (<= 8) pointers into the device array `table` on `stream` (a kernel: capturable,
+// unlike a copy from pageable host memory): the one-entry peer tables of a one-rank call.
+struct PointerValues {
+  const void* at[8] = {};
+  int count = 0;
+};
+void write_pointer_table(void** table, const PointerValues& values, cudaStream_t stream);
+
+// Owner of the backward's workspace for one shape, config, context mode and up to `max_tokens`
+// tokens per call.
 class MegakernelBackward {
  public:
   // num_ctas 0: one CTA per SM. config.tile_rows must be 128 (the GEMM core's tile).
-  MegakernelBackward(const MoeShape& shape, const MegakernelConfig& config, int world_size, int64_t tokens,
+  MegakernelBackward(const MoeShape& shape, const MegakernelConfig& config, int world_size, int64_t max_tokens,
                      core::ContextMode mode = core::ContextMode::resident, int num_ctas = 0);
+  // The workspace's plan (max_tokens).
   const core::MegakernelBackwardPlan& plan() const { return plan_; }
   bool replay() const { return plan_.mode == core::ContextMode::replay; }
-  // Enqueues one call on `stream` (no host synchronization; capturable).
-  void run(const MegakernelBackwardIo& io, cudaStream_t stream);
+  // Enqueues one call of `tokens` (<= max_tokens) on `stream` (no host synchronization;
+  // capturable).
+  void run(const MegakernelBackwardIo& io, int64_t tokens, cudaStream_t stream);
   // After the stream is synchronized: throws the kernel's first failure (capacity, a timed-out
-  // wait naming the task and counter, a stalled pipeline), if any.
+  // wait naming the task and counter, a stalled pipeline), if any, once.
   void check_errors();
 
  private:
   MoeShape shape_;
   MegakernelConfig config_;
-  int64_t tokens_;
-  core::MegakernelBackwardPlan plan_;
+  int world_;
+  int64_t max_tokens_;
+  core::MegakernelBackwardPlan plan_, last_plan_;
   int num_ctas_ = 0;
   DeviceArray<bf16> ring_bf16_, shared_bf16_;
   DeviceArray<float> ring_float_, shared_partials_, ones_, carries_;

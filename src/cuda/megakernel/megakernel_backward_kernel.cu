@@ -633,13 +633,20 @@ BackwardOperands make_operands(const MegakernelBackwardLaunch& p) {
 
 size_t megakernel_backward_smem_bytes() { return sizeof(mk::BackwardSmem) + 1024; }
 
+int megakernel_backward_ctas_per_sm() {
+  const int smem = int(megakernel_backward_smem_bytes());
+  MOKA_CUDA_CHECK(cudaFuncSetAttribute(mk::backward_megakernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
+  int ctas = 0;
+  MOKA_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&ctas, mk::backward_megakernel, mk::kThreads, smem));
+  return ctas;
+}
+
 void launch_megakernel_backward(const MegakernelBackwardLaunch& launch, cudaStream_t stream) {
   static_assert(sizeof(mk::BackwardParams) <= 32764, "kernel parameters must fit the 32 KiB limit");
   const mk::BackwardParams params{launch, mk::make_operands(launch)};
   mk::build_segments_kernel<<<1, 1, 0, stream>>>(launch);
   MOKA_CUDA_CHECK_LAUNCH();
   const int smem = int(megakernel_backward_smem_bytes());
-  MOKA_CUDA_CHECK(cudaFuncSetAttribute(mk::backward_megakernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
   cudaLaunchConfig_t config = {};
   config.gridDim = dim3(launch.num_ctas);
   config.blockDim = dim3(mk::kThreads);

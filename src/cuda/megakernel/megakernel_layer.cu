@@ -16,6 +16,7 @@
 #include "cuda/layer_paths.hpp"
 #include "cuda/common/device_memory.hpp"
 #include "cuda/common/stream.hpp"
+#include "cuda/megakernel/megakernel_backward.hpp"
 #include "cuda/megakernel/megakernel_core.hpp"
 #include "cuda/megakernel/megakernel_launch.hpp"
 #include "moka/device_group.hpp"
@@ -121,6 +122,7 @@ class CudaMegakernelForward final : public MegakernelExtension {
     last_stream_ = s;
     const core::MegakernelPlan plan = core::build_megakernel_plan(config_, dims_of(shape_, world_, T));
     last_plan_ = plan;
+    ++generation_;
 
     MOKA_CUDA_CHECK(cudaMemsetAsync(control_.data(), 0, sizeof(MegakernelControl), s));
     MOKA_CUDA_CHECK(cudaMemsetAsync(counters_.data(), 0, core::counter_count(plan) * sizeof(int64_t), s));
@@ -175,6 +177,24 @@ class CudaMegakernelForward final : public MegakernelExtension {
 
   // Routed rows per local expert of the last call (device, [E_local]).
   const int32_t* expert_rows() const { return counts_.data(); }
+
+  // What the backward megakernel reads of the last forward; valid until the next forward, which
+  // bumps the generation.
+  uint64_t generation() const { return generation_; }
+  int device() const { return device_; }
+  const int32_t* offsets() const { return offsets_.data(); }
+  const int32_t* slot_of_row() const { return slot_of_row_.data(); }
+  bf16* const* x_peers() const { return x_.peers<bf16>(); }
+  // The ring holds every routed row after any forward (one macrobatch of the worst case): ring
+  // row r is grouped row r, so x, g and u of every row stay there (the resident context).
+  bool ring_holds_every_row() const { return worst_.ring_rows >= worst_.capacity_rows; }
+  const bf16* ring_x() const { return ring_x_.data(); }
+  const bf16* ring_gate() const { return ring_gate_.data(); }
+  const bf16* ring_up() const { return ring_up_.data(); }
+  const bf16* shared_gate() const { return shared_gate_.data(); }
+  const bf16* shared_up() const { return shared_up_.data(); }
+  // The combine slots [T*k, H]: free between forwards (the backward's d_x slots at EP = 1).
+  bf16* combine_slots() const { return combine_.local<bf16>(); }
 
  private:
   void check_inputs(const MoeInputs& in, const MoeWeights& w, const TensorView& out, int64_t T) const {
@@ -305,18 +325,38 @@ class CudaMegakernelForward final : public MegakernelExtension {
   DeviceArray<TimelineRecord> timeline_compute_, timeline_comm_;  // empty until a timeline is asked for
   bool timeline_on_ = false, pending_ = false;
   core::MegakernelPlan last_plan_;  // the last forward's worst-case plan (trimmed by its row count)
+  uint64_t generation_ = 0;         // forwards run
   cudaEvent_t done_ = nullptr;
   cudaStream_t last_stream_ = nullptr;  // the last forward's
 };
 
-// The megakernel path of MoeLayer: forward through the megakernel; backward through a staged
-// layer over the same group, which recomputes its forward stages from the context first.
+// A forward's context on the megakernel path: the staged layer's (for a backward that
+// recomputes), the forward's generation and its inputs.
+struct MegakernelContext final : MoeContext {
+  std::unique_ptr<MoeContext> staged;
+  const void* layer = nullptr;
+  uint64_t generation = 0;
+  MoeInputs inputs;
+  int64_t tokens = 0;
+  std::vector<int64_t> local_expert_rows() const override { return staged->local_expert_rows(); }
+};
+
+// The megakernel path of MoeLayer: forward through the megakernel. Backward, at EP = 1 while no
+// later forward ran, through the backward megakernel (resident context when the forward's ring
+// holds every row, else replay); else through a staged layer over the same group, which
+// recomputes its forward stages from the context first.
 class MegakernelMoeLayer final : public MoeLayer {
  public:
   MegakernelMoeLayer(const MoeShape& shape, DeviceGroup* group, std::unique_ptr<DeviceGroup> owned,
                      const LayerOptions& options)
       : owned_group_(std::move(owned)), kernel_(shape, group, config_of(options), options.max_tokens),
-        stages_(make_staged_layer(shape, group, nullptr, options, GemmEngine::cutlass)) {}
+        stages_(make_staged_layer(shape, group, nullptr, options, GemmEngine::cutlass)) {
+    if (stages_->world_size() == 1) {
+      const auto mode = kernel_.ring_holds_every_row() ? core::ContextMode::resident : core::ContextMode::replay;
+      backward_ = std::make_unique<MegakernelBackward>(shape, config_of(options), 1, options.max_tokens, mode);
+      peer_tables_ = DeviceArray<void*>(4);
+    }
+  }
 
   const MoeShape& shape() const override { return stages_->shape(); }
   int rank() const override { return stages_->rank(); }
@@ -326,15 +366,30 @@ class MegakernelMoeLayer final : public MoeLayer {
   std::unique_ptr<MoeContext> forward(const MoeInputs& in, const MoeWeights& w, const TensorView& out,
                                       Stream stream) override {
     kernel_.forward(in, w, out, stream);
-    return stages_->context_to_recompute(in, stream, kernel_.expert_rows());
+    auto ctx = std::make_unique<MegakernelContext>();
+    ctx->staged = stages_->context_to_recompute(in, stream, kernel_.expert_rows());
+    ctx->layer = this;
+    ctx->generation = kernel_.generation();
+    ctx->inputs = in;
+    ctx->tokens = in.x.dim(0);
+    return ctx;
   }
   void backward(const MoeContext& saved, const TensorView& d_out, const MoeWeights& w, const MoeGradients& g,
                 Stream stream) override {
-    stages_->backward(saved, d_out, w, g, stream);
+    const auto* ctx = dynamic_cast<const MegakernelContext*>(&saved);
+    require(ctx != nullptr && ctx->layer == this, ErrorCode::invalid_argument,
+            "backward got a context from another layer");
+    if (backward_ && ctx->generation == kernel_.generation()) {
+      backward_megakernel(*ctx, d_out, w, g, to_cuda(stream));
+    } else {
+      // Several ranks, or a later forward overwrote this one's rows and schedule.
+      stages_->backward(*ctx->staged, d_out, w, g, stream);
+    }
   }
   void check_errors() override {
     kernel_.check_errors();
     stages_->check_errors();
+    if (backward_) backward_->check_errors();
   }
   MegakernelExtension* megakernel() override { return &kernel_; }
 
@@ -346,9 +401,63 @@ class MegakernelMoeLayer final : public MoeLayer {
     return c;
   }
 
+  // EP = 1: the pulls read this rank's own d_out, route weights and (replay) x; the pushes write
+  // its d_x slots (the forward's combine buffer, free until the next forward) and d_topk_weights.
+  void backward_megakernel(const MegakernelContext& ctx, const TensorView& d_out, const MoeWeights& w,
+                           const MoeGradients& g, cudaStream_t s) {
+    const MoeShape& sh = shape();
+    const int64_t T = ctx.tokens;
+    const Device dev = Device::cuda(kernel_.device());
+    core::validate_layer_tensors(sh, 1, ctx.inputs, w, DType::bf16, dev);
+    core::validate_layer_gradients(sh, 1, T, g, DType::bf16, dev);
+    expect_tensor(d_out, "d_out", DType::bf16, dev, {T, sh.hidden});
+    PointerValues tables;
+    tables.at[0] = d_out.data;
+    tables.at[1] = ctx.inputs.topk_weights.data;
+    tables.at[2] = kernel_.combine_slots();
+    tables.at[3] = g.d_topk_weights.data;
+    tables.count = 4;
+    write_pointer_table(peer_tables_.data(), tables, s);
+    void* const* t = peer_tables_.data();
+    MegakernelBackwardIo io;
+    io.offsets = kernel_.offsets();
+    io.slot_of_row = kernel_.slot_of_row();
+    io.d_out_peers = reinterpret_cast<const bf16* const*>(t);
+    io.weight_peers = reinterpret_cast<const float* const*>(t + 1);
+    io.dx_slot_peers = reinterpret_cast<bf16* const*>(t + 2);
+    io.dw_slot_peers = reinterpret_cast<float* const*>(t + 3);
+    io.x_peers = kernel_.x_peers();
+    io.x = ctx.inputs.x.as<bf16>();
+    io.d_out = d_out.as<bf16>();
+    io.dx_slots = kernel_.combine_slots();
+    io.context_x = kernel_.ring_x();
+    io.context_gate = kernel_.ring_gate();
+    io.context_up = kernel_.ring_up();
+    io.shared_gate = kernel_.shared_gate();
+    io.shared_up = kernel_.shared_up();
+    io.w_gate = w.w_gate.as<bf16>();
+    io.w_up = w.w_up.as<bf16>();
+    io.w_down = w.w_down.as<bf16>();
+    io.d_x = g.d_x.as<bf16>();
+    io.d_w_gate = g.d_w_gate.as<bf16>();
+    io.d_w_up = g.d_w_up.as<bf16>();
+    io.d_w_down = g.d_w_down.as<bf16>();
+    if (sh.has_shared()) {
+      io.ws_gate = w.ws_gate.as<bf16>();
+      io.ws_up = w.ws_up.as<bf16>();
+      io.ws_down = w.ws_down.as<bf16>();
+      io.d_ws_gate = g.d_ws_gate.as<bf16>();
+      io.d_ws_up = g.d_ws_up.as<bf16>();
+      io.d_ws_down = g.d_ws_down.as<bf16>();
+    }
+    backward_->run(io, T, s);
+  }
+
   std::unique_ptr<DeviceGroup> owned_group_;  // destroyed last: both parts use it
   CudaMegakernelForward kernel_;
   std::unique_ptr<StagedLayer> stages_;
+  std::unique_ptr<MegakernelBackward> backward_;  // EP = 1 only
+  DeviceArray<void*> peer_tables_;               // d_out, route weights, d_x slots, d_topk_weights
 };
 
 }  // namespace
