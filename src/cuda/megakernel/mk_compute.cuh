@@ -261,22 +261,24 @@ __device__ inline int box_column(const ComputeJob& j, int k) { return j.col_box 
 
 // This consumer thread's part of box `Box` of the tile: value(i) (a float2) is the pair of
 // accumulator elements (i, i + 1), written as bf16 at its place in the swizzled TMA box.
-// The stores go through the shared window explicitly (st.shared): the buffer's address comes
-// from aligning the dynamic shared memory by integer arithmetic, after which the compiler no
-// longer knows it is shared and would emit generic stores.
+// The element's address comes from a CuTe tensor over the buffer: the box layout's swizzle
+// applies to shared-memory addresses (BoxLayout{}(r, c) alone is the unswizzled offset). The
+// stores go through the shared window explicitly (st.shared): the buffer's address comes from
+// aligning the dynamic shared memory by integer arithmetic, after which the compiler no longer
+// knows it is shared and would emit generic stores.
 template <int Box, class Value>
 __device__ inline void write_box(Element* box, Value&& value) {
   TiledMma mma;
   ThrMMA thr = mma.get_thread_slice(consumer_thread());
   Tensor coords = thr.partition_C(make_identity_tensor(Shape<Int<kTileM>, Int<kTileN>>{}));
-  const uint32_t base = cast_smem_ptr_to_uint(box);
+  Tensor s = make_tensor(make_smem_ptr(box), BoxLayout{});
   CUTE_UNROLL
   for (int k = 0; k < kBoxAccumulators; k += 2) {
     constexpr int first = Box * kBoxAccumulators;
     const auto [r, c] = coords(first + k);
     const float2 v = value(first + k);
     const __nv_bfloat162 pair = __floats2bfloat162_rn(v.x, v.y);
-    const uint32_t at = base + uint32_t(sizeof(Element)) * uint32_t(BoxLayout{}(int(r), int(c) - Box * kTileK));
+    const uint32_t at = cast_smem_ptr_to_uint(&s(int(r), int(c) - Box * kTileK));
     asm volatile("st.shared.b32 [%0], %1;" ::"r"(at), "r"(reinterpret_cast<const uint32_t&>(pair)) : "memory");
   }
 }
