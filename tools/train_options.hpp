@@ -19,7 +19,7 @@ struct TrainCliOptions {
   std::string schedule = "wsd";
   std::string backend = "cpu";
   std::string cuda_graph = "on";
-  std::string attention_kernel = "reference";
+  std::string attention_kernel = "fused";
   std::string matmul = "tf32";
   std::string data_dir;
   int64_t max_bytes = 0;

@@ -33,9 +33,8 @@ struct TrainConfig {
   // update) after a first eager step; the same bits as the eager step (tested on the H200).
   bool cuda_graph = true;
   // CUDA: attention through the fused kernels (no seq x seq matrix in memory, TF32 tensor cores)
-  // where they take the head_dim; false: the straightforward fp32 kernels they are tested against,
-  // the default while they are measured faster on the H200 (docs/BENCHMARKS.md).
-  bool fused_attention = false;
+  // where they take the head_dim; false: the straightforward fp32 kernels they are tested against.
+  bool fused_attention = true;
   // CUDA: the projections and LM head multiply on bf16 tensor cores instead of TF32: cuBLAS reads
   // bf16 copies of the weights (refreshed by AdamW) and of each activation and gradient operand;
   // fp32 master weights, fp32 activations, gradients and accumulation.
