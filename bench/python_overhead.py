@@ -280,7 +280,7 @@ def host_overhead(name, tokens, calls, seed, device):
         router.backward(router_saved, *router_grad_args)
         yield
 
-    def fused_extension_step():  # the module's one call each way alone, arguments made before
+    def fused_extension_calls(run_backward):  # the module's one call each way alone, arguments made before
         forward_args = (_dl(xs), _dl(moe.w_router), None, _dl(moe.expert_load), *(_dl(w) for w in args[2:]),
                         None, None, None, *(_dl(t) for t in routed), _dl(torch.empty_like(xs)), stream)
         backward_args = (_dl(d_out), _dl(router_grads[0]), _dl(grads[1]), _dl(router_grads[1]),
@@ -288,21 +288,16 @@ def host_overhead(name, tokens, calls, seed, device):
         yield
         saved = fused.forward(*forward_args)
         yield
-        saved.backward(*backward_args)
+        run_backward(lambda: saved.backward(*backward_args))
         yield
 
     other_thread = OtherThread()
 
+    def fused_extension_step():
+        return fused_extension_calls(lambda call: call())
+
     def fused_extension_threads_step():  # the same with the backward call on another thread
-        forward_args = (_dl(xs), _dl(moe.w_router), None, _dl(moe.expert_load), *(_dl(w) for w in args[2:]),
-                        None, None, None, *(_dl(t) for t in routed), _dl(torch.empty_like(xs)), stream)
-        backward_args = (_dl(d_out), _dl(router_grads[0]), _dl(grads[1]), _dl(router_grads[1]),
-                         *(_dl(g) for g in grads[2:]), None, None, None)
-        yield
-        saved = fused.forward(*forward_args)
-        yield
-        other_thread.run(lambda: saved.backward(*backward_args))
-        yield
+        return fused_extension_calls(other_thread.run)
 
     before_forward_pieces = ("engine", "tensors", "route_alloc", "route_capsules", "route_call", "out_alloc",
                              "layer_capsules", "layer_call")

@@ -646,19 +646,8 @@ void launch_megakernel_backward(const MegakernelBackwardLaunch& launch, cudaStre
   const mk::BackwardParams params{launch, mk::make_operands(launch)};
   mk::build_segments_kernel<<<1, 1, 0, stream>>>(launch);
   MOKA_CUDA_CHECK_LAUNCH();
-  const int smem = int(megakernel_backward_smem_bytes());
-  cudaLaunchConfig_t config = {};
-  config.gridDim = dim3(launch.num_ctas);
-  config.blockDim = dim3(mk::kThreads);
-  config.dynamicSmemBytes = smem;
-  config.stream = stream;
-  cudaLaunchAttribute cooperative = {};
-  cooperative.id = cudaLaunchAttributeCooperative;
-  cooperative.val.cooperative = 1;
-  config.attrs = &cooperative;
-  config.numAttrs = 1;
-  MOKA_CUDA_CHECK(cudaLaunchKernelEx(&config, mk::backward_megakernel, params));
-  MOKA_CUDA_CHECK_LAUNCH();
+  mk::launch_cooperative(mk::backward_megakernel, params, launch.num_ctas, mk::kThreads,
+                         megakernel_backward_smem_bytes(), stream);
   mk::backward_epilogue_kernel<<<256, 256, 0, stream>>>(launch);
   MOKA_CUDA_CHECK_LAUNCH();
 }

@@ -68,18 +68,7 @@ void launch_megakernel(const MegakernelLaunch& launch, cudaStream_t stream) {
   // CUDA 12.1+ takes up to 32764 bytes of kernel parameters on Hopper.
   static_assert(sizeof(KernelParams) <= 32764, "kernel parameters must fit the 32 KiB limit");
   const KernelParams params{launch, make_operands(launch)};
-  cudaLaunchConfig_t config = {};
-  config.gridDim = dim3(launch.num_ctas);
-  config.blockDim = dim3(mk::kThreads);
-  config.dynamicSmemBytes = megakernel_smem_bytes();
-  config.stream = stream;
-  cudaLaunchAttribute cooperative = {};
-  cooperative.id = cudaLaunchAttributeCooperative;
-  cooperative.val.cooperative = 1;
-  config.attrs = &cooperative;
-  config.numAttrs = 1;
-  MOKA_CUDA_CHECK(cudaLaunchKernelEx(&config, megakernel, params));
-  MOKA_CUDA_CHECK_LAUNCH();
+  mk::launch_cooperative(megakernel, params, launch.num_ctas, mk::kThreads, megakernel_smem_bytes(), stream);
 }
 
 }  // namespace moka::cuda

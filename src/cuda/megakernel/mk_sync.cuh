@@ -5,6 +5,7 @@
 #include <cstdint>
 
 #include "core/megakernel_plan.hpp"
+#include "cuda/common/check.hpp"
 #include "cuda/megakernel/megakernel_launch.hpp"
 
 namespace moka::cuda::mk {
@@ -156,6 +157,26 @@ __device__ void task_loop(const MegakernelLaunch& p, const core::MegakernelPlan&
       record(timeline, shared_ticket, start, cta, task);
     }
   }
+}
+
+// Launches a persistent megakernel of `ctas` blocks of `threads` cooperatively: the launch fails
+// instead of running when the blocks cannot all be resident at once, which the counter waits
+// between CTAs need to make progress.
+template <typename Params>
+void launch_cooperative(void (*kernel)(Params), const Params& params, int ctas, int threads, size_t smem_bytes,
+                        cudaStream_t stream) {
+  cudaLaunchConfig_t config = {};
+  config.gridDim = dim3(unsigned(ctas));
+  config.blockDim = dim3(unsigned(threads));
+  config.dynamicSmemBytes = smem_bytes;
+  config.stream = stream;
+  cudaLaunchAttribute cooperative = {};
+  cooperative.id = cudaLaunchAttributeCooperative;
+  cooperative.val.cooperative = 1;
+  config.attrs = &cooperative;
+  config.numAttrs = 1;
+  MOKA_CUDA_CHECK(cudaLaunchKernelEx(&config, kernel, params));
+  MOKA_CUDA_CHECK_LAUNCH();
 }
 
 }  // namespace moka::cuda::mk
