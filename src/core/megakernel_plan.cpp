@@ -139,6 +139,8 @@ const char* to_string(PipelineWait wait) {
     case PipelineWait::stage_free: return "stage_free";
     case PipelineWait::task_published: return "task_published";
     case PipelineWait::task_finished: return "task_finished";
+    case PipelineWait::box_written: return "box_written";
+    case PipelineWait::box_stored: return "box_stored";
   }
   return "?";
 }

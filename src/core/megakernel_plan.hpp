@@ -314,6 +314,8 @@ enum class PipelineWait : int32_t {
   stage_free,       // TMA producer: the consumers' release of a stage
   task_published,   // producer and consumers: the scheduler's next task
   task_finished,    // scheduler: a task-queue slot's readers
+  box_written,      // store thread: the consumers' next output box in shared memory
+  box_stored,       // consumers: the TMA store's read of an output buffer
 };
 
 // Written once (first failure wins) by the schedule kernel or a megakernel CTA; every wait polls

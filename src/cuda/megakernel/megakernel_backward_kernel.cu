@@ -357,6 +357,10 @@ struct BackwardQueue {
   alignas(8) uint64_t published[kTaskSlots];  // one arrival: the scheduler wrote the slot
   alignas(8) uint64_t finished[kTaskSlots];   // the TMA thread and every consumer read it
 };
+// The readers that arrive on `finished`: the backward's consumers store their tiles from
+// registers and release the counters themselves, so it has no store thread (the forward's
+// kSlotReaders counts one).
+inline constexpr uint32_t kBackwardSlotReaders = 1 + kConsumerThreads;
 
 struct BackwardSmem {
   TileSmem tile;
@@ -368,7 +372,7 @@ __device__ inline void init_backward_smem(BackwardSmem& sm) {
     init_tile_pipeline(sm.tile);
     for (int q = 0; q < kTaskSlots; ++q) {
       EmptyBarrier::init(&sm.queue.published[q], 1);
-      EmptyBarrier::init(&sm.queue.finished[q], kSlotReaders);
+      EmptyBarrier::init(&sm.queue.finished[q], kBackwardSlotReaders);
     }
     cutlass::arch::fence_barrier_init();
   }

@@ -22,12 +22,13 @@ __global__ void __launch_bounds__(mk::kThreads, 1) megakernel(const __grid_const
   const int cta = mk::arrival_index(p.control);
   if (cta < 0) return;  // the schedule already failed (capacity, bad routing)
   const core::MegakernelPlan plan = core::trim_to_rows(p.plan, p.offsets[p.local_experts]);
+  extern __shared__ char smem_raw[];
   if (cta < p.num_comm_ctas) {
+    auto& table = *reinterpret_cast<mk::RowTable*>(smem_raw);
     mk::task_loop(p, plan, cta, &p.control->comm_ticket, core::comm_task_count(plan), p.timeline_comm,
-                  core::comm_task, [&](const core::Task& t) { mk::run_comm_task(p, plan, t); });
+                  core::comm_task, [&](const core::Task& t) { mk::run_comm_task(p, plan, t, table); });
     return;
   }
-  extern __shared__ char smem_raw[];
   // The swizzled operand tiles need 1024-byte alignment.
   auto* smem = reinterpret_cast<mk::ComputeSmem*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t(1023));
   mk::run_compute_cta(*smem, p, params.ops, plan, cta);
@@ -43,18 +44,26 @@ mk::Operands make_operands(const MegakernelLaunch& p) {
   ops.w_gate = mk::make_operand(p.w_gate, I, H, E);
   ops.w_up = mk::make_operand(p.w_up, I, H, E);
   ops.w_down = mk::make_operand(p.w_down, H, I, E);
+  ops.ring_gate = mk::make_output(p.ring_gate, ring, I);
+  ops.ring_up = mk::make_output(p.ring_up, ring, I);
+  ops.ring_hidden_out = mk::make_output(p.ring_hidden, ring, I);
+  ops.ring_y = mk::make_output(p.ring_y, ring, H);
   if (Is > 0) {
     ops.shared_hidden = mk::make_operand(p.shared_hidden, p.tokens, Is, 1);
     ops.ws_gate = mk::make_operand(p.ws_gate, Is, H, 1);
     ops.ws_up = mk::make_operand(p.ws_up, Is, H, 1);
     ops.ws_down = mk::make_operand(p.ws_down, H, Is, 1);
+    ops.shared_gate = mk::make_output(p.shared_gate, p.tokens, Is);
+    ops.shared_up = mk::make_output(p.shared_up, p.tokens, Is);
+    ops.shared_hidden_out = mk::make_output(p.shared_hidden, p.tokens, Is);
+    ops.shared_out = mk::make_output(p.shared_out, p.tokens, H);
   }
   return ops;
 }
 
 }  // namespace
 
-size_t megakernel_smem_bytes() { return sizeof(mk::ComputeSmem) + 1024; }
+size_t megakernel_smem_bytes() { return mk::kComputeSmemBytes + 1024; }
 
 int megakernel_ctas_per_sm() {
   const int smem = int(megakernel_smem_bytes());

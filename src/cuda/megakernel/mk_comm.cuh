@@ -54,12 +54,19 @@ struct RowEnds {
 };
 
 // The row pointers of a routed row block (tile_m == kTileM rows), made once per task in shared
-// memory: ends(ring row, global slot) gives {source row or null, destination row or null}.
+// memory. A communication CTA keeps them in the dynamic shared memory the compute role would use
+// (static shared memory is reserved in every CTA, and the compute role needs all but a few bytes).
+struct RowTable {
+  const int4* src[kTileM];
+  int4* dst[kTileM];
+};
+
+// ends(ring row, global slot) gives {source row or null, destination row or null}.
 template <class Fn>
 __device__ inline void copy_block(const MegakernelLaunch& p, const core::MegakernelPlan& plan, const core::Task& task,
-                                  Fn&& ends) {
-  __shared__ const int4* src[kTileM];
-  __shared__ int4* dst[kTileM];
+                                  RowTable& table, Fn&& ends) {
+  auto& src = table.src;
+  auto& dst = table.dst;
   const int64_t first = core::task_first_row(plan, task);
   for (int64_t r = threadIdx.x; r < plan.tile_m; r += blockDim.x) {
     const int64_t row = first + r;
@@ -73,9 +80,9 @@ __device__ inline void copy_block(const MegakernelLaunch& p, const core::Megaker
 
 // Dispatch (pull): each row's token from its owner's symmetric x into the ring; zeros for padding.
 __device__ inline void dispatch_block(const MegakernelLaunch& p, const core::MegakernelPlan& plan,
-                                      const core::Task& task) {
+                                      const core::Task& task, RowTable& table) {
   const int64_t H = p.hidden, per_rank = p.tokens * p.top_k;
-  copy_block(p, plan, task, [&](int64_t ring, int32_t slot) {
+  copy_block(p, plan, task, table, [&](int64_t ring, int32_t slot) {
     const int4* from = nullptr;
     if (slot >= 0) {
       const int64_t source = slot / per_rank, token = (slot % per_rank) / p.top_k;
@@ -89,9 +96,9 @@ __device__ inline void dispatch_block(const MegakernelLaunch& p, const core::Meg
 
 // Combine (push): each routed row's output into its origin rank's combine slot token*k + j.
 __device__ inline void combine_block(const MegakernelLaunch& p, const core::MegakernelPlan& plan,
-                                     const core::Task& task) {
+                                     const core::Task& task, RowTable& table) {
   const int64_t H = p.hidden, per_rank = p.tokens * p.top_k;
-  copy_block(p, plan, task, [&](int64_t ring, int32_t slot) {
+  copy_block(p, plan, task, table, [&](int64_t ring, int32_t slot) {
     if (slot < 0) return RowEnds{nullptr, nullptr};
     int4* to = reinterpret_cast<int4*>(p.combine_peers[slot / per_rank] + (slot % per_rank) * H);
     return RowEnds{reinterpret_cast<const int4*>(p.ring_y + ring * H), to};
@@ -99,11 +106,11 @@ __device__ inline void combine_block(const MegakernelLaunch& p, const core::Mega
 }
 
 __device__ inline void run_comm_task(const MegakernelLaunch& p, const core::MegakernelPlan& plan,
-                                     const core::Task& task) {
+                                     const core::Task& task, RowTable& table) {
   if (task.kind == core::TaskKind::dispatch) {
-    dispatch_block(p, plan, task);
+    dispatch_block(p, plan, task, table);
   } else {
-    combine_block(p, plan, task);
+    combine_block(p, plan, task, table);
   }
 }
 

@@ -12,18 +12,29 @@
 // - warp 1 (producer warpgroup): the scheduler thread, taking compute tickets, waiting on the
 //   tasks' counters (acquire + proxy fence) and publishing each task into a two-slot queue in
 //   shared memory;
-// - warpgroups 1 and 2: the consumers, running the MMAs and the epilogue, then releasing the
-//   task's counter.
-// A queue slot is free again once the TMA thread has issued its task's loads and the consumers
-// have finished the task, so the scheduler holds at most one task beyond the one the consumers
-// run: it acquires task n+1 while task n computes, and the TMA thread starts loading task n+1
-// into the stages task n frees. Taking a ticket only when a slot frees keeps the plan's progress
-// argument (core/megakernel_plan.hpp): a CTA holds a later task only while it runs an earlier
-// one, which never waits on the later one.
+// - warp 2 (producer warpgroup): the store thread, storing the tiles' outputs from shared memory
+//   with TMA and releasing each task's counter once its stores completed;
+// - warpgroups 1 and 2: the consumers, running the MMAs and the epilogue's arithmetic, which
+//   writes the bf16 outputs into two swizzled 128 x 64 shared-memory boxes in turn.
+// A queue slot is free again once the TMA thread has issued its task's loads, the consumers
+// have finished the task and the store thread has released it, so the scheduler holds at most
+// one task beyond the one the consumers run: it acquires task n+1 while task n computes, and the
+// TMA thread starts loading task n+1 into the stages task n frees. Taking a ticket only when a
+// slot frees keeps the plan's progress argument (core/megakernel_plan.hpp): a CTA holds a later
+// task only while it runs an earlier one, which never waits on the later one.
+//
+// The epilogue overlaps the next task's MMAs: the consumers hand each output box to the store
+// thread and start the next task as soon as their last box is in shared memory; the global
+// writes, their completion (cp.async.bulk.wait_group 0) and the proxy fence before the counter's
+// release run on the store thread meanwhile. The store thread never waits on a counter (only on
+// the consumers' boxes and the TMA unit), so the release of task n never waits on task n+1.
 #pragma once
 #include <cuda_bf16.h>
 
+#include <cstddef>
+#include <string>
 #include <type_traits>
+#include <utility>
 
 #include "core/activation.hpp"
 #include "core/megakernel_plan.hpp"
@@ -33,10 +44,32 @@
 
 namespace moka::cuda::mk {
 
-// Descriptors of every operand the compute tiles read (kernel parameters, __grid_constant__).
+// A row-major bf16 output [rows, width] that the store thread writes in 128 x 64 TMA boxes
+// (rows and columns past its extents are clipped by the TMA unit).
+inline auto make_output_tma(Element* base, int rows, int width) {
+  Tensor t = make_tensor(make_gmem_ptr(base), make_shape(rows, width), make_stride(int64_t(width), _1{}));
+  return make_tma_atom(SM90_TMA_STORE{}, t, BoxLayout{}, make_shape(Int<kTileM>{}, Int<kTileK>{}));
+}
+
+struct Output {
+  decltype(make_output_tma(nullptr, 1, 1)) tma;
+  int rows = 0, width = 0;
+};
+
+inline Output make_output(void* base, int64_t rows, int64_t width) {
+  require(width % 8 == 0 && reinterpret_cast<uintptr_t>(base) % 16 == 0, ErrorCode::unsupported_size,
+          "megakernel output of " + std::to_string(rows) + " x " + std::to_string(width) +
+              ": TMA stores need the width to be a multiple of 8 and a 16-byte aligned base");
+  return {make_output_tma(static_cast<Element*>(base), int(rows), int(width)), int(rows), int(width)};
+}
+
+// Descriptors of every operand the compute tiles read and every output they write (kernel
+// parameters, __grid_constant__).
 struct Operands {
   Operand x_local, ring_x, ring_hidden, shared_hidden;  // activations: [rows, K]
   Operand w_gate, w_up, w_down, ws_gate, ws_up, ws_down;  // weights: [E or 1, N, K]
+  Output ring_gate, ring_up, ring_hidden_out, ring_y;     // [ring rows, I] x 3, [ring rows, H]
+  Output shared_gate, shared_up, shared_hidden_out, shared_out;  // [tokens, Is] x 3, [tokens, H]
 };
 
 // Where a tile's outputs go: rows [row0, row0 + valid_rows) and columns [col0, col0 + N) of
@@ -45,35 +78,57 @@ struct TileOut {
   int64_t row0, valid_rows, col0, width;
 };
 
-// One published task: what the TMA thread loads and what the consumers' epilogue writes.
+// One published task: what the TMA thread loads and what the epilogue writes: row tile
+// `row_tile` (128 rows) and the 64-column boxes from `col_box` on of the outputs.
 struct ComputeJob {
   bool stop = true;  // no task: every role of the CTA leaves
   core::Task task;
   uint64_t ticket = 0;
   TaskSite site;
   TileLoads loads;
-  bool swiglu = false;  // gate|up epilogue (out0..2 = gate, up, hidden), else plain (out0 = y)
-  bf16 *out0 = nullptr, *out1 = nullptr, *out2 = nullptr;
-  TileOut o{};
+  bool swiglu = false;  // gate|up epilogue (out[0..2] = gate, up, hidden), else plain (out[0] = y)
+  const Output* out[3] = {nullptr, nullptr, nullptr};
+  int row_tile = 0, col_box = 0;
 };
 
 inline constexpr int kTaskSlots = 2;
 
-// The task queue between the scheduler thread and the TMA thread and consumers.
+// The task queue between the scheduler thread and the TMA thread, the consumers and the store
+// thread.
 struct TaskQueue {
   ComputeJob jobs[kTaskSlots];
   alignas(8) uint64_t published[kTaskSlots];  // one arrival: the scheduler wrote the slot
-  // The TMA thread and every consumer thread arrive once they read the slot for the last time:
+  // The TMA thread, every consumer thread and the store thread arrive once they read the slot
+  // for the last time (the store thread after it released the task's counter):
   // each reader's own arrival (and its own wait on `published`) orders its reads in a way
   // compute-sanitizer's racecheck follows, which a barrier relayed through one thread is not.
   alignas(8) uint64_t finished[kTaskSlots];
 };
-inline constexpr uint32_t kSlotReaders = 1 + kConsumerThreads;
+inline constexpr uint32_t kSlotReaders = 2 + kConsumerThreads;
+
+// The epilogue's hand-off: the consumers write one 128 x 64 bf16 output box (swizzled as a TMA
+// box) into buffer n % 2 for their n-th box, the store thread stores it from there. `written`:
+// every consumer thread arrives after its writes and proxy fence; `stored`: the store thread
+// arrives once the TMA unit has read the buffer (cp.async.bulk.wait_group.read).
+inline constexpr int kEpilogueBuffers = 2;
+struct EpilogueSync {
+  alignas(8) uint64_t written[kEpilogueBuffers];
+  alignas(8) uint64_t stored[kEpilogueBuffers];
+  uint64_t task_start[kTaskSlots];  // when the consumers started the slot's task (the timeline)
+};
 
 struct ComputeSmem {
   TileSmem tile;
-  TaskQueue queue;
+  alignas(1024) Element epilogue_box[kEpilogueBuffers][kBoxElements];
+  EpilogueSync epilogue;
+  TaskQueue queue;  // last: see kComputeSmemBytes
 };
+// The bytes of ComputeSmem its members use: its size rounds them up to a multiple of its
+// 1024-byte alignment, and with the epilogue buffers that padding would not fit an SM.
+inline constexpr size_t kComputeSmemBytes = offsetof(ComputeSmem, queue) + sizeof(TaskQueue);
+// One CTA per SM within the largest opt-in shared memory of sm_90 (227 KiB), with the 1 KiB the
+// kernel may skip to align the dynamic shared memory and a little for its static variables.
+static_assert(kComputeSmemBytes + 1024 + 256 <= 232448, "the compute CTA's shared memory must fit one H100/H200 SM");
 
 __device__ inline void init_compute_smem(ComputeSmem& sm) {
   if (threadIdx.x == 0) {
@@ -81,6 +136,10 @@ __device__ inline void init_compute_smem(ComputeSmem& sm) {
     for (int q = 0; q < kTaskSlots; ++q) {
       EmptyBarrier::init(&sm.queue.published[q], 1);
       EmptyBarrier::init(&sm.queue.finished[q], kSlotReaders);
+    }
+    for (int b = 0; b < kEpilogueBuffers; ++b) {
+      EmptyBarrier::init(&sm.epilogue.written[b], kConsumerThreads);
+      EmptyBarrier::init(&sm.epilogue.stored[b], 1);
     }
     cutlass::arch::fence_barrier_init();
   }
@@ -132,34 +191,35 @@ __device__ inline ComputeJob make_job(const MegakernelLaunch& p, const Operands&
   j.ticket = ticket;
   j.site = {t.kind, t.step < 0 ? -1 : core::minibatch_of_step(plan, t.step), t.row_tile};
   if (t.step >= 0 && !core::task_has_rows(plan, t)) return j;  // beyond the schedule's rows: release only
-  const int64_t H = p.hidden, I = p.intermediate, Is = p.shared_intermediate, tm = plan.tile_m;
+  const int64_t tm = plan.tile_m;
   const int col = int(t.col_tile);
-  const int64_t gate_up_col0 = col * plan.tile_n, down_col0 = col * plan.down_tile_n;
+  const int gate_up_box = int(col * plan.tile_n / kTileK), down_box = int(col * plan.down_tile_n / kTileK);
   switch (t.kind) {
     case core::TaskKind::shared_gate_up:
       j.loads = tile_loads(ops.x_local, int(t.row_tile), ops.ws_gate, &ops.ws_up, col, 0);
       j.swiglu = true;
-      j.out0 = p.shared_gate, j.out1 = p.shared_up, j.out2 = p.shared_hidden;
-      j.o = {t.row_tile * tm, p.tokens - t.row_tile * tm, gate_up_col0, Is};
+      j.out[0] = &ops.shared_gate, j.out[1] = &ops.shared_up, j.out[2] = &ops.shared_hidden_out;
+      j.row_tile = int(t.row_tile), j.col_box = gate_up_box;
       break;
     case core::TaskKind::shared_down:
       j.loads = tile_loads(ops.shared_hidden, int(t.row_tile), ops.ws_down, nullptr, col, 0);
-      j.out0 = p.shared_out;
-      j.o = {t.row_tile * tm, p.tokens - t.row_tile * tm, down_col0, H};
+      j.out[0] = &ops.shared_out;
+      j.row_tile = int(t.row_tile), j.col_box = down_box;
       break;
     case core::TaskKind::gate_up:
     case core::TaskKind::down: {
       const int64_t first = core::task_first_row(plan, t), ring = core::ring_row(plan, first);
       const int expert = expert_of_row(p.offsets, p.local_experts, first);
+      j.row_tile = int(ring / tm);
       if (t.kind == core::TaskKind::gate_up) {
-        j.loads = tile_loads(ops.ring_x, int(ring / tm), ops.w_gate, &ops.w_up, col, expert);
+        j.loads = tile_loads(ops.ring_x, j.row_tile, ops.w_gate, &ops.w_up, col, expert);
         j.swiglu = true;
-        j.out0 = p.ring_gate, j.out1 = p.ring_up, j.out2 = p.ring_hidden;
-        j.o = {ring, tm, gate_up_col0, I};
+        j.out[0] = &ops.ring_gate, j.out[1] = &ops.ring_up, j.out[2] = &ops.ring_hidden_out;
+        j.col_box = gate_up_box;
       } else {
-        j.loads = tile_loads(ops.ring_hidden, int(ring / tm), ops.w_down, nullptr, col, expert);
-        j.out0 = p.ring_y;
-        j.o = {ring, tm, down_col0, H};
+        j.loads = tile_loads(ops.ring_hidden, j.row_tile, ops.w_down, nullptr, col, expert);
+        j.out[0] = &ops.ring_y;
+        j.col_box = down_box;
       }
       break;
     }
@@ -168,8 +228,10 @@ __device__ inline ComputeJob make_job(const MegakernelLaunch& p, const Operands&
   return j;
 }
 
-// ---- Epilogues ------------------------------------------------------------------------------
+// ---- Epilogue -------------------------------------------------------------------------------
 
+// A row-major store of two adjacent bf16 values of a tile held in registers (the tile tests' and
+// the backward epilogues' plain stores; the forward's tiles go out through TMA boxes).
 __device__ inline void store_pair(bf16* base, const TileOut& o, int r, int c, float v0, float v1) {
   if (r >= o.valid_rows || o.col0 + c >= o.width) return;
   *reinterpret_cast<__nv_bfloat162*>(base + (o.row0 + r) * o.width + o.col0 + c) = __floats2bfloat162_rn(v0, v1);
@@ -177,23 +239,102 @@ __device__ inline void store_pair(bf16* base, const TileOut& o, int r, int c, fl
 
 __device__ inline float round_bf16(float v) { return __bfloat162float(__float2bfloat16_rn(v)); }
 
-// The consumers: writes a finished tile. Gate is the accumulator's left half, up its right half.
-__device__ inline void store_job(const Accumulator& acc, const ComputeJob& j, ActParams act) {
+// A thread's accumulator elements of one 64-column box: elements [kBoxAccumulators b,
+// kBoxAccumulators (b + 1)) hold the tile's columns [64 b, 64 b + 64) (the wgmma layout walks
+// its n8 column blocks last).
+inline constexpr int kBoxAccumulators = kAccumulatorSize * kTileK / kTileN;
+static_assert(AccumulatorToTile{}(0, kBoxAccumulators) == AccumulatorToTile{}(0, 0) + kTileM * kTileK &&
+                  AccumulatorToTile{}(3, 2 * kBoxAccumulators - 1) ==
+                      AccumulatorToTile{}(3, kBoxAccumulators - 1) + kTileM * kTileK,
+              "a 64-column box must be a contiguous run of every thread's accumulator");
+
+// Output boxes of a job: a gate|up tile stores gate, up and hidden for each 64-column half of
+// its 128 columns, a down tile the four 64-column boxes of its 256 columns.
+inline constexpr int kGateUpOutputs = 3;
+__device__ inline int box_count(const ComputeJob& j) {
+  return j.loads.kblocks == 0 ? 0 : j.swiglu ? kGateUpOutputs * kHalfN / kTileK : kTileN / kTileK;
+}
+__device__ inline const Output& box_output(const ComputeJob& j, int k) {
+  return *j.out[j.swiglu ? k % kGateUpOutputs : 0];
+}
+__device__ inline int box_column(const ComputeJob& j, int k) { return j.col_box + (j.swiglu ? k / kGateUpOutputs : k); }
+
+// This consumer thread's part of box `Box` of the tile: value(i) (a float2) is the pair of
+// accumulator elements (i, i + 1), written as bf16 at its place in the swizzled TMA box.
+// The element's address comes from a CuTe tensor over the buffer: the box layout's swizzle
+// applies to shared-memory addresses (BoxLayout{}(r, c) alone is the unswizzled offset). The
+// stores go through the shared window explicitly (st.shared): the buffer's address comes from
+// aligning the dynamic shared memory by integer arithmetic, after which the compiler no longer
+// knows it is shared and would emit generic stores.
+template <int Box, class Value>
+__device__ inline void write_box(Element* box, Value&& value) {
+  TiledMma mma;
+  ThrMMA thr = mma.get_thread_slice(consumer_thread());
+  Tensor coords = thr.partition_C(make_identity_tensor(Shape<Int<kTileM>, Int<kTileN>>{}));
+  Tensor s = make_tensor(make_smem_ptr(box), BoxLayout{});
+  CUTE_UNROLL
+  for (int k = 0; k < kBoxAccumulators; k += 2) {
+    constexpr int first = Box * kBoxAccumulators;
+    const auto [r, c] = coords(first + k);
+    const float2 v = value(first + k);
+    const __nv_bfloat162 pair = __floats2bfloat162_rn(v.x, v.y);
+    const uint32_t at = cast_smem_ptr_to_uint(&s(int(r), int(c) - Box * kTileK));
+    asm volatile("st.shared.b32 [%0], %1;" ::"r"(at), "r"(reinterpret_cast<const uint32_t&>(pair)) : "memory");
+  }
+}
+
+// The consumers: hands a finished tile's output boxes to the store thread, each into the next
+// epilogue buffer once the TMA unit has read that buffer's previous box. `boxes`: their running
+// box count (the store thread's is the same sequence). Gate is the accumulator's left half, up
+// its right half; a box's values are the ones the row-major epilogue stored (bf16 gate and up,
+// the activation of the rounded values in fp32, then rounded).
+__device__ inline void write_job(EpilogueSync& epi, Element (&buffers)[kEpilogueBuffers][kBoxElements], uint32_t& boxes,
+                                 const Accumulator& acc, const ComputeJob& j, ActParams act,
+                                 const PipelineWatch& watch) {
+  auto hand_off = [&](auto write) {
+    const int b = int(boxes % kEpilogueBuffers);
+    if (boxes >= uint32_t(kEpilogueBuffers))
+      wait_phase(&epi.stored[b], (boxes / kEpilogueBuffers - 1) & 1u, watch, watch.stage_bound_ns,
+                 core::PipelineWait::box_stored, j.site);
+    write(buffers[b]);
+    tma_store_fence();  // this thread's shared-memory writes, before the TMA unit reads them
+    EmptyBarrier::arrive(&epi.written[b]);
+    ++boxes;
+  };
   if (j.swiglu) {
     constexpr int up = kAccumulatorSize / 2;
-    for_each_pair<false>([&](int r, int c, int i) {
-      const float g0 = round_bf16(acc(i)), g1 = round_bf16(acc(i + 1));
-      const float u0 = round_bf16(acc(up + i)), u1 = round_bf16(acc(up + i + 1));
-      store_pair(j.out0, j.o, r, c, g0, g1);
-      store_pair(j.out1, j.o, r, c, u0, u1);
-      store_pair(j.out2, j.o, r, c, core::swiglu_forward<float>(g0, u0, act.clamped, act.limit),
-                 core::swiglu_forward<float>(g1, u1, act.clamped, act.limit));
-    });
+    auto gate = [&](int i) { return make_float2(round_bf16(acc(i)), round_bf16(acc(i + 1))); };
+    auto up_value = [&](int i) { return make_float2(round_bf16(acc(up + i)), round_bf16(acc(up + i + 1))); };
+    auto hidden = [&](int i) {
+      const float2 g = gate(i), u = up_value(i);
+      return make_float2(core::swiglu_forward<float>(g.x, u.x, act.clamped, act.limit),
+                         core::swiglu_forward<float>(g.y, u.y, act.clamped, act.limit));
+    };
+    [&]<int... Half>(std::integer_sequence<int, Half...>) {
+      ((hand_off([&](Element* box) { write_box<Half>(box, gate); }),
+        hand_off([&](Element* box) { write_box<Half>(box, up_value); }),
+        hand_off([&](Element* box) { write_box<Half>(box, hidden); })),
+       ...);
+    }(std::make_integer_sequence<int, kHalfN / kTileK>{});
   } else {
-    for_each_pair<true>([&](int r, int c, int i) { store_pair(j.out0, j.o, r, c, acc(i), acc(i + 1)); });
+    auto y = [&](int i) { return make_float2(acc(i), acc(i + 1)); };
+    [&]<int... Box>(std::integer_sequence<int, Box...>) {
+      (hand_off([&](Element* box) { write_box<Box>(box, y); }), ...);
+    }(std::make_integer_sequence<int, kTileN / kTileK>{});
   }
-  fence_generic_to_async();
 }
+
+// The store thread: box `col_box` (64 columns) of row tile `row_tile` of `out`, from `box`.
+__device__ inline void store_box(const Output& out, const Element* box, int row_tile, int col_box) {
+  Tensor m = out.tma.get_tma_tensor(make_shape(out.rows, out.width));
+  Tensor g = local_tile(m, Shape<Int<kTileM>, Int<kTileK>>{}, make_coord(row_tile, _));
+  Tensor s = make_tensor(make_smem_ptr(box), BoxLayout{});
+  auto [tg, ts] = tma_partition(out.tma, Int<0>{}, Layout<_1>{}, group_modes<0, 2>(s), group_modes<0, 2>(g));
+  copy(out.tma, ts, tg(_, col_box));
+}
+
+// The store thread: waits until every bulk store it issued has written global memory.
+__device__ inline void wait_stores_complete() { asm volatile("cp.async.bulk.wait_group 0;" ::: "memory"); }
 
 // ---- Roles ----------------------------------------------------------------------------------
 
@@ -230,72 +371,113 @@ __device__ inline void schedule_tasks(ComputeSmem& sm, const MegakernelLaunch& p
   }
 }
 
-// The TMA thread: loads each published job's k-blocks.
-__device__ inline void load_tasks(ComputeSmem& sm, const PipelineWatch& watch) {
-  TaskQueue& queue = sm.queue;
-  uint32_t loads = 0;
+// A producer thread's job loop (the TMA thread, the store thread): runs each published job
+// until the stop or a failed wait, then arrives on the slot's `finished`. Both threads' TMA
+// touches rows the scheduler thread acquired the counter of (loads read rows other CTAs wrote;
+// stores overwrite ring rows other CTAs read before releasing), through the async proxy: the
+// fence orders it after that acquire, which the thread's wait on `published` follows.
+template <class Run>
+__device__ inline void producer_jobs(TaskQueue& queue, const PipelineWatch& watch, Run&& run) {
   for (uint32_t n = 0;; ++n) {
     const int q = int(n % kTaskSlots);
     if (!wait_phase(&queue.published[q], slot_phase(n), watch, watch.queue_bound_ns,
                     core::PipelineWait::task_published, TaskSite{}))
-      break;
+      return;
     const ComputeJob& job = queue.jobs[q];
     const bool stop = job.stop;
     if (!stop) {
-      // The scheduler thread acquired the rows' counter; this thread's TMA reads them through
-      // the async proxy (its mbarrier wait orders it after that acquire).
       fence_generic_to_async();
-      load_tile(sm.tile, loads, job.loads, watch, job.site);
+      run(job, q);
     }
     EmptyBarrier::arrive(&queue.finished[q]);
-    if (stop) break;
+    if (stop) return;
   }
+}
+
+// The TMA thread: loads each published job's k-blocks.
+__device__ inline void load_tasks(ComputeSmem& sm, const PipelineWatch& watch) {
+  uint32_t loads = 0;
+  producer_jobs(sm.queue, watch,
+                [&](const ComputeJob& job, int) { load_tile(sm.tile, loads, job.loads, watch, job.site); });
   drain_tile_pipeline(sm.tile, loads, watch);
 }
 
-// The 256 consumer threads: compute and store each published job, then release its counter.
-// The leader thread (consumer 0) waits for each job and tells the others through a named
-// barrier, so all consumers see the same job or the same stop and reach the same barriers;
-// then every consumer acquires the (completed) phase itself before it reads the slot.
-__device__ inline void compute_tasks(ComputeSmem& sm, const MegakernelLaunch& p, const core::MegakernelPlan& plan,
-                                     const PipelineWatch& watch, int cta) {
-  __shared__ bool job_ready;
+// The store thread: stores each published job's output boxes as the consumers hand them over,
+// then, once the stores completed, releases the job's counter.
+__device__ inline void store_tasks(ComputeSmem& sm, const MegakernelLaunch& p, const core::MegakernelPlan& plan,
+                                   const PipelineWatch& watch, int cta) {
+  EpilogueSync& epi = sm.epilogue;
+  uint32_t boxes = 0;
+  producer_jobs(sm.queue, watch, [&](const ComputeJob& job, int q) {
+    uint64_t start = global_ns();
+    const int count = box_count(job);
+    for (int k = 0; k < count; ++k, ++boxes) {
+      const int b = int(boxes % kEpilogueBuffers);
+      wait_phase(&epi.written[b], (boxes / kEpilogueBuffers) & 1u, watch, watch.queue_bound_ns,
+                 core::PipelineWait::box_written, job.site);
+      // Read before this box's `stored` arrival, which the leader waits on before it can write
+      // the slot's next start (at least two boxes later).
+      if (k == 0) start = epi.task_start[q];
+      const Output& out = box_output(job, k);
+      const int col_box = box_column(job, k);
+      if (col_box * kTileK < out.width) store_box(out, sm.epilogue_box[b], job.row_tile, col_box);
+      tma_store_arrive();
+      tma_store_wait<0>();  // the TMA unit has read the buffer
+      EmptyBarrier::arrive(&epi.stored[b]);
+    }
+    // The rows are in global memory; the proxy fence orders the TMA's (async-proxy) writes
+    // before the release, for the generic and TMA reads of the CTAs that acquire it.
+    wait_stores_complete();
+    fence_generic_to_async();
+    release_done(p, plan, job.task);
+    record(p.timeline_compute, job.ticket, start, cta, job.task);
+  });
+}
+
+// The 256 consumer threads: compute each published job and hand its outputs to the store
+// thread. The leader thread (consumer 0) waits for each job and tells the others through a
+// named barrier (a flag per slot: the leader writes a slot's next flag only after every consumer
+// passed the barrier that follows its reads of the previous one), so all consumers see the same
+// job or the same stop and reach the same barriers; then every consumer acquires the
+// (completed) phase itself before it reads the slot.
+__device__ inline void compute_tasks(ComputeSmem& sm, const MegakernelLaunch& p, const PipelineWatch& watch) {
+  __shared__ bool job_ready[kTaskSlots];
   TaskQueue& queue = sm.queue;
+  EpilogueSync& epi = sm.epilogue;
   const bool leader = consumer_thread() == 0;
-  uint32_t consumed = 0;
+  uint32_t consumed = 0, boxes = 0;
   Accumulator acc;
   for (uint32_t n = 0;; ++n) {
     const int q = int(n % kTaskSlots);
     if (leader)
-      job_ready = wait_phase(&queue.published[q], slot_phase(n), watch, watch.queue_bound_ns,
-                             core::PipelineWait::task_published, TaskSite{});
+      job_ready[q] = wait_phase(&queue.published[q], slot_phase(n), watch, watch.queue_bound_ns,
+                                core::PipelineWait::task_published, TaskSite{});
     cutlass::arch::NamedBarrier::sync(kConsumerThreads, kConsumerBarrier);
-    if (!job_ready) return;
+    if (!job_ready[q]) return;
     // Complete (the leader saw it): returns at once.
     wait_phase(&queue.published[q], slot_phase(n), watch, watch.queue_bound_ns, core::PipelineWait::task_published,
                TaskSite{});
     const ComputeJob& job = queue.jobs[q];
     if (job.stop) {
+      // Observe the last boxes' `stored` phases (the next boxes' waits observe the others).
+      for (uint32_t m = boxes > uint32_t(kEpilogueBuffers) ? boxes - kEpilogueBuffers : 0; m < boxes; ++m)
+        wait_phase(&epi.stored[m % kEpilogueBuffers], (m / kEpilogueBuffers) & 1u, watch, watch.stage_bound_ns,
+                   core::PipelineWait::box_stored, TaskSite{});
       EmptyBarrier::arrive(&queue.finished[q]);
       return;
     }
     const uint64_t start = global_ns();  // the timeline shows work, not waits
     if (job.loads.kblocks > 0) {
       mma_tile(sm.tile, consumed, job.loads.kblocks, acc, watch, job.site);
-      store_job(acc, job, p.act);
-    }
-    // Every consumer's stores (and proxy fence) precede the leader's release.
-    cutlass::arch::NamedBarrier::sync(kConsumerThreads, kConsumerBarrier);
-    if (leader) {
-      release_done(p, plan, job.task);
-      record(p.timeline_compute, job.ticket, start, cta, job.task);
+      if (leader) epi.task_start[q] = start;  // read by the store thread after the first box
+      write_job(epi, sm.epilogue_box, boxes, acc, job, p.act, watch);
     }
     EmptyBarrier::arrive(&queue.finished[q]);
   }
 }
 
 // A compute CTA: the producer warpgroup gives registers to the consumer warpgroups; warp 0
-// loads, warp 1 schedules, warps 2-3 have no work.
+// loads, warp 1 schedules, warp 2 stores, warp 3 has no work.
 // `cta`: its arrival index (the timeline's CTA column).
 __device__ inline void run_compute_cta(ComputeSmem& sm, const MegakernelLaunch& p, const Operands& ops,
                                        const core::MegakernelPlan& plan, int cta) {
@@ -305,11 +487,12 @@ __device__ inline void run_compute_cta(ComputeSmem& sm, const MegakernelLaunch& 
   const bool lane0 = threadIdx.x % 32 == 0;
   if (is_consumer()) {
     cutlass::arch::warpgroup_reg_alloc<kConsumerRegisters>();
-    compute_tasks(sm, p, plan, watch, cta);
+    compute_tasks(sm, p, watch);
   } else {
     cutlass::arch::warpgroup_reg_dealloc<kProducerRegisters>();
     if (warp == 0 && lane0) load_tasks(sm, watch);
     if (warp == 1 && lane0) schedule_tasks(sm, p, ops, plan, watch);
+    if (warp == 2 && lane0) store_tasks(sm, p, plan, watch, cta);
   }
 }
 
