@@ -3,6 +3,7 @@
 #include "cuda/megakernel/megakernel_backward.hpp"
 
 #include <algorithm>
+#include <cstring>
 #include <sstream>
 #include <utility>
 #include <vector>
@@ -42,11 +43,16 @@ void write_pointer_table(void** table, const PointerValues& values, cudaStream_t
 }
 
 MegakernelBackward::MegakernelBackward(const MoeShape& shape, const MegakernelConfig& config, int world_size,
-                                       int64_t max_tokens, core::ContextMode mode, int num_ctas)
-    : shape_(shape), config_(config), world_(world_size), max_tokens_(max_tokens),
+                                       int64_t max_tokens, core::ContextMode mode, int num_ctas, BackwardRanks ranks)
+    : shape_(shape), config_(config), world_(world_size), ranks_(std::move(ranks)), max_tokens_(max_tokens),
       plan_(gpu_backward_plan(shape, config, world_size, max_tokens, mode)), last_plan_(plan_),
       num_ctas_(num_ctas > 0 ? num_ctas : sm_count()) {
   const int64_t tokens = max_tokens;
+  require(world_size == 1 || (ranks_.barrier && ranks_.barrier_error && ranks_.status_peers && ranks_.own_status &&
+                              ranks_.rank >= 0 && ranks_.rank < world_size),
+          ErrorCode::invalid_argument,
+          "megakernel backward over " + std::to_string(world_size) +
+              " ranks needs the ranks' barrier, its error word, every rank's status slot and a rank below the world size");
   require(megakernel_backward_ctas_per_sm() >= 1, ErrorCode::cuda, "the backward megakernel's CTA does not fit on an SM");
   require(config.num_comm_sms >= 1 && config.num_comm_sms < num_ctas_, ErrorCode::invalid_argument,
           "megakernel backward: num_comm_sms " + std::to_string(config.num_comm_sms) +
@@ -117,23 +123,62 @@ void MegakernelBackward::run(const MegakernelBackwardIo& io, int64_t tokens, cud
   l.control = control_.data();
   MOKA_CUDA_CHECK(cudaMemsetAsync(control_.data(), 0, sizeof(BackwardControl), stream));
   MOKA_CUDA_CHECK(cudaMemsetAsync(counters_.data(), 0, counters_.bytes(), stream));
+  if (world_ == 1) {
+    launch_megakernel_backward(l, stream);
+    launch_backward_epilogue(l, stream);
+    return;
+  }
+  l.barrier_error = ranks_.barrier_error;
+  ranks_.barrier(stream);  // every rank's d_out, route weights (and x) written; its slots free
   launch_megakernel_backward(l, stream);
+  publish_status(&control_.data()->base, ranks_.own_status, stream);
+  ranks_.barrier(stream);  // every push into this rank's slots landed; no peer pulls from it any more
+  launch_backward_epilogue(l, stream);
+  note_missing_peer(ranks_.barrier_error, ranks_.own_status, stream);
+  merge_status(ranks_.status_peers, world_, merged_.device(), stream);
 }
 
-void MegakernelBackward::check_errors() {
-  const BackwardControl c = control_.download()[0];
+void MegakernelBackward::throw_own_failure(const BackwardControl& c, const std::string& prefix) const {
   const core::MegakernelStatus& s = c.base.status;
-  if (s.code == core::StatusCode::ok) return;
-  MOKA_CUDA_CHECK(cudaMemset(control_.data(), 0, control_.bytes()));  // each failure is raised once
   if (s.code == core::StatusCode::timeout && c.wait.kind != core::BackwardTaskKind::none) {
     const core::BackwardTask task{c.wait.kind, c.wait.step, c.wait.row_tile, c.wait.col_tile, c.wait.segment};
     std::ostringstream os;
-    os << "megakernel backward: " << core::describe(last_plan_, task) << " timed out after " << config_.spin_timeout_seconds
+    os << prefix << core::describe(last_plan_, task) << " timed out after " << config_.spin_timeout_seconds
        << " s waiting for " << core::to_string(c.wait.counter) << " " << c.wait.at << " to reach " << c.wait.target
        << ", saw " << c.wait.observed;
     throw Error(ErrorCode::timeout, os.str());
   }
-  core::throw_megakernel_status(s, config_);
+  try {
+    core::throw_megakernel_status(s, config_);
+  } catch (const Error& e) {
+    // what() starts with the code's name, which the new Error puts in front again.
+    throw Error(e.code(), prefix + std::string(e.what()).substr(std::strlen(to_string(e.code())) + 2));
+  }
+}
+
+void MegakernelBackward::check_errors() {
+  const BackwardControl c = control_.download()[0];
+  if (world_ == 1) {
+    if (c.base.status.code == core::StatusCode::ok) return;
+    MOKA_CUDA_CHECK(cudaMemset(control_.data(), 0, control_.bytes()));  // each failure is raised once
+    throw_own_failure(c, "megakernel backward: ");
+  }
+  const MergedStatus merged = merged_.load();
+  if (merged.rank < 0) return;
+  merged_.store(MergedStatus{});
+  MOKA_CUDA_CHECK(cudaMemset(control_.data(), 0, control_.bytes()));
+  const std::string who = "megakernel backward: rank " + std::to_string(merged.rank) + ": ";
+  if (merged.status.code == core::StatusCode::peer_missing) {
+    std::ostringstream os;
+    os << who << "rank " << merged.status.source_rank << " did not arrive at the backward's device barrier within "
+       << config_.spin_timeout_seconds << " s; this call's gradients are incomplete";
+    throw Error(ErrorCode::timeout, os.str());
+  }
+  // This rank's own failure names its task; a peer's is its status word.
+  if (merged.rank == ranks_.rank) throw_own_failure(c, who);
+  BackwardControl peer;
+  peer.base.status = merged.status;
+  throw_own_failure(peer, who);
 }
 
 }  // namespace moka::cuda

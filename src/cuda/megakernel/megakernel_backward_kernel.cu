@@ -551,8 +551,18 @@ __global__ void __launch_bounds__(kThreads, 1) backward_megakernel(const __grid_
 }
 
 // One thread: the segment table of this call's rows (the plan's own fill functions), or the
-// capacity failure in the status word (every CTA of the megakernel then leaves at once).
+// failure in the status word (every CTA of the megakernel then leaves at once): at EP > 1 an
+// opening barrier that timed out (the peers' d_out, weights and slots may still be in use, so
+// nothing is pulled or pushed), else a schedule over capacity.
 __global__ void build_segments_kernel(const MegakernelBackwardLaunch p) {
+  const uint64_t missing = p.barrier_error ? *reinterpret_cast<const volatile uint64_t*>(p.barrier_error) : 0;
+  if (missing != 0) {
+    core::MegakernelStatus s;
+    s.code = core::StatusCode::peer_missing;
+    s.source_rank = static_cast<int64_t>(missing) - 1;
+    report(&p.control->base, s);
+    return;
+  }
   const int64_t rows = p.io.offsets[p.local_experts];
   if (!core::fits_capacity(p.plan, rows)) {
     core::MegakernelStatus s;
@@ -566,6 +576,15 @@ __global__ void build_segments_kernel(const MegakernelBackwardLaunch p) {
   for (int64_t e = 0; e <= p.local_experts; ++e) p.expert_offset[e] = p.io.offsets[e];
   const int64_t count = core::fill_weight_grad_segments(plan, p.expert_offset, p.local_experts, p.segments);
   core::fill_segment_steps(plan, p.segments, count, p.first_of_step);
+}
+
+__global__ void note_missing_peer_kernel(const uint64_t* barrier_error, core::MegakernelStatus* slot) {
+  const uint64_t missing = *reinterpret_cast<const volatile uint64_t*>(barrier_error);
+  if (missing == 0 || slot->code != core::StatusCode::ok) return;
+  core::MegakernelStatus s;
+  s.code = core::StatusCode::peer_missing;
+  s.source_rank = static_cast<int64_t>(missing) - 1;
+  *slot = s;
 }
 
 // After the kernel (and, at EP > 1, the barrier): d_x = shared dx + sum_j slots[t*k+j] in fp32,
@@ -652,7 +671,15 @@ void launch_megakernel_backward(const MegakernelBackwardLaunch& launch, cudaStre
   MOKA_CUDA_CHECK_LAUNCH();
   mk::launch_cooperative(mk::backward_megakernel, params, launch.num_ctas, mk::kThreads,
                          megakernel_backward_smem_bytes(), stream);
+}
+
+void launch_backward_epilogue(const MegakernelBackwardLaunch& launch, cudaStream_t stream) {
   mk::backward_epilogue_kernel<<<256, 256, 0, stream>>>(launch);
+  MOKA_CUDA_CHECK_LAUNCH();
+}
+
+void note_missing_peer(const uint64_t* barrier_error, core::MegakernelStatus* own_slot, cudaStream_t stream) {
+  mk::note_missing_peer_kernel<<<1, 1, 0, stream>>>(barrier_error, own_slot);
   MOKA_CUDA_CHECK_LAUNCH();
 }
 
