@@ -16,6 +16,7 @@
 #include <cmath>
 #include <cstring>
 #include <exception>
+#include <initializer_list>
 #include <memory>
 #include <numeric>
 #include <random>
@@ -105,12 +106,12 @@ bool same_bits(const Gradients& a, const Gradients& b) {
          eq(a.d_topk_weights, b.d_topk_weights);
 }
 
-// How the ranks of a run are launched: CTAs per rank, and a rank that starts late (the host
-// sleeps before it enqueues that rank's call: a rank that stopped for a while).
+// How the ranks of a run are launched.
 struct RankLaunch {
-  int num_ctas = 0;
-  int late_rank = -1;
+  int num_ctas = 0;  // CTAs per rank (0: one per SM)
+  int late_rank = -1;  // the host sleeps late_ms before it enqueues this rank's call (a rank that stops)
   int late_ms = 0;
+  int impatient_rank = -1;  // this rank's kernel bounds its waits by 1 ns (its barriers keep the config's bound)
 };
 
 // One rank's gradients of a run, or the error its check_errors raised.
@@ -202,11 +203,11 @@ class BackwardCase {
       region_ptrs.push_back(regions.back().data());
     }
     const DeviceArray<uint64_t*> region_table = on_device(region_ptrs);
-    DeviceArray<core::MegakernelStatus> status(static_cast<size_t>(world_));
+    DeviceArray<BackwardStatus> status(static_cast<size_t>(world_));
     MOKA_CUDA_CHECK(cudaMemset(status.data(), 0, status.bytes()));
-    std::vector<core::MegakernelStatus*> status_ptrs;
+    std::vector<BackwardStatus*> status_ptrs;
     for (int r = 0; r < world_; ++r) status_ptrs.push_back(status.data() + r);
-    const DeviceArray<core::MegakernelStatus*> status_table = on_device(status_ptrs);
+    const DeviceArray<BackwardStatus*> status_table = on_device(status_ptrs);
 
     std::vector<std::unique_ptr<MegakernelBackward>> kernels;
     std::vector<cudaStream_t> streams(static_cast<size_t>(world_));
@@ -215,13 +216,15 @@ class BackwardCase {
       if (world_ > 1) {
         const comm::BarrierView view{region_table.data(), r, world_,
                                      static_cast<uint64_t>(config.spin_timeout_seconds * 1e9)};
-        ranks.rank = r;
         ranks.barrier = [view](cudaStream_t s) { comm::launch_device_barrier(view, s); };
         ranks.barrier_error = region_ptrs[r] + comm::barrier_error_word(world_);
         ranks.status_peers = status_table.data();
         ranks.own_status = status_ptrs[r];
       }
-      kernels.push_back(std::make_unique<MegakernelBackward>(s_, config, world_, T_, mode, launch.num_ctas, ranks));
+      MegakernelConfig rank_config = config;
+      if (r == launch.impatient_rank) rank_config.spin_timeout_seconds = 1e-9;
+      kernels.push_back(
+          std::make_unique<MegakernelBackward>(s_, rank_config, world_, T_, mode, launch.num_ctas, ranks));
       MOKA_CUDA_CHECK(cudaStreamCreateWithFlags(&streams[r], cudaStreamNonBlocking));
     }
     MOKA_CUDA_CHECK(cudaDeviceSynchronize());  // allocations and zeroing done before any call
@@ -636,6 +639,23 @@ TEST(MegakernelBackwardTwoRanks, BitsDoNotDependOnSplitsOrBatchSizes) {
   for (int r = 0; r < 2; ++r) EXPECT_TRUE(same_bits(replay[r], replay_other[r])) << "replay, rank " << r;
 }
 
+// Each rank raised a timeout whose message holds every one of `parts`.
+void expect_timeouts(const std::vector<RankResult>& results, std::initializer_list<const char*> parts) {
+  for (size_t r = 0; r < results.size(); ++r) {
+    if (!results[r].error) {
+      ADD_FAILURE() << "rank " << r << " reported no failure";
+      continue;
+    }
+    try {
+      std::rethrow_exception(results[r].error);
+    } catch (const Error& e) {
+      EXPECT_EQ(e.code(), ErrorCode::timeout) << "rank " << r << ": " << e.what();
+      for (const char* part : parts)
+        EXPECT_NE(std::string(e.what()).find(part), std::string::npos) << "rank " << r << ", no '" << part << "' in: " << e.what();
+    }
+  }
+}
+
 // Rank 1 starts 2 s late with a 0.5 s bound: rank 0's barriers time out (its kernel pulls and
 // pushes nothing) and both ranks raise a timeout naming rank 1, rank 1 from rank 0's status slot
 // once it arrives; neither waits longer than the bound plus the delay. The next call works.
@@ -643,17 +663,18 @@ TEST(MegakernelBackwardTwoRanks, ARankThatStopsIsReportedByEveryRank) {
   BackwardCase c = two_rank_uniform(0xbac2005ull);
   const int ctas = ctas_per_rank();
   const auto start = std::chrono::steady_clock::now();
-  const std::vector<RankResult> results = c.run_ranks(config(1, 128, 256, 0.5), {ctas, 1, 2000});
+  expect_timeouts(c.run_ranks(config(1, 128, 256, 0.5), {ctas, 1, 2000}), {"rank 0: rank 1 did not arrive"});
   EXPECT_LT(std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count(), 10.0);
-  for (int r = 0; r < 2; ++r) {
-    ASSERT_TRUE(results[r].error) << "rank " << r << " reported no failure";
-    try {
-      std::rethrow_exception(results[r].error);
-    } catch (const Error& e) {
-      EXPECT_EQ(e.code(), ErrorCode::timeout) << e.what();
-      EXPECT_NE(std::string(e.what()).find("rank 1 did not arrive"), std::string::npos) << "rank " << r << ": " << e.what();
-    }
-  }
+  c.expect_close(c.run_all(config(1, 128, 256), ctas));
+}
+
+// Rank 1's kernel bounds its waits by 1 ns: a wait not satisfied at its first read times out
+// there, while rank 0 runs to the end. Both ranks raise rank 1's timeout naming its task and
+// counter (its status slot carries the wait report).
+TEST(MegakernelBackwardTwoRanks, APeersTimedOutWaitIsReportedByEveryRank) {
+  BackwardCase c = two_rank_uniform(0xbac2006ull);
+  const int ctas = ctas_per_rank();
+  expect_timeouts(c.run_ranks(config(1, 128, 256), {ctas, -1, 0, 1}), {"rank 1: ", "timed out after", "waiting for"});
   c.expect_close(c.run_all(config(1, 128, 256), ctas));
 }
 

@@ -36,6 +36,16 @@ struct BackwardControl {
   MegakernelControl base;  // arrivals, tickets, first-failure claim and status (pipeline waits)
   BackwardWaitReport wait;
 };
+// A rank's first failure as every rank reads it (EP > 1: each rank's symmetric slot).
+struct BackwardStatus {
+  core::MegakernelStatus status;
+  BackwardWaitReport wait;
+};
+// The lowest failing rank's status, merged on the device into mapped host memory.
+struct MergedBackwardStatus {
+  int32_t rank = -1;  // -1: no rank failed
+  BackwardStatus failure;
+};
 
 // What one backward call reads and writes (device pointers). Peers' arrays have world_size
 // entries; at EP = 1 they hold this rank's own buffers.
@@ -113,10 +123,6 @@ void launch_megakernel_backward(const MegakernelBackwardLaunch& launch, cudaStre
 // for experts without rows: after the kernel and, at EP > 1, the closing barrier (every push
 // landed).
 void launch_backward_epilogue(const MegakernelBackwardLaunch& launch, cudaStream_t stream);
-// After the closing barrier: when it (or the opening one) timed out and this rank's slot holds no
-// failure of its own, writes peer_missing naming the rank that did not arrive into the slot, so
-// a rank that arrives late finds the call failed in the merged status too.
-void note_missing_peer(const uint64_t* barrier_error, core::MegakernelStatus* own_slot, cudaStream_t stream);
 size_t megakernel_backward_smem_bytes();
 // Sets the kernel's shared-memory attribute (once, outside any graph capture) and returns how
 // many CTAs fit on one SM (must be >= 1: one CTA per SM, all resident).
@@ -134,12 +140,11 @@ void write_pointer_table(void** table, const PointerValues& values, cudaStream_t
 // peer: its pulls read peer buffers the opening barrier froze and its pushes write peer slots
 // nobody reads before the closing barrier, so the ranks' kernels need not be resident together.
 struct BackwardRanks {
-  int rank = 0;
   // Enqueues a bounded device barrier among the ranks on the stream (capturable).
   std::function<void(cudaStream_t)> barrier;
   const uint64_t* barrier_error = nullptr;  // device: the barrier's error word (0, or 1 + missing rank)
-  core::MegakernelStatus* const* status_peers = nullptr;  // device table [world]: every rank's status slot
-  core::MegakernelStatus* own_status = nullptr;           // this rank's slot (status_peers[rank])
+  BackwardStatus* const* status_peers = nullptr;  // device table [world]: every rank's status slot
+  BackwardStatus* own_status = nullptr;           // this rank's slot (status_peers[rank])
 };
 
 // Owner of the backward's workspace for one shape, config, context mode and up to `max_tokens`
@@ -151,7 +156,9 @@ struct BackwardRanks {
 //   zero control and counters -> barrier (pull sources frozen; the peers' slots free) ->
 //   segment table (a barrier timeout -> peer_missing: the kernel pulls nothing) -> kernel ->
 //   status into this rank's slot -> barrier (every push landed, every pull of this rank done) ->
-//   d_x sum -> missing-peer note -> every rank's status merged into mapped host memory.
+//   d_x sum -> missing-peer note (a barrier that timed out, into this rank's slot if it holds no
+//   failure of its own, so a rank arriving late finds the call failed too) -> every rank's status
+//   merged into mapped host memory.
 class MegakernelBackward {
  public:
   // num_ctas 0: one CTA per SM. config.tile_rows must be 128 (the GEMM core's tile). world_size
@@ -171,7 +178,7 @@ class MegakernelBackward {
   void check_errors();
 
  private:
-  void throw_own_failure(const BackwardControl& c, const std::string& prefix) const;
+  void throw_failure(const BackwardStatus& failure, const std::string& prefix) const;
 
   MoeShape shape_;
   MegakernelConfig config_;
@@ -185,7 +192,7 @@ class MegakernelBackward {
   DeviceArray<int64_t> expert_offset_, first_of_step_, counters_;
   DeviceArray<core::WeightGradSegment> segments_;
   DeviceArray<BackwardControl> control_;
-  PinnedWord<MergedStatus> merged_;  // EP > 1: every rank's first failure, merged on the device
+  PinnedWord<MergedBackwardStatus> merged_;  // EP > 1: every rank's first failure, merged on the device
 };
 
 }  // namespace moka::cuda

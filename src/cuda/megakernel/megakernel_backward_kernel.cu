@@ -578,15 +578,6 @@ __global__ void build_segments_kernel(const MegakernelBackwardLaunch p) {
   core::fill_segment_steps(plan, p.segments, count, p.first_of_step);
 }
 
-__global__ void note_missing_peer_kernel(const uint64_t* barrier_error, core::MegakernelStatus* slot) {
-  const uint64_t missing = *reinterpret_cast<const volatile uint64_t*>(barrier_error);
-  if (missing == 0 || slot->code != core::StatusCode::ok) return;
-  core::MegakernelStatus s;
-  s.code = core::StatusCode::peer_missing;
-  s.source_rank = static_cast<int64_t>(missing) - 1;
-  *slot = s;
-}
-
 // After the kernel (and, at EP > 1, the barrier): d_x = shared dx + sum_j slots[t*k+j] in fp32,
 // j in order; zero weight gradients for experts without rows (they have no weight-gradient task).
 __global__ void backward_epilogue_kernel(const MegakernelBackwardLaunch p) {
@@ -678,9 +669,5 @@ void launch_backward_epilogue(const MegakernelBackwardLaunch& launch, cudaStream
   MOKA_CUDA_CHECK_LAUNCH();
 }
 
-void note_missing_peer(const uint64_t* barrier_error, core::MegakernelStatus* own_slot, cudaStream_t stream) {
-  mk::note_missing_peer_kernel<<<1, 1, 0, stream>>>(barrier_error, own_slot);
-  MOKA_CUDA_CHECK_LAUNCH();
-}
 
 }  // namespace moka::cuda

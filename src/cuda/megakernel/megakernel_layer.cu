@@ -349,7 +349,7 @@ struct MegakernelContext final : MoeContext {
 struct BackwardSymmetric {
   BackwardSymmetric(DeviceGroup* group, const MoeShape& s, int64_t max_tokens)
       : d_out(group, max_tokens * s.hidden * sizeof(bf16)), weights(group, max_tokens * s.top_k * sizeof(float)),
-        d_topk_weights(group, max_tokens * s.top_k * sizeof(float)), status(group, sizeof(core::MegakernelStatus)) {}
+        d_topk_weights(group, max_tokens * s.top_k * sizeof(float)), status(group, sizeof(BackwardStatus)) {}
   SymmetricBuffers d_out, weights, d_topk_weights, status;
 };
 
@@ -374,13 +374,12 @@ class MegakernelMoeLayer final : public MoeLayer {
     }
     symmetric_ = std::make_unique<BackwardSymmetric>(group, shape, options.max_tokens);
     BackwardRanks ranks;
-    ranks.rank = group->rank();
     ranks.barrier = [group, timeout = config.spin_timeout_seconds](cudaStream_t s) {
       group->device_barrier(s, timeout);
     };
     ranks.barrier_error = static_cast<const uint64_t*>(group->device_barrier_error());
-    ranks.status_peers = symmetric_->status.peers<core::MegakernelStatus>();
-    ranks.own_status = symmetric_->status.local<core::MegakernelStatus>();
+    ranks.status_peers = symmetric_->status.peers<BackwardStatus>();
+    ranks.own_status = symmetric_->status.local<BackwardStatus>();
     backward_ = std::make_unique<MegakernelBackward>(shape, config, world, options.max_tokens, mode, 0,
                                                      std::move(ranks));
   }
