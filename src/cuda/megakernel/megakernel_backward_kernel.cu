@@ -669,5 +669,4 @@ void launch_backward_epilogue(const MegakernelBackwardLaunch& launch, cudaStream
   MOKA_CUDA_CHECK_LAUNCH();
 }
 
-
 }  // namespace moka::cuda
