@@ -567,7 +567,12 @@ TEST(MegakernelBackward, WaitTimeoutIsReported) {
 // Each rank's call gets half the SMs. The two kernels never wait on each other (pulls read
 // buffers the opening barrier froze, pushes land in slots read after the closing barrier), so
 // they are correct run one after the other too; the CTA count lets both grids be resident at
-// once, so the pushes of one rank land while the other computes, as on two GPUs.
+// once, so the pushes of one rank land while the other computes, as on two GPUs. The barrier
+// kernels do wait on each other, so these tests cannot run under compute-sanitizer (it
+// serializes kernels: every barrier times out); the sanitizers cover the EP = 1 cases. Run
+// alone in a fresh process (as ctest runs each test), the first test here also checks that
+// MegakernelBackward loads its kernels before a call (load_megakernel_backward_kernels): a
+// lazily loaded kernel's first launch waited out the other rank's 10 s barrier.
 int ctas_per_rank() {
   int device = 0, sms = 0;
   MOKA_CUDA_CHECK(cudaGetDevice(&device));

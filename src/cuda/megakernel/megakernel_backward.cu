@@ -82,6 +82,14 @@ MegakernelBackward::MegakernelBackward(const MoeShape& shape, const MegakernelCo
           "megakernel backward over " + std::to_string(world_size) +
               " ranks needs the ranks' barrier, its error word and every rank's status slot");
   require(megakernel_backward_ctas_per_sm() >= 1, ErrorCode::cuda, "the backward megakernel's CTA does not fit on an SM");
+  // Every kernel a call enqueues is loaded now, not at its first launch after a barrier
+  // (load_megakernel_backward_kernels says why).
+  load_megakernel_backward_kernels();
+  cudaFuncAttributes attributes;
+  for (const void* kernel : {reinterpret_cast<const void*>(publish_status_kernel),
+                             reinterpret_cast<const void*>(note_missing_peer_kernel),
+                             reinterpret_cast<const void*>(merge_status_kernel)})
+    MOKA_CUDA_CHECK(cudaFuncGetAttributes(&attributes, kernel));
   require(config.num_comm_sms >= 1 && config.num_comm_sms < num_ctas_, ErrorCode::invalid_argument,
           "megakernel backward: num_comm_sms " + std::to_string(config.num_comm_sms) +
               " must be >= 1 and leave a compute CTA of " + std::to_string(num_ctas_));

@@ -124,6 +124,12 @@ void launch_megakernel_backward(const MegakernelBackwardLaunch& launch, cudaStre
 // landed).
 void launch_backward_epilogue(const MegakernelBackwardLaunch& launch, cudaStream_t stream);
 size_t megakernel_backward_smem_bytes();
+// Loads the kernels launch_megakernel_backward and launch_backward_epilogue enqueue (outside any
+// graph capture). With lazy module loading (CUDA's default) a kernel's first launch loads its
+// module, which can wait for the device: while an earlier barrier on another stream spins on a
+// rank whose work this host thread has not enqueued yet, that wait lasts until the barrier times
+// out (two ranks driven by one thread, as the one-GPU test does).
+void load_megakernel_backward_kernels();
 // Sets the kernel's shared-memory attribute (once, outside any graph capture) and returns how
 // many CTAs fit on one SM (must be >= 1: one CTA per SM, all resident).
 int megakernel_backward_ctas_per_sm();

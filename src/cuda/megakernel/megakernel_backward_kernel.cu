@@ -655,6 +655,13 @@ int megakernel_backward_ctas_per_sm() {
   return ctas;
 }
 
+void load_megakernel_backward_kernels() {
+  cudaFuncAttributes attributes;
+  MOKA_CUDA_CHECK(cudaFuncGetAttributes(&attributes, mk::build_segments_kernel));
+  MOKA_CUDA_CHECK(cudaFuncGetAttributes(&attributes, mk::backward_megakernel));
+  MOKA_CUDA_CHECK(cudaFuncGetAttributes(&attributes, mk::backward_epilogue_kernel));
+}
+
 void launch_megakernel_backward(const MegakernelBackwardLaunch& launch, cudaStream_t stream) {
   static_assert(sizeof(mk::BackwardParams) <= 32764, "kernel parameters must fit the 32 KiB limit");
   const mk::BackwardParams params{launch, mk::make_operands(launch)};
