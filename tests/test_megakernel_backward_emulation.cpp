@@ -200,6 +200,26 @@ TEST(MegakernelBackward, RankReceivingNothingHasZeroExpertGradients) {
   expect_outputs(megakernel, reference, {true, false}, "rank 1 receives nothing");
 }
 
+// EP = 2 with every route crossing ranks (rank r's tokens on rank 1 - r's experts): every row
+// is pulled from and pushed to the other rank, and each expert's rows come from one source in
+// slot order, the reference's order, so every output, routed dW included, is bitwise the
+// reference's in both modes and with carries across macrobatches.
+TEST(MegakernelBackward, CrossRankRoutesAreBitwiseTheReference) {
+  const auto s = shape();
+  for (const auto mode : {ContextMode::resident, ContextMode::replay}) {
+    auto reference = random_rank_buffers<double>(s, 2, 13, 5, core::RoutingKind::uniform);
+    for (size_t r = 0; r < reference.size(); ++r)
+      for (int64_t t = 0; t < reference[r].tokens; ++t)
+        for (int64_t j = 0; j < s.top_k; ++j)
+          reference[r].topk_ids[t * s.top_k + j] = static_cast<int32_t>((1 - r) * 4 + (t + j) % 4);
+    auto megakernel = reference;
+    run_reference(s, reference);
+    const auto results = run_megakernel(s, megakernel, options(mode, 2, 2, 4, 8));
+    for (const auto& result : results) EXPECT_GT(result.plan.num_macrobatches, 1);
+    expect_outputs(megakernel, reference, {true, true}, std::string("cross-rank routes, ") + core::to_string(mode));
+  }
+}
+
 TEST(MegakernelBackward, BitwiseAcrossWorkersMinibatchesMacrobatchesAndModes) {
   const auto s = shape();
   const auto inputs = random_rank_buffers<float>(s, 2, 21, 5, core::RoutingKind::zipf);

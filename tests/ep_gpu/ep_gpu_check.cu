@@ -1,7 +1,9 @@
 // GPU checks of the device group, run as N worker processes on N GPUs:
 //   moka launch -n 2 -- build/tests/moka_ep_gpu_check
 // NCCL all-to-all-v with random sizes, symmetric memory loads and stores across GPUs ordered by
-// the device barrier, barrier replay in a CUDA graph, and a barrier timeout naming the rank.
+// the device barrier, barrier replay in a CUDA graph, and a barrier timeout naming the rank; the
+// layer on the all-to-all path and on the megakernel path (forward and backward megakernels)
+// against the fp64 CPU reference of the group.
 #include <cuda_runtime.h>
 
 #include <cstdio>
@@ -153,6 +155,19 @@ std::vector<cpu::LayerBuffers<double>> reference_of(const MoeShape& s, std::vect
   return ranks;
 }
 
+// Out and every gradient this rank's GPU case holds, within 2e-2 relative error of its reference.
+void outputs_match(const gpu_test::GpuCase& c, const cpu::LayerBuffers<double>& ref, const char* name, int me) {
+  const char* names[] = {"out", "d_x", "d_topk_weights", "d_w_gate", "d_w_up", "d_w_down", "d_ws_gate", "d_ws_up", "d_ws_down"};
+  const auto got = c.download();
+  const auto g_out = got.outputs();
+  const auto r_out = ref.outputs();
+  for (size_t i = 0; i < g_out.size(); ++i) {
+    if (r_out[i]->empty()) continue;
+    const double e = cpu::max_rel_error(*g_out[i], *r_out[i]);
+    check(e <= 2e-2, std::string(name) + ": " + names[i] + " relative error " + std::to_string(e), me);
+  }
+}
+
 // The expert-parallel CUDA layer (NCCL all-to-all path) against the fp64 CPU reference of the
 // same group, forward and every gradient, with poisoned outputs; then 3 more runs bitwise equal.
 void layer_matches_reference(ProcessGroup& host, const MoeShape& s, int64_t T, Skew skew, const char* name) {
@@ -169,15 +184,7 @@ void layer_matches_reference(ProcessGroup& host, const MoeShape& s, int64_t T, S
     MOKA_CUDA_CHECK(cudaDeviceSynchronize());
   };
   run();
-  const auto got = c.download();
-  const char* names[] = {"out", "d_x", "d_topk_weights", "d_w_gate", "d_w_up", "d_w_down", "d_ws_gate", "d_ws_up", "d_ws_down"};
-  const auto g_out = got.outputs();
-  const auto r_out = ref[me].outputs();
-  for (size_t i = 0; i < g_out.size(); ++i) {
-    if (r_out[i]->empty()) continue;
-    const double e = cpu::max_rel_error(*g_out[i], *r_out[i]);
-    check(e <= 2e-2, std::string(name) + ": " + names[i] + " relative error " + std::to_string(e), me);
-  }
+  outputs_match(c, ref[me], name, me);
   const auto bits = c.output_bytes();
   bool same = true;
   for (int i = 0; i < 3; ++i) {
@@ -325,31 +332,42 @@ void megakernel_input_errors_are_reported_everywhere(ProcessGroup& host, DeviceG
   host.barrier();
 }
 
-// The megakernel path of MoeLayer over the group, forward and backward (its backward runs the
-// all-to-all path's forward stages on the context's inputs, then its backward), against the
-// all-to-all path on the same inputs: out and every gradient bit for bit.
-void megakernel_path_matches_all_to_all_bitwise(ProcessGroup& host, DeviceGroup& g, const MoeShape& s, int64_t T,
-                                                const char* name) {
+// The megakernel path of MoeLayer over the group, forward and backward through both megakernels
+// (resident context when the forward's ring holds every row, replay when `macrobatch` is
+// smaller), against the fp64 CPU reference of the same group: out and every gradient, on
+// poisoned outputs; then the same bits in another run and in every replay of fwd+bwd captured
+// in one CUDA graph.
+void megakernel_path_matches_reference(ProcessGroup& host, DeviceGroup& g, const MoeShape& s, int64_t T, Skew skew,
+                                       int64_t macrobatch, const char* name) {
   const int me = host.rank();
-  gpu_test::GpuCase c(group_inputs(s, host.size(), T, 41 + T, Skew::zipf)[me]);
+  auto ranks = group_inputs(s, host.size(), T, 41 + T, skew);
+  const auto ref = reference_of(s, ranks, true);
+  gpu_test::GpuCase c(ranks[me]);
   c.upload();
-  auto run = [&](MoeLayer& layer) {
+  auto mk = make_moe_layer(s, &g, gpu_test::megakernel_options(megakernel_config(16, 256, macrobatch), T));
+  auto step = [&](Stream stream) {
+    auto ctx = mk->forward(c.inputs(), c.weights(), c.out_view(), stream);
+    mk->backward(*ctx, c.d_out_view(), c.weights(), c.gradients(), stream);
+  };
+  auto run = [&] {
     c.poison();
-    auto ctx = layer.forward(c.inputs(), c.weights(), c.out_view(), Stream{});
-    layer.backward(*ctx, c.d_out_view(), c.weights(), c.gradients(), Stream{});
+    step(Stream{});
     MOKA_CUDA_CHECK(cudaDeviceSynchronize());
-    layer.check_errors();
+    mk->check_errors();
     return c.output_bytes();
   };
-  LayerOptions all_to_all{128, 0};
-  all_to_all.path = LayerPath::all_to_all;
-  auto staged = make_moe_layer(s, &g, all_to_all);
-  const auto want = run(*staged);
-  staged.reset();
-  auto mk = make_moe_layer(s, &g, gpu_test::megakernel_options(megakernel_config(16, 256, 1024), T));
-  bool same = mk->megakernel() != nullptr;
-  for (int i = 0; i < 2; ++i) same &= run(*mk) == want;
-  check(same, std::string(name) + ": megakernel path forward and every gradient equal the all-to-all path's bits", me);
+  check(mk->megakernel() != nullptr, std::string(name) + ": the layer takes the megakernel path", me);
+  const auto bits = run();
+  outputs_match(c, ref[me], name, me);
+  check(run() == bits, std::string(name) + ": another fwd+bwd gives identical bits", me);
+  bool replayed = true;
+  c.poison();
+  gpu_test::replay_in_graph(step, 3, [&](int) {
+    mk->check_errors();
+    replayed &= c.output_bytes() == bits;
+    c.poison();
+  });
+  check(replayed, std::string(name) + ": fwd+bwd replayed in one CUDA graph gives the same bits", me);
   host.barrier();
 }
 
@@ -418,10 +436,16 @@ int main() {
                                  1, Skew::uniform, "megakernel, T=1 k=8 clamped");
     megakernel_matches_reference(*host, *g, MoeShape{2048, 768, 8 * int64_t(rv.world_size), 8, 0, Activation::swiglu, 7.0f},
                                  1000, Skew::zipf, "megakernel, qwen3-30b dims zipf");
-    megakernel_path_matches_all_to_all_bitwise(*host, *g, shaped, 300, "megakernel path, shared expert");
-    megakernel_path_matches_all_to_all_bitwise(
+    megakernel_path_matches_reference(*host, *g, shaped, 300, Skew::uniform, 1 << 20,
+                                      "megakernel fwd+bwd, resident, uniform");
+    megakernel_path_matches_reference(*host, *g, shaped, 300, Skew::zipf, 512, "megakernel fwd+bwd, replay, zipf");
+    megakernel_path_matches_reference(*host, *g, shaped, 77, Skew::all_to_rank0, 1 << 20,
+                                      "megakernel fwd+bwd, a rank receiving nothing");
+    megakernel_path_matches_reference(*host, *g, shaped, 77, Skew::all_to_rank0, 256,
+                                      "megakernel fwd+bwd, replay, a rank receiving nothing");
+    megakernel_path_matches_reference(
         *host, *g, MoeShape{512, 256, 8 * int64_t(rv.world_size), 8, 0, Activation::swiglu_clamped, 7.0f}, 1,
-        "megakernel path, T=1 k=8 clamped");
+        Skew::uniform, 1 << 20, "megakernel fwd+bwd, T=1 k=8 clamped");
     megakernel_input_errors_are_reported_everywhere(*host, *g);
     symmetric_stores_are_visible_after_the_barrier(*g);
     barrier_replays_in_a_cuda_graph(*g);

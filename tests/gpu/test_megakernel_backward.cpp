@@ -1,24 +1,32 @@
-// The backward megakernel at EP = 1 (cuda/megakernel/megakernel_backward.hpp): every gradient
-// (d_x, d_topk_weights, the routed experts' dW_gate/up/down and the shared expert's) against an
-// fp64 backward of the same bf16 inputs, on outputs poisoned with NaN bits first; the same bits
-// across SM splits and minibatch/macrobatch sizes; a bounded wait that times out is reported.
+// The backward megakernel (cuda/megakernel/megakernel_backward.hpp) at EP = 1 and at EP = 2 with
+// both ranks on one GPU: every gradient (d_x, d_topk_weights, the routed experts' dW_gate/up/down
+// and the shared expert's) against an fp64 backward of the same bf16 inputs, on outputs poisoned
+// with NaN bits first; the same bits across SM splits and minibatch/macrobatch sizes; a bounded
+// wait that times out and a rank that stops are reported.
 //
 // The saved context is made on the host as the forward leaves it in resident mode: the
 // expert-grouped rows of x, g = x W_gate^T and u = x W_up^T (bf16, padding rows zero) in the
-// receive schedule's order (core::build_receive_schedule), and the shared expert's g, u.
+// receive schedule's order (core::build_receive_schedule, every source rank's rows), and the
+// shared expert's g, u.
 #include <cuda_bf16.h>
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <chrono>
 #include <cmath>
 #include <cstring>
+#include <exception>
+#include <initializer_list>
+#include <memory>
 #include <numeric>
 #include <random>
 #include <string>
+#include <thread>
 #include <type_traits>
 #include <vector>
 
 #include "core/activation.hpp"
+#include "comm/device_barrier.cuh"
 #include "core/schedule.hpp"
 #include "cuda/common/check.hpp"
 #include "cuda/common/device_memory.hpp"
@@ -98,98 +106,225 @@ bool same_bits(const Gradients& a, const Gradients& b) {
          eq(a.d_topk_weights, b.d_topk_weights);
 }
 
-// One layer call's inputs, its saved context and the fp64 reference gradients.
+// How the ranks of a run are launched.
+struct RankLaunch {
+  int num_ctas = 0;  // CTAs per rank (0: one per SM)
+  int late_rank = -1;  // the host sleeps late_ms before it enqueues this rank's call (a rank that stops)
+  int late_ms = 0;
+  int impatient_rank = -1;  // this rank's kernel bounds its waits by 1 ns (its barriers keep the config's bound)
+};
+
+// One rank's gradients of a run, or the error its check_errors raised.
+struct RankResult {
+  Gradients grads;
+  std::exception_ptr error;
+};
+
+// One layer call's inputs on `world` ranks (EP = world, rank r holds experts [r E/world,
+// (r+1) E/world)), every rank's saved context and the fp64 reference gradients. At EP > 1 the
+// ranks run in this process on one GPU: every rank's buffers are separate allocations, the peer
+// tables point at all of them, each rank's call runs on its own stream, and the ranks meet in
+// the group's device barrier (comm::launch_device_barrier) over per-rank regions.
 class BackwardCase {
  public:
-  // ids: [T, k] expert ids.
-  BackwardCase(const MoeShape& shape, int64_t tokens, std::vector<int32_t> ids, uint64_t seed)
-      : s_(shape), T_(tokens), rng_(seed), ids_(std::move(ids)) {
+  // ids: [world][T][k] global expert ids.
+  BackwardCase(const MoeShape& shape, int world, int64_t tokens, std::vector<int32_t> ids, uint64_t seed)
+      : s_(shape), world_(world), T_(tokens), rng_(seed), ids_(std::move(ids)) {
     const int64_t H = s_.hidden, I = s_.intermediate, Is = s_.shared_intermediate, E = s_.num_experts, k = s_.top_k;
-    schedule_ = core::build_receive_schedule({1, T_, k, E, 0, 128}, ids_.data());
-    x_ = random_bf16(T_ * H, 1.0, rng_);
-    d_out_ = random_bf16(T_ * H, 1.0, rng_);
+    const int64_t El = E / world_;
+    for (int r = 0; r < world_; ++r)
+      schedule_.push_back(core::build_receive_schedule({world_, T_, k, El, r * El, 128, RowOrder::round_robin, r},
+                                                       ids_.data()));
+    x_ = random_bf16(world_ * T_ * H, 1.0, rng_);
+    d_out_ = random_bf16(world_ * T_ * H, 1.0, rng_);
     std::uniform_real_distribution<float> w01(0.05f, 1.f);
-    for (int64_t i = 0; i < T_ * k; ++i) route_weight_.push_back(w01(rng_));
+    for (int64_t i = 0; i < world_ * T_ * k; ++i) route_weight_.push_back(w01(rng_));
     w_gate_ = random_bf16(E * I * H, 0.1, rng_);
     w_up_ = random_bf16(E * I * H, 0.1, rng_);
     w_down_ = random_bf16(E * H * I, 0.1, rng_);
     ws_gate_ = random_bf16(Is * H, 0.1, rng_);
     ws_up_ = random_bf16(Is * H, 0.1, rng_);
     ws_down_ = random_bf16(H * Is, 0.1, rng_);
-    make_context();
+    wg_dev_ = on_device(bf16_of(w_gate_));
+    wu_dev_ = on_device(bf16_of(w_up_));
+    wd_dev_ = on_device(bf16_of(w_down_));
+    wsg_dev_ = on_device(bf16_of(ws_gate_));
+    wsu_dev_ = on_device(bf16_of(ws_up_));
+    wsd_dev_ = on_device(bf16_of(ws_down_));
+    ranks_.resize(size_t(world_));
+    for (int r = 0; r < world_; ++r) make_context(r);
     make_reference();
   }
 
-  int64_t rows() const { return schedule_.total_rows(); }
-  const core::ReceiveSchedule& schedule() const { return schedule_; }
+  int64_t rows(int rank = 0) const { return schedule_[rank].total_rows(); }
+  const core::ReceiveSchedule& schedule(int rank = 0) const { return schedule_[rank]; }
 
-  // Runs the backward megakernel once into poisoned outputs.
-  Gradients run(const MegakernelConfig& config, int num_ctas, core::ContextMode mode = core::ContextMode::resident) {
-    MegakernelBackward kernel(s_, config, 1, T_, mode, num_ctas);
-    const int64_t H = s_.hidden, I = s_.intermediate, Is = s_.shared_intermediate, E = s_.num_experts;
-    const int64_t k = s_.top_k;
-    Poisoned<bf16> d_x(T_ * H), dg(E * I * H), du(E * I * H), dd(E * H * I), dsg(Is * H), dsu(Is * H), dsd(H * Is);
-    Poisoned<float> d_topk(T_ * k);
-    Poisoned<bf16> dx_slots(T_ * k * H);
-    for (auto* p : {&d_x, &dg, &du, &dd, &dsg, &dsu, &dsd, &dx_slots}) p->poison();
-    d_topk.poison();
-    const DeviceArray<const bf16*> x_peers = on_device(std::vector<const bf16*>{x_dev_.data()});
-    const DeviceArray<const bf16*> d_out_peers = on_device(std::vector<const bf16*>{d_out_dev_.data()});
-    const DeviceArray<const float*> weight_peers = on_device(std::vector<const float*>{weights_dev_.data()});
-    const DeviceArray<bf16*> dx_peers = on_device(std::vector<bf16*>{dx_slots.device.data()});
-    const DeviceArray<float*> dw_peers = on_device(std::vector<float*>{d_topk.device.data()});
-    MegakernelBackwardIo io;
-    io.offsets = offsets_dev_.data();
-    io.slot_of_row = slot_of_row_dev_.data();
-    io.x_peers = x_peers.data();
-    io.d_out_peers = d_out_peers.data();
-    io.weight_peers = weight_peers.data();
-    io.dx_slot_peers = dx_peers.data();
-    io.dw_slot_peers = dw_peers.data();
-    io.x = x_dev_.data();
-    io.d_out = d_out_dev_.data();
-    io.dx_slots = dx_slots.device.data();
-    io.context_x = ctx_x_dev_.data();
-    io.context_gate = ctx_g_dev_.data();
-    io.context_up = ctx_u_dev_.data();
-    io.shared_gate = sg_dev_.data();
-    io.shared_up = su_dev_.data();
-    io.w_gate = wg_dev_.data();
-    io.w_up = wu_dev_.data();
-    io.w_down = wd_dev_.data();
-    io.ws_gate = wsg_dev_.data();
-    io.ws_up = wsu_dev_.data();
-    io.ws_down = wsd_dev_.data();
-    io.d_x = d_x.device.data();
-    io.d_w_gate = dg.device.data();
-    io.d_w_up = du.device.data();
-    io.d_w_down = dd.device.data();
-    io.d_ws_gate = dsg.device.data();
-    io.d_ws_up = dsu.device.data();
-    io.d_ws_down = dsd.device.data();
-    kernel.run(io, T_, nullptr);
+  // Runs the backward megakernel once on every rank into poisoned outputs; each rank's
+  // check_errors after the device is synchronized.
+  std::vector<RankResult> run_ranks(const MegakernelConfig& config, RankLaunch launch,
+                                    core::ContextMode mode = core::ContextMode::resident) {
+    const int64_t H = s_.hidden, I = s_.intermediate, Is = s_.shared_intermediate, k = s_.top_k;
+    const int64_t El = s_.num_experts / world_;
+    struct Outputs {
+      Poisoned<bf16> d_x, dg, du, dd, dsg, dsu, dsd, dx_slots;
+      Poisoned<float> d_topk;
+    };
+    std::vector<std::unique_ptr<Outputs>> out;
+    std::vector<const bf16*> x_peers, d_out_peers;
+    std::vector<const float*> weight_peers;
+    std::vector<bf16*> dx_peers;
+    std::vector<float*> dw_peers;
+    for (int r = 0; r < world_; ++r) {
+      out.push_back(std::unique_ptr<Outputs>(new Outputs{Poisoned<bf16>(T_ * H), Poisoned<bf16>(El * I * H),
+                                                         Poisoned<bf16>(El * I * H), Poisoned<bf16>(El * H * I),
+                                                         Poisoned<bf16>(Is * H), Poisoned<bf16>(Is * H),
+                                                         Poisoned<bf16>(H * Is), Poisoned<bf16>(T_ * k * H),
+                                                         Poisoned<float>(T_ * k)}));
+      Outputs& o = *out.back();
+      for (auto* p : {&o.d_x, &o.dg, &o.du, &o.dd, &o.dsg, &o.dsu, &o.dsd, &o.dx_slots}) p->poison();
+      o.d_topk.poison();
+      x_peers.push_back(ranks_[r].x.data());
+      d_out_peers.push_back(ranks_[r].d_out.data());
+      weight_peers.push_back(ranks_[r].weights.data());
+      dx_peers.push_back(o.dx_slots.device.data());
+      dw_peers.push_back(o.d_topk.device.data());
+    }
+    const DeviceArray<const bf16*> x_table = on_device(x_peers), d_out_table = on_device(d_out_peers);
+    const DeviceArray<const float*> weight_table = on_device(weight_peers);
+    const DeviceArray<bf16*> dx_table = on_device(dx_peers);
+    const DeviceArray<float*> dw_table = on_device(dw_peers);
+
+    // The device barrier's regions (zeroed: epoch 0, no error) and the status slots.
+    std::vector<DeviceArray<uint64_t>> regions;
+    std::vector<uint64_t*> region_ptrs;
+    for (int r = 0; r < world_; ++r) {
+      regions.emplace_back(size_t(comm::barrier_region_words(world_)));
+      MOKA_CUDA_CHECK(cudaMemset(regions.back().data(), 0, regions.back().bytes()));
+      region_ptrs.push_back(regions.back().data());
+    }
+    const DeviceArray<uint64_t*> region_table = on_device(region_ptrs);
+    DeviceArray<BackwardStatus> status(static_cast<size_t>(world_));
+    MOKA_CUDA_CHECK(cudaMemset(status.data(), 0, status.bytes()));
+    std::vector<BackwardStatus*> status_ptrs;
+    for (int r = 0; r < world_; ++r) status_ptrs.push_back(status.data() + r);
+    const DeviceArray<BackwardStatus*> status_table = on_device(status_ptrs);
+
+    std::vector<std::unique_ptr<MegakernelBackward>> kernels;
+    std::vector<cudaStream_t> streams(static_cast<size_t>(world_));
+    for (int r = 0; r < world_; ++r) {
+      BackwardRanks ranks;
+      if (world_ > 1) {
+        const comm::BarrierView view{region_table.data(), r, world_,
+                                     static_cast<uint64_t>(config.spin_timeout_seconds * 1e9)};
+        ranks.barrier = [view](cudaStream_t s) { comm::launch_device_barrier(view, s); };
+        ranks.barrier_error = region_ptrs[r] + comm::barrier_error_word(world_);
+        ranks.status_peers = status_table.data();
+        ranks.own_status = status_ptrs[r];
+      }
+      MegakernelConfig rank_config = config;
+      if (r == launch.impatient_rank) rank_config.spin_timeout_seconds = 1e-9;
+      kernels.push_back(
+          std::make_unique<MegakernelBackward>(s_, rank_config, world_, T_, mode, launch.num_ctas, ranks));
+      MOKA_CUDA_CHECK(cudaStreamCreateWithFlags(&streams[r], cudaStreamNonBlocking));
+    }
+    MOKA_CUDA_CHECK(cudaDeviceSynchronize());  // allocations and zeroing done before any call
+    for (int r = 0; r < world_; ++r) {
+      if (r == launch.late_rank) std::this_thread::sleep_for(std::chrono::milliseconds(launch.late_ms));
+      const RankDevice& d = ranks_[r];
+      Outputs& o = *out[r];
+      MegakernelBackwardIo io;
+      io.offsets = d.offsets.data();
+      io.slot_of_row = d.slot_of_row.data();
+      io.x_peers = x_table.data();
+      io.d_out_peers = d_out_table.data();
+      io.weight_peers = weight_table.data();
+      io.dx_slot_peers = dx_table.data();
+      io.dw_slot_peers = dw_table.data();
+      io.x = d.x.data();
+      io.d_out = d.d_out.data();
+      io.dx_slots = o.dx_slots.device.data();
+      io.context_x = d.ctx_x.data();
+      io.context_gate = d.ctx_g.data();
+      io.context_up = d.ctx_u.data();
+      io.shared_gate = d.sg.data();
+      io.shared_up = d.su.data();
+      io.w_gate = wg_dev_.data() + r * El * I * H;
+      io.w_up = wu_dev_.data() + r * El * I * H;
+      io.w_down = wd_dev_.data() + r * El * H * I;
+      io.ws_gate = wsg_dev_.data();
+      io.ws_up = wsu_dev_.data();
+      io.ws_down = wsd_dev_.data();
+      io.d_x = o.d_x.device.data();
+      io.d_w_gate = o.dg.device.data();
+      io.d_w_up = o.du.device.data();
+      io.d_w_down = o.dd.device.data();
+      io.d_ws_gate = o.dsg.device.data();
+      io.d_ws_up = o.dsu.device.data();
+      io.d_ws_down = o.dsd.device.data();
+      kernels[r]->run(io, T_, streams[r]);
+    }
     MOKA_CUDA_CHECK(cudaDeviceSynchronize());
-    kernel.check_errors();
-    return {d_x.device.download(),  dg.device.download(),  du.device.download(),    dd.device.download(),
-            dsg.device.download(), dsu.device.download(), dsd.device.download(), d_topk.device.download()};
+    std::vector<RankResult> results(static_cast<size_t>(world_));
+    for (int r = 0; r < world_; ++r) {
+      MOKA_CUDA_CHECK(cudaStreamDestroy(streams[r]));
+      try {
+        kernels[r]->check_errors();
+      } catch (const Error&) {
+        results[r].error = std::current_exception();
+      }
+      const Outputs& o = *out[r];
+      results[r].grads = {o.d_x.device.download(), o.dg.device.download(),  o.du.device.download(),
+                          o.dd.device.download(),  o.dsg.device.download(), o.dsu.device.download(),
+                          o.dsd.device.download(), o.d_topk.device.download()};
+    }
+    return results;
   }
 
-  // Every gradient within bf16 tolerance of the fp64 reference: |got - want| <= 2^-5 |want| +
-  // 2^-7 max|want| of that gradient (bf16 operands of every GEMM, fp32 sums in tile order).
-  void expect_close(const Gradients& g) const {
-    check("d_x", g.d_x, ref_.d_x);
-    check("d_topk_weights", g.d_topk_weights, ref_.d_topk_weights);
-    check("d_w_gate", g.d_w_gate, ref_.d_w_gate);
-    check("d_w_up", g.d_w_up, ref_.d_w_up);
-    check("d_w_down", g.d_w_down, ref_.d_w_down);
-    check("d_ws_gate", g.d_ws_gate, ref_.d_ws_gate);
-    check("d_ws_up", g.d_ws_up, ref_.d_ws_up);
-    check("d_ws_down", g.d_ws_down, ref_.d_ws_down);
+  // Every rank's gradients; the first rank's error, if any, is thrown.
+  std::vector<Gradients> run_all(const MegakernelConfig& config, int num_ctas,
+                                 core::ContextMode mode = core::ContextMode::resident) {
+    std::vector<Gradients> grads;
+    for (RankResult& r : run_ranks(config, {num_ctas}, mode)) {
+      if (r.error) std::rethrow_exception(r.error);
+      grads.push_back(std::move(r.grads));
+    }
+    return grads;
+  }
+  Gradients run(const MegakernelConfig& config, int num_ctas, core::ContextMode mode = core::ContextMode::resident) {
+    return run_all(config, num_ctas, mode)[0];
+  }
+
+  // Every gradient of `rank` within bf16 tolerance of the fp64 reference: |got - want| <= 2^-5
+  // |want| + 2^-7 max|want| of that gradient (bf16 operands of every GEMM, fp32 sums in tile
+  // order).
+  void expect_close(const Gradients& g, int rank = 0) const {
+    const Reference& r = ref_[rank];
+    SCOPED_TRACE("rank " + std::to_string(rank));
+    check("d_x", g.d_x, r.d_x);
+    check("d_topk_weights", g.d_topk_weights, r.d_topk_weights);
+    check("d_w_gate", g.d_w_gate, r.d_w_gate);
+    check("d_w_up", g.d_w_up, r.d_w_up);
+    check("d_w_down", g.d_w_down, r.d_w_down);
+    check("d_ws_gate", g.d_ws_gate, r.d_ws_gate);
+    check("d_ws_up", g.d_ws_up, r.d_ws_up);
+    check("d_ws_down", g.d_ws_down, r.d_ws_down);
+  }
+  void expect_close(const std::vector<Gradients>& g) const {
+    ASSERT_EQ(int(g.size()), world_);
+    for (int r = 0; r < world_; ++r) expect_close(g[r], r);
   }
 
  private:
+  // One rank's gradients (its tokens' d_x and d_topk_weights, its local experts' dW, the shared
+  // expert's dW over its tokens).
   struct Reference {
     std::vector<double> d_x, d_topk_weights, d_w_gate, d_w_up, d_w_down, d_ws_gate, d_ws_up, d_ws_down;
+  };
+  // One rank's inputs and saved context on the device.
+  struct RankDevice {
+    DeviceArray<int32_t> offsets, slot_of_row;
+    DeviceArray<float> weights;
+    DeviceArray<bf16> x, d_out, ctx_x, ctx_g, ctx_u, sg, su;
   };
 
   template <class T>
@@ -208,7 +343,7 @@ class BackwardCase {
     EXPECT_EQ(bad, 0) << name << ": elements off the reference";
   }
 
-  // g = bf16(x W^T) of one row (the forward's saved bf16 values).
+  // out = bf16(x W^T) of one row with global expert e (the forward's saved bf16 values).
   void project(const double* x, const std::vector<double>& w, int64_t e, int64_t n, double* out) const {
     const int64_t H = s_.hidden;
     for (int64_t i = 0; i < n; ++i) {
@@ -217,41 +352,44 @@ class BackwardCase {
       out[i] = to_float(__float2bfloat16_rn(float(acc)));
     }
   }
+  const double* token_x(int64_t source, int64_t t) const { return &x_[(source * T_ + t) * s_.hidden]; }
 
-  void make_context() {
-    const int64_t H = s_.hidden, I = s_.intermediate, Is = s_.shared_intermediate, k = s_.top_k, R = rows();
+  // Rank r's context as a resident forward leaves it: grouped rows of x, g, u (padding zero)
+  // from every source, slot_of_row = source * T*k + token*k + j, and its shared expert's g, u.
+  void make_context(int r) {
+    const int64_t H = s_.hidden, I = s_.intermediate, Is = s_.shared_intermediate, k = s_.top_k, R = rows(r);
+    const core::ReceiveSchedule& sc = schedule_[r];
+    const int64_t first_expert = r * (s_.num_experts / world_);
     std::vector<double> cx(R * H, 0.0), cg(R * I, 0.0), cu(R * I, 0.0), sg(T_ * Is), su(T_ * Is);
     std::vector<int32_t> slot_of_row(size_t(R), -1);
     for (int64_t row = 0; row < R; ++row) {
-      if (schedule_.row_source[row] < 0) continue;
-      const int64_t slot = schedule_.row_slot[row], t = slot / k, e = schedule_.expert_of_row(row);
-      slot_of_row[row] = int32_t(slot);
-      std::copy_n(&x_[t * H], H, &cx[row * H]);
-      project(&x_[t * H], w_gate_, e, I, &cg[row * I]);
-      project(&x_[t * H], w_up_, e, I, &cu[row * I]);
+      if (sc.row_source[row] < 0) continue;
+      const int64_t source = sc.row_source[row], slot = sc.row_slot[row], t = slot / k;
+      const int64_t e = first_expert + sc.expert_of_row(row);
+      slot_of_row[row] = int32_t(source * T_ * k + slot);
+      std::copy_n(token_x(source, t), H, &cx[row * H]);
+      project(token_x(source, t), w_gate_, e, I, &cg[row * I]);
+      project(token_x(source, t), w_up_, e, I, &cu[row * I]);
     }
     for (int64_t t = 0; t < T_; ++t) {
-      project(&x_[t * H], ws_gate_, 0, Is, &sg[t * Is]);
-      project(&x_[t * H], ws_up_, 0, Is, &su[t * Is]);
+      project(token_x(r, t), ws_gate_, 0, Is, &sg[t * Is]);
+      project(token_x(r, t), ws_up_, 0, Is, &su[t * Is]);
     }
-    ctx_x_ = cx, ctx_g_ = cg, ctx_u_ = cu, sg_ = sg, su_ = su;
-    std::vector<int32_t> offsets(schedule_.expert_offset.begin(), schedule_.expert_offset.end());
-    offsets_dev_ = on_device(offsets);
-    slot_of_row_dev_ = on_device(slot_of_row);
-    x_dev_ = on_device(bf16_of(x_));
-    d_out_dev_ = on_device(bf16_of(d_out_));
-    weights_dev_ = on_device(route_weight_);
-    ctx_x_dev_ = on_device(bf16_of(cx));
-    ctx_g_dev_ = on_device(bf16_of(cg));
-    ctx_u_dev_ = on_device(bf16_of(cu));
-    sg_dev_ = on_device(bf16_of(sg));
-    su_dev_ = on_device(bf16_of(su));
-    wg_dev_ = on_device(bf16_of(w_gate_));
-    wu_dev_ = on_device(bf16_of(w_up_));
-    wd_dev_ = on_device(bf16_of(w_down_));
-    wsg_dev_ = on_device(bf16_of(ws_gate_));
-    wsu_dev_ = on_device(bf16_of(ws_up_));
-    wsd_dev_ = on_device(bf16_of(ws_down_));
+    ctx_g_.push_back(cg);
+    ctx_u_.push_back(cu);
+    sg_.push_back(sg);
+    su_.push_back(su);
+    RankDevice& d = ranks_[r];
+    d.offsets = on_device(std::vector<int32_t>(sc.expert_offset.begin(), sc.expert_offset.end()));
+    d.slot_of_row = on_device(slot_of_row);
+    d.x = on_device(bf16_of(std::vector<double>(token_x(r, 0), token_x(r, 0) + T_ * H)));
+    d.d_out = on_device(bf16_of(std::vector<double>(d_out_.begin() + r * T_ * H, d_out_.begin() + (r + 1) * T_ * H)));
+    d.weights = on_device(std::vector<float>(route_weight_.begin() + r * T_ * k, route_weight_.begin() + (r + 1) * T_ * k));
+    d.ctx_x = on_device(bf16_of(cx));
+    d.ctx_g = on_device(bf16_of(cg));
+    d.ctx_u = on_device(bf16_of(cu));
+    d.sg = on_device(bf16_of(sg));
+    d.su = on_device(bf16_of(su));
   }
 
   // One expert's backward for one row (fp64): adds to d_x, returns <dH, h>.
@@ -278,41 +416,59 @@ class BackwardCase {
     return d_weight;
   }
 
+  // Each receiving rank's rows (its local experts' weight gradients), each row's d_x and
+  // d_topk_weights into its source rank's, and each rank's shared expert over its tokens.
   void make_reference() {
-    const int64_t H = s_.hidden, I = s_.intermediate, Is = s_.shared_intermediate, E = s_.num_experts, k = s_.top_k;
-    Reference& r = ref_;
-    r.d_x.assign(T_ * H, 0.0);
-    r.d_topk_weights.assign(T_ * k, 0.0);
-    r.d_w_gate.assign(E * I * H, 0.0);
-    r.d_w_up.assign(E * I * H, 0.0);
-    r.d_w_down.assign(E * H * I, 0.0);
-    r.d_ws_gate.assign(Is * H, 0.0);
-    r.d_ws_up.assign(Is * H, 0.0);
-    r.d_ws_down.assign(H * Is, 0.0);
-    for (int64_t row = 0; row < rows(); ++row) {
-      if (schedule_.row_source[row] < 0) continue;
-      const int64_t slot = schedule_.row_slot[row], t = slot / k, e = schedule_.expert_of_row(row);
-      r.d_topk_weights[slot] =
-          row_backward(e, I, &x_[t * H], &d_out_[t * H], &ctx_g_[row * I], &ctx_u_[row * I], route_weight_[slot],
-                       w_gate_, w_up_, w_down_, &r.d_x[t * H], r.d_w_gate.data(), r.d_w_up.data(), r.d_w_down.data());
+    const int64_t H = s_.hidden, I = s_.intermediate, Is = s_.shared_intermediate, k = s_.top_k;
+    const int64_t El = s_.num_experts / world_;
+    ref_.assign(size_t(world_), Reference{});
+    for (Reference& r : ref_) {
+      r.d_x.assign(T_ * H, 0.0);
+      r.d_topk_weights.assign(T_ * k, 0.0);
+      r.d_w_gate.assign(El * I * H, 0.0);
+      r.d_w_up.assign(El * I * H, 0.0);
+      r.d_w_down.assign(El * H * I, 0.0);
+      r.d_ws_gate.assign(Is * H, 0.0);
+      r.d_ws_up.assign(Is * H, 0.0);
+      r.d_ws_down.assign(H * Is, 0.0);
     }
-    for (int64_t t = 0; t < T_; ++t)
-      row_backward(0, Is, &x_[t * H], &d_out_[t * H], &sg_[t * Is], &su_[t * Is], 1.0, ws_gate_, ws_up_, ws_down_,
-                   &r.d_x[t * H], r.d_ws_gate.data(), r.d_ws_up.data(), r.d_ws_down.data());
+    // The local experts' weights of rank r, so row_backward indexes them by local expert.
+    const auto local = [&](const std::vector<double>& w, int r) {
+      return std::vector<double>(w.begin() + r * El * I * H, w.begin() + (r + 1) * El * I * H);
+    };
+    for (int r = 0; r < world_; ++r) {
+      const core::ReceiveSchedule& sc = schedule_[r];
+      const std::vector<double> wg = local(w_gate_, r), wu = local(w_up_, r), wd = local(w_down_, r);
+      Reference& dst = ref_[r];
+      for (int64_t row = 0; row < rows(r); ++row) {
+        if (sc.row_source[row] < 0) continue;
+        const int64_t source = sc.row_source[row], slot = sc.row_slot[row], t = slot / k, e = sc.expert_of_row(row);
+        Reference& origin = ref_[source];
+        origin.d_topk_weights[slot] =
+            row_backward(e, I, token_x(source, t), &d_out_[(source * T_ + t) * H], &ctx_g_[r][row * I],
+                         &ctx_u_[r][row * I], route_weight_[source * T_ * k + slot], wg, wu, wd,
+                         &origin.d_x[t * H], dst.d_w_gate.data(), dst.d_w_up.data(), dst.d_w_down.data());
+      }
+    }
+    for (int r = 0; r < world_; ++r)
+      for (int64_t t = 0; t < T_; ++t)
+        row_backward(0, Is, token_x(r, t), &d_out_[(r * T_ + t) * H], &sg_[r][t * Is], &su_[r][t * Is], 1.0,
+                     ws_gate_, ws_up_, ws_down_, &ref_[r].d_x[t * H], ref_[r].d_ws_gate.data(),
+                     ref_[r].d_ws_up.data(), ref_[r].d_ws_down.data());
   }
 
   MoeShape s_;
+  int world_;
   int64_t T_;
   std::mt19937_64 rng_;
   std::vector<int32_t> ids_;
-  core::ReceiveSchedule schedule_;
+  std::vector<core::ReceiveSchedule> schedule_;
+  // Every rank's tokens, back to back: [world][T][H] (route weights [world][T][k]).
   std::vector<double> x_, d_out_, w_gate_, w_up_, w_down_, ws_gate_, ws_up_, ws_down_;
   std::vector<float> route_weight_;
-  std::vector<double> ctx_x_, ctx_g_, ctx_u_, sg_, su_;
-  Reference ref_;
-  DeviceArray<int32_t> offsets_dev_, slot_of_row_dev_;
-  DeviceArray<float> weights_dev_;
-  DeviceArray<bf16> x_dev_, d_out_dev_, ctx_x_dev_, ctx_g_dev_, ctx_u_dev_, sg_dev_, su_dev_;
+  std::vector<std::vector<double>> ctx_g_, ctx_u_, sg_, su_;  // per rank
+  std::vector<Reference> ref_;
+  std::vector<RankDevice> ranks_;
   DeviceArray<bf16> wg_dev_, wu_dev_, wd_dev_, wsg_dev_, wsu_dev_, wsd_dev_;
 };
 
@@ -331,7 +487,7 @@ MegakernelConfig config(int comm, int64_t minibatch, int64_t macrobatch, double 
 BackwardCase skewed_case(bool clamped, uint64_t seed) {
   const MoeShape shape{320, 264, 4, 2, 136, clamped ? Activation::swiglu_clamped : Activation::swiglu, 0.5f};
   std::mt19937_64 rng(seed);
-  return BackwardCase(shape, 300, skewed_routing(rng), seed);
+  return BackwardCase(shape, 1, 300, skewed_routing(rng), seed);
 }
 
 TEST(MegakernelBackward, GradientsMatchReferenceWithCarriesAndAnEmptyExpert) {
@@ -345,7 +501,7 @@ TEST(MegakernelBackward, GradientsMatchReferenceWithCarriesAndAnEmptyExpert) {
 BackwardCase eight_routes_of_one_token(uint64_t seed) {
   const MoeShape shape{256, 128, 16, 8, 64, Activation::swiglu_clamped, 0.3f};
   std::mt19937_64 rng(seed);
-  return BackwardCase(shape, 1, uniform_routing(1, 8, 16, rng), seed);
+  return BackwardCase(shape, 1, 1, uniform_routing(1, 8, 16, rng), seed);
 }
 
 TEST(MegakernelBackward, ClampedSwigluWithEightRoutesOfOneToken) {
@@ -382,7 +538,7 @@ TEST(MegakernelBackward, ReplayModeWithEightRoutesOfOneToken) {
 void check_dimensions(int64_t H, int64_t I, int64_t Is, int64_t E, int64_t k, int64_t T, uint64_t seed) {
   const MoeShape shape{H, I, E, k, Is, Activation::swiglu, 7.0f};
   std::mt19937_64 rng(seed);
-  BackwardCase c(shape, T, uniform_routing(T, k, E, rng), seed);
+  BackwardCase c(shape, 1, T, uniform_routing(T, k, E, rng), seed);
   c.expect_close(c.run(config(2, 128, 256), 0));
 }
 TEST(MegakernelBackward, GptOss120bDimensions) { check_dimensions(2880, 2880, 0, 8, 4, 24, 0xbac0005ull); }
@@ -404,6 +560,127 @@ TEST(MegakernelBackward, WaitTimeoutIsReported) {
     EXPECT_NE(std::string(e.what()).find("waiting for"), std::string::npos) << e.what();
   }
   c.expect_close(c.run(config(1, 128, 256), 4));
+}
+
+// ---- Two ranks on one GPU (EP = 2) ------------------------------------------------------------
+//
+// Each rank's call gets half the SMs. The two kernels never wait on each other (pulls read
+// buffers the opening barrier froze, pushes land in slots read after the closing barrier), so
+// they are correct run one after the other too; the CTA count lets both grids be resident at
+// once, so the pushes of one rank land while the other computes, as on two GPUs. The barrier
+// kernels do wait on each other, so these tests cannot run under compute-sanitizer (it
+// serializes kernels: every barrier times out); the sanitizers cover the EP = 1 cases. Run
+// alone in a fresh process (as ctest runs each test), the first test here also checks that
+// MegakernelBackward loads its kernels before a call (load_megakernel_backward_kernels): a
+// lazily loaded kernel's first launch waited out the other rank's 10 s barrier.
+int ctas_per_rank() {
+  int device = 0, sms = 0;
+  MOKA_CUDA_CHECK(cudaGetDevice(&device));
+  MOKA_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
+  const int per_rank = sms / 2;
+  EXPECT_GE(megakernel_backward_ctas_per_sm() * sms, 2 * per_rank) << "both ranks' grids resident at once";
+  return per_rank;
+}
+
+// H = 320, I = 264 (two dgd and dx column tiles, partial last tiles), Is = 136, 8 experts (4 per
+// rank), k = 2, T = 300 tokens per rank.
+const MoeShape kTwoRankShape{320, 264, 8, 2, 136, Activation::swiglu, 0.5f};
+constexpr int64_t kTwoRankTokens = 300;
+
+BackwardCase two_rank_case(std::vector<int32_t> ids, uint64_t seed) {
+  return BackwardCase(kTwoRankShape, 2, kTwoRankTokens, std::move(ids), seed);
+}
+BackwardCase two_rank_uniform(uint64_t seed) {
+  std::mt19937_64 rng(seed);
+  return two_rank_case(uniform_routing(2 * kTwoRankTokens, 2, 8, rng), seed);
+}
+
+TEST(MegakernelBackwardTwoRanks, UniformRoutingMatchesReferenceInBothModes) {
+  BackwardCase c = two_rank_uniform(0xbac2001ull);
+  const int ctas = ctas_per_rank();
+  c.expect_close(c.run_all(config(1, 128, 256), ctas));
+  c.expect_close(c.run_all(config(2, 128, 256), ctas, core::ContextMode::replay));
+}
+
+// Every route of both ranks to rank 0's experts: rank 0 receives all 1200 rows, rank 1 none (it
+// runs only the shared expert, pushes nothing and zeroes its experts' gradients), yet its d_x
+// and d_topk_weights come back from rank 0.
+TEST(MegakernelBackwardTwoRanks, AllRoutesToOneRankAndARankReceivingNothing) {
+  std::mt19937_64 rng(0xbac2002ull);
+  BackwardCase c = two_rank_case(uniform_routing(2 * kTwoRankTokens, 2, 4, rng), 0xbac2002ull);
+  ASSERT_EQ(c.rows(1), 0);
+  const int ctas = ctas_per_rank();
+  c.expect_close(c.run_all(config(1, 128, 256), ctas));
+  c.expect_close(c.run_all(config(1, 128, 256), ctas, core::ContextMode::replay));
+}
+
+// Both ranks' choice 0 on expert 4 (rank 1's first): 600 rows over three 256-row macrobatches
+// (weight-gradient carries), expert 6 empty, rank 0 receiving nothing.
+TEST(MegakernelBackwardTwoRanks, OneExpertOfTheOtherRankCarriesAcrossMacrobatches) {
+  std::mt19937_64 rng(0xbac2003ull);
+  std::vector<int32_t> ids;
+  for (int r = 0; r < 2; ++r)
+    for (int32_t id : skewed_routing(rng)) ids.push_back(id + 4);
+  BackwardCase c = two_rank_case(ids, 0xbac2003ull);
+  ASSERT_EQ(c.rows(0), 0);
+  ASSERT_EQ(c.schedule(1).expert_offset, (std::vector<int64_t>{0, 640, 896, 896, 1408}));
+  c.expect_close(c.run_all(config(1, 128, 256), ctas_per_rank()));
+}
+
+TEST(MegakernelBackwardTwoRanks, BitsDoNotDependOnSplitsOrBatchSizes) {
+  BackwardCase c = two_rank_uniform(0xbac2004ull);
+  const int ctas = ctas_per_rank();
+  const std::vector<Gradients> first = c.run_all(config(1, 128, 256), ctas);
+  c.expect_close(first);
+  const std::vector<std::pair<std::vector<Gradients>, const char*>> others = {
+      {c.run_all(config(2, 256, 512), 9), "2 + 7 CTAs per rank, minibatch 256, macrobatch 512"},
+      {c.run_all(config(3, 128, 1024), ctas - 20), "fewer CTAs per rank, one macrobatch"},
+      {c.run_all(config(1, 128, 256), ctas), "the same run again"}};
+  for (const auto& [grads, what] : others)
+    for (int r = 0; r < 2; ++r) EXPECT_TRUE(same_bits(first[r], grads[r])) << "rank " << r << ": " << what;
+  // Replay's bits across splits too.
+  const std::vector<Gradients> replay = c.run_all(config(1, 128, 256), ctas, core::ContextMode::replay);
+  const std::vector<Gradients> replay_other = c.run_all(config(2, 256, 512), 9, core::ContextMode::replay);
+  for (int r = 0; r < 2; ++r) EXPECT_TRUE(same_bits(replay[r], replay_other[r])) << "replay, rank " << r;
+}
+
+// Each rank raised a timeout whose message holds every one of `parts`.
+void expect_timeouts(const std::vector<RankResult>& results, std::initializer_list<const char*> parts) {
+  for (size_t r = 0; r < results.size(); ++r) {
+    if (!results[r].error) {
+      ADD_FAILURE() << "rank " << r << " reported no failure";
+      continue;
+    }
+    try {
+      std::rethrow_exception(results[r].error);
+    } catch (const Error& e) {
+      EXPECT_EQ(e.code(), ErrorCode::timeout) << "rank " << r << ": " << e.what();
+      for (const char* part : parts)
+        EXPECT_NE(std::string(e.what()).find(part), std::string::npos) << "rank " << r << ", no '" << part << "' in: " << e.what();
+    }
+  }
+}
+
+// Rank 1 starts 2 s late with a 0.5 s bound: rank 0's barriers time out (its kernel pulls and
+// pushes nothing) and both ranks raise a timeout naming rank 1, rank 1 from rank 0's status slot
+// once it arrives; neither waits longer than the bound plus the delay. The next call works.
+TEST(MegakernelBackwardTwoRanks, ARankThatStopsIsReportedByEveryRank) {
+  BackwardCase c = two_rank_uniform(0xbac2005ull);
+  const int ctas = ctas_per_rank();
+  const auto start = std::chrono::steady_clock::now();
+  expect_timeouts(c.run_ranks(config(1, 128, 256, 0.5), {ctas, 1, 2000}), {"rank 0: rank 1 did not arrive"});
+  EXPECT_LT(std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count(), 10.0);
+  c.expect_close(c.run_all(config(1, 128, 256), ctas));
+}
+
+// Rank 1's kernel bounds its waits by 1 ns: a wait not satisfied at its first read times out
+// there, while rank 0 runs to the end. Both ranks raise rank 1's timeout naming its task and
+// counter (its status slot carries the wait report).
+TEST(MegakernelBackwardTwoRanks, APeersTimedOutWaitIsReportedByEveryRank) {
+  BackwardCase c = two_rank_uniform(0xbac2006ull);
+  const int ctas = ctas_per_rank();
+  expect_timeouts(c.run_ranks(config(1, 128, 256), {ctas, -1, 0, 1}), {"rank 1: ", "timed out after", "waiting for"});
+  c.expect_close(c.run_all(config(1, 128, 256), ctas));
 }
 
 }  // namespace

@@ -3,6 +3,7 @@
 #include "cuda/megakernel/megakernel_backward.hpp"
 
 #include <algorithm>
+#include <cstring>
 #include <sstream>
 #include <utility>
 #include <vector>
@@ -34,6 +35,35 @@ __global__ void write_pointers(void** table, const PointerValues values) {
   for (int i = 0; i < values.count; ++i) table[i] = const_cast<void*>(values.at[i]);
 }
 
+// EP > 1, one thread each: this rank's failure into its slot (after the kernel); a barrier that
+// timed out into the slot when it holds no failure of the rank's own (after the closing
+// barrier); the lowest failing rank's slot into mapped host memory (last).
+__global__ void publish_status_kernel(const BackwardControl* control, BackwardStatus* slot) {
+  slot->status = control->base.status;
+  slot->wait = control->wait;
+}
+
+__global__ void note_missing_peer_kernel(const uint64_t* barrier_error, BackwardStatus* slot) {
+  const uint64_t missing = *reinterpret_cast<const volatile uint64_t*>(barrier_error);
+  if (missing == 0 || slot->status.code != core::StatusCode::ok) return;
+  BackwardStatus s;
+  s.status.code = core::StatusCode::peer_missing;
+  s.status.source_rank = static_cast<int64_t>(missing) - 1;
+  *slot = s;
+}
+
+__global__ void merge_status_kernel(BackwardStatus* const* slots, int world, MergedBackwardStatus* merged) {
+  MergedBackwardStatus m;
+  for (int r = 0; r < world && m.rank < 0; ++r) {
+    const BackwardStatus s = *slots[r];
+    if (s.status.code != core::StatusCode::ok) {
+      m.rank = r;
+      m.failure = s;
+    }
+  }
+  *merged = m;
+}
+
 }  // namespace
 
 void write_pointer_table(void** table, const PointerValues& values, cudaStream_t stream) {
@@ -42,12 +72,24 @@ void write_pointer_table(void** table, const PointerValues& values, cudaStream_t
 }
 
 MegakernelBackward::MegakernelBackward(const MoeShape& shape, const MegakernelConfig& config, int world_size,
-                                       int64_t max_tokens, core::ContextMode mode, int num_ctas)
-    : shape_(shape), config_(config), world_(world_size), max_tokens_(max_tokens),
+                                       int64_t max_tokens, core::ContextMode mode, int num_ctas, BackwardRanks ranks)
+    : shape_(shape), config_(config), world_(world_size), ranks_(std::move(ranks)), max_tokens_(max_tokens),
       plan_(gpu_backward_plan(shape, config, world_size, max_tokens, mode)), last_plan_(plan_),
       num_ctas_(num_ctas > 0 ? num_ctas : sm_count()) {
   const int64_t tokens = max_tokens;
+  require(world_size == 1 || (ranks_.barrier && ranks_.barrier_error && ranks_.status_peers && ranks_.own_status),
+          ErrorCode::invalid_argument,
+          "megakernel backward over " + std::to_string(world_size) +
+              " ranks needs the ranks' barrier, its error word and every rank's status slot");
   require(megakernel_backward_ctas_per_sm() >= 1, ErrorCode::cuda, "the backward megakernel's CTA does not fit on an SM");
+  // Every kernel a call enqueues is loaded now, not at its first launch after a barrier
+  // (load_megakernel_backward_kernels says why).
+  load_megakernel_backward_kernels();
+  cudaFuncAttributes attributes;
+  for (const void* kernel : {reinterpret_cast<const void*>(publish_status_kernel),
+                             reinterpret_cast<const void*>(note_missing_peer_kernel),
+                             reinterpret_cast<const void*>(merge_status_kernel)})
+    MOKA_CUDA_CHECK(cudaFuncGetAttributes(&attributes, kernel));
   require(config.num_comm_sms >= 1 && config.num_comm_sms < num_ctas_, ErrorCode::invalid_argument,
           "megakernel backward: num_comm_sms " + std::to_string(config.num_comm_sms) +
               " must be >= 1 and leave a compute CTA of " + std::to_string(num_ctas_));
@@ -117,23 +159,59 @@ void MegakernelBackward::run(const MegakernelBackwardIo& io, int64_t tokens, cud
   l.control = control_.data();
   MOKA_CUDA_CHECK(cudaMemsetAsync(control_.data(), 0, sizeof(BackwardControl), stream));
   MOKA_CUDA_CHECK(cudaMemsetAsync(counters_.data(), 0, counters_.bytes(), stream));
+  if (world_ == 1) {
+    launch_megakernel_backward(l, stream);
+    launch_backward_epilogue(l, stream);
+    return;
+  }
+  l.barrier_error = ranks_.barrier_error;
+  ranks_.barrier(stream);  // every rank's d_out, route weights (and x) written; its slots free
   launch_megakernel_backward(l, stream);
+  publish_status_kernel<<<1, 1, 0, stream>>>(control_.data(), ranks_.own_status);
+  MOKA_CUDA_CHECK_LAUNCH();
+  ranks_.barrier(stream);  // every push into this rank's slots landed; no peer pulls from it any more
+  launch_backward_epilogue(l, stream);
+  note_missing_peer_kernel<<<1, 1, 0, stream>>>(ranks_.barrier_error, ranks_.own_status);
+  MOKA_CUDA_CHECK_LAUNCH();
+  merge_status_kernel<<<1, 1, 0, stream>>>(ranks_.status_peers, world_, merged_.device());
+  MOKA_CUDA_CHECK_LAUNCH();
+}
+
+void MegakernelBackward::throw_failure(const BackwardStatus& failure, const std::string& prefix) const {
+  const core::MegakernelStatus& s = failure.status;
+  const BackwardWaitReport& w = failure.wait;
+  std::ostringstream os;
+  os << prefix;
+  if (s.code == core::StatusCode::timeout && w.kind != core::BackwardTaskKind::none) {
+    os << core::describe(last_plan_, {w.kind, w.step, w.row_tile, w.col_tile, w.segment}) << " timed out after "
+       << config_.spin_timeout_seconds << " s waiting for " << core::to_string(w.counter) << " " << w.at
+       << " to reach " << w.target << ", saw " << w.observed;
+    throw Error(ErrorCode::timeout, os.str());
+  }
+  if (s.code == core::StatusCode::peer_missing) {
+    os << "rank " << s.source_rank << " did not arrive at the backward's device barrier within "
+       << config_.spin_timeout_seconds << " s; this call's gradients are incomplete";
+    throw Error(ErrorCode::timeout, os.str());
+  }
+  try {
+    core::throw_megakernel_status(s, config_);
+  } catch (const Error& e) {
+    // what() starts with the code's name, which the new Error puts in front again.
+    throw Error(e.code(), prefix + std::string(e.what()).substr(std::strlen(to_string(e.code())) + 2));
+  }
 }
 
 void MegakernelBackward::check_errors() {
-  const BackwardControl c = control_.download()[0];
-  const core::MegakernelStatus& s = c.base.status;
-  if (s.code == core::StatusCode::ok) return;
-  MOKA_CUDA_CHECK(cudaMemset(control_.data(), 0, control_.bytes()));  // each failure is raised once
-  if (s.code == core::StatusCode::timeout && c.wait.kind != core::BackwardTaskKind::none) {
-    const core::BackwardTask task{c.wait.kind, c.wait.step, c.wait.row_tile, c.wait.col_tile, c.wait.segment};
-    std::ostringstream os;
-    os << "megakernel backward: " << core::describe(last_plan_, task) << " timed out after " << config_.spin_timeout_seconds
-       << " s waiting for " << core::to_string(c.wait.counter) << " " << c.wait.at << " to reach " << c.wait.target
-       << ", saw " << c.wait.observed;
-    throw Error(ErrorCode::timeout, os.str());
+  if (world_ == 1) {
+    const BackwardControl c = control_.download()[0];
+    if (c.base.status.code == core::StatusCode::ok) return;
+    MOKA_CUDA_CHECK(cudaMemset(control_.data(), 0, control_.bytes()));  // each failure is raised once
+    throw_failure({c.base.status, c.wait}, "megakernel backward: ");
   }
-  core::throw_megakernel_status(s, config_);
+  const MergedBackwardStatus merged = merged_.load();
+  if (merged.rank < 0) return;
+  merged_.store(MergedBackwardStatus{});
+  throw_failure(merged.failure, "megakernel backward: rank " + std::to_string(merged.rank) + ": ");
 }
 
 }  // namespace moka::cuda

@@ -12,6 +12,8 @@
 #include <cuda_runtime.h>
 
 #include <cstdint>
+#include <functional>
+#include <string>
 
 #include "core/activation.hpp"
 #include "core/megakernel_backward_plan.hpp"
@@ -33,6 +35,16 @@ struct BackwardWaitReport {
 struct BackwardControl {
   MegakernelControl base;  // arrivals, tickets, first-failure claim and status (pipeline waits)
   BackwardWaitReport wait;
+};
+// A rank's first failure as every rank reads it (EP > 1: each rank's symmetric slot).
+struct BackwardStatus {
+  core::MegakernelStatus status;
+  BackwardWaitReport wait;
+};
+// The lowest failing rank's status, merged on the device into mapped host memory.
+struct MergedBackwardStatus {
+  int32_t rank = -1;  // -1: no rank failed
+  BackwardStatus failure;
 };
 
 // What one backward call reads and writes (device pointers). Peers' arrays have world_size
@@ -88,6 +100,9 @@ struct MegakernelBackwardLaunch {
   int64_t* first_of_step = nullptr;             // [max_steps + 1]
   int64_t* counters = nullptr;                  // core::counter_count(plan), zeroed per launch
   BackwardControl* control = nullptr;
+  // EP > 1: the device-barrier error word read before the kernel (0: every rank arrived; else
+  // 1 + the missing rank, and the kernel pulls nothing). Null at EP = 1.
+  const uint64_t* barrier_error = nullptr;
 };
 
 // fp32 elements of one macrobatch boundary's carry on the GPU: dW_gate|up as the pair tiles
@@ -101,12 +116,20 @@ MOKA_HD int64_t backward_carry_floats(int64_t hidden, int64_t intermediate) {
 inline constexpr core::BackwardTiling kBackwardGpuTiling{256, 128};
 
 // Enqueues, on `stream`: the segment table (built on the device from the offsets; a schedule
-// over capacity writes the status word), the persistent kernel (cooperative launch, one CTA per
-// SM or launch.num_ctas), then d_x = shared dx + sum_j d_x slots[t*k+j] (fp32, j in order) and
-// zero weight gradients for experts without rows. At EP > 1 a device barrier belongs between the
-// kernel and the d_x sum (every push landed); at EP = 1 the stream orders them.
+// over capacity or a barrier that timed out writes the status word) and the persistent kernel
+// (cooperative launch, one CTA per SM or launch.num_ctas).
 void launch_megakernel_backward(const MegakernelBackwardLaunch& launch, cudaStream_t stream);
+// Enqueues d_x = shared dx + sum_j d_x slots[t*k+j] (fp32, j in order) and zero weight gradients
+// for experts without rows: after the kernel and, at EP > 1, the closing barrier (every push
+// landed).
+void launch_backward_epilogue(const MegakernelBackwardLaunch& launch, cudaStream_t stream);
 size_t megakernel_backward_smem_bytes();
+// Loads the kernels launch_megakernel_backward and launch_backward_epilogue enqueue (outside any
+// graph capture). With lazy module loading (CUDA's default) a kernel's first launch loads its
+// module, which can wait for the device: while an earlier barrier on another stream spins on a
+// rank whose work this host thread has not enqueued yet, that wait lasts until the barrier times
+// out (two ranks driven by one thread, as the one-GPU test does).
+void load_megakernel_backward_kernels();
 // Sets the kernel's shared-memory attribute (once, outside any graph capture) and returns how
 // many CTAs fit on one SM (must be >= 1: one CTA per SM, all resident).
 int megakernel_backward_ctas_per_sm();
@@ -119,27 +142,54 @@ struct PointerValues {
 };
 void write_pointer_table(void** table, const PointerValues& values, cudaStream_t stream);
 
+// How the ranks of an EP > 1 call meet (unused at EP = 1). The kernel itself never waits on a
+// peer: its pulls read peer buffers the opening barrier froze and its pushes write peer slots
+// nobody reads before the closing barrier, so the ranks' kernels need not be resident together.
+struct BackwardRanks {
+  // Enqueues a bounded device barrier among the ranks on the stream (capturable).
+  std::function<void(cudaStream_t)> barrier;
+  const uint64_t* barrier_error = nullptr;  // device: the barrier's error word (0, or 1 + missing rank)
+  BackwardStatus* const* status_peers = nullptr;  // device table [world]: every rank's status slot
+  BackwardStatus* own_status = nullptr;           // this rank's slot (status_peers[rank])
+};
+
 // Owner of the backward's workspace for one shape, config, context mode and up to `max_tokens`
 // tokens per call.
+//
+// At EP > 1 a call is collective: every rank runs it with the same token count, on symmetric
+// buffers (the Io's peer tables): d_out and route weights written before run() (the pulls'
+// sources), d_x slots and d_topk_weights slots (the pushes' targets). On the stream:
+//   zero control and counters -> barrier (pull sources frozen; the peers' slots free) ->
+//   segment table (a barrier timeout -> peer_missing: the kernel pulls nothing) -> kernel ->
+//   status into this rank's slot -> barrier (every push landed, every pull of this rank done) ->
+//   d_x sum -> missing-peer note (a barrier that timed out, into this rank's slot if it holds no
+//   failure of its own, so a rank arriving late finds the call failed too) -> every rank's status
+//   merged into mapped host memory.
 class MegakernelBackward {
  public:
-  // num_ctas 0: one CTA per SM. config.tile_rows must be 128 (the GEMM core's tile).
+  // num_ctas 0: one CTA per SM. config.tile_rows must be 128 (the GEMM core's tile). world_size
+  // > 1 needs `ranks` (barrier, error word, status slots).
   MegakernelBackward(const MoeShape& shape, const MegakernelConfig& config, int world_size, int64_t max_tokens,
-                     core::ContextMode mode = core::ContextMode::resident, int num_ctas = 0);
+                     core::ContextMode mode = core::ContextMode::resident, int num_ctas = 0,
+                     BackwardRanks ranks = {});
   // The workspace's plan (max_tokens).
   const core::MegakernelBackwardPlan& plan() const { return plan_; }
   bool replay() const { return plan_.mode == core::ContextMode::replay; }
   // Enqueues one call of `tokens` (<= max_tokens) on `stream` (no host synchronization;
   // capturable).
   void run(const MegakernelBackwardIo& io, int64_t tokens, cudaStream_t stream);
-  // After the stream is synchronized: throws the kernel's first failure (capacity, a timed-out
-  // wait naming the task and counter, a stalled pipeline), if any, once.
+  // After the stream is synchronized: throws the first failure (capacity, a timed-out wait
+  // naming the task and counter, a stalled pipeline; at EP > 1 the lowest failing rank's, or a
+  // rank that did not arrive at a barrier: every rank reports it), if any, once.
   void check_errors();
 
  private:
+  void throw_failure(const BackwardStatus& failure, const std::string& prefix) const;
+
   MoeShape shape_;
   MegakernelConfig config_;
   int world_;
+  BackwardRanks ranks_;
   int64_t max_tokens_;
   core::MegakernelBackwardPlan plan_, last_plan_;
   int num_ctas_ = 0;
@@ -148,6 +198,7 @@ class MegakernelBackward {
   DeviceArray<int64_t> expert_offset_, first_of_step_, counters_;
   DeviceArray<core::WeightGradSegment> segments_;
   DeviceArray<BackwardControl> control_;
+  PinnedWord<MergedBackwardStatus> merged_;  // EP > 1: every rank's first failure, merged on the device
 };
 
 }  // namespace moka::cuda

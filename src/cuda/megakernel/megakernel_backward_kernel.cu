@@ -551,8 +551,18 @@ __global__ void __launch_bounds__(kThreads, 1) backward_megakernel(const __grid_
 }
 
 // One thread: the segment table of this call's rows (the plan's own fill functions), or the
-// capacity failure in the status word (every CTA of the megakernel then leaves at once).
+// failure in the status word (every CTA of the megakernel then leaves at once): at EP > 1 an
+// opening barrier that timed out (the peers' d_out, weights and slots may still be in use, so
+// nothing is pulled or pushed), else a schedule over capacity.
 __global__ void build_segments_kernel(const MegakernelBackwardLaunch p) {
+  const uint64_t missing = p.barrier_error ? *reinterpret_cast<const volatile uint64_t*>(p.barrier_error) : 0;
+  if (missing != 0) {
+    core::MegakernelStatus s;
+    s.code = core::StatusCode::peer_missing;
+    s.source_rank = static_cast<int64_t>(missing) - 1;
+    report(&p.control->base, s);
+    return;
+  }
   const int64_t rows = p.io.offsets[p.local_experts];
   if (!core::fits_capacity(p.plan, rows)) {
     core::MegakernelStatus s;
@@ -645,6 +655,13 @@ int megakernel_backward_ctas_per_sm() {
   return ctas;
 }
 
+void load_megakernel_backward_kernels() {
+  cudaFuncAttributes attributes;
+  MOKA_CUDA_CHECK(cudaFuncGetAttributes(&attributes, mk::build_segments_kernel));
+  MOKA_CUDA_CHECK(cudaFuncGetAttributes(&attributes, mk::backward_megakernel));
+  MOKA_CUDA_CHECK(cudaFuncGetAttributes(&attributes, mk::backward_epilogue_kernel));
+}
+
 void launch_megakernel_backward(const MegakernelBackwardLaunch& launch, cudaStream_t stream) {
   static_assert(sizeof(mk::BackwardParams) <= 32764, "kernel parameters must fit the 32 KiB limit");
   const mk::BackwardParams params{launch, mk::make_operands(launch)};
@@ -652,6 +669,9 @@ void launch_megakernel_backward(const MegakernelBackwardLaunch& launch, cudaStre
   MOKA_CUDA_CHECK_LAUNCH();
   mk::launch_cooperative(mk::backward_megakernel, params, launch.num_ctas, mk::kThreads,
                          megakernel_backward_smem_bytes(), stream);
+}
+
+void launch_backward_epilogue(const MegakernelBackwardLaunch& launch, cudaStream_t stream) {
   mk::backward_epilogue_kernel<<<256, 256, 0, stream>>>(launch);
   MOKA_CUDA_CHECK_LAUNCH();
 }

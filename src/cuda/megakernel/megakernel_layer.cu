@@ -193,8 +193,9 @@ class CudaMegakernelForward final : public MegakernelExtension {
   const bf16* ring_up() const { return ring_up_.data(); }
   const bf16* shared_gate() const { return shared_gate_.data(); }
   const bf16* shared_up() const { return shared_up_.data(); }
-  // The combine slots [T*k, H]: free between forwards (the backward's d_x slots at EP = 1).
+  // The combine slots [T*k, H] of every rank: free between forwards (the backward's d_x slots).
   bf16* combine_slots() const { return combine_.local<bf16>(); }
+  bf16* const* combine_peers() const { return combine_.peers<bf16>(); }
 
  private:
   void check_inputs(const MoeInputs& in, const MoeWeights& w, const TensorView& out, int64_t T) const {
@@ -341,9 +342,21 @@ struct MegakernelContext final : MoeContext {
   std::vector<int64_t> local_expert_rows() const override { return staged->local_expert_rows(); }
 };
 
-// The megakernel path of MoeLayer: forward through the megakernel. Backward, at EP = 1 while no
-// later forward ran, through the backward megakernel (resident context when the forward's ring
-// holds every row, else replay); else through a staged layer over the same group, which
+// EP > 1: what the backward megakernel's ranks share besides the forward's buffers (its d_x
+// pushes land in the forward's combine slots, replay pulls x from the forward's x): d_out and
+// the route weights (the pulls' sources), d_topk_weights (the pushes' targets) and the status
+// slots. Allocated collectively, in the same order on every rank.
+struct BackwardSymmetric {
+  BackwardSymmetric(DeviceGroup* group, const MoeShape& s, int64_t max_tokens)
+      : d_out(group, max_tokens * s.hidden * sizeof(bf16)), weights(group, max_tokens * s.top_k * sizeof(float)),
+        d_topk_weights(group, max_tokens * s.top_k * sizeof(float)), status(group, sizeof(BackwardStatus)) {}
+  SymmetricBuffers d_out, weights, d_topk_weights, status;
+};
+
+// The megakernel path of MoeLayer: forward through the megakernel. Backward, while no later
+// forward ran, through the backward megakernel (resident context when the forward's ring holds
+// every row, else replay; at EP > 1 a collective call, which every rank makes alike because
+// every rank runs the same forwards); else through a staged layer over the same group, which
 // recomputes its forward stages from the context first.
 class MegakernelMoeLayer final : public MoeLayer {
  public:
@@ -351,11 +364,24 @@ class MegakernelMoeLayer final : public MoeLayer {
                      const LayerOptions& options)
       : owned_group_(std::move(owned)), kernel_(shape, group, config_of(options), options.max_tokens),
         stages_(make_staged_layer(shape, group, nullptr, options, GemmEngine::cutlass)) {
-    if (stages_->world_size() == 1) {
-      const auto mode = kernel_.ring_holds_every_row() ? core::ContextMode::resident : core::ContextMode::replay;
-      backward_ = std::make_unique<MegakernelBackward>(shape, config_of(options), 1, options.max_tokens, mode);
+    const int world = stages_->world_size();
+    const auto mode = kernel_.ring_holds_every_row() ? core::ContextMode::resident : core::ContextMode::replay;
+    const MegakernelConfig config = config_of(options);
+    if (world == 1) {
+      backward_ = std::make_unique<MegakernelBackward>(shape, config, 1, options.max_tokens, mode);
       peer_tables_ = DeviceArray<void*>(4);
+      return;
     }
+    symmetric_ = std::make_unique<BackwardSymmetric>(group, shape, options.max_tokens);
+    BackwardRanks ranks;
+    ranks.barrier = [group, timeout = config.spin_timeout_seconds](cudaStream_t s) {
+      group->device_barrier(s, timeout);
+    };
+    ranks.barrier_error = static_cast<const uint64_t*>(group->device_barrier_error());
+    ranks.status_peers = symmetric_->status.peers<BackwardStatus>();
+    ranks.own_status = symmetric_->status.local<BackwardStatus>();
+    backward_ = std::make_unique<MegakernelBackward>(shape, config, world, options.max_tokens, mode, 0,
+                                                     std::move(ranks));
   }
 
   const MoeShape& shape() const override { return stages_->shape(); }
@@ -401,31 +427,44 @@ class MegakernelMoeLayer final : public MoeLayer {
     return c;
   }
 
-  // EP = 1: the pulls read this rank's own d_out, route weights and (replay) x; the pushes write
-  // its d_x slots (the forward's combine buffer, free until the next forward) and d_topk_weights.
+  // The pulls read every row's d_out, route weight and (replay) x from its origin rank; the
+  // pushes write its d_x slots (the forward's combine buffers, free until the next forward) and
+  // d_topk_weights. EP = 1: the rank's own tensors, through one-entry tables; EP > 1: d_out and
+  // the route weights copied into symmetric buffers first, d_topk_weights copied out after.
   void backward_megakernel(const MegakernelContext& ctx, const TensorView& d_out, const MoeWeights& w,
                            const MoeGradients& g, cudaStream_t s) {
     const MoeShape& sh = shape();
-    const int64_t T = ctx.tokens;
+    const int64_t T = ctx.tokens, world = world_size();
     const Device dev = Device::cuda(kernel_.device());
-    core::validate_layer_tensors(sh, 1, ctx.inputs, w, DType::bf16, dev);
-    core::validate_layer_gradients(sh, 1, T, g, DType::bf16, dev);
+    core::validate_layer_tensors(sh, world, ctx.inputs, w, DType::bf16, dev);
+    core::validate_layer_gradients(sh, world, T, g, DType::bf16, dev);
     expect_tensor(d_out, "d_out", DType::bf16, dev, {T, sh.hidden});
-    PointerValues tables;
-    tables.at[0] = d_out.data;
-    tables.at[1] = ctx.inputs.topk_weights.data;
-    tables.at[2] = kernel_.combine_slots();
-    tables.at[3] = g.d_topk_weights.data;
-    tables.count = 4;
-    write_pointer_table(peer_tables_.data(), tables, s);
-    void* const* t = peer_tables_.data();
     MegakernelBackwardIo io;
+    if (symmetric_) {
+      MOKA_CUDA_CHECK(cudaMemcpyAsync(symmetric_->d_out.local<bf16>(), d_out.data, T * sh.hidden * sizeof(bf16),
+                                      cudaMemcpyDeviceToDevice, s));
+      MOKA_CUDA_CHECK(cudaMemcpyAsync(symmetric_->weights.local<float>(), ctx.inputs.topk_weights.data,
+                                      T * sh.top_k * sizeof(float), cudaMemcpyDeviceToDevice, s));
+      io.d_out_peers = symmetric_->d_out.peers<const bf16>();
+      io.weight_peers = symmetric_->weights.peers<const float>();
+      io.dx_slot_peers = kernel_.combine_peers();
+      io.dw_slot_peers = symmetric_->d_topk_weights.peers<float>();
+    } else {
+      PointerValues tables;
+      tables.at[0] = d_out.data;
+      tables.at[1] = ctx.inputs.topk_weights.data;
+      tables.at[2] = kernel_.combine_slots();
+      tables.at[3] = g.d_topk_weights.data;
+      tables.count = 4;
+      write_pointer_table(peer_tables_.data(), tables, s);
+      void* const* t = peer_tables_.data();
+      io.d_out_peers = reinterpret_cast<const bf16* const*>(t);
+      io.weight_peers = reinterpret_cast<const float* const*>(t + 1);
+      io.dx_slot_peers = reinterpret_cast<bf16* const*>(t + 2);
+      io.dw_slot_peers = reinterpret_cast<float* const*>(t + 3);
+    }
     io.offsets = kernel_.offsets();
     io.slot_of_row = kernel_.slot_of_row();
-    io.d_out_peers = reinterpret_cast<const bf16* const*>(t);
-    io.weight_peers = reinterpret_cast<const float* const*>(t + 1);
-    io.dx_slot_peers = reinterpret_cast<bf16* const*>(t + 2);
-    io.dw_slot_peers = reinterpret_cast<float* const*>(t + 3);
     io.x_peers = kernel_.x_peers();
     io.x = ctx.inputs.x.as<bf16>();
     io.d_out = d_out.as<bf16>();
@@ -451,13 +490,17 @@ class MegakernelMoeLayer final : public MoeLayer {
       io.d_ws_down = g.d_ws_down.as<bf16>();
     }
     backward_->run(io, T, s);
+    if (symmetric_)
+      MOKA_CUDA_CHECK(cudaMemcpyAsync(g.d_topk_weights.data, symmetric_->d_topk_weights.local<float>(),
+                                      T * sh.top_k * sizeof(float), cudaMemcpyDeviceToDevice, s));
   }
 
   std::unique_ptr<DeviceGroup> owned_group_;  // destroyed last: both parts use it
   CudaMegakernelForward kernel_;
   std::unique_ptr<StagedLayer> stages_;
-  std::unique_ptr<MegakernelBackward> backward_;  // EP = 1 only
-  DeviceArray<void*> peer_tables_;               // d_out, route weights, d_x slots, d_topk_weights
+  std::unique_ptr<BackwardSymmetric> symmetric_;  // EP > 1
+  std::unique_ptr<MegakernelBackward> backward_;
+  DeviceArray<void*> peer_tables_;  // EP = 1: d_out, route weights, d_x slots, d_topk_weights
 };
 
 }  // namespace
