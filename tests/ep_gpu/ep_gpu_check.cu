@@ -336,7 +336,8 @@ void megakernel_input_errors_are_reported_everywhere(ProcessGroup& host, DeviceG
 // (resident context when the forward's ring holds every row, replay when `macrobatch` is
 // smaller), against the fp64 CPU reference of the same group: out and every gradient, on
 // poisoned outputs; then the same bits in another run and in every replay of fwd+bwd captured
-// in one CUDA graph.
+// in one CUDA graph. The forward's out also equals the all-to-all path's bit for bit (the
+// gradients do not: the backward megakernel sums in another order).
 void megakernel_path_matches_reference(ProcessGroup& host, DeviceGroup& g, const MoeShape& s, int64_t T, Skew skew,
                                        int64_t macrobatch, const char* name) {
   const int me = host.rank();
@@ -344,6 +345,16 @@ void megakernel_path_matches_reference(ProcessGroup& host, DeviceGroup& g, const
   const auto ref = reference_of(s, ranks, true);
   gpu_test::GpuCase c(ranks[me]);
   c.upload();
+  const auto all_to_all_out = [&] {
+    LayerOptions options{128, 0};
+    options.path = LayerPath::all_to_all;
+    auto staged = make_moe_layer(s, &g, options);
+    c.poison();
+    staged->forward(c.inputs(), c.weights(), c.out_view(), Stream{});
+    MOKA_CUDA_CHECK(cudaDeviceSynchronize());
+    staged->check_errors();
+    return gpu_test::bytes_of(c.out);
+  }();
   auto mk = make_moe_layer(s, &g, gpu_test::megakernel_options(megakernel_config(16, 256, macrobatch), T));
   auto step = [&](Stream stream) {
     auto ctx = mk->forward(c.inputs(), c.weights(), c.out_view(), stream);
@@ -359,6 +370,7 @@ void megakernel_path_matches_reference(ProcessGroup& host, DeviceGroup& g, const
   check(mk->megakernel() != nullptr, std::string(name) + ": the layer takes the megakernel path", me);
   const auto bits = run();
   outputs_match(c, ref[me], name, me);
+  check(gpu_test::bytes_of(c.out) == all_to_all_out, std::string(name) + ": forward out equals the all-to-all path's bits", me);
   check(run() == bits, std::string(name) + ": another fwd+bwd gives identical bits", me);
   bool replayed = true;
   c.poison();
