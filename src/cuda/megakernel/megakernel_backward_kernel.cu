@@ -432,6 +432,7 @@ __device__ inline void load_backward(BackwardSmem& sm, const PipelineWatch& watc
         if (job.products > 0) load_tile(sm.tile, loads, job.mn_mn, watch, job.site);
       } else {
         for (int i = 0; i < job.products; ++i) load_tile(sm.tile, loads, job.k_mn[i], watch, job.site);
+        if (job.store == JobStore::dgd) prefetch_dgd_inputs(job.dgd);
       }
     }
     EmptyBarrier::arrive(&queue.finished[q]);
@@ -440,27 +441,24 @@ __device__ inline void load_backward(BackwardSmem& sm, const PipelineWatch& watc
   drain_tile_pipeline(sm.tile, loads, watch);
 }
 
-// The consumers' epilogue of one job.
-__device__ inline void store_backward_job(const Accumulator& acc, const BackwardJob& j) {
+// The consumers' epilogue of one job. Inlined: as a call it takes the accumulator through local
+// memory, and ptxas then serializes the wgmma instructions.
+__device__ __forceinline__ void store_backward_job(const Accumulator& acc, const BackwardJob& j) {
   if (j.carry_out) {
     store_carry(acc, j.carry_out, j.carry_o);
     return;
   }
   switch (j.store) {
-    case JobStore::gate_up: {
+    case JobStore::gate_up:
       // The forward's g and u: the fp32 accumulator rounded to bf16 (gate left, up right).
-      constexpr int up = kAccumulatorSize / 2;
-      for_each_pair<false>([&](int r, int c, int i) {
-        store_pair(j.out0, j.o, r, c, acc(i), acc(i + 1));
-        store_pair(j.out1, j.o, r, c, acc(up + i), acc(up + i + 1));
-      });
+      store_rows<false>(acc, 0, j.out0, j.o);
+      store_rows<false>(acc, kAccumulatorSize / 2, j.out1, j.o);
       fence_generic_to_async();
       break;
-    }
     case JobStore::dgd: store_dgd_tile(acc, j.dgd); break;
     case JobStore::rows:
     case JobStore::weight_down:
-      for_each_pair<true>([&](int r, int c, int i) { store_pair(j.out0, j.o, r, c, acc(i), acc(i + 1)); });
+      store_rows<true>(acc, 0, j.out0, j.o);
       // Ring rows of d_x are read by the push (generic); the fence keeps every store path alike.
       fence_generic_to_async();
       break;

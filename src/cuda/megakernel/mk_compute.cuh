@@ -230,13 +230,6 @@ __device__ inline ComputeJob make_job(const MegakernelLaunch& p, const Operands&
 
 // ---- Epilogue -------------------------------------------------------------------------------
 
-// A row-major store of two adjacent bf16 values of a tile held in registers (the tile tests' and
-// the backward epilogues' plain stores; the forward's tiles go out through TMA boxes).
-__device__ inline void store_pair(bf16* base, const TileOut& o, int r, int c, float v0, float v1) {
-  if (r >= o.valid_rows || o.col0 + c >= o.width) return;
-  *reinterpret_cast<__nv_bfloat162*>(base + (o.row0 + r) * o.width + o.col0 + c) = __floats2bfloat162_rn(v0, v1);
-}
-
 __device__ inline float round_bf16(float v) { return __bfloat162float(__float2bfloat16_rn(v)); }
 
 // A thread's accumulator elements of one 64-column box: elements [kBoxAccumulators b,
