@@ -27,7 +27,8 @@ MOKA_HD T sigmoid(T v) {
 // directions (the backward megakernel's dgd epilogue) evaluates it once, with the same bits.
 template <typename T>
 MOKA_HD T swiglu_sigmoid(T g, bool clamped, T limit) {
-  return clamped ? sigmoid(T(kClampedSwigluAlpha) * (g < limit ? g : limit)) : sigmoid(g);
+  if (!clamped) return sigmoid(g);
+  return sigmoid(T(kClampedSwigluAlpha) * (g < limit ? g : limit));
 }
 
 // act(g, u) = silu(g) * u, or the clamped GPT-OSS form when `clamped`; s = swiglu_sigmoid(g).
@@ -39,9 +40,12 @@ MOKA_HD T swiglu_forward_given(T g, T u, T s, bool clamped, T limit) {
   return gc * s * (uc + T(1));
 }
 
+// The one-direction forms branch once on `clamped` and inline each side with a constant flag:
+// the code of two separate formulas, which the compiler keeps as tight as a single one.
 template <typename T>
 MOKA_HD T swiglu_forward(T g, T u, bool clamped, T limit) {
-  return swiglu_forward_given(g, u, swiglu_sigmoid(g, clamped, limit), clamped, limit);
+  if (!clamped) return swiglu_forward_given(g, u, swiglu_sigmoid(g, false, limit), false, limit);
+  return swiglu_forward_given(g, u, swiglu_sigmoid(g, true, limit), true, limit);
 }
 
 // Given d_act = dL/d act(g, u), writes dL/dg and dL/du (s = swiglu_sigmoid(g)). The clamp
@@ -65,7 +69,8 @@ MOKA_HD void swiglu_backward_given(T g, T u, T s, T d_act, bool clamped, T limit
 
 template <typename T>
 MOKA_HD void swiglu_backward(T g, T u, T d_act, bool clamped, T limit, T& d_g, T& d_u) {
-  swiglu_backward_given(g, u, swiglu_sigmoid(g, clamped, limit), d_act, clamped, limit, d_g, d_u);
+  if (!clamped) return swiglu_backward_given(g, u, swiglu_sigmoid(g, false, limit), d_act, false, limit, d_g, d_u);
+  swiglu_backward_given(g, u, swiglu_sigmoid(g, true, limit), d_act, true, limit, d_g, d_u);
 }
 
 }  // namespace moka::core
