@@ -367,10 +367,7 @@ struct BackwardSmem {
 __device__ inline void init_backward_smem(BackwardSmem& sm) {
   if (threadIdx.x == 0) {
     init_tile_pipeline(sm.tile);
-    for (int q = 0; q < kTaskSlots; ++q) {
-      EmptyBarrier::init(&sm.queue.published[q], 1);
-      EmptyBarrier::init(&sm.queue.finished[q], kBackwardSlotReaders);
-    }
+    init_task_queue(sm.queue, kBackwardSlotReaders);
     cutlass::arch::fence_barrier_init();
   }
   __syncthreads();

@@ -132,13 +132,19 @@ inline constexpr size_t kComputeSmemBytes = offsetof(ComputeSmem, queue) + sizeo
 // kernel may skip to align the dynamic shared memory and a little for its static variables.
 static_assert(kComputeSmemBytes + 1024 + 256 <= 232448, "the compute CTA's shared memory must fit one H100/H200 SM");
 
+// One thread: the queue's barriers; `readers` arrive on each slot's `finished`.
+template <class Job>
+__device__ inline void init_task_queue(TaskQueueOf<Job>& queue, uint32_t readers) {
+  for (int q = 0; q < kTaskSlots; ++q) {
+    EmptyBarrier::init(&queue.published[q], 1);
+    EmptyBarrier::init(&queue.finished[q], readers);
+  }
+}
+
 __device__ inline void init_compute_smem(ComputeSmem& sm) {
   if (threadIdx.x == 0) {
     init_tile_pipeline(sm.tile);
-    for (int q = 0; q < kTaskSlots; ++q) {
-      EmptyBarrier::init(&sm.queue.published[q], 1);
-      EmptyBarrier::init(&sm.queue.finished[q], kSlotReaders);
-    }
+    init_task_queue(sm.queue, kSlotReaders);
     for (int b = 0; b < kEpilogueBuffers; ++b) {
       EmptyBarrier::init(&sm.epilogue.written[b], kConsumerThreads);
       EmptyBarrier::init(&sm.epilogue.stored[b], 1);
