@@ -14,6 +14,8 @@
 #pragma once
 #include <cuda_bf16.h>
 
+#include <utility>
+
 #include "core/activation.hpp"
 #include "cuda/megakernel/mk_compute.cuh"
 #include "cuda/megakernel/mk_tile_gemm.cuh"
@@ -82,18 +84,19 @@ __device__ inline float2 bf16x2_floats(uint32_t bits) {
   return __bfloat1622float2(reinterpret_cast<const __nv_bfloat162&>(bits));
 }
 
-// Calls fn(r, c, i, half) for each run of this thread in columns [0, kHalfN) of the tile (with
-// BothHalves also [kHalfN, kTileN)): row r, columns [c, c + 4); its own elements are i, i + 1 of
-// the first block and i + 4, i + 5 of the second. half (0 or 1: row r is the first or the
-// second of the thread's two rows) is a constant once unrolled, for per-row registers.
-template <bool BothHalves, class Fn>
-__device__ inline void for_each_run(Fn&& fn) {
+// Calls fn(r, c, i, half) for each run of this thread whose elements lie in [Begin, End) (of
+// 8-element groups: two blocks of both rows): row r, columns [c, c + 4); its own elements are
+// i, i + 1 of the first block and i + 4, i + 5 of the second. half (0 or 1: row r is the first
+// or the second of the thread's two rows) and i are constants once unrolled, for registers.
+template <int Begin, int End, class Fn>
+__device__ inline void for_each_run_in(Fn&& fn) {
+  static_assert(Begin % 8 == 0 && End % 8 == 0 && End <= kAccumulatorSize);
   TiledMma mma;
   ThrMMA thr = mma.get_thread_slice(consumer_thread());
   Tensor coords = thr.partition_C(make_identity_tensor(Shape<Int<kTileM>, Int<kTileN>>{}));
   const int shift = run_column() - 2 * quad_lane();
   CUTE_UNROLL
-  for (int group = 0; group < (BothHalves ? kAccumulatorSize : kAccumulatorSize / 2); group += 8) {
+  for (int group = Begin; group < End; group += 8) {
     CUTE_UNROLL
     for (int half = 0; half < 2; ++half) {
       const int i = group + 2 * half;
@@ -101,6 +104,12 @@ __device__ inline void for_each_run(Fn&& fn) {
       fn(int(r), int(c) + shift, i, half);
     }
   }
+}
+
+// Every run in columns [0, kHalfN) of the tile (with BothHalves also [kHalfN, kTileN)).
+template <bool BothHalves, class Fn>
+__device__ inline void for_each_run(Fn&& fn) {
+  for_each_run_in<0, BothHalves ? kAccumulatorSize : kAccumulatorSize / 2>(fn);
 }
 
 // One run of a row-major bf16 output (the run lies wholly inside or outside its width: widths
@@ -150,28 +159,31 @@ __device__ inline void prefetch_dgd_inputs(const DgdTile& t) {
     }
 }
 
-// The 256 consumer threads, after mma_tile: writes dg, du, hs and the rows' partials. g and u
-// come in runs (8-byte loads), dg, du and hs go out in runs; the arithmetic is per element on
-// the thread's own accumulator elements, each row's in ascending column order. The epilogues
-// take their tile by value: the job they come from lives in shared memory, which a global store
-// might alias as far as the compiler knows, so a reference would reload its fields after each.
-__device__ __forceinline__ void store_dgd_tile(const Accumulator& acc, const DgdTile t) {
-  // Each thread holds two rows of the tile (r and r + 8 in its warp's 16-row slice).
-  float partial[2] = {0.f, 0.f};
-  int row_of[2] = {0, 0};
-  for_each_run<true>([&](int r, int c, int i, int half) {
-    row_of[half] = r;
-    const bool real = r < t.valid_rows, inside = t.col0 + c < t.width;
-    const int64_t row = t.row0 + r, at = row * t.width + t.col0 + c;
-    uint2 g_run = make_uint2(0u, 0u), u_run = make_uint2(0u, 0u);
-    if (real && inside) {
-      g_run = *reinterpret_cast<const uint2*>(t.gate + at);
-      u_run = *reinterpret_cast<const uint2*>(t.up + at);
+// The dgd epilogue over the runs of accumulator elements [Begin, Begin + kDgdBatch): first
+// every run's g and u loads (all in flight together), then the arithmetic and the stores.
+// The thread's two rows' route weights `w` and partials are indexed by the run's half.
+inline constexpr int kDgdBatch = 32;  // elements: 8 runs, 32 registers of g and u
+template <int Begin>
+__device__ __forceinline__ void dgd_batch(const Accumulator& acc, const DgdTile& t, const float (&w)[2],
+                                          float (&partial)[2]) {
+  constexpr int kRuns = kDgdBatch / 4;
+  auto run_index = [](int i) { return (i - Begin) / 8 * 2 + (i - Begin) % 8 / 2; };
+  uint2 g_run[kRuns], u_run[kRuns];
+  for_each_run_in<Begin, Begin + kDgdBatch>([&](int r, int c, int i, int) {
+    const int k = run_index(i);
+    g_run[k] = u_run[k] = make_uint2(0u, 0u);
+    if (r < t.valid_rows && t.col0 + c < t.width) {
+      const int64_t at = (t.row0 + r) * t.width + t.col0 + c;
+      g_run[k] = *reinterpret_cast<const uint2*>(t.gate + at);
+      u_run[k] = *reinterpret_cast<const uint2*>(t.up + at);
     }
+  });
+  for_each_run_in<Begin, Begin + kDgdBatch>([&](int r, int c, int i, int half) {
+    const int k = run_index(i);
+    const bool real = r < t.valid_rows;
     uint32_t g_bits[2], u_bits[2];
-    from_run(g_run, g_bits[0], g_bits[1]);
-    from_run(u_run, u_bits[0], u_bits[1]);
-    const float w = real ? t.weight[row] : 0.f;
+    from_run(g_run[k], g_bits[0], g_bits[1]);
+    from_run(u_run[k], u_bits[0], u_bits[1]);
     // This thread's own columns: 2q, 2q + 1 of the first block, the same of the second.
     const int64_t own = t.col0 + c - run_column() + 2 * quad_lane();
     uint32_t dg_bits[2], du_bits[2], hs_bits[2];
@@ -179,8 +191,8 @@ __device__ __forceinline__ void store_dgd_tile(const Accumulator& acc, const Dgd
     for (int b = 0; b < 2; ++b) {
       const float2 g = bf16x2_floats(g_bits[b]), u = bf16x2_floats(u_bits[b]);
       float dg0, du0, hs0, dg1, du1, hs1;
-      const float p0 = dgd_element(acc(i + 4 * b), g.x, u.x, w, t.act, dg0, du0, hs0);
-      const float p1 = dgd_element(acc(i + 4 * b + 1), g.y, u.y, w, t.act, dg1, du1, hs1);
+      const float p0 = dgd_element(acc(i + 4 * b), g.x, u.x, w[half], t.act, dg0, du0, hs0);
+      const float p1 = dgd_element(acc(i + 4 * b + 1), g.y, u.y, w[half], t.act, dg1, du1, hs1);
       if (real && own + 8 * b < t.width) partial[half] = __fadd_rn(__fadd_rn(partial[half], p0), p1);
       dg_bits[b] = real ? bf16x2_bits(dg0, dg1) : 0u;
       du_bits[b] = real ? bf16x2_bits(du0, du1) : 0u;
@@ -192,6 +204,25 @@ __device__ __forceinline__ void store_dgd_tile(const Accumulator& acc, const Dgd
     store_run(t.d_up, whole, r, c, to_run(du_bits[0], du_bits[1]));
     store_run(t.scaled_hidden, whole, r, c, to_run(hs_bits[0], hs_bits[1]));
   });
+}
+
+// The 256 consumer threads, after mma_tile: writes dg, du, hs and the rows' partials. g and u
+// come in runs (8-byte loads, a batch of runs at a time), dg, du and hs go out in runs; the
+// arithmetic is per element on the thread's own accumulator elements, each row's in ascending
+// column order. The epilogues take their tile by value: the job they come from lives in shared
+// memory, which a global store might alias as far as the compiler knows, so a reference would
+// reload its fields after each.
+__device__ __forceinline__ void store_dgd_tile(const Accumulator& acc, const DgdTile t) {
+  // Each thread holds two rows of the tile (r and r + 8 in its warp's 16-row slice).
+  float partial[2] = {0.f, 0.f}, w[2] = {0.f, 0.f};
+  int row_of[2] = {0, 0};
+  for_each_run_in<0, 8>([&](int r, int, int, int half) {
+    row_of[half] = r;
+    if (r < t.valid_rows) w[half] = t.weight[t.row0 + r];
+  });
+  [&]<int... Batch>(std::integer_sequence<int, Batch...>) {
+    (dgd_batch<Batch * kDgdBatch>(acc, t, w, partial), ...);
+  }(std::make_integer_sequence<int, kAccumulatorSize / kDgdBatch>{});
   CUTE_UNROLL
   for (int half = 0; half < 2; ++half) {
     float p = partial[half];
