@@ -190,15 +190,15 @@ __device__ inline TileLoadsOf<MA, MB> tile_loads(const OperandOf<MA>& a, int row
   return l;
 }
 
-// The scheduler thread: the job of an acquired task.
-__device__ inline ComputeJob make_job(const MegakernelLaunch& p, const Operands& ops, const core::MegakernelPlan& plan,
-                                      const core::Task& t, uint64_t ticket) {
-  ComputeJob j;
+// The scheduler thread: the job of an acquired task, written into its queue slot `j` (a stop
+// until then; in place, not through a local copy).
+__device__ inline void make_job(ComputeJob& j, const MegakernelLaunch& p, const Operands& ops,
+                                const core::MegakernelPlan& plan, const core::Task& t, uint64_t ticket) {
   j.stop = false;
   j.task = t;
   j.ticket = ticket;
   j.site = {t.kind, t.step < 0 ? -1 : core::minibatch_of_step(plan, t.step), t.row_tile};
-  if (t.step >= 0 && !core::task_has_rows(plan, t)) return j;  // beyond the schedule's rows: release only
+  if (t.step >= 0 && !core::task_has_rows(plan, t)) return;  // beyond the schedule's rows: release only
   const int64_t tm = plan.tile_m;
   const int col = int(t.col_tile);
   const int gate_up_box = int(col * plan.tile_n / kTileK), down_box = int(col * plan.down_tile_n / kTileK);
@@ -233,7 +233,6 @@ __device__ inline ComputeJob make_job(const MegakernelLaunch& p, const Operands&
     }
     default: break;
   }
-  return j;
 }
 
 // ---- Epilogue -------------------------------------------------------------------------------
@@ -344,20 +343,21 @@ inline constexpr uint32_t kConsumerBarrier = 1;  // named barrier of the 256 con
 __device__ inline uint32_t slot_phase(uint32_t n) { return (n / kTaskSlots) & 1u; }
 
 // The scheduler thread: publishes jobs until the tickets run out or a wait fails, then a stop.
-// job_of(ticket): the job of ticket `ticket` of the counter `tickets` once its task's wait
-// passed, or a stop (no task left, or the wait failed). Both megakernels' schedulers.
-template <class Job, class JobOf>
+// fill(ticket, job): once the wait of ticket `ticket` (of the counter `tickets`) passed, writes
+// its job into `job`, the free slot, which holds a stop until then (no task left, or the wait
+// failed: it stays a stop). Both megakernels' schedulers.
+template <class Job, class Fill>
 __device__ inline void schedule_jobs(TaskQueueOf<Job>& queue, unsigned long long* tickets, const PipelineWatch& watch,
-                                     JobOf&& job_of) {
+                                     Fill&& fill) {
   for (uint32_t n = 0;; ++n) {
     const int q = int(n % kTaskSlots);
     bool free = true;
     if (n >= uint32_t(kTaskSlots))
       free = wait_phase(&queue.finished[q], slot_phase(n) ^ 1u, watch, watch.queue_bound_ns,
                         core::PipelineWait::task_finished, TaskSite{});
-    Job job;
-    if (free) job = job_of(uint64_t(atomicAdd(tickets, 1ull)));
-    queue.jobs[q] = job;
+    Job& job = queue.jobs[q];
+    job = Job{};
+    if (free) fill(uint64_t(atomicAdd(tickets, 1ull)), job);
     EmptyBarrier::arrive(&queue.published[q]);  // release (CTA scope): the slot's contents
     if (job.stop) {
       // Observe the last slots' `finished` phases (the readers arrive on them too for the stop).
@@ -372,11 +372,9 @@ __device__ inline void schedule_jobs(TaskQueueOf<Job>& queue, unsigned long long
 __device__ inline void schedule_tasks(ComputeSmem& sm, const MegakernelLaunch& p, const Operands& ops,
                                       const core::MegakernelPlan& plan, const PipelineWatch& watch) {
   const uint64_t task_count = core::compute_task_count(plan);
-  schedule_jobs(sm.queue, &p.control->compute_ticket, watch, [&](uint64_t ticket) {
-    ComputeJob job;
+  schedule_jobs(sm.queue, &p.control->compute_ticket, watch, [&](uint64_t ticket, ComputeJob& job) {
     const core::Task task = ticket < task_count ? core::compute_task(plan, int64_t(ticket)) : core::Task{};
-    if (task.kind != core::TaskKind::none && wait_for(p, plan, task)) job = make_job(p, ops, plan, task, ticket);
-    return job;
+    if (task.kind != core::TaskKind::none && wait_for(p, plan, task)) make_job(job, p, ops, plan, task, ticket);
   });
 }
 
