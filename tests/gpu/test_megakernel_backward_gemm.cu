@@ -47,13 +47,10 @@ struct PlainStore : StartsFromZero {
     if (transposed) {
       store_transposed_halves(acc, out[0], out[1], o.row0, o.col0, m, n);
     } else if (pair) {
-      constexpr int right = kAccumulatorSize / 2;
-      for_each_pair<false>([&](int r, int c, int i) {
-        store_pair(out[0], o, r, c, acc(i), acc(i + 1));
-        store_pair(out[1], o, r, c, acc(right + i), acc(right + i + 1));
-      });
+      store_rows<false>(acc, 0, out[0], o);
+      store_rows<false>(acc, kAccumulatorSize / 2, out[1], o);
     } else {
-      for_each_pair<true>([&](int r, int c, int i) { store_pair(out[0], o, r, c, acc(i), acc(i + 1)); });
+      store_rows<true>(acc, 0, out[0], o);
     }
   }
 };

@@ -252,11 +252,12 @@ __device__ inline void weight_grad_job(BackwardJob& j, const MegakernelBackwardL
   j.carry_out = carry_out ? carry_out + carry_offset : nullptr;
 }
 
-// The scheduler thread: the job of an acquired task.
-__device__ inline BackwardJob make_job(const MegakernelBackwardLaunch& p, const BackwardOperands& ops,
-                                       const MegakernelBackwardPlan& plan, const SegmentTable& segments,
-                                       const BackwardTask& t) {
-  BackwardJob j;
+// The scheduler thread: the job of an acquired task, written into its queue slot `j` (a stop
+// until then). In place: a job built as a value went through local memory on its way to the
+// slot (a few hundred local accesses per task on the 40-register scheduler thread).
+__device__ inline void make_job(BackwardJob& j, const MegakernelBackwardLaunch& p, const BackwardOperands& ops,
+                                const MegakernelBackwardPlan& plan, const SegmentTable& segments,
+                                const BackwardTask& t) {
   j.stop = false;
   j.task = t;
   j.site = {core::TaskKind::none, t.step, t.row_tile};
@@ -347,19 +348,15 @@ __device__ inline BackwardJob make_job(const MegakernelBackwardLaunch& p, const 
     }
     default: break;
   }
-  return j;
 }
 
 // ---- Compute: roles ------------------------------------------------------------------------
 
-struct BackwardQueue {
-  BackwardJob jobs[kTaskSlots];
-  alignas(8) uint64_t published[kTaskSlots];  // one arrival: the scheduler wrote the slot
-  alignas(8) uint64_t finished[kTaskSlots];   // the TMA thread and every consumer read it
-};
-// The readers that arrive on `finished`: the backward's consumers store their tiles from
-// registers and release the counters themselves, so it has no store thread (the forward's
-// kSlotReaders counts one).
+// The forward's task queue with the backward's jobs. The readers that arrive on `finished`: the
+// TMA thread and every consumer; the backward's consumers store their tiles from registers and
+// release the counters themselves, so it has no store thread (the forward's kSlotReaders
+// counts one).
+using BackwardQueue = TaskQueueOf<BackwardJob>;
 inline constexpr uint32_t kBackwardSlotReaders = 1 + kConsumerThreads;
 
 struct BackwardSmem {
@@ -370,97 +367,59 @@ struct BackwardSmem {
 __device__ inline void init_backward_smem(BackwardSmem& sm) {
   if (threadIdx.x == 0) {
     init_tile_pipeline(sm.tile);
-    for (int q = 0; q < kTaskSlots; ++q) {
-      EmptyBarrier::init(&sm.queue.published[q], 1);
-      EmptyBarrier::init(&sm.queue.finished[q], kBackwardSlotReaders);
-    }
+    init_task_queue(sm.queue, kBackwardSlotReaders);
     cutlass::arch::fence_barrier_init();
   }
   __syncthreads();
 }
 
-// The scheduler thread: publishes jobs until the tickets run out or a wait fails, then a stop.
-// It takes a ticket only once a queue slot is free (the plan's progress argument: a CTA holds a
-// later task only while it runs an earlier one).
+// The scheduler thread (mk_compute.cuh's loop): it takes a ticket only once a queue slot is free
+// (the plan's progress argument: a CTA holds a later task only while it runs an earlier one).
 __device__ inline void schedule_backward(BackwardSmem& sm, const MegakernelBackwardLaunch& p,
                                          const BackwardOperands& ops, const MegakernelBackwardPlan& plan,
                                          const SegmentTable& segments, const PipelineWatch& watch) {
-  BackwardQueue& queue = sm.queue;
   const uint64_t task_count = core::compute_task_count(plan, segments);
-  for (uint32_t n = 0;; ++n) {
-    const int q = int(n % kTaskSlots);
-    bool free = true;
-    if (n >= uint32_t(kTaskSlots))
-      free = wait_phase(&queue.finished[q], slot_phase(n) ^ 1u, watch, watch.queue_bound_ns,
-                        core::PipelineWait::task_finished, TaskSite{});
-    BackwardJob job;
-    if (free) {
-      const uint64_t ticket = atomicAdd(&p.control->base.compute_ticket, 1ull);
-      const BackwardTask task = ticket < task_count ? core::compute_task(plan, segments, int64_t(ticket)) : BackwardTask{};
-      if (task.kind != BackwardTaskKind::none && wait_task(p, plan, segments, task))
-        job = make_job(p, ops, plan, segments, task);
-    }
-    queue.jobs[q] = job;
-    EmptyBarrier::arrive(&queue.published[q]);  // release (CTA scope): the slot's contents
-    if (job.stop) {
-      for (uint32_t m = n > 0 ? n - 1 : 0; m <= n; ++m)
-        wait_phase(&queue.finished[m % kTaskSlots], slot_phase(m), watch, watch.queue_bound_ns,
-                   core::PipelineWait::task_finished, TaskSite{});
-      return;
-    }
-  }
+  schedule_jobs(sm.queue, &p.control->base.compute_ticket, watch, [&](uint64_t ticket, BackwardJob& job) {
+    const BackwardTask task = ticket < task_count ? core::compute_task(plan, segments, int64_t(ticket)) : BackwardTask{};
+    if (task.kind != BackwardTaskKind::none && wait_task(p, plan, segments, task))
+      make_job(job, p, ops, plan, segments, task);
+  });
 }
 
 // The TMA thread: loads each published job's products, one after another.
 __device__ inline void load_backward(BackwardSmem& sm, const PipelineWatch& watch) {
-  BackwardQueue& queue = sm.queue;
   uint32_t loads = 0;
-  for (uint32_t n = 0;; ++n) {
-    const int q = int(n % kTaskSlots);
-    if (!wait_phase(&queue.published[q], slot_phase(n), watch, watch.queue_bound_ns,
-                    core::PipelineWait::task_published, TaskSite{}))
-      break;
-    const BackwardJob& job = queue.jobs[q];
-    const bool stop = job.stop;
-    if (!stop) {
-      // The scheduler thread acquired the rows' counter; the TMA reads them through the async
-      // proxy (this thread's mbarrier wait orders it after that acquire).
-      fence_generic_to_async();
-      if (job.layout == JobLayout::k_k) {
-        if (job.products > 0) load_tile(sm.tile, loads, job.k_k, watch, job.site);
-      } else if (job.layout == JobLayout::mn_mn) {
-        if (job.products > 0) load_tile(sm.tile, loads, job.mn_mn, watch, job.site);
-      } else {
-        for (int i = 0; i < job.products; ++i) load_tile(sm.tile, loads, job.k_mn[i], watch, job.site);
-      }
+  producer_jobs(sm.queue, watch, [&](const BackwardJob& job, int) {
+    if (job.layout == JobLayout::k_k) {
+      if (job.products > 0) load_tile(sm.tile, loads, job.k_k, watch, job.site);
+    } else if (job.layout == JobLayout::mn_mn) {
+      if (job.products > 0) load_tile(sm.tile, loads, job.mn_mn, watch, job.site);
+    } else {
+      for (int i = 0; i < job.products; ++i) load_tile(sm.tile, loads, job.k_mn[i], watch, job.site);
+      if (job.store == JobStore::dgd) prefetch_dgd_inputs(job.dgd);
     }
-    EmptyBarrier::arrive(&queue.finished[q]);
-    if (stop) break;
-  }
+  });
   drain_tile_pipeline(sm.tile, loads, watch);
 }
 
-// The consumers' epilogue of one job.
-__device__ inline void store_backward_job(const Accumulator& acc, const BackwardJob& j) {
+// The consumers' epilogue of one job. Inlined: as a call it takes the accumulator through local
+// memory, and ptxas then serializes the wgmma instructions.
+__device__ __forceinline__ void store_backward_job(const Accumulator& acc, const BackwardJob& j) {
   if (j.carry_out) {
     store_carry(acc, j.carry_out, j.carry_o);
     return;
   }
   switch (j.store) {
-    case JobStore::gate_up: {
+    case JobStore::gate_up:
       // The forward's g and u: the fp32 accumulator rounded to bf16 (gate left, up right).
-      constexpr int up = kAccumulatorSize / 2;
-      for_each_pair<false>([&](int r, int c, int i) {
-        store_pair(j.out0, j.o, r, c, acc(i), acc(i + 1));
-        store_pair(j.out1, j.o, r, c, acc(up + i), acc(up + i + 1));
-      });
+      store_rows<false>(acc, 0, j.out0, j.o);
+      store_rows<false>(acc, kAccumulatorSize / 2, j.out1, j.o);
       fence_generic_to_async();
       break;
-    }
     case JobStore::dgd: store_dgd_tile(acc, j.dgd); break;
     case JobStore::rows:
     case JobStore::weight_down:
-      for_each_pair<true>([&](int r, int c, int i) { store_pair(j.out0, j.o, r, c, acc(i), acc(i + 1)); });
+      store_rows<true>(acc, 0, j.out0, j.o);
       // Ring rows of d_x are read by the push (generic); the fence keeps every store path alike.
       fence_generic_to_async();
       break;
@@ -473,45 +432,34 @@ __device__ inline void store_backward_job(const Accumulator& acc, const Backward
 
 // The 256 consumer threads: compute and store each published job, then release its counters.
 __device__ __forceinline__ void compute_backward(BackwardSmem& sm, const MegakernelBackwardLaunch& p,
-                                        const MegakernelBackwardPlan& plan, const SegmentTable& segments,
-                                        const PipelineWatch& watch) {
-  __shared__ bool job_ready;
-  BackwardQueue& queue = sm.queue;
+                                                 const MegakernelBackwardPlan& plan, const SegmentTable& segments,
+                                                 const PipelineWatch& watch) {
   const bool leader = consumer_thread() == 0;
   uint32_t consumed = 0;
   Accumulator acc;
-  for (uint32_t n = 0;; ++n) {
-    const int q = int(n % kTaskSlots);
-    if (leader)
-      job_ready = wait_phase(&queue.published[q], slot_phase(n), watch, watch.queue_bound_ns,
-                             core::PipelineWait::task_published, TaskSite{});
-    cutlass::arch::NamedBarrier::sync(kConsumerThreads, kConsumerBarrier);
-    if (!job_ready) return;
-    wait_phase(&queue.published[q], slot_phase(n), watch, watch.queue_bound_ns, core::PipelineWait::task_published,
-               TaskSite{});
-    const BackwardJob& job = queue.jobs[q];
-    if (job.stop) {
-      EmptyBarrier::arrive(&queue.finished[q]);
-      return;
-    }
-    if (job.products > 0) {
-      const int kblocks = kblocks_of(job);
-      const bool carried = job.carry_in != nullptr;
-      if (carried) load_carry(acc, job.carry_in, job.carry_o);
-      if (job.layout == JobLayout::k_k) {
-        mma_tile<Major::K, Major::K>(sm.tile, consumed, kblocks, acc, watch, job.site);
-      } else if (job.layout == JobLayout::mn_mn) {
-        mma_tile<Major::MN, Major::MN>(sm.tile, consumed, kblocks, acc, watch, job.site, carried);
-      } else {
-        mma_tile<Major::K, Major::MN>(sm.tile, consumed, kblocks, acc, watch, job.site, carried);
-      }
-      store_backward_job(acc, job);
-    }
-    // Every consumer's stores (and proxy fence) precede the leader's release.
-    cutlass::arch::NamedBarrier::sync(kConsumerThreads, kConsumerBarrier);
-    if (leader) release_task(p, plan, segments, job.task);
-    EmptyBarrier::arrive(&queue.finished[q]);
-  }
+  // The job's lambda is forced inline as store_backward_job is: left as a call, it takes the
+  // accumulator through local memory.
+  consumer_jobs(
+      sm.queue, watch,
+      [&](const BackwardJob& job, int) __attribute__((always_inline)) {
+        if (job.products > 0) {
+          const int kblocks = kblocks_of(job);
+          const bool carried = job.carry_in != nullptr;
+          if (carried) load_carry(acc, job.carry_in, job.carry_o);
+          if (job.layout == JobLayout::k_k) {
+            mma_tile<Major::K, Major::K>(sm.tile, consumed, kblocks, acc, watch, job.site);
+          } else if (job.layout == JobLayout::mn_mn) {
+            mma_tile<Major::MN, Major::MN>(sm.tile, consumed, kblocks, acc, watch, job.site, carried);
+          } else {
+            mma_tile<Major::K, Major::MN>(sm.tile, consumed, kblocks, acc, watch, job.site, carried);
+          }
+          store_backward_job(acc, job);
+        }
+        // Every consumer's stores (and proxy fence) precede the leader's release.
+        cutlass::arch::NamedBarrier::sync(kConsumerThreads, kConsumerBarrier);
+        if (leader) release_task(p, plan, segments, job.task);
+      },
+      [] {});
 }
 
 // Inlined into the kernel: a call between the wgmma instructions and their waits makes ptxas

@@ -14,6 +14,8 @@
 #pragma once
 #include <cuda_bf16.h>
 
+#include <utility>
+
 #include "core/activation.hpp"
 #include "cuda/megakernel/mk_compute.cuh"
 #include "cuda/megakernel/mk_tile_gemm.cuh"
@@ -35,72 +37,241 @@ struct DgdTile {
   core::ActParams act;
 };
 
-// One element of the epilogue; returns dH * bf16(h), the element's term of the partial.
+// ---- Runs: the accumulator's bf16 rows in 8-byte accesses ------------------------------------
+
+// The wgmma layout gives the thread of quad lane q (lane % 4) the columns 2q, 2q + 1 of each
+// 8-column block of its rows, element i + 4 sitting 8 columns right of element i and element
+// i + 2 8 rows below it. Two blocks side by side are 16 columns of a row that one quad holds:
+// after one shuffle with its partner lane q ^ 1, each thread holds a run of 4 consecutive ones
+// (even q: columns 2q..2q+3 of the first block, odd q: columns 2q-2..2q+1 of the second), so a
+// quad reads or writes a full 32-byte sector of a bf16 row with one 8-byte access per thread.
+static_assert(AccumulatorToTile{}(0, 1) == AccumulatorToTile{}(0, 0) + kTileM &&
+                  AccumulatorToTile{}(0, 2) == AccumulatorToTile{}(0, 0) + 8 &&
+                  AccumulatorToTile{}(0, 4) == AccumulatorToTile{}(0, 0) + 8 * kTileM &&
+                  AccumulatorToTile{}(5, 8) == AccumulatorToTile{}(5, 0) + 16 * kTileM,
+              "the runs assume the m64nNk16 accumulator layout");
+
+__device__ inline int quad_lane() { return int(threadIdx.x % 4); }
+
+// The first column of this thread's run within the 16 columns of two blocks.
+__device__ inline int run_column() {
+  const int q = quad_lane();
+  return q & 1 ? 2 * q + 6 : 2 * q;
+}
+
+__device__ inline uint32_t bf16x2_bits(float lo, float hi) {
+  const __nv_bfloat162 pair = __floats2bfloat162_rn(lo, hi);
+  return reinterpret_cast<const uint32_t&>(pair);
+}
+
+// lo, hi: this thread's bf16 pairs of the first and the second block. Every lane of the warp
+// calls it (a shuffle).
+__device__ inline uint2 to_run(uint32_t lo, uint32_t hi) {
+  const bool odd = quad_lane() & 1;
+  const uint32_t partner = __shfl_xor_sync(0xffffffffu, odd ? lo : hi, 1);
+  return odd ? make_uint2(partner, hi) : make_uint2(lo, partner);
+}
+
+// The inverse of to_run: this thread's pairs of both blocks from the runs the quad loaded.
+__device__ inline void from_run(uint2 run, uint32_t& lo, uint32_t& hi) {
+  const bool odd = quad_lane() & 1;
+  const uint32_t partner = __shfl_xor_sync(0xffffffffu, odd ? run.x : run.y, 1);
+  lo = odd ? partner : run.x;
+  hi = odd ? run.y : partner;
+}
+
+__device__ inline float2 bf16x2_floats(uint32_t bits) {
+  return __bfloat1622float2(reinterpret_cast<const __nv_bfloat162&>(bits));
+}
+
+// Calls fn(r, c, i, half) for each run of this thread whose elements lie in [Begin, End) (of
+// 8-element groups: two blocks of both rows): row r, columns [c, c + 4); its own elements are
+// i, i + 1 of the first block and i + 4, i + 5 of the second. half (0 or 1: row r is the first
+// or the second of the thread's two rows) and i are constants once unrolled, for registers.
+template <int Begin, int End, class Fn>
+__device__ inline void for_each_run_in(Fn&& fn) {
+  static_assert(Begin % 8 == 0 && End % 8 == 0 && End <= kAccumulatorSize);
+  TiledMma mma;
+  ThrMMA thr = mma.get_thread_slice(consumer_thread());
+  Tensor coords = thr.partition_C(make_identity_tensor(Shape<Int<kTileM>, Int<kTileN>>{}));
+  const int shift = run_column() - 2 * quad_lane();
+  CUTE_UNROLL
+  for (int group = Begin; group < End; group += 8) {
+    CUTE_UNROLL
+    for (int half = 0; half < 2; ++half) {
+      const int i = group + 2 * half;
+      const auto [r, c] = coords(i);
+      fn(int(r), int(c) + shift, i, half);
+    }
+  }
+}
+
+// Every run in columns [0, kHalfN) of the tile (with BothHalves also [kHalfN, kTileN)).
+template <bool BothHalves, class Fn>
+__device__ inline void for_each_run(Fn&& fn) {
+  for_each_run_in<0, BothHalves ? kAccumulatorSize : kAccumulatorSize / 2>(fn);
+}
+
+// One run of a row-major bf16 output (the run lies wholly inside or outside its width: widths
+// are multiples of 8).
+__device__ inline void store_run(__nv_bfloat16* base, const TileOut& o, int r, int c, uint2 run) {
+  if (r >= o.valid_rows || o.col0 + c >= o.width) return;
+  *reinterpret_cast<uint2*>(base + (o.row0 + r) * o.width + o.col0 + c) = run;
+}
+
+// The accumulator's columns [0, kHalfN) (BothHalves: [0, kTileN)), from element `first` on (a
+// gate|up tile's up half: kAccumulatorSize / 2), rounded to bf16 into the rows of `out`.
+template <bool BothHalves>
+__device__ inline void store_rows(const Accumulator& acc, int first, __nv_bfloat16* out, const TileOut o) {
+  for_each_run<BothHalves>([&](int r, int c, int i, int) {
+    const int e = first + i;
+    store_run(out, o, r, c, to_run(bf16x2_bits(acc(e), acc(e + 1)), bf16x2_bits(acc(e + 4), acc(e + 5))));
+  });
+}
+
+// ---- The dgd epilogue ------------------------------------------------------------------------
+
+// One element of the epilogue; returns dH * bf16(h), the element's term of the partial. Both
+// directions of the activation share one sigmoid.
 // Multiplications and additions are rounded separately (no FMA contraction), as on the CPU.
 __device__ inline float dgd_element(float dh, float g, float u, float w, const core::ActParams& act, float& dg, float& du,
                                     float& hs) {
-  const float h = __bfloat162float(__float2bfloat16_rn(core::swiglu_forward<float>(g, u, act.clamped, act.limit)));
-  core::swiglu_backward<float>(g, u, __fmul_rn(w, dh), act.clamped, act.limit, dg, du);
+  const float s = core::swiglu_sigmoid<float>(g, act.clamped, act.limit);
+  const float h =
+      __bfloat162float(__float2bfloat16_rn(core::swiglu_forward_given<float>(g, u, s, act.clamped, act.limit)));
+  core::swiglu_backward_given<float>(g, u, s, __fmul_rn(w, dh), act.clamped, act.limit, dg, du);
   hs = __fmul_rn(w, h);
   return __fmul_rn(dh, h);
 }
 
-// The 256 consumer threads, after mma_tile: writes dg, du, hs and the rows' partials.
-__device__ inline void store_dgd_tile(const Accumulator& acc, const DgdTile& t) {
-  // Each thread holds two rows of the tile (r and r + 8 in its warp's 16-row slice).
-  float partial[2] = {0.f, 0.f};
-  int row_of[2] = {0, 0};
-  for_each_pair<true>([&](int r, int c, int i) {
-    const int slot = (r >> 3) & 1;
-    row_of[slot] = r;
-    const int64_t row = t.row0 + r, col = t.col0 + c;
-    if (col >= t.width) return;
-    const int64_t at = row * t.width + col;
-    if (r >= t.valid_rows) {
-      const __nv_bfloat162 zero = __floats2bfloat162_rn(0.f, 0.f);
-      for (__nv_bfloat16* out : {t.d_gate, t.d_up, t.scaled_hidden}) *reinterpret_cast<__nv_bfloat162*>(out + at) = zero;
-      return;
+// The TMA thread, once it issued a dgd tile's last loads (a few k-blocks before its epilogue):
+// g and u of the tile's rows into L2, so that the epilogue's loads do not wait on DRAM. A hint:
+// rows whose address does not suit the bulk prefetch (16-byte aligned) are left out; the size is
+// a multiple of 16 bytes (widths are multiples of 8).
+__device__ inline void prefetch_dgd_inputs(const DgdTile& t) {
+  const int64_t columns = t.width - t.col0 < kTileN ? t.width - t.col0 : kTileN;
+  const uint32_t bytes = uint32_t(columns * sizeof(__nv_bfloat16));
+  for (const __nv_bfloat16* base : {t.gate, t.up})
+    for (int64_t r = 0; r < t.valid_rows && r < kTileM; ++r) {
+      const __nv_bfloat16* at = base + (t.row0 + r) * t.width + t.col0;
+      if (reinterpret_cast<uintptr_t>(at) % 16 != 0) continue;
+      asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(at), "r"(bytes) : "memory");
     }
-    const float2 g = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(t.gate + at));
-    const float2 u = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(t.up + at));
-    const float w = t.weight[row];
-    float dg0, du0, hs0, dg1, du1, hs1;
-    partial[slot] = __fadd_rn(partial[slot], dgd_element(acc(i), g.x, u.x, w, t.act, dg0, du0, hs0));
-    partial[slot] = __fadd_rn(partial[slot], dgd_element(acc(i + 1), g.y, u.y, w, t.act, dg1, du1, hs1));
-    *reinterpret_cast<__nv_bfloat162*>(t.d_gate + at) = __floats2bfloat162_rn(dg0, dg1);
-    *reinterpret_cast<__nv_bfloat162*>(t.d_up + at) = __floats2bfloat162_rn(du0, du1);
-    *reinterpret_cast<__nv_bfloat162*>(t.scaled_hidden + at) = __floats2bfloat162_rn(hs0, hs1);
+}
+
+// The dgd epilogue over the runs of accumulator elements [Begin, Begin + kDgdBatch): first
+// every run's g and u loads (all in flight together), then the arithmetic and the stores.
+// The thread's two rows' route weights `w` and partials are indexed by the run's half.
+inline constexpr int kDgdBatch = 32;  // elements: 8 runs, 32 registers of g and u
+template <int Begin>
+__device__ __forceinline__ void dgd_batch(const Accumulator& acc, const DgdTile& t, const float (&w)[2],
+                                          float (&partial)[2]) {
+  constexpr int kRuns = kDgdBatch / 4;
+  auto run_index = [](int i) { return (i - Begin) / 8 * 2 + (i - Begin) % 8 / 2; };
+  uint2 g_run[kRuns], u_run[kRuns];
+  for_each_run_in<Begin, Begin + kDgdBatch>([&](int r, int c, int i, int) {
+    const int k = run_index(i);
+    g_run[k] = u_run[k] = make_uint2(0u, 0u);
+    if (r < t.valid_rows && t.col0 + c < t.width) {
+      const int64_t at = (t.row0 + r) * t.width + t.col0 + c;
+      g_run[k] = *reinterpret_cast<const uint2*>(t.gate + at);
+      u_run[k] = *reinterpret_cast<const uint2*>(t.up + at);
+    }
   });
-  for (int slot = 0; slot < 2; ++slot) {
-    float p = partial[slot];
+  for_each_run_in<Begin, Begin + kDgdBatch>([&](int r, int c, int i, int half) {
+    const int k = run_index(i);
+    const bool real = r < t.valid_rows;
+    uint32_t g_bits[2], u_bits[2];
+    from_run(g_run[k], g_bits[0], g_bits[1]);
+    from_run(u_run[k], u_bits[0], u_bits[1]);
+    // This thread's own columns: 2q, 2q + 1 of the first block, the same of the second.
+    const int64_t own = t.col0 + c - run_column() + 2 * quad_lane();
+    uint32_t dg_bits[2], du_bits[2], hs_bits[2];
+    CUTE_UNROLL
+    for (int b = 0; b < 2; ++b) {
+      const float2 g = bf16x2_floats(g_bits[b]), u = bf16x2_floats(u_bits[b]);
+      float dg0, du0, hs0, dg1, du1, hs1;
+      const float p0 = dgd_element(acc(i + 4 * b), g.x, u.x, w[half], t.act, dg0, du0, hs0);
+      const float p1 = dgd_element(acc(i + 4 * b + 1), g.y, u.y, w[half], t.act, dg1, du1, hs1);
+      if (real && own + 8 * b < t.width) partial[half] = __fadd_rn(__fadd_rn(partial[half], p0), p1);
+      dg_bits[b] = real ? bf16x2_bits(dg0, dg1) : 0u;
+      du_bits[b] = real ? bf16x2_bits(du0, du1) : 0u;
+      hs_bits[b] = real ? bf16x2_bits(hs0, hs1) : 0u;
+    }
+    // Padding rows get zeros (TileOut's valid_rows would skip them).
+    const TileOut whole{t.row0, kTileM, t.col0, t.width};
+    store_run(t.d_gate, whole, r, c, to_run(dg_bits[0], dg_bits[1]));
+    store_run(t.d_up, whole, r, c, to_run(du_bits[0], du_bits[1]));
+    store_run(t.scaled_hidden, whole, r, c, to_run(hs_bits[0], hs_bits[1]));
+  });
+}
+
+// The 256 consumer threads, after mma_tile: writes dg, du, hs and the rows' partials. g and u
+// come in runs (8-byte loads, a batch of runs at a time), dg, du and hs go out in runs; the
+// arithmetic is per element on the thread's own accumulator elements, each row's in ascending
+// column order. The epilogues take their tile by value: the job they come from lives in shared
+// memory, which a global store might alias as far as the compiler knows, so a reference would
+// reload its fields after each.
+__device__ __forceinline__ void store_dgd_tile(const Accumulator& acc, const DgdTile t) {
+  // Each thread holds two rows of the tile (r and r + 8 in its warp's 16-row slice).
+  float partial[2] = {0.f, 0.f}, w[2] = {0.f, 0.f};
+  int row_of[2] = {0, 0};
+  for_each_run_in<0, 8>([&](int r, int, int, int half) {
+    row_of[half] = r;
+    if (r < t.valid_rows) w[half] = t.weight[t.row0 + r];
+  });
+  [&]<int... Batch>(std::integer_sequence<int, Batch...>) {
+    (dgd_batch<Batch * kDgdBatch>(acc, t, w, partial), ...);
+  }(std::make_integer_sequence<int, kAccumulatorSize / kDgdBatch>{});
+  CUTE_UNROLL
+  for (int half = 0; half < 2; ++half) {
+    float p = partial[half];
     p = __fadd_rn(p, __shfl_xor_sync(0xffffffffu, p, 1));
     p = __fadd_rn(p, __shfl_xor_sync(0xffffffffu, p, 2));
-    if (threadIdx.x % 4 == 0 && row_of[slot] < t.valid_rows)
-      t.partials[(t.row0 + row_of[slot]) * t.col_tiles + t.col_tile] = p;
+    if (threadIdx.x % 4 == 0 && row_of[half] < t.valid_rows)
+      t.partials[(t.row0 + row_of[half]) * t.col_tiles + t.col_tile] = p;
   }
   fence_generic_to_async();
 }
 
 // ---- Weight-gradient stores -----------------------------------------------------------------
 
+// An 8 x 8 bf16 block transposed across the warp (movmatrix): in, the thread's pair of row
+// lane / 4, columns 2q, 2q + 1; out, the same places of the transposed block.
+__device__ inline uint32_t transpose_block(uint32_t pair) {
+  uint32_t t;
+  asm("movmatrix.sync.aligned.m8n8.trans.b16 %0, %1;" : "=r"(t) : "r"(pair));
+  return t;
+}
+
 // The gate|up weight-gradient tile computes x^T [dg | du] (M = H; the left 128 columns are I
 // columns of dW_gate, the right ones of dW_up), and dW_gate, dW_up are [I, H]: each half is
 // stored transposed, tile element (r, c) at row col0 + c, column row0 + r of a row-major
-// [cols, rows] matrix (rows = H, cols = I), as bf16. Scalar stores: the 8 quads of a warp
-// write 8 consecutive elements of each destination row.
-__device__ inline void store_transposed_halves(const Accumulator& acc, __nv_bfloat16* left, __nv_bfloat16* right,
+// [cols, rows] matrix (rows = H, a multiple of 8; cols = I), as bf16. Each 8 x 8 block is
+// transposed in registers; the two blocks of a thread's rows r and r + 8 then make runs along
+// H: a quad writes 32 bytes of a destination row.
+__device__ __forceinline__ void store_transposed_halves(const Accumulator& acc, __nv_bfloat16* left, __nv_bfloat16* right,
                                                int64_t row0, int64_t col0, int64_t rows, int64_t cols) {
   constexpr int half = kAccumulatorSize / 2;
-  for_each_pair<false>([&](int r, int c, int i) {
-    const int64_t row = row0 + r;
-    if (row >= rows) return;
-    for (int j = 0; j < 2; ++j) {
-      const int64_t col = col0 + c + j;
-      if (col >= cols) return;
-      left[col * rows + row] = __float2bfloat16_rn(acc(i + j));
-      right[col * rows + row] = __float2bfloat16_rn(acc(half + i + j));
+  TiledMma mma;
+  ThrMMA thr = mma.get_thread_slice(consumer_thread());
+  Tensor coords = thr.partition_C(make_identity_tensor(Shape<Int<kTileM>, Int<kTileN>>{}));
+  const int lane_row = int(threadIdx.x % 32) / 4;
+  CUTE_UNROLL
+  for (int i = 0; i < half; i += 4) {
+    // Elements i, i + 1 (row r) and i + 2, i + 3 (row r + 8) of one 8-column block.
+    const auto [r, c] = coords(i);
+    const int64_t row = row0 + int(r) - lane_row + run_column();  // the run's first H index
+    const int64_t col = col0 + int(c) - 2 * quad_lane() + lane_row;  // the destination row (I)
+    const bool inside = row < rows && col < cols;
+    CUTE_UNROLL
+    for (int side = 0; side < 2; ++side) {
+      const int e = i + side * half;
+      const uint2 run = to_run(transpose_block(bf16x2_bits(acc(e), acc(e + 1))),
+                               transpose_block(bf16x2_bits(acc(e + 2), acc(e + 3))));
+      if (inside) *reinterpret_cast<uint2*>((side == 0 ? left : right) + col * rows + row) = run;
     }
-  });
+  }
 }
 
 // ---- Weight-gradient carries -------------------------------------------------------------
@@ -110,14 +281,14 @@ __device__ inline void store_transposed_halves(const Accumulator& acc, __nv_bflo
 // elements of a row-major matrix, `o.width` = the matrix's columns), the next reloads it and
 // continues (mma_tile's continue_acc). Elements outside the matrix are neither stored nor
 // loaded (they stay zero: their operands are zero-filled).
-__device__ inline void store_carry(const Accumulator& acc, float* carry, const TileOut& o) {
+__device__ inline void store_carry(const Accumulator& acc, float* carry, const TileOut o) {
   for_each_pair<true>([&](int r, int c, int i) {
     if (r >= o.valid_rows || o.col0 + c >= o.width) return;
     *reinterpret_cast<float2*>(carry + (o.row0 + r) * o.width + o.col0 + c) = make_float2(acc(i), acc(i + 1));
   });
 }
 
-__device__ inline void load_carry(Accumulator& acc, const float* carry, const TileOut& o) {
+__device__ inline void load_carry(Accumulator& acc, const float* carry, const TileOut o) {
   clear(acc);
   for_each_pair<true>([&](int r, int c, int i) {
     if (r >= o.valid_rows || o.col0 + c >= o.width) return;

@@ -94,9 +94,10 @@ struct ComputeJob {
 inline constexpr int kTaskSlots = 2;
 
 // The task queue between the scheduler thread and the TMA thread, the consumers and the store
-// thread.
-struct TaskQueue {
-  ComputeJob jobs[kTaskSlots];
+// thread (the backward megakernel's queue holds its own job type).
+template <class Job>
+struct TaskQueueOf {
+  Job jobs[kTaskSlots];
   alignas(8) uint64_t published[kTaskSlots];  // one arrival: the scheduler wrote the slot
   // The TMA thread, every consumer thread and the store thread arrive once they read the slot
   // for the last time (the store thread after it released the task's counter):
@@ -104,6 +105,7 @@ struct TaskQueue {
   // compute-sanitizer's racecheck follows, which a barrier relayed through one thread is not.
   alignas(8) uint64_t finished[kTaskSlots];
 };
+using TaskQueue = TaskQueueOf<ComputeJob>;
 inline constexpr uint32_t kSlotReaders = 2 + kConsumerThreads;
 
 // The epilogue's hand-off: the consumers write one 128 x 64 bf16 output box (swizzled as a TMA
@@ -130,13 +132,19 @@ inline constexpr size_t kComputeSmemBytes = offsetof(ComputeSmem, queue) + sizeo
 // kernel may skip to align the dynamic shared memory and a little for its static variables.
 static_assert(kComputeSmemBytes + 1024 + 256 <= 232448, "the compute CTA's shared memory must fit one H100/H200 SM");
 
+// One thread: the queue's barriers; `readers` arrive on each slot's `finished`.
+template <class Job>
+__device__ inline void init_task_queue(TaskQueueOf<Job>& queue, uint32_t readers) {
+  for (int q = 0; q < kTaskSlots; ++q) {
+    EmptyBarrier::init(&queue.published[q], 1);
+    EmptyBarrier::init(&queue.finished[q], readers);
+  }
+}
+
 __device__ inline void init_compute_smem(ComputeSmem& sm) {
   if (threadIdx.x == 0) {
     init_tile_pipeline(sm.tile);
-    for (int q = 0; q < kTaskSlots; ++q) {
-      EmptyBarrier::init(&sm.queue.published[q], 1);
-      EmptyBarrier::init(&sm.queue.finished[q], kSlotReaders);
-    }
+    init_task_queue(sm.queue, kSlotReaders);
     for (int b = 0; b < kEpilogueBuffers; ++b) {
       EmptyBarrier::init(&sm.epilogue.written[b], kConsumerThreads);
       EmptyBarrier::init(&sm.epilogue.stored[b], 1);
@@ -182,15 +190,15 @@ __device__ inline TileLoadsOf<MA, MB> tile_loads(const OperandOf<MA>& a, int row
   return l;
 }
 
-// The scheduler thread: the job of an acquired task.
-__device__ inline ComputeJob make_job(const MegakernelLaunch& p, const Operands& ops, const core::MegakernelPlan& plan,
-                                      const core::Task& t, uint64_t ticket) {
-  ComputeJob j;
+// The scheduler thread: the job of an acquired task, written into its queue slot `j` (a stop
+// until then; in place, not through a local copy).
+__device__ inline void make_job(ComputeJob& j, const MegakernelLaunch& p, const Operands& ops,
+                                const core::MegakernelPlan& plan, const core::Task& t, uint64_t ticket) {
   j.stop = false;
   j.task = t;
   j.ticket = ticket;
   j.site = {t.kind, t.step < 0 ? -1 : core::minibatch_of_step(plan, t.step), t.row_tile};
-  if (t.step >= 0 && !core::task_has_rows(plan, t)) return j;  // beyond the schedule's rows: release only
+  if (t.step >= 0 && !core::task_has_rows(plan, t)) return;  // beyond the schedule's rows: release only
   const int64_t tm = plan.tile_m;
   const int col = int(t.col_tile);
   const int gate_up_box = int(col * plan.tile_n / kTileK), down_box = int(col * plan.down_tile_n / kTileK);
@@ -225,17 +233,9 @@ __device__ inline ComputeJob make_job(const MegakernelLaunch& p, const Operands&
     }
     default: break;
   }
-  return j;
 }
 
 // ---- Epilogue -------------------------------------------------------------------------------
-
-// A row-major store of two adjacent bf16 values of a tile held in registers (the tile tests' and
-// the backward epilogues' plain stores; the forward's tiles go out through TMA boxes).
-__device__ inline void store_pair(bf16* base, const TileOut& o, int r, int c, float v0, float v1) {
-  if (r >= o.valid_rows || o.col0 + c >= o.width) return;
-  *reinterpret_cast<__nv_bfloat162*>(base + (o.row0 + r) * o.width + o.col0 + c) = __floats2bfloat162_rn(v0, v1);
-}
 
 __device__ inline float round_bf16(float v) { return __bfloat162float(__float2bfloat16_rn(v)); }
 
@@ -343,23 +343,21 @@ inline constexpr uint32_t kConsumerBarrier = 1;  // named barrier of the 256 con
 __device__ inline uint32_t slot_phase(uint32_t n) { return (n / kTaskSlots) & 1u; }
 
 // The scheduler thread: publishes jobs until the tickets run out or a wait fails, then a stop.
-__device__ inline void schedule_tasks(ComputeSmem& sm, const MegakernelLaunch& p, const Operands& ops,
-                                      const core::MegakernelPlan& plan, const PipelineWatch& watch) {
-  TaskQueue& queue = sm.queue;
-  const uint64_t task_count = core::compute_task_count(plan);
+// fill(ticket, job): once the wait of ticket `ticket` (of the counter `tickets`) passed, writes
+// its job into `job`, the free slot, which holds a stop until then (no task left, or the wait
+// failed: it stays a stop). Both megakernels' schedulers.
+template <class Job, class Fill>
+__device__ inline void schedule_jobs(TaskQueueOf<Job>& queue, unsigned long long* tickets, const PipelineWatch& watch,
+                                     Fill&& fill) {
   for (uint32_t n = 0;; ++n) {
     const int q = int(n % kTaskSlots);
     bool free = true;
     if (n >= uint32_t(kTaskSlots))
       free = wait_phase(&queue.finished[q], slot_phase(n) ^ 1u, watch, watch.queue_bound_ns,
                         core::PipelineWait::task_finished, TaskSite{});
-    ComputeJob job;
-    if (free) {
-      const uint64_t ticket = atomicAdd(&p.control->compute_ticket, 1ull);
-      const core::Task task = ticket < task_count ? core::compute_task(plan, int64_t(ticket)) : core::Task{};
-      if (task.kind != core::TaskKind::none && wait_for(p, plan, task)) job = make_job(p, ops, plan, task, ticket);
-    }
-    queue.jobs[q] = job;
+    Job& job = queue.jobs[q];
+    job = Job{};
+    if (free) fill(uint64_t(atomicAdd(tickets, 1ull)), job);
     EmptyBarrier::arrive(&queue.published[q]);  // release (CTA scope): the slot's contents
     if (job.stop) {
       // Observe the last slots' `finished` phases (the readers arrive on them too for the stop).
@@ -371,19 +369,28 @@ __device__ inline void schedule_tasks(ComputeSmem& sm, const MegakernelLaunch& p
   }
 }
 
+__device__ inline void schedule_tasks(ComputeSmem& sm, const MegakernelLaunch& p, const Operands& ops,
+                                      const core::MegakernelPlan& plan, const PipelineWatch& watch) {
+  const uint64_t task_count = core::compute_task_count(plan);
+  schedule_jobs(sm.queue, &p.control->compute_ticket, watch, [&](uint64_t ticket, ComputeJob& job) {
+    const core::Task task = ticket < task_count ? core::compute_task(plan, int64_t(ticket)) : core::Task{};
+    if (task.kind != core::TaskKind::none && wait_for(p, plan, task)) make_job(job, p, ops, plan, task, ticket);
+  });
+}
+
 // A producer thread's job loop (the TMA thread, the store thread): runs each published job
 // until the stop or a failed wait, then arrives on the slot's `finished`. Both threads' TMA
 // touches rows the scheduler thread acquired the counter of (loads read rows other CTAs wrote;
 // stores overwrite ring rows other CTAs read before releasing), through the async proxy: the
 // fence orders it after that acquire, which the thread's wait on `published` follows.
-template <class Run>
-__device__ inline void producer_jobs(TaskQueue& queue, const PipelineWatch& watch, Run&& run) {
+template <class Job, class Run>
+__device__ inline void producer_jobs(TaskQueueOf<Job>& queue, const PipelineWatch& watch, Run&& run) {
   for (uint32_t n = 0;; ++n) {
     const int q = int(n % kTaskSlots);
     if (!wait_phase(&queue.published[q], slot_phase(n), watch, watch.queue_bound_ns,
                     core::PipelineWait::task_published, TaskSite{}))
       return;
-    const ComputeJob& job = queue.jobs[q];
+    const Job& job = queue.jobs[q];
     const bool stop = job.stop;
     if (!stop) {
       fence_generic_to_async();
@@ -434,19 +441,17 @@ __device__ inline void store_tasks(ComputeSmem& sm, const MegakernelLaunch& p, c
   });
 }
 
-// The 256 consumer threads: compute each published job and hand its outputs to the store
-// thread. The leader thread (consumer 0) waits for each job and tells the others through a
-// named barrier (a flag per slot: the leader writes a slot's next flag only after every consumer
-// passed the barrier that follows its reads of the previous one), so all consumers see the same
-// job or the same stop and reach the same barriers; then every consumer acquires the
-// (completed) phase itself before it reads the slot.
-__device__ inline void compute_tasks(ComputeSmem& sm, const MegakernelLaunch& p, const PipelineWatch& watch) {
+// The 256 consumer threads' job loop: run(job, q) for each published job, at_stop() at the
+// stop; both megakernels' consumers. The leader thread (consumer 0) waits for each job and
+// tells the others through a named barrier (a flag per slot: the leader writes a slot's next
+// flag only after every consumer passed the barrier that follows its reads of the previous
+// one), so all consumers see the same job or the same stop and reach the same barriers; then
+// every consumer acquires the (completed) phase itself before it reads the slot.
+template <class Job, class Run, class AtStop>
+__device__ __forceinline__ void consumer_jobs(TaskQueueOf<Job>& queue, const PipelineWatch& watch, Run&& run,
+                                              AtStop&& at_stop) {
   __shared__ bool job_ready[kTaskSlots];
-  TaskQueue& queue = sm.queue;
-  EpilogueSync& epi = sm.epilogue;
   const bool leader = consumer_thread() == 0;
-  uint32_t consumed = 0, boxes = 0;
-  Accumulator acc;
   for (uint32_t n = 0;; ++n) {
     const int q = int(n % kTaskSlots);
     if (leader)
@@ -457,23 +462,39 @@ __device__ inline void compute_tasks(ComputeSmem& sm, const MegakernelLaunch& p,
     // Complete (the leader saw it): returns at once.
     wait_phase(&queue.published[q], slot_phase(n), watch, watch.queue_bound_ns, core::PipelineWait::task_published,
                TaskSite{});
-    const ComputeJob& job = queue.jobs[q];
+    const Job& job = queue.jobs[q];
     if (job.stop) {
-      // Observe the last boxes' `stored` phases (the next boxes' waits observe the others).
-      for (uint32_t m = boxes > uint32_t(kEpilogueBuffers) ? boxes - kEpilogueBuffers : 0; m < boxes; ++m)
-        wait_phase(&epi.stored[m % kEpilogueBuffers], (m / kEpilogueBuffers) & 1u, watch, watch.stage_bound_ns,
-                   core::PipelineWait::box_stored, TaskSite{});
+      at_stop();
       EmptyBarrier::arrive(&queue.finished[q]);
       return;
     }
-    const uint64_t start = global_ns();  // the timeline shows work, not waits
-    if (job.loads.kblocks > 0) {
-      mma_tile(sm.tile, consumed, job.loads.kblocks, acc, watch, job.site);
-      if (leader) epi.task_start[q] = start;  // read by the store thread after the first box
-      write_job(epi, sm.epilogue_box, boxes, acc, job, p.act, watch);
-    }
+    run(job, q);
     EmptyBarrier::arrive(&queue.finished[q]);
   }
+}
+
+// The forward's consumers: compute each published job and hand its outputs to the store thread.
+__device__ inline void compute_tasks(ComputeSmem& sm, const MegakernelLaunch& p, const PipelineWatch& watch) {
+  EpilogueSync& epi = sm.epilogue;
+  const bool leader = consumer_thread() == 0;
+  uint32_t consumed = 0, boxes = 0;
+  Accumulator acc;
+  consumer_jobs(
+      sm.queue, watch,
+      [&](const ComputeJob& job, int q) {
+        const uint64_t start = global_ns();  // the timeline shows work, not waits
+        if (job.loads.kblocks > 0) {
+          mma_tile(sm.tile, consumed, job.loads.kblocks, acc, watch, job.site);
+          if (leader) epi.task_start[q] = start;  // read by the store thread after the first box
+          write_job(epi, sm.epilogue_box, boxes, acc, job, p.act, watch);
+        }
+      },
+      [&] {
+        // Observe the last boxes' `stored` phases (the next boxes' waits observe the others).
+        for (uint32_t m = boxes > uint32_t(kEpilogueBuffers) ? boxes - kEpilogueBuffers : 0; m < boxes; ++m)
+          wait_phase(&epi.stored[m % kEpilogueBuffers], (m / kEpilogueBuffers) & 1u, watch, watch.stage_bound_ns,
+                     core::PipelineWait::box_stored, TaskSite{});
+      });
 }
 
 // A compute CTA: the producer warpgroup gives registers to the consumer warpgroups; warp 0
