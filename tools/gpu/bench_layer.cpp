@@ -339,19 +339,19 @@ std::vector<BenchRow> path_rows(BenchRow staged, const CaseResults& r, const Lay
   return {staged, mk};
 }
 
-// Times the staged path (`staged`) and the megakernel path alternately on the same tensors, then
-// frees both and measures each path's memory on a fresh layer. `make_staged` builds the staged
-// path's layer again.
-CaseResults run_paths(std::unique_ptr<MoeLayer> staged, const std::function<std::unique_ptr<MoeLayer>()>& make_staged,
-                      DeviceGroup* group, ProcessGroup* workers, const NamedShape& ns, const LayerTensors& t,
-                      const CudaBenchOptions& o, cudaStream_t s) {
+// Checks the megakernel path against the staged path's outputs (`want`, from `staged` on `t`),
+// times the two alternately on the same tensors, then frees both and measures each path's memory
+// on a fresh layer (`make_staged` builds the staged path's layer again).
+CaseResults run_paths(std::unique_ptr<MoeLayer> staged, const StepOutputs& want,
+                      const std::function<std::unique_ptr<MoeLayer>()>& make_staged, DeviceGroup* group,
+                      ProcessGroup* workers, const NamedShape& ns, const LayerTensors& t, const CudaBenchOptions& o,
+                      cudaStream_t s) {
   const MoeShape& sh = ns.shape;
   const int ranks = group ? group->size() : 1;
   CaseResults r;
   r.mk_config = case_megakernel_config(o, sh, ranks, t.T);
   auto make_mk = [&] { return megakernel_layer(sh, group, r.mk_config, t.T); };
   auto mk = make_mk();
-  const StepOutputs want = step_outputs(*staged, t, s);
   r.mk_diff = max_rel_diff(step_outputs(*mk, t, s), want);
   r.steps = time_paired_steps(*staged, *mk, t, o, workers, s);
   record_timeline(*mk, group, ns, t, o, s);
@@ -400,7 +400,7 @@ std::vector<BenchRow> run_cuda_case(const NamedShape& ns, int64_t tokens, const 
 
   // The single-GPU and megakernel steps, alternately; with uniform routing every rank's rows are
   // T*k, and one GPU moves nothing over links.
-  const CaseResults r = run_paths(std::move(layer), make_layer, nullptr, nullptr, ns, t, o, s);
+  const CaseResults r = run_paths(std::move(layer), moka, make_layer, nullptr, nullptr, ns, t, o, s);
   const LayerFloor floor = layer_floor(sh, tokens, {tokens * sh.top_k}, 1, peak, std::nullopt);
 
   BenchRow row = cuda_row(ns, "single-gpu", t.device, 1, tokens, o.iters);
@@ -518,7 +518,9 @@ std::vector<BenchRow> run_cuda_ep_case(ProcessGroup& workers, const NamedShape& 
   LayerOptions all_to_all{o.tile_rows, 0};
   all_to_all.path = LayerPath::all_to_all;
   auto make_layer = [&] { return make_moe_layer(sh, group.get(), all_to_all); };
-  const CaseResults r = run_paths(make_layer(), make_layer, group.get(), &workers, ns, t, o, s);
+  auto layer = make_layer();
+  const StepOutputs want = step_outputs(*layer, t, s);
+  const CaseResults r = run_paths(std::move(layer), want, make_layer, group.get(), &workers, ns, t, o, s);
   // Uniform routing sends about T*k/R rows to each rank: time that much through NCCL and
   // through a plain peer copy.
   const size_t rows_per_peer = static_cast<size_t>(tokens * sh.top_k / R);
