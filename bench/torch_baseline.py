@@ -11,6 +11,14 @@ Prints one JSON line per (shape, tokens) (rank 0; times are the max over ranks o
 medians): fwd, bwd and fwd+bwd median ms over --iters runs, timed with CUDA events after
 warm-up, and TFLOP/s with the same FLOP count as `moka bench`.
 
+peak_memory_bytes (max over ranks) is what `moka bench` reports per path as the layer's peak
+memory, the saved context and workspace of one fwd+bwd: torch.cuda.max_memory_allocated() during
+one fwd+bwd, after torch.cuda.reset_peak_memory_stats(), minus memory_allocated() before it (the
+inputs, weights and d_out, which moka does not count either), minus the .grad tensors the
+backward creates (every .grad is None before it: moka writes gradients into the caller's buffers
+and does not count them). The peak can come before the last .grad exists, so this is a lower
+bound of torch's layer memory. gradient_bytes gives what was subtracted.
+
 With --paired-with MOKA (one GPU), each case then also starts `MOKA bench --paired-steps` on
 the same shape, which holds its own copy of the case on the GPU, and alternates one moka
 fwd+bwd with one torch fwd+bwd --iters times (moka first on even runs, torch first on odd
@@ -173,23 +181,40 @@ def run(name, T, iters, warmup, seed, paired_with=""):
     f = max_over_ranks(median_ms(fwd, warmup, iters))
     b = max_over_ranks(median_ms(bwd, warmup, iters))
     fb = max_over_ranks(median_ms(both, warmup, iters))
+    state.clear()  # the retained graph of fwd/bwd
+    leaves = [x, w, w_gu, w_d] + list(shared or [])
+    peak, grads = peak_memory(both, leaves)
     flops = 6.0 * T * k * H * I + 6.0 * T * H * Is
     row = {"shape": name, "backend": "torch", "ep": R,
            "path": "all_to_all_single + torch._grouped_mm" if R > 1 else "torch._grouped_mm",
            "tokens_per_rank": T, "device": torch.cuda.get_device_name(), "torch": torch.__version__,
            "iters": iters, "fwd_ms": f, "bwd_ms": b, "fwdbwd_ms": fb,
-           "tflops": 3.0 * flops / (fb * 1e-3) / 1e12}
+           "tflops": 3.0 * flops / (fb * 1e-3) / 1e12,
+           "peak_memory_bytes": int(max_over_ranks(peak)), "gradient_bytes": int(max_over_ranks(grads))}
     if paired_with:
-        state.clear()  # the retained graph: moka's process needs the memory
-        torch.cuda.empty_cache()
+        torch.cuda.empty_cache()  # moka's process needs the memory
         row["paired"] = paired_runs(paired_with, name, T, iters, warmup, seed, both)
     return row
+
+
+def peak_memory(step, leaves):
+    """Bytes one run of step() allocates at its peak beyond what exists before it, less the .grad
+    tensors of `leaves` it creates (all None before), and those gradients' bytes."""
+    for t in leaves:
+        t.grad = None
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    before = torch.cuda.memory_allocated()
+    step()
+    torch.cuda.synchronize()
+    grads = sum(t.grad.numel() * t.grad.element_size() for t in leaves if t.grad is not None)
+    return torch.cuda.max_memory_allocated() - before - grads, grads
 
 
 def max_over_ranks(value):
     if not dist.is_initialized():
         return value
-    t = torch.tensor([value], device="cuda")
+    t = torch.tensor([value], device="cuda", dtype=torch.float64)
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
     return t.item()
 

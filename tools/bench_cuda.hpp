@@ -20,9 +20,12 @@ struct CudaBenchOptions {
   uint64_t seed = 1;
   int64_t tile_rows = 128;
   std::string torch_results;  // JSON lines of bench/torch_baseline.py to print ratios against
-  // Expert-parallel runs also time the forward megakernel with this config, side by side with
-  // the all-to-all path's forward; `timeline` (a file) receives the first case's task spans.
+  // Layer runs also time the megakernel path with this config, side by side with the staged
+  // path; `timeline` (a file) receives the first case's forward task spans.
   MegakernelConfig megakernel;
+  // The megakernel backward's saved context: "resident" grows the ring (macrobatch) to hold every
+  // routed row of the case, "replay" requires a ring that does not, "auto" keeps the knobs.
+  std::string context = "auto";
   std::string timeline;
   // Expert-parallel runs: "uniform", "zipf" (per-expert load Gini `gini`) or "one-rank" (every
   // token's experts among rank 0's). Torch columns are attached to uniform runs only.
@@ -32,7 +35,10 @@ struct CudaBenchOptions {
 };
 
 // Available only in builds with the CUDA backend (throws backend_unavailable otherwise).
-BenchRow run_cuda_case(const NamedShape& ns, int64_t tokens, const CudaBenchOptions& o);
+// Two rows: the single-GPU path (checked against the cuBLAS loop, with its comparison columns)
+// and the megakernel path (checked against the single-GPU path), their fwd+bwd steps timed
+// alternately on the same tensors, each with its floor, peak layer memory and torch columns.
+std::vector<BenchRow> run_cuda_case(const NamedShape& ns, int64_t tokens, const CudaBenchOptions& o);
 
 // `moka bench --mode core`: the megakernel's GEMM core alone (EP = 1, no communication) against
 // the CUTLASS grouped GEMMs on the same grouped rows (uniform routing), after checking both give
@@ -51,11 +57,12 @@ BenchRow run_cuda_backward_core_case(const NamedShape& ns, int64_t tokens, const
 void serve_cuda_steps(const NamedShape& ns, int64_t tokens, const CudaBenchOptions& o, std::istream& in,
                       std::ostream& out);
 
-// The same layer with its experts split over the worker processes (the expert-parallel
-// all-to-all path), next to NCCL all-to-all and peer-copy bandwidth of the dispatch volume.
-// Collective over `workers`; rank 0 returns the row (times are the max over ranks).
-std::optional<BenchRow> run_cuda_ep_case(ProcessGroup& workers, const NamedShape& ns, int64_t tokens,
-                                         const CudaBenchOptions& o);
+// The same layer with its experts split over the worker processes: the all-to-all path (next to
+// NCCL all-to-all and peer-copy bandwidth of the dispatch volume) and the megakernel path, their
+// fwd+bwd steps timed alternately, as in run_cuda_case. Collective over `workers`; rank 0 returns
+// the two rows (each run's time is the slowest rank's), the other ranks none.
+std::vector<BenchRow> run_cuda_ep_case(ProcessGroup& workers, const NamedShape& ns, int64_t tokens,
+                                       const CudaBenchOptions& o);
 // `moka tune`: the megakernel forward for every num_comm_sms x minibatch_size pair (EP over the
 // workers, or one GPU without them); rank 0 returns one row per pair, the fastest marked.
 std::vector<BenchRow> run_megakernel_tune(ProcessGroup* workers, const NamedShape& ns, int64_t tokens,

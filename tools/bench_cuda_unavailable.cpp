@@ -11,7 +11,9 @@ namespace {
 }  // namespace
 
 void select_worker_device(int) {}
-BenchRow run_cuda_case(const NamedShape&, int64_t, const CudaBenchOptions&) { unavailable("moka bench --backend cuda"); }
+std::vector<BenchRow> run_cuda_case(const NamedShape&, int64_t, const CudaBenchOptions&) {
+  unavailable("moka bench --backend cuda");
+}
 BenchRow run_cuda_core_case(const NamedShape&, int64_t, const CudaBenchOptions&) {
   unavailable("moka bench --mode core");
 }
@@ -21,7 +23,7 @@ BenchRow run_cuda_backward_core_case(const NamedShape&, int64_t, const CudaBench
 void serve_cuda_steps(const NamedShape&, int64_t, const CudaBenchOptions&, std::istream&, std::ostream&) {
   unavailable("moka bench --paired-steps");
 }
-std::optional<BenchRow> run_cuda_ep_case(ProcessGroup&, const NamedShape&, int64_t, const CudaBenchOptions&) {
+std::vector<BenchRow> run_cuda_ep_case(ProcessGroup&, const NamedShape&, int64_t, const CudaBenchOptions&) {
   unavailable("moka bench --backend cuda");
 }
 std::vector<BenchRow> run_megakernel_tune(ProcessGroup*, const NamedShape&, int64_t, const CudaBenchOptions&,

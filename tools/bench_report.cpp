@@ -20,6 +20,82 @@ double median(std::vector<double> v) {
   return n % 2 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);
 }
 
+std::vector<int64_t> routes_per_rank(const std::vector<int32_t>& ids, int64_t experts_per_rank, int ranks) {
+  std::vector<int64_t> routes(ranks, 0);
+  for (int32_t id : ids) routes.at(id / experts_per_rank)++;
+  return routes;
+}
+
+double LayerFloor::forward_ms() const { return std::max(flops_ms, bytes_ms); }
+double LayerFloor::backward_ms() const { return std::max(2 * flops_ms, bytes_ms); }
+
+LayerFloor layer_floor(const MoeShape& sh, int64_t tokens, const std::vector<int64_t>& routes, int R,
+                       double peak_tflops, std::optional<double> link_gbs) {
+  int64_t most_rows = 0, most_inbound = 0;
+  for (int r = 0; r < R; ++r) {
+    int64_t rows = 0, inbound = 0;
+    for (int s = 0; s < R; ++s) {
+      rows += routes[s * R + r];
+      if (s != r) inbound += routes[s * R + r] + routes[r * R + s];
+    }
+    most_rows = std::max(most_rows, rows);
+    most_inbound = std::max(most_inbound, inbound);
+  }
+  const double flops = 6.0 * double(most_rows) * sh.hidden * sh.intermediate +
+                       6.0 * double(tokens) * sh.hidden * sh.shared_intermediate;
+  LayerFloor f;
+  f.flops_ms = flops / (peak_tflops * 1e12) * 1e3;
+  if (link_gbs) f.bytes_ms = double(most_inbound) * sh.hidden * 2 / (*link_gbs * 1e9) * 1e3;
+  return f;
+}
+
+void set_floor(BenchRow& row, const LayerFloor& floor, double peak_tflops) {
+  row.floor_fwdbwd_ms = floor.fwdbwd_ms();
+  auto& e = row.extra;
+  e["dense_peak_tflops"] = peak_tflops;
+  e["floor_fwd_ms"] = floor.forward_ms();
+  e["floor_bwd_ms"] = floor.backward_ms();
+  e["floor_flops_ms"] = floor.flops_ms;
+  e["floor_bytes_ms"] = floor.bytes_ms;
+}
+
+TorchResult torch_result(const std::string& path, const std::string& shape, int64_t tokens, int ep) {
+  TorchResult r;
+  if (path.empty()) return r;
+  std::ifstream f(path);
+  require(f.good(), ErrorCode::io, "cannot read torch results " + path);
+  std::string line;
+  for (int number = 1; std::getline(f, line); ++number) {
+    if (line.empty()) continue;
+    const auto j = nlohmann::json::parse(line, nullptr, false);
+    require(!j.is_discarded() && j.is_object(), ErrorCode::io,
+            "torch results " + path + " line " + std::to_string(number) + ": not a JSON object");
+    if (j.value("shape", "") != shape || j.value("tokens_per_rank", int64_t(0)) != tokens || j.value("ep", 1) != ep)
+      continue;
+    r = TorchResult{j.value("fwdbwd_ms", 0.0), j.value("fwd_ms", 0.0), j.value("peak_memory_bytes", int64_t(0))};
+    if (j.contains("paired")) {
+      const auto& p = j["paired"];
+      r.paired_ratio = p.value("median_ratio", 0.0);
+      r.paired_moka_ms = p.value("moka_median_ms", 0.0);
+      r.paired_runs = p.value("runs", 0);
+    }
+  }
+  return r;
+}
+
+void set_torch(BenchRow& row, const TorchResult& torch) {
+  if (torch.fwdbwd_ms <= 0) return;
+  row.torch_fwdbwd_ms = torch.fwdbwd_ms;
+  if (torch.peak_memory_bytes > 0) row.torch_peak_memory_bytes = torch.peak_memory_bytes;
+}
+
+namespace {
+template <typename T>
+nlohmann::ordered_json or_null(const std::optional<T>& v) {
+  return v ? nlohmann::ordered_json(*v) : nlohmann::ordered_json();
+}
+}  // namespace
+
 std::string bench_json(const BenchRow& r) {
   nlohmann::ordered_json j;
   j["shape"] = r.shape;
@@ -34,7 +110,15 @@ std::string bench_json(const BenchRow& r) {
   j["bwd_ms"] = r.bwd_ms;
   j["fwdbwd_ms"] = r.fwdbwd_ms;
   j["tflops"] = r.tflops;
-  j["max_rel_error"] = r.max_rel_error ? nlohmann::ordered_json(*r.max_rel_error) : nlohmann::ordered_json();
+  j["max_rel_error"] = or_null(r.max_rel_error);
+  const bool floor = r.floor_fwdbwd_ms && *r.floor_fwdbwd_ms > 0;
+  j["floor_fwdbwd_ms"] = or_null(r.floor_fwdbwd_ms);
+  j["fwdbwd_vs_floor"] = floor ? nlohmann::ordered_json(r.fwdbwd_ms / *r.floor_fwdbwd_ms) : nlohmann::ordered_json();
+  j["peak_memory_bytes"] = or_null(r.peak_memory_bytes);
+  j["torch_fwdbwd_ms"] = or_null(r.torch_fwdbwd_ms);
+  j["speedup_vs_torch"] = r.torch_fwdbwd_ms ? nlohmann::ordered_json(*r.torch_fwdbwd_ms / r.fwdbwd_ms)
+                                            : nlohmann::ordered_json();
+  j["torch_peak_memory_bytes"] = or_null(r.torch_peak_memory_bytes);
   j["commit"] = build_commit();
   j["device"] = r.device;
   j.update(r.extra);
@@ -58,8 +142,36 @@ void print_cuda_comparison(std::ostream& os, const std::vector<BenchRow>& rows) 
                   j.value("grouped_gemm_tflops", 0.0), j.value("grouped_gemm_pct_peak", 0.0),
                   j.value("speedup_vs_cublas_loop", 0.0), j.value("fused_swiglu_fwd_speedup", 0.0),
                   j.value("fused_swiglu_identical", true) ? " " : "!", j.value("nccl_all_to_all_gbs", 0.0),
-                  j.value("peer_copy_gbs", 0.0), j.value("torch_fwdbwd_ms", 0.0), j.value("speedup_vs_torch", 0.0),
+                  j.value("peer_copy_gbs", 0.0), r.torch_fwdbwd_ms.value_or(0.0),
+                  r.torch_fwdbwd_ms.value_or(0.0) / r.fwdbwd_ms,
                   j.value("speedup_vs_torch_paired", 0.0), j.value("paired_runs", 0));
+    os << line;
+  }
+}
+
+void print_floor_comparison(std::ostream& os, const std::vector<BenchRow>& rows) {
+  // vs_floor: fwd+bwd over its floor; peak_MiB: the path's layer memory (saved context +
+  // workspace; "-" where not measured); vs_torch: torch's fwd+bwd over this row's.
+  char line[256];
+  std::snprintf(line, sizeof(line), "%-16s %-11s %7s %4s %11s %10s %9s %10s %11s %9s\n", "shape", "path", "tokens",
+                "ep", "fwd+bwd_ms", "floor_ms", "vs_floor", "peak_MiB", "torch_MiB", "vs_torch");
+  os << line;
+  auto mib = [](const std::optional<int64_t>& bytes) {
+    char text[32] = "-";
+    if (bytes) std::snprintf(text, sizeof(text), "%.1f", double(*bytes) / (1 << 20));
+    return std::string(text);
+  };
+  auto ratio = [](std::optional<double> a, std::optional<double> b) {
+    char text[32] = "-";
+    if (a && b && *b > 0) std::snprintf(text, sizeof(text), "%.2fx", *a / *b);
+    return std::string(text);
+  };
+  for (const auto& r : rows) {
+    std::snprintf(line, sizeof(line), "%-16s %-11s %7lld %4d %11.3f %10.3f %9s %10s %11s %9s\n", r.shape.c_str(),
+                  r.path.c_str(), static_cast<long long>(r.tokens_per_rank), r.ep, r.fwdbwd_ms,
+                  r.floor_fwdbwd_ms.value_or(0.0), ratio(r.fwdbwd_ms, r.floor_fwdbwd_ms).c_str(),
+                  mib(r.peak_memory_bytes).c_str(), mib(r.torch_peak_memory_bytes).c_str(),
+                  ratio(r.torch_fwdbwd_ms, r.fwdbwd_ms).c_str());
     os << line;
   }
 }

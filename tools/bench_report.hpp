@@ -21,15 +21,62 @@ struct BenchRow {
   double fwd_ms = 0, bwd_ms = 0, fwdbwd_ms = 0;
   double tflops = 0;          // useful FLOPs of forward+backward per rank / fwdbwd time
   std::optional<double> max_rel_error;  // against the reference; none: not checked (JSON null, table "-")
+  // Layer rows (JSON null where none): the floor of this case's forward plus backward
+  // (LayerFloor::fwdbwd_ms), the device memory the path's layer holds at its peak around one
+  // fwd+bwd (saved context + workspace; CUDA only, see tools/gpu/bench_layer.cpp), and
+  // bench/torch_baseline.py's fwd+bwd time and peak memory for the same case (--torch-results).
+  // bench_json derives fwdbwd_vs_floor and speedup_vs_torch from them.
+  std::optional<double> floor_fwdbwd_ms;
+  std::optional<int64_t> peak_memory_bytes;
+  std::optional<double> torch_fwdbwd_ms;
+  std::optional<int64_t> torch_peak_memory_bytes;
   nlohmann::ordered_json extra = nlohmann::ordered_json::object();  // further fields, after the common ones
 };
 
 double median(std::vector<double> v);
+
+// routes[r]: how many of `ids` (one rank's top-k ids) go to the experts rank r hosts, ranks
+// holding `experts_per_rank` consecutive experts each.
+std::vector<int64_t> routes_per_rank(const std::vector<int32_t>& ids, int64_t experts_per_rank, int ranks);
+
+// The floor of one layer call for the slowest rank, from the route matrix (routes[s * R + r]:
+// routes from rank s's tokens to the experts rank r hosts): the most rows any rank computes
+// (plus the shared expert over its own tokens) at the dense peak, and the most rows any rank
+// must receive over the links (rows it pulls from peers + outputs peers push back for its own
+// tokens) at the link rate (`link_gbs`; none: no byte term, as on one rank or the CPU).
+struct LayerFloor {
+  double flops_ms = 0;  // the forward's FLOPs
+  double bytes_ms = 0;  // the forward's bytes; the backward moves as many (d_out rows out, d_x rows back)
+  double forward_ms() const;
+  double backward_ms() const;  // twice the forward's FLOPs, the same bytes
+  double fwdbwd_ms() const { return forward_ms() + backward_ms(); }
+};
+LayerFloor layer_floor(const MoeShape& sh, int64_t tokens, const std::vector<int64_t>& routes, int ranks,
+                       double peak_tflops, std::optional<double> link_gbs);
+// The floor's fields of a row: floor_fwdbwd_ms and, in extra, its parts.
+void set_floor(BenchRow& row, const LayerFloor& floor, double peak_tflops);
+
+// bench/torch_baseline.py's result for one shape, token count and rank count (the last matching
+// line of `path`): its own medians, its peak memory and, when it ran with --paired-with, the
+// median of the per-run ratios torch / moka from runs that alternated with moka's
+// (`moka bench --paired-steps`) in the same device call. All zero when `path` is empty or has no
+// such line.
+struct TorchResult {
+  double fwdbwd_ms = 0, fwd_ms = 0;
+  int64_t peak_memory_bytes = 0;  // 0: not measured (results of an older script)
+  double paired_ratio = 0, paired_moka_ms = 0;
+  int paired_runs = 0;
+};
+TorchResult torch_result(const std::string& path, const std::string& shape, int64_t tokens, int ep);
+// The torch fields of a row (none when `torch` has no time).
+void set_torch(BenchRow& row, const TorchResult& torch);
 // Appends one epoch's routing (every rank's top-k ids) as a JSON line `moka simulate --replay` reads.
 void dump_routing(const std::string& path, const NamedShape& ns, int64_t tokens, int ep,
                   const std::vector<std::vector<int32_t>>& ids);
 std::string bench_json(const BenchRow& row);
 void print_table(std::ostream& os, const std::vector<BenchRow>& rows);
+// Every layer row's floor, memory and torch columns.
+void print_floor_comparison(std::ostream& os, const std::vector<BenchRow>& rows);
 // The CUDA rows' comparison columns (from their extra JSON): dense peak, grouped GEMM share of
 // it, and the speedups over the cuBLAS loop and over PyTorch.
 void print_cuda_comparison(std::ostream& os, const std::vector<BenchRow>& rows);

@@ -1,11 +1,15 @@
 // `moka bench`: runs the layer forward+backward for named or custom shapes, checks it against
 // the fp64 reference and reports times, TFLOP/s and error (table, or JSON lines with --json).
+#include <algorithm>
 #include <chrono>
 #include <csignal>
 #include <fstream>
 #include <iostream>
-#include <optional>
+#include <iterator>
+#include <map>
 #include <nlohmann/json.hpp>
+#include <optional>
+#include <random>
 #include <sstream>
 #include <thread>
 
@@ -13,6 +17,7 @@
 #include "bench_report.hpp"
 #include "commands.hpp"
 #include "core/routing_gen.hpp"
+#include "cpu/parallel.hpp"
 #include "testing/layer_buffers.hpp"
 #include "moka/distributed.hpp"
 #include "moka/moka.hpp"
@@ -40,7 +45,8 @@ struct BenchOptions {
   int64_t hidden = 0, intermediate = 0, experts = 0, top_k = 0, shared = 0;
   int fail_rank = -1;
   std::string fail_mode = "bad-input";
-  MegakernelConfig megakernel;  // expert-parallel CUDA runs also time the megakernel forward
+  MegakernelConfig megakernel;  // CUDA layer runs also time the megakernel path
+  std::string context = "auto";
   std::string row_order = "rate-based";
   std::string timeline;
   int gpus = 1;
@@ -105,6 +111,39 @@ double ms_since(Clock::time_point t0) {
   return std::chrono::duration<double, std::milli>(Clock::now() - t0).count();
 }
 
+// The CPU reference's dense rate on this machine, now: a 256^3 f32 product in the form of its
+// fastest row loop (the weight gradients' acc[i] += d * row[i], which the compiler vectorizes; the
+// forward's dot products do not) on `threads` threads, best of five runs, measured once per
+// thread count. The FLOP ceiling of the CPU rows' floor.
+double cpu_dense_peak_tflops(int threads) {
+  static std::map<int, double> measured;  // called by rank 0 only
+  if (auto it = measured.find(threads); it != measured.end()) return it->second;
+  const int64_t n = 256;
+  std::vector<float> a(n * n), b(n * n), c(n * n);
+  std::mt19937_64 rng(1);
+  std::uniform_real_distribution<float> u(-1.f, 1.f);
+  for (auto* v : {&a, &b})
+    for (float& x : *v) x = u(rng);
+  double best = 0;
+  for (int run = 0; run < 5; ++run) {
+    const auto t0 = Clock::now();
+    cpu::parallel_for(n, threads, [&](int64_t r0, int64_t r1) {
+      for (int64_t r = r0; r < r1; ++r) {
+        float* acc = &c[r * n];
+        std::fill(acc, acc + n, 0.f);
+        for (int64_t q = 0; q < n; ++q) {
+          const float d = a[r * n + q];
+          const float* row = &b[q * n];
+          for (int64_t i = 0; i < n; ++i) acc[i] += d * row[i];
+        }
+      }
+    });
+    const double seconds = std::chrono::duration<double>(Clock::now() - t0).count();
+    best = std::max(best, 2.0 * n * n * n / seconds / 1e12);
+  }
+  return measured[threads] = best;
+}
+
 // One rank's part of a case, collective over `g` (threads of one process or worker processes).
 // Rank 0 returns the row.
 std::optional<BenchRow> run_cpu_case_on(ProcessGroup& g, const NamedShape& ns, int64_t tokens,
@@ -144,12 +183,14 @@ std::optional<BenchRow> run_cpu_case_on(ProcessGroup& g, const NamedShape& ns, i
   g.all_gather(ref.topk_ids.data(), ids.data(), ref.topk_ids.size() * sizeof(int32_t));
   if (rank != 0) return std::nullopt;
 
-  if (!o.dump_routing.empty()) {
-    std::vector<std::vector<int32_t>> per_rank(world);
-    for (int r = 0; r < world; ++r)
-      per_rank[r].assign(ids.begin() + r * ref.topk_ids.size(), ids.begin() + (r + 1) * ref.topk_ids.size());
-    dump_routing(o.dump_routing, ns, tokens, world, per_rank);
+  std::vector<std::vector<int32_t>> per_rank(world);
+  std::vector<int64_t> routes;  // the route matrix, routes[s * world + r]
+  for (int r = 0; r < world; ++r) {
+    per_rank[r].assign(ids.begin() + r * ref.topk_ids.size(), ids.begin() + (r + 1) * ref.topk_ids.size());
+    const auto from_r = routes_per_rank(per_rank[r], s.num_experts / world, world);
+    routes.insert(routes.end(), from_r.begin(), from_r.end());
   }
+  if (!o.dump_routing.empty()) dump_routing(o.dump_routing, ns, tokens, world, per_rank);
   BenchRow row;
   row.shape = ns.name;
   row.backend = "cpu";
@@ -165,6 +206,12 @@ std::optional<BenchRow> run_cpu_case_on(ProcessGroup& g, const NamedShape& ns, i
   row.fwdbwd_ms = median(total);
   row.tflops = 3.0 * s.forward_flops(tokens) / (row.fwdbwd_ms * 1e-3) / 1e12;
   row.max_rel_error = *std::max_element(errors.begin(), errors.end());
+  // The floor counts FLOPs only: emulated ranks and worker processes share this machine's
+  // memory, with no link to bound them. Memory stays null: the CPU layers' buffers are host
+  // vectors nothing accounts for (docs/BENCHMARKS.md).
+  const double peak = cpu_dense_peak_tflops(cpu::resolve_threads(o.threads, world));
+  set_floor(row, layer_floor(s, tokens, routes, world, peak, std::nullopt), peak);
+  set_torch(row, torch_result(o.torch_results, ns.name, tokens, world));
   return row;
 }
 
@@ -189,6 +236,7 @@ CudaBenchOptions cuda_options(const BenchOptions& o, const std::string& timeline
   co.torch_results = o.torch_results;
   co.megakernel = o.megakernel;
   co.megakernel.row_order = o.row_order == "round-robin" ? RowOrder::round_robin : RowOrder::rate_based;
+  co.context = o.context;
   co.timeline = timeline;
   co.routing = o.routing == "router" ? "uniform" : o.routing;  // CUDA cases sample their routing
   co.dump_routing = o.dump_routing;
@@ -292,20 +340,17 @@ void run_bench(const BenchOptions& o) {
         // Only the first case records a timeline (on every rank: the call is collective).
         const bool first_case = &ns == &shapes.front() && t == o.tokens.front();
         const CudaBenchOptions co = cuda_options(o, first_case ? o.timeline : std::string());
-        if (backend == Backend::cuda && workers) {
+        std::vector<BenchRow> case_rows;
+        if (backend == Backend::cuda) {
           if (root) progress.update(ns.name + " T=" + std::to_string(t), 1, 1);
-          auto row = run_cuda_ep_case(*workers, ns, t, co);
-          if (!row) continue;
-          rows.push_back(*row);
-        } else if (backend == Backend::cuda) {
-          progress.update(ns.name + " T=" + std::to_string(t), 1, 1);
-          rows.push_back(run_cuda_case(ns, t, co));
-        } else {
-          auto row = run_cpu_case(workers.get(), ns, t, o, progress);
-          if (!row) continue;
-          rows.push_back(*row);
+          case_rows = workers ? run_cuda_ep_case(*workers, ns, t, co) : run_cuda_case(ns, t, co);
+        } else if (auto row = run_cpu_case(workers.get(), ns, t, o, progress)) {
+          case_rows.push_back(*row);
         }
-        if (o.json) std::cout << bench_json(rows.back()) << std::endl;
+        for (const BenchRow& row : case_rows) {
+          if (o.json) std::cout << bench_json(row) << std::endl;
+          rows.push_back(row);
+        }
       }
     }
   } catch (const std::exception& e) {
@@ -313,8 +358,13 @@ void run_bench(const BenchOptions& o) {
     throw;
   }
   progress.finish();
-  if (!o.json && root) print_table(std::cout, rows);
-  if (!o.json && root && backend == Backend::cuda) print_cuda_comparison(std::cout, rows);
+  if (o.json || !root) return;
+  print_table(std::cout, rows);
+  std::cout << "\n";
+  print_floor_comparison(std::cout, rows);
+  std::vector<BenchRow> staged;  // the megakernel rows have none of the comparison's columns
+  std::copy_if(rows.begin(), rows.end(), std::back_inserter(staged), [](const BenchRow& r) { return r.path != "megakernel"; });
+  if (backend == Backend::cuda) print_cuda_comparison(std::cout, staged);
 }
 
 }  // namespace
@@ -365,13 +415,20 @@ void register_bench(CLI::App& app) {
       ->check(CLI::Range(1, 1024));
   cmd->add_option("--minibatch", o->megakernel.minibatch_size, "Megakernel: minibatch rows")
       ->check(CLI::Range(int64_t{1}, int64_t{1} << 30));
-  cmd->add_option("--macrobatch", o->megakernel.macrobatch_size, "Megakernel: ring-buffer rows")
+  cmd->add_option("--macrobatch", o->megakernel.macrobatch_size,
+                  "Megakernel: ring-buffer rows (one GPU: the backward keeps the forward's rows, resident context, "
+                  "when the ring holds every routed row, else replays them; the row's context_mode says which)")
       ->check(CLI::Range(int64_t{1}, int64_t{1} << 30));
   cmd->add_option("--band-rows", o->megakernel.band_row_tiles,
                   "Megakernel: row tiles per band of the GEMM tile order (1: row by row)")
       ->check(CLI::Range(int64_t{1}, int64_t{1} << 20));
   cmd->add_option("--row-order", o->row_order, "Megakernel: order of the sources' rows in each expert segment")
       ->check(CLI::IsMember({"rate-based", "round-robin"}));
+  cmd->add_option("--context", o->context,
+                  "Megakernel: the backward's saved context. resident: the ring (--macrobatch) grows to hold every "
+                  "routed row, which the backward reads back | replay: the backward pulls x again and recomputes "
+                  "gate|up (needs --macrobatch below the case's rows) | auto: as --macrobatch gives it")
+      ->check(CLI::IsMember({"auto", "resident", "replay"}));
   cmd->add_option("--timeline", o->timeline, "Megakernel: write the first case's task timeline to FILE (JSON lines)");
   cmd->add_option("--mode", o->mode,
                   "layer: the whole layer (default) | core: the megakernel's GEMM core alone against the CUTLASS "

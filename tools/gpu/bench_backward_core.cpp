@@ -116,8 +116,7 @@ BenchRow run_cuda_backward_core_case(const NamedShape& ns, int64_t tokens, const
   std::vector<int32_t> offsets(E + 1);
   MOKA_CUDA_CHECK(cudaMemcpy(offsets.data(), sched.offsets.data(), offsets.size() * 4, cudaMemcpyDeviceToHost));
 
-  BenchRow row = ep_row(ns, "mk-backward-core", device, 1, tokens, o.iters);
-  row.device = row.device.substr(row.device.find(' ') + 1);  // one GPU: no "1x "
+  BenchRow row = cuda_row(ns, "mk-backward-core", device, 1, tokens, o.iters);
   row.fwd_ms = t.a_ms;
   row.bwd_ms = t.b_ms;
   row.fwdbwd_ms = t.a_ms + t.b_ms;
@@ -131,9 +130,7 @@ BenchRow run_cuda_backward_core_case(const NamedShape& ns, int64_t tokens, const
   e["bwd_vs_fwd_core"] = t.ratio;  // median over paired runs of backward / forward core
   e["grouped_rows"] = offsets[E];
   e["backward_macrobatches"] = core::ceil_div(offsets[E], backward.plan().macrobatch_rows);
-  e["megakernel_config"] = "comm_sms=" + std::to_string(o.megakernel.num_comm_sms) +
-                           " minibatch=" + std::to_string(o.megakernel.minibatch_size) +
-                           " macrobatch=" + std::to_string(o.megakernel.macrobatch_size);
+  e["megakernel_config"] = megakernel_config_text(o.megakernel);
   e["times"] = "medians of runs alternating the forward core and the backward megakernel";
   return row;
 }

@@ -132,8 +132,7 @@ BenchRow run_cuda_core_case(const NamedShape& ns, int64_t tokens, const CudaBenc
   const double flops = 6.0 * double(tokens * k) * double(H) * double(I);  // routed rows, padding excluded
   auto tflops = [&](double ms) { return flops / (ms * 1e-3) / 1e12; };
 
-  BenchRow row = ep_row(ns, "mk-core", device, 1, tokens, o.iters);
-  row.device = row.device.substr(row.device.find(' ') + 1);  // one GPU: no "1x "
+  BenchRow row = cuda_row(ns, "mk-core", device, 1, tokens, o.iters);
   row.fwd_ms = t.b_ms;
   row.tflops = tflops(t.b_ms);
   row.max_rel_error = diff;

@@ -1,9 +1,15 @@
+// `moka bench --backend cuda`, layer mode: each path's forward+backward step on one GPU
+// (single-GPU and megakernel paths) or over the worker processes (all-to-all and megakernel
+// paths), the two paths timed alternately on the same tensors, each set against the case's floor,
+// its layer's peak device memory and PyTorch's results.
 #include "bench_cuda.hpp"
 
+#include <algorithm>
 #include <cmath>
 #include <cstdio>
 #include <cstring>
 #include <fstream>
+#include <functional>
 #include <iomanip>
 #include <istream>
 #include <ostream>
@@ -24,6 +30,7 @@
 #include "testing/device_tensors.hpp"
 #include "cuda/gemm/grouped_gemm.hpp"
 #include "cuda/layer/layer_kernels.hpp"
+#include "cuda/layer_paths.hpp"
 #include "moka/device_group.hpp"
 #include "moka/moka.hpp"
 #include "gpu/bench_timing.hpp"
@@ -93,70 +100,292 @@ double grouped_gemm_tflops(const NamedShape& ns, const LayerTensors& t, const Cu
   return 2.0 * double(slots) * 2.0 * double(I) * double(H) / (ms * 1e-3) / 1e12;
 }
 
-// bench/torch_baseline.py's result for one shape and token count: its own fwd+bwd median and,
-// when it ran with --paired-with, the median of the per-run ratios torch / moka from runs that
-// alternated with moka's (`moka bench --paired-steps`) in the same device call.
-struct TorchResult {
-  double fwdbwd_ms = 0, fwd_ms = 0;
-  double paired_ratio = 0, paired_moka_ms = 0;
-  int paired_runs = 0;
-};
-
-TorchResult torch_result(const std::string& path, const std::string& shape, int64_t tokens, int ep = 1) {
-  TorchResult r;
-  if (path.empty()) return r;
-  std::ifstream f(path);
-  require(f.good(), ErrorCode::io, "cannot read torch results " + path);
-  std::string line;
-  while (std::getline(f, line)) {
-    if (line.empty()) continue;
-    const auto j = nlohmann::json::parse(line);
-    if (j.value("shape", "") != shape || j.value("tokens_per_rank", int64_t(0)) != tokens || j.value("ep", 1) != ep)
-      continue;
-    r = TorchResult{j.value("fwdbwd_ms", 0.0), j.value("fwd_ms", 0.0)};
-    if (j.contains("paired")) {
-      const auto& p = j["paired"];
-      r.paired_ratio = p.value("median_ratio", 0.0);
-      r.paired_moka_ms = p.value("moka_median_ms", 0.0);
-      r.paired_runs = p.value("runs", 0);
-    }
-  }
-  return r;
-}
-
 // Random tensors and uniform routing: torch_baseline.py routes uniformly at random too, so
 // expert loads match in distribution (the draws themselves differ).
 void randomize_uniform(LayerTensors& t, const MoeShape& sh, int64_t tokens, uint64_t seed) {
   t.randomize(seed, core::sample_topk_ids({core::RoutingKind::uniform, 0.3, seed}, tokens, sh.top_k, sh.num_experts));
 }
 
+
+// One forward+backward step of a layer: the milliseconds of its forward and of its backward
+// (CUDA events around each half; the step is their sum). Synchronizes the stream.
+struct StepTime {
+  double fwd_ms = 0, bwd_ms = 0;
+};
+StepTime time_step(MoeLayer& layer, const LayerTensors& t, cudaStream_t s) {
+  struct Events {
+    cudaEvent_t e[3] = {};
+    Events() {
+      for (auto& event : e) MOKA_CUDA_CHECK(cudaEventCreate(&event));
+    }
+    ~Events() {
+      for (auto event : e) cudaEventDestroy(event);
+    }
+  } ev;
+  MOKA_CUDA_CHECK(cudaEventRecord(ev.e[0], s));
+  auto ctx = layer.forward(t.inputs(), t.weights(), t.out_view(), Stream{s});
+  MOKA_CUDA_CHECK(cudaEventRecord(ev.e[1], s));
+  layer.backward(*ctx, t.d_out_view(), t.weights(), t.gradients(), Stream{s});
+  MOKA_CUDA_CHECK(cudaEventRecord(ev.e[2], s));
+  MOKA_CUDA_CHECK(cudaEventSynchronize(ev.e[2]));
+  float fwd = 0, bwd = 0;
+  MOKA_CUDA_CHECK(cudaEventElapsedTime(&fwd, ev.e[0], ev.e[1]));
+  MOKA_CUDA_CHECK(cudaEventElapsedTime(&bwd, ev.e[1], ev.e[2]));
+  return {fwd, bwd};
+}
+
+// Medians of one path's steps.
+struct PathSteps {
+  double fwd_ms = 0, bwd_ms = 0, fwdbwd_ms = 0;
+};
+// Two paths' steps from runs that alternated them (a, then b, --iters times after --warmup
+// pairs): each path's medians and the medians of the per-run ratios a / b (b's speedup over a).
+// With workers, every run counts at its slowest rank: the step takes that long for the group.
+struct PairedSteps {
+  PathSteps a, b;
+  double fwd_speedup = 0, bwd_speedup = 0, fwdbwd_speedup = 0;
+};
+PairedSteps time_paired_steps(MoeLayer& a, MoeLayer& b, const LayerTensors& t, const CudaBenchOptions& o,
+                              ProcessGroup* workers, cudaStream_t s) {
+  const auto [runs_a, runs_b] =
+      alternate([&] { return time_step(a, t, s); }, [&] { return time_step(b, t, s); }, o.warmup, o.iters);
+  a.check_errors();
+  b.check_errors();
+  struct Series {
+    std::vector<double> fwd, bwd, step;
+  };
+  auto series = [&](const std::vector<StepTime>& runs) {
+    Series x;
+    for (const StepTime& r : runs) {
+      x.fwd.push_back(r.fwd_ms);
+      x.bwd.push_back(r.bwd_ms);
+      x.step.push_back(r.fwd_ms + r.bwd_ms);
+    }
+    if (workers) x = {max_over_ranks(*workers, x.fwd), max_over_ranks(*workers, x.bwd), max_over_ranks(*workers, x.step)};
+    return x;
+  };
+  const Series sa = series(runs_a), sb = series(runs_b);
+  PairedSteps p;
+  p.a = {median(sa.fwd), median(sa.bwd), median(sa.step)};
+  p.b = {median(sb.fwd), median(sb.bwd), median(sb.step)};
+  p.fwd_speedup = median_ratio(sb.fwd, sa.fwd);
+  p.bwd_speedup = median_ratio(sb.bwd, sa.bwd);
+  p.fwdbwd_speedup = median_ratio(sb.step, sa.step);
+  return p;
+}
+
+// What one step of a path writes that every path must reproduce: out, d_x and d_w_down.
+struct StepOutputs {
+  std::vector<__nv_bfloat16> out, d_x, d_w_down;
+};
+StepOutputs step_outputs(MoeLayer& layer, const LayerTensors& t, cudaStream_t s) {
+  {
+    auto c = layer.forward(t.inputs(), t.weights(), t.out_view(), Stream{s});
+    layer.backward(*c, t.d_out_view(), t.weights(), t.gradients(), Stream{s});
+  }
+  MOKA_CUDA_CHECK(cudaStreamSynchronize(s));
+  layer.check_errors();
+  return {read_bf16(t.out), read_bf16(t.d_x), read_bf16(t.dwd)};
+}
+// The largest relative difference of the three outputs from the reference's.
+double max_rel_diff(const StepOutputs& got, const StepOutputs& want) {
+  return std::max({rel_diff(got.out, want.out), rel_diff(got.d_x, want.d_x), rel_diff(got.d_w_down, want.d_w_down)});
+}
+bool same_bits(const StepOutputs& a, const StepOutputs& b) {
+  auto same = [](const std::vector<__nv_bfloat16>& x, const std::vector<__nv_bfloat16>& y) {
+    return x.size() == y.size() && std::memcmp(x.data(), y.data(), x.size() * sizeof(x[0])) == 0;
+  };
+  return same(a.out, b.out) && same(a.d_x, b.d_x) && same(a.d_w_down, b.d_w_down);
+}
+
+// Device memory a path's layer holds at its peak around one forward+backward: what it allocates
+// when built (its persistent buffers, symmetric buffers, GEMM workspaces) and what its forward
+// and backward allocate and keep (the saved context, the workspace sized by the token count).
+// Measured as the drop of cudaMemGetInfo's free bytes from before `make` builds the layer to the
+// lowest of two samples, after the forward and after the backward (stream synchronized, context
+// alive). The inputs, weights and gradients exist before and are not counted, as torch's
+// peak_memory_bytes does not count its own. Every allocation of the CUDA backend is a cudaMalloc
+// that the layer or its context keeps (none lives only inside one call), so the two samples see
+// the peak; sizes are the driver's, rounded up to its pages. Run it after the path was timed, so
+// that modules loaded lazily by first launches, NCCL's connection buffers and the local memory
+// the kernels reserve are already there and not counted. Collective when `make` builds a layer
+// over a group.
+int64_t layer_peak_memory(const std::function<std::unique_ptr<MoeLayer>()>& make, const LayerTensors& t,
+                          cudaStream_t s) {
+  auto free_bytes = [] {
+    size_t free = 0, total = 0;
+    MOKA_CUDA_CHECK(cudaMemGetInfo(&free, &total));
+    return free;
+  };
+  MOKA_CUDA_CHECK(cudaDeviceSynchronize());
+  const size_t before = free_bytes();
+  size_t lowest = before;
+  auto layer = make();
+  auto ctx = layer->forward(t.inputs(), t.weights(), t.out_view(), Stream{s});
+  MOKA_CUDA_CHECK(cudaStreamSynchronize(s));
+  lowest = std::min(lowest, free_bytes());
+  layer->backward(*ctx, t.d_out_view(), t.weights(), t.gradients(), Stream{s});
+  MOKA_CUDA_CHECK(cudaStreamSynchronize(s));
+  lowest = std::min(lowest, free_bytes());
+  layer->check_errors();
+  return static_cast<int64_t>(before - lowest);
+}
+
+// The megakernel knobs of a case for --context: "resident" grows the ring (macrobatch) to hold
+// every routed row the case can have, "replay" requires a ring that does not, "auto" keeps them.
+MegakernelConfig case_megakernel_config(const CudaBenchOptions& o, const MoeShape& sh, int ranks, int64_t tokens) {
+  MegakernelConfig c = o.megakernel;
+  if (o.context == "auto") return c;
+  const core::MegakernelPlan plan = cuda::supported_plan(sh, c, ranks, tokens);
+  if (o.context == "resident") {
+    c.macrobatch_size = plan.max_steps * plan.minibatch_rows;
+    return c;
+  }
+  require(plan.ring_rows < plan.capacity_rows, ErrorCode::invalid_argument,
+          "--context replay needs a ring that does not hold every routed row: --macrobatch " +
+              std::to_string(c.macrobatch_size) + " holds all " + std::to_string(plan.capacity_rows) +
+              " rows of this case; give one below that");
+  return c;
+}
+
+// How the megakernel layer runs the backward of its own last forward, decided as
+// MegakernelMoeLayer decides it (megakernel_layer.cu; the layer has no accessor for it): on one
+// GPU through the backward megakernel, on the forward's rows kept in its ring ("resident") when
+// the ring holds every routed row, else pulling x again and recomputing gate|up ("replay");
+// over several ranks through the staged path, which recomputes the forward stages first
+// (context_mode null).
+void set_megakernel_backward(BenchRow& row, const MoeShape& sh, const MegakernelConfig& c, int ranks, int64_t tokens) {
+  auto& e = row.extra;
+  if (ranks > 1) {
+    e["backward"] = "staged (recomputes the forward stages)";
+    e["context_mode"] = nullptr;
+    return;
+  }
+  const core::MegakernelPlan plan = cuda::supported_plan(sh, c, ranks, tokens);
+  e["backward"] = "megakernel";
+  e["context_mode"] = plan.ring_rows >= plan.capacity_rows ? "resident" : "replay";
+}
+
+void write_timeline(const std::string& path, const std::string& shape, int64_t tokens, int ep,
+                    const std::vector<MegakernelTaskSpan>& spans) {
+  std::ofstream f(path);
+  require(f.good(), ErrorCode::io, "cannot write timeline " + path);
+  int64_t t0 = spans.empty() ? 0 : spans.front().start_ns;
+  for (const auto& t : spans) t0 = std::min(t0, t.start_ns);
+  for (const auto& t : spans)
+    f << nlohmann::json{{"shape", shape}, {"tokens_per_rank", tokens}, {"ep", ep}, {"cta", t.cta},
+                        {"kind", t.kind}, {"step", t.step}, {"row_tile", t.row_tile},
+                        {"start_us", (t.start_ns - t0) / 1e3}, {"end_us", (t.end_ns - t0) / 1e3}}
+             .dump()
+      << "\n";
+}
+
+// --timeline: one more megakernel forward with its task stamps on, written by rank 0.
+void record_timeline(MoeLayer& mk, DeviceGroup* group, const NamedShape& ns, const LayerTensors& t,
+                     const CudaBenchOptions& o, cudaStream_t s) {
+  if (o.timeline.empty()) return;
+  mk.megakernel()->record_timeline(true);
+  mk.forward(t.inputs(), t.weights(), t.out_view(), Stream{s});
+  MOKA_CUDA_CHECK(cudaStreamSynchronize(s));
+  mk.check_errors();
+  mk.megakernel()->record_timeline(false);
+  if (!group || group->rank() == 0)
+    write_timeline(o.timeline, ns.name, t.T, group ? group->size() : 1, mk.megakernel()->timeline());
+}
+
+// What run_paths measures of a case: the staged path's steps (`steps.a`) and the megakernel's
+// (`steps.b`, its outputs' largest relative difference from the staged path's: `mk_diff`), and
+// the peak memory of each path's layer.
+struct CaseResults {
+  PairedSteps steps;
+  double mk_diff = 0;
+  int64_t staged_memory = 0, mk_memory = 0;
+  MegakernelConfig mk_config;
+};
+// The two rows of a case, the staged path's (`staged`, its common fields and its own columns
+// set) and the megakernel's, each with its step times, the case's floor, its layer's memory and
+// torch's results.
+std::vector<BenchRow> path_rows(BenchRow staged, const CaseResults& r, const LayerFloor& floor, double peak_tflops,
+                                const MoeShape& sh, const TorchResult& torch) {
+  BenchRow mk = staged;
+  mk.path = "megakernel";
+  mk.extra = nlohmann::ordered_json::object();
+  auto fill = [&](BenchRow& row, const PathSteps& steps, int64_t memory) {
+    row.fwd_ms = steps.fwd_ms;
+    row.bwd_ms = steps.bwd_ms;
+    row.fwdbwd_ms = steps.fwdbwd_ms;
+    row.tflops = 3.0 * sh.forward_flops(row.tokens_per_rank) / (steps.fwdbwd_ms * 1e-3) / 1e12;
+    row.peak_memory_bytes = memory;
+    set_floor(row, floor, peak_tflops);
+    set_torch(row, torch);
+    row.extra["times"] = "medians of runs alternating the " + staged.path + " and megakernel paths" +
+                         (row.ep > 1 ? ", each run at its slowest rank" : "");
+  };
+  fill(staged, r.steps.a, r.staged_memory);
+  fill(mk, r.steps.b, r.mk_memory);
+  mk.max_rel_error = r.mk_diff;
+  auto& e = mk.extra;
+  e["error_vs"] = staged.path;
+  e["megakernel_config"] = megakernel_config_text(r.mk_config);
+  set_megakernel_backward(mk, sh, r.mk_config, mk.ep, mk.tokens_per_rank);
+  e["paired_path"] = staged.path;
+  e["fwd_speedup_vs_paired"] = r.steps.fwd_speedup;
+  e["bwd_speedup_vs_paired"] = r.steps.bwd_speedup;
+  e["fwdbwd_speedup_vs_paired"] = r.steps.fwdbwd_speedup;
+  if (torch.fwd_ms > 0) {
+    e["torch_fwd_ms"] = torch.fwd_ms;
+    e["fwd_speedup_vs_torch"] = torch.fwd_ms / r.steps.b.fwd_ms;
+  }
+  return {staged, mk};
+}
+
+// Checks the megakernel path against the staged path's outputs (`want`, from `staged` on `t`),
+// times the two alternately on the same tensors, then frees both and measures each path's memory
+// on a fresh layer (`make_staged` builds the staged path's layer again).
+CaseResults run_paths(std::unique_ptr<MoeLayer> staged, const StepOutputs& want,
+                      const std::function<std::unique_ptr<MoeLayer>()>& make_staged, DeviceGroup* group,
+                      ProcessGroup* workers, const NamedShape& ns, const LayerTensors& t, const CudaBenchOptions& o,
+                      cudaStream_t s) {
+  const MoeShape& sh = ns.shape;
+  const int ranks = group ? group->size() : 1;
+  CaseResults r;
+  r.mk_config = case_megakernel_config(o, sh, ranks, t.T);
+  auto make_mk = [&] { return megakernel_layer(sh, group, r.mk_config, t.T); };
+  auto mk = make_mk();
+  r.mk_diff = max_rel_diff(step_outputs(*mk, t, s), want);
+  r.steps = time_paired_steps(*staged, *mk, t, o, workers, s);
+  record_timeline(*mk, group, ns, t, o, s);
+  staged.reset();
+  mk.reset();
+  r.staged_memory = layer_peak_memory(make_staged, t, s);
+  r.mk_memory = layer_peak_memory(make_mk, t, s);
+  if (workers) {
+    r.mk_diff = max_over_ranks(*workers, r.mk_diff);
+    r.staged_memory = int64_t(max_over_ranks(*workers, double(r.staged_memory)));
+    r.mk_memory = int64_t(max_over_ranks(*workers, double(r.mk_memory)));
+  }
+  return r;
+}
+
 }  // namespace
 
-BenchRow run_cuda_case(const NamedShape& ns, int64_t tokens, const CudaBenchOptions& o) {
+std::vector<BenchRow> run_cuda_case(const NamedShape& ns, int64_t tokens, const CudaBenchOptions& o) {
   const CaseStream stream("moka bench --backend cuda");
   const cudaStream_t s = stream.s;
   const MoeShape& sh = ns.shape;
   const double peak = dense_peak_tflops(s);
   LayerTensors t(sh, tokens);
   randomize_uniform(t, sh, tokens, o.seed);
-  const LayerOptions lo{o.tile_rows, 0};
-  auto layer = make_moe_layer(sh, Backend::cuda, nullptr, lo);
+  LayerOptions lo{o.tile_rows, 0};
+  lo.path = LayerPath::single_gpu;
+  auto make_layer = [&] { return make_moe_layer(sh, Backend::cuda, nullptr, lo); };
+  auto layer = make_layer();
   auto base = cuda::make_cuda_baseline_layer(sh, lo);
   // Check first: moka against the cuBLAS-loop path on every output element.
-  {
-    auto c = layer->forward(t.inputs(), t.weights(), t.out_view(), Stream{s});
-    layer->backward(*c, t.d_out_view(), t.weights(), t.gradients(), Stream{s});
-  }
-  const auto out_m = read_bf16(t.out), dx_m = read_bf16(t.d_x), dwd_m = read_bf16(t.dwd);
-  {
-    auto c = base->forward(t.inputs(), t.weights(), t.out_view(), Stream{s});
-    base->backward(*c, t.d_out_view(), t.weights(), t.gradients(), Stream{s});
-  }
-  const double err = std::max({rel_diff(out_m, read_bf16(t.out)), rel_diff(dx_m, read_bf16(t.d_x)),
-                               rel_diff(dwd_m, read_bf16(t.dwd))});
-  const Timing m = time_layer(*layer, t, o, s);
+  const StepOutputs moka = step_outputs(*layer, t, s);
+  const double err = max_rel_diff(moka, step_outputs(*base, t, s));
   const Timing b = time_layer(*base, t, o, s);
-  base.reset();  // its workspace, before the fused layer allocates one
+  base.reset();  // its workspace, before the other layers allocate theirs
   const double gemm = grouped_gemm_tflops(ns, t, o, s);
 
   // SwiGLU in the gate GEMM's epilogue against the default unfused path (gate|up GEMM, then the
@@ -164,58 +393,37 @@ BenchRow run_cuda_case(const NamedShape& ns, int64_t tokens, const CudaBenchOpti
   LayerOptions fused_options = lo;
   fused_options.fused_swiglu = true;
   auto fused = make_moe_layer(sh, Backend::cuda, nullptr, fused_options);
-  {
-    auto c = fused->forward(t.inputs(), t.weights(), t.out_view(), Stream{s});
-    fused->backward(*c, t.d_out_view(), t.weights(), t.gradients(), Stream{s});
-  }
-  auto same_bits = [](const std::vector<__nv_bfloat16>& a, const std::vector<__nv_bfloat16>& b) {
-    return a.size() == b.size() && std::memcmp(a.data(), b.data(), a.size() * sizeof(a[0])) == 0;
-  };
-  const bool fused_identical =
-      same_bits(read_bf16(t.out), out_m) && same_bits(read_bf16(t.d_x), dx_m) && same_bits(read_bf16(t.dwd), dwd_m);
+  const bool fused_identical = same_bits(step_outputs(*fused, t, s), moka);
   const Paired fwd = time_paired([&] { fused->forward(t.inputs(), t.weights(), t.out_view(), Stream{s}); },
                                  [&] { layer->forward(t.inputs(), t.weights(), t.out_view(), Stream{s}); }, o.warmup, o.iters, s);
+  fused.reset();
 
-  BenchRow row;
-  row.shape = ns.name;
-  row.backend = "cuda";
-  row.path = "grouped";
-  cudaDeviceProp prop;
-  MOKA_CUDA_CHECK(cudaGetDeviceProperties(&prop, 0));
-  row.device = prop.name;
-  row.dtype = "bf16";
-  row.routing = "uniform";
-  row.tokens_per_rank = tokens;
-  row.iters = o.iters;
-  row.fwd_ms = m.fwd;
-  row.bwd_ms = m.bwd;
-  row.fwdbwd_ms = m.total;
-  row.tflops = 3.0 * sh.forward_flops(tokens) / (m.total * 1e-3) / 1e12;
+  // The single-GPU and megakernel steps, alternately; with uniform routing every rank's rows are
+  // T*k, and one GPU moves nothing over links.
+  const CaseResults r = run_paths(std::move(layer), moka, make_layer, nullptr, nullptr, ns, t, o, s);
+  const LayerFloor floor = layer_floor(sh, tokens, {tokens * sh.top_k}, 1, peak, std::nullopt);
+
+  BenchRow row = cuda_row(ns, "single-gpu", t.device, 1, tokens, o.iters);
   row.max_rel_error = err;
-  const TorchResult torch = torch_result(o.torch_results, ns.name, tokens);
+  const TorchResult torch = torch_result(o.torch_results, ns.name, tokens, 1);
   auto& e = row.extra;
-  e["dense_peak_tflops"] = peak;
+  e["error_vs"] = "cublas-loop";
   e["grouped_gemm_tflops"] = gemm;
   e["grouped_gemm_pct_peak"] = 100.0 * gemm / peak;
   e["baseline_fwd_ms"] = b.fwd;
   e["baseline_bwd_ms"] = b.bwd;
   e["baseline_fwdbwd_ms"] = b.total;
-  e["speedup_vs_cublas_loop"] = b.total / m.total;
-  e["error_vs"] = "cublas-loop";
+  e["speedup_vs_cublas_loop"] = b.total / r.steps.a.fwdbwd_ms;
   e["fused_swiglu_fwd_ms"] = fwd.a_ms;
   e["unfused_swiglu_fwd_ms"] = fwd.b_ms;
   e["fused_swiglu_fwd_speedup"] = fwd.ratio;
   e["fused_swiglu_identical"] = fused_identical;
-  if (torch.fwdbwd_ms > 0) {
-    e["torch_fwdbwd_ms"] = torch.fwdbwd_ms;
-    e["speedup_vs_torch"] = torch.fwdbwd_ms / m.total;
-  }
   if (torch.paired_runs > 0) {
     e["speedup_vs_torch_paired"] = torch.paired_ratio;
     e["paired_runs"] = torch.paired_runs;
     e["paired_moka_fwdbwd_ms"] = torch.paired_moka_ms;
   }
-  return row;
+  return path_rows(row, r, floor, peak, sh, torch);
 }
 
 void serve_cuda_steps(const NamedShape& ns, int64_t tokens, const CudaBenchOptions& o, std::istream& in,
@@ -279,88 +487,18 @@ std::vector<int32_t> ep_routing(const CudaBenchOptions& o, const MoeShape& sh, i
 // routes[s * R + r]: routes from rank s's tokens to the experts rank r hosts, over all workers.
 std::vector<int64_t> route_matrix(ProcessGroup& workers, const std::vector<int32_t>& ids, int64_t experts_per_rank) {
   const int R = workers.size();
-  std::vector<int64_t> mine(R, 0), all(size_t(R) * R);
-  for (int32_t id : ids) mine[id / experts_per_rank]++;
+  const std::vector<int64_t> mine = routes_per_rank(ids, experts_per_rank, R);
+  std::vector<int64_t> all(size_t(R) * R);
   workers.all_gather(mine.data(), all.data(), R * sizeof(int64_t));
   return all;
-}
-
-// The floor of one forward, for the slowest rank: the most routed rows any rank computes (plus
-// the shared expert) at the dense peak, and the most rows any rank must receive over NVLink
-// (rows it pulls from peers + outputs peers push back for its own tokens) at the peer-copy rate.
-struct Floor {
-  double flops_ms = 0, bytes_ms = 0;
-};
-Floor layer_floor(const MoeShape& sh, int64_t tokens, const std::vector<int64_t>& routes, int R, double peak_tflops,
-                  double copy_gbs) {
-  int64_t most_rows = 0, most_inbound = 0;
-  for (int r = 0; r < R; ++r) {
-    int64_t rows = 0, inbound = 0;
-    for (int s = 0; s < R; ++s) {
-      rows += routes[s * R + r];
-      if (s != r) inbound += routes[s * R + r] + routes[r * R + s];
-    }
-    most_rows = std::max(most_rows, rows);
-    most_inbound = std::max(most_inbound, inbound);
-  }
-  const double flops = 6.0 * double(most_rows) * sh.hidden * sh.intermediate +
-                       6.0 * double(tokens) * sh.hidden * sh.shared_intermediate;
-  return {flops / (peak_tflops * 1e12) * 1e3, double(most_inbound) * sh.hidden * 2 / (copy_gbs * 1e9) * 1e3};
-}
-
-void write_timeline(const std::string& path, const std::string& shape, int64_t tokens, int ep,
-                    const std::vector<MegakernelTaskSpan>& spans) {
-  std::ofstream f(path);
-  require(f.good(), ErrorCode::io, "cannot write timeline " + path);
-  int64_t t0 = spans.empty() ? 0 : spans.front().start_ns;
-  for (const auto& t : spans) t0 = std::min(t0, t.start_ns);
-  for (const auto& t : spans)
-    f << nlohmann::json{{"shape", shape}, {"tokens_per_rank", tokens}, {"ep", ep}, {"cta", t.cta},
-                        {"kind", t.kind}, {"step", t.step}, {"row_tile", t.row_tile},
-                        {"start_us", (t.start_ns - t0) / 1e3}, {"end_us", (t.end_ns - t0) / 1e3}}
-             .dump()
-      << "\n";
-}
-
-// The megakernel forward next to the all-to-all path's forward on the same tensors: paired
-// times, the largest relative difference of their outputs, and (first case only, if asked) the
-// megakernel's task timeline.
-struct MegakernelTiming {
-  Paired fwd;  // a: all-to-all path, b: megakernel
-  double max_rel_diff = 0;
-};
-MegakernelTiming time_megakernel(MoeLayer& layer, DeviceGroup* group, const NamedShape& ns, const LayerTensors& t,
-                                 const CudaBenchOptions& o, cudaStream_t s) {
-  auto mk = megakernel_layer(ns.shape, group, o.megakernel, t.T);
-  MegakernelTiming r;
-  layer.forward(t.inputs(), t.weights(), t.out_view(), Stream{s});
-  MOKA_CUDA_CHECK(cudaStreamSynchronize(s));
-  const auto want = read_bf16(t.out);
-  mk->forward(t.inputs(), t.weights(), t.out_view(), Stream{s});
-  MOKA_CUDA_CHECK(cudaStreamSynchronize(s));
-  mk->check_errors();
-  r.max_rel_diff = rel_diff(read_bf16(t.out), want);
-  r.fwd = time_paired([&] { layer.forward(t.inputs(), t.weights(), t.out_view(), Stream{s}); },
-                      [&] { mk->forward(t.inputs(), t.weights(), t.out_view(), Stream{s}); }, o.warmup, o.iters, s);
-  MOKA_CUDA_CHECK(cudaStreamSynchronize(s));
-  mk->check_errors();
-  if (!o.timeline.empty()) {
-    mk->megakernel()->record_timeline(true);
-    mk->forward(t.inputs(), t.weights(), t.out_view(), Stream{s});
-    MOKA_CUDA_CHECK(cudaStreamSynchronize(s));
-    mk->check_errors();
-    const int rank = group ? group->rank() : 0;
-    if (rank == 0) write_timeline(o.timeline, ns.name, t.T, group ? group->size() : 1, mk->megakernel()->timeline());
-  }
-  return r;
 }
 
 }  // namespace
 
 void select_worker_device(int local_rank) { MOKA_CUDA_CHECK(cudaSetDevice(local_rank)); }
 
-std::optional<BenchRow> run_cuda_ep_case(ProcessGroup& workers, const NamedShape& ns, int64_t tokens,
-                                         const CudaBenchOptions& o) {
+std::vector<BenchRow> run_cuda_ep_case(ProcessGroup& workers, const NamedShape& ns, int64_t tokens,
+                                       const CudaBenchOptions& o) {
   const MoeShape& sh = ns.shape;
   const int R = workers.size();
   cudaStream_t s;
@@ -379,67 +517,33 @@ std::optional<BenchRow> run_cuda_ep_case(ProcessGroup& workers, const NamedShape
   auto group = make_nccl_group(workers, t.device);
   LayerOptions all_to_all{o.tile_rows, 0};
   all_to_all.path = LayerPath::all_to_all;
-  auto layer = make_moe_layer(sh, group.get(), all_to_all);
-  const Timing m = time_layer(*layer, t, o, s);
+  auto make_layer = [&] { return make_moe_layer(sh, group.get(), all_to_all); };
+  auto layer = make_layer();
+  const StepOutputs want = step_outputs(*layer, t, s);
+  const CaseResults r = run_paths(std::move(layer), want, make_layer, group.get(), &workers, ns, t, o, s);
   // Uniform routing sends about T*k/R rows to each rank: time that much through NCCL and
   // through a plain peer copy.
   const size_t rows_per_peer = static_cast<size_t>(tokens * sh.top_k / R);
   const LinkTiming link = time_links(*group, rows_per_peer * sh.hidden * 2, o, s);
   const double peak = dense_peak_tflops(s);
-  const MegakernelTiming mk = time_megakernel(*layer, group.get(), ns, t, o, s);
-  layer.reset();
+  group.reset();
   MOKA_CUDA_CHECK(cudaStreamDestroy(s));
-  const double fwd = max_over_ranks(workers, m.fwd), bwd = max_over_ranks(workers, m.bwd);
-  const double total = max_over_ranks(workers, m.total);
   const double a2a = max_over_ranks(workers, link.all_to_all_ms), copy = max_over_ranks(workers, link.peer_copy_ms);
-  const double mk_fwd = max_over_ranks(workers, mk.fwd.b_ms);
-  if (workers.rank() != 0) return std::nullopt;
+  if (workers.rank() != 0) return {};
 
-  BenchRow row = ep_row(ns, "all-to-all", t.device, R, tokens, o.iters);
+  BenchRow row = cuda_row(ns, "all-to-all", t.device, R, tokens, o.iters);
   row.routing = o.routing == "zipf" ? "zipf(gini=" + std::to_string(o.gini).substr(0, 4) + ")" : o.routing;
-  row.fwd_ms = fwd;
-  row.bwd_ms = bwd;
-  row.fwdbwd_ms = total;
-  row.tflops = 3.0 * sh.forward_flops(tokens) / (total * 1e-3) / 1e12;
   // max_rel_error stays unset: moka_ep_gpu_check checks this path against the CPU reference.
-  const double gbs = [&](double ms) { return link.bytes_per_rank / (ms * 1e-3) / 1e9; }(a2a);
   const double copy_gbs = link.bytes_per_rank / (copy * 1e-3) / 1e9;
-  // Torch routes uniformly: its times are comparable with uniform runs only.
-  const TorchResult torch = o.routing == "uniform" ? torch_result(o.torch_results, ns.name, tokens, R) : TorchResult{};
-  const double tms = torch.fwdbwd_ms;
+  // Both paths against the floor of this routing, its ceilings measured in this run.
+  const LayerFloor floor = layer_floor(sh, tokens, routes, R, peak, copy_gbs);
   auto& e = row.extra;
-  e["nccl_all_to_all_gbs"] = gbs;
+  e["nccl_all_to_all_gbs"] = link.bytes_per_rank / (a2a * 1e-3) / 1e9;
   e["peer_copy_gbs"] = copy_gbs;
   e["dispatch_bytes_per_rank"] = link.bytes_per_rank;
-  e["times"] = "max over ranks of per-rank medians";
-  if (tms > 0) {
-    e["torch_fwdbwd_ms"] = tms;
-    e["speedup_vs_torch"] = tms / total;
-  }
-  // The megakernel forward against its floor (both ceilings measured in this run).
-  const Floor f = layer_floor(sh, tokens, routes, R, peak, copy_gbs);
-  const double flops_floor = f.flops_ms, bytes_floor = f.bytes_ms;
-  const double floor = std::max(flops_floor, bytes_floor);
-  const double torch_fwd = torch.fwd_ms;
-  e["megakernel_fwd_ms"] = mk_fwd;
-  e["all_to_all_fwd_ms_paired"] = mk.fwd.a_ms;
-  e["megakernel_speedup_vs_all_to_all"] = 1.0 / mk.fwd.ratio;
-  e["megakernel_max_rel_diff_vs_all_to_all"] = mk.max_rel_diff;
-  e["dense_peak_tflops"] = peak;
-  e["floor_ms"] = floor;
-  e["floor_flops_ms"] = flops_floor;
-  e["floor_bytes_ms"] = bytes_floor;
-  e["megakernel_vs_floor"] = mk_fwd / floor;
-  e["megakernel_config"] = "comm_sms=" + std::to_string(o.megakernel.num_comm_sms) +
-                           " minibatch=" + std::to_string(o.megakernel.minibatch_size) +
-                           " macrobatch=" + std::to_string(o.megakernel.macrobatch_size) +
-                           " band_row_tiles=" + std::to_string(o.megakernel.band_row_tiles) + " row_order=" +
-                           (o.megakernel.row_order == RowOrder::rate_based ? "rate_based" : "round_robin");
-  if (torch_fwd > 0) {
-    e["torch_fwd_ms"] = torch_fwd;
-    e["megakernel_speedup_vs_torch_fwd"] = torch_fwd / mk_fwd;
-  }
-  return row;
+  // Torch routes uniformly: its times are comparable with uniform runs only.
+  const TorchResult torch = o.routing == "uniform" ? torch_result(o.torch_results, ns.name, tokens, R) : TorchResult{};
+  return path_rows(row, r, floor, peak, sh, torch);
 }
 
 }  // namespace moka::cli

@@ -3,9 +3,11 @@
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
+#include <algorithm>
 #include <cmath>
 #include <memory>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "bench_cuda.hpp"
@@ -44,22 +46,41 @@ double time_ms(Fn&& fn, int warmup, int iters, cudaStream_t s) {
   return median(ms);
 }
 
+// a and b called alternately, `warmup` untimed pairs first, then `iters` pairs: each call returns
+// its own measurement, and the two series come back in run order. Side by side, drifting clocks
+// and temperatures affect both alike.
+template <typename A, typename B>
+auto alternate(A&& a, B&& b, int warmup, int iters) {
+  for (int i = 0; i < warmup; ++i) {
+    a();
+    b();
+  }
+  std::pair<std::vector<decltype(a())>, std::vector<decltype(b())>> runs;
+  for (int i = 0; i < iters; ++i) {
+    runs.first.push_back(a());
+    runs.second.push_back(b());
+  }
+  return runs;
+}
+
+// Medians of the per-run ratios b / a of two alternated series.
+inline double median_ratio(const std::vector<double>& a, const std::vector<double>& b) {
+  std::vector<double> ratio(a.size());
+  for (size_t i = 0; i < a.size(); ++i) ratio[i] = b[i] / a[i];
+  return median(ratio);
+}
+
 // Two functions timed alternately, iteration by iteration: the median of each and the median of
-// the per-iteration ratios b/a (side by side, so drifting clocks affect both alike).
+// the per-iteration ratios b/a.
 struct Paired {
   double a_ms = 0, b_ms = 0, ratio = 0;
 };
 template <typename A, typename B>
 Paired time_paired(A&& a, B&& b, int warmup, int iters, cudaStream_t s) {
-  std::vector<double> ta, tb, ratio;
-  for (int i = 0; i < iters; ++i) {
-    ta.push_back(time_ms(a, i == 0 ? warmup : 0, 1, s));
-    tb.push_back(time_ms(b, i == 0 ? warmup : 0, 1, s));
-    ratio.push_back(tb.back() / ta.back());
-  }
-  return {median(ta), median(tb), median(ratio)};
+  const auto [ta, tb] =
+      alternate([&] { return time_ms(a, 0, 1, s); }, [&] { return time_ms(b, 0, 1, s); }, warmup, iters);
+  return {median(ta), median(tb), median_ratio(ta, tb)};
 }
-
 
 // The stream one single-GPU case runs on (every moka call of the case is given it).
 struct CaseStream {
@@ -73,21 +94,27 @@ struct CaseStream {
   }
 };
 
-inline double max_over_ranks(ProcessGroup& g, double v) {
-  std::vector<double> all(g.size());
-  g.all_gather(&v, all.data(), sizeof(double));
-  return *std::max_element(all.begin(), all.end());
+// Element by element, the largest of every rank's `v` (the same length on every rank).
+inline std::vector<double> max_over_ranks(ProcessGroup& g, const std::vector<double>& v) {
+  std::vector<double> all(g.size() * v.size()), most(v);
+  g.all_gather(v.data(), all.data(), v.size() * sizeof(double));
+  for (int r = 0; r < g.size(); ++r)
+    for (size_t i = 0; i < v.size(); ++i) most[i] = std::max(most[i], all[r * v.size() + i]);
+  return most;
 }
+inline double max_over_ranks(ProcessGroup& g, double v) { return max_over_ranks(g, std::vector<double>{v})[0]; }
 
-// The fields every expert-parallel CUDA row shares (bf16, uniform routing, "<R>x <GPU name>").
-inline BenchRow ep_row(const NamedShape& ns, const std::string& path, int device, int ranks, int64_t tokens, int iters) {
+// The fields every CUDA row shares (bf16, uniform routing, the GPU's name, "<R>x <name>" over
+// several ranks).
+inline BenchRow cuda_row(const NamedShape& ns, const std::string& path, int device, int ranks, int64_t tokens,
+                         int iters) {
   cudaDeviceProp prop;
   MOKA_CUDA_CHECK(cudaGetDeviceProperties(&prop, device));
   BenchRow row;
   row.shape = ns.name;
   row.backend = "cuda";
   row.path = path;
-  row.device = std::to_string(ranks) + "x " + prop.name;
+  row.device = ranks > 1 ? std::to_string(ranks) + "x " + prop.name : std::string(prop.name);
   row.dtype = "bf16";
   row.routing = "uniform";
   row.ep = ranks;
@@ -128,6 +155,13 @@ inline cuda::GroupSpec expert_rows_group(int e, int a, int64_t lda, int b, int64
   g.d = d, g.d_step = ldd, g.ldd = ldd;
   g.n = int(n), g.k = int(k), g.expert = e, g.count_dim = cuda::CountDim::m;
   return g;
+}
+
+// The knobs of a megakernel run, as one string for its rows.
+inline std::string megakernel_config_text(const MegakernelConfig& c) {
+  return "comm_sms=" + std::to_string(c.num_comm_sms) + " minibatch=" + std::to_string(c.minibatch_size) +
+         " macrobatch=" + std::to_string(c.macrobatch_size) + " band_row_tiles=" + std::to_string(c.band_row_tiles) +
+         " row_order=" + (c.row_order == RowOrder::rate_based ? "rate_based" : "round_robin");
 }
 
 // A megakernel-path layer with these knobs for up to `max_tokens` tokens per rank.

@@ -31,7 +31,7 @@ std::vector<BenchRow> run_megakernel_tune(ProcessGroup* workers, const NamedShap
       MOKA_CUDA_CHECK(cudaStreamSynchronize(s));
       mk->check_errors();
       if (workers) ms = max_over_ranks(*workers, ms);
-      BenchRow row = ep_row(ns, "megakernel comm_sms=" + std::to_string(comm) + " minibatch=" + std::to_string(minibatch),
+      BenchRow row = cuda_row(ns, "megakernel comm_sms=" + std::to_string(comm) + " minibatch=" + std::to_string(minibatch),
                             t.device, R, tokens, o.iters);
       row.fwd_ms = ms;
       row.tflops = sh.forward_flops(tokens) / (ms * 1e-3) / 1e12;
