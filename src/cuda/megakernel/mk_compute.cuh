@@ -298,7 +298,7 @@ __device__ inline void write_job(EpilogueSync& epi, Element (&buffers)[kEpilogue
                  core::PipelineWait::box_stored, j.site);
     write(buffers[b]);
     tma_store_fence();  // this thread's shared-memory writes, before the TMA unit reads them
-    arrive_after_accesses(&epi.written[b]);
+    EmptyBarrier::arrive(&epi.written[b]);
     ++boxes;
   };
   if (j.swiglu) {
@@ -358,7 +358,7 @@ __device__ inline void schedule_jobs(TaskQueueOf<Job>& queue, unsigned long long
     Job& job = queue.jobs[q];
     job = Job{};
     if (free) fill(uint64_t(atomicAdd(tickets, 1ull)), job);
-    arrive_after_accesses(&queue.published[q]);  // release (CTA scope): the slot's contents
+    EmptyBarrier::arrive(&queue.published[q]);  // release (CTA scope): the slot's contents
     if (job.stop) {
       // Observe the last slots' `finished` phases (the readers arrive on them too for the stop).
       for (uint32_t m = n > 0 ? n - 1 : 0; m <= n; ++m)
@@ -396,7 +396,7 @@ __device__ inline void producer_jobs(TaskQueueOf<Job>& queue, const PipelineWatc
       fence_generic_to_async();
       run(job, q);
     }
-    arrive_after_accesses(&queue.finished[q]);
+    EmptyBarrier::arrive(&queue.finished[q]);
     if (stop) return;
   }
 }
@@ -430,7 +430,7 @@ __device__ inline void store_tasks(ComputeSmem& sm, const MegakernelLaunch& p, c
       if (col_box * kTileK < out.width) store_box(out, sm.epilogue_box[b], job.row_tile, col_box);
       tma_store_arrive();
       tma_store_wait<0>();  // the TMA unit has read the buffer
-      arrive_after_accesses(&epi.stored[b]);
+      EmptyBarrier::arrive(&epi.stored[b]);
     }
     // The rows are in global memory; the proxy fence orders the TMA's (async-proxy) writes
     // before the release, for the generic and TMA reads of the CTAs that acquire it.
@@ -465,11 +465,11 @@ __device__ __forceinline__ void consumer_jobs(TaskQueueOf<Job>& queue, const Pip
     const Job& job = queue.jobs[q];
     if (job.stop) {
       at_stop();
-      arrive_after_accesses(&queue.finished[q]);
+      EmptyBarrier::arrive(&queue.finished[q]);
       return;
     }
     run(job, q);
-    arrive_after_accesses(&queue.finished[q]);
+    EmptyBarrier::arrive(&queue.finished[q]);
   }
 }
 

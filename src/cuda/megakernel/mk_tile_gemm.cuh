@@ -223,26 +223,11 @@ struct TaskSite {
   int64_t minibatch = -1, row_tile = 0;
 };
 
-// An mbarrier arrive releases and a completed wait acquires (CTA scope) in hardware, but
-// CUTLASS's wrappers give the compiler no "memory" clobber, so it may move shared-memory accesses
-// across them: a slot's reads sunk below the reader's arrive, or the writer's stores of
-// constants hoisted above its wait (racecheck caught a task-queue slot reset that way). Every
-// arrive and completed wait of the megakernels goes through these.
-__device__ inline void compiler_fence() { asm volatile("" ::: "memory"); }
-
-__device__ inline void arrive_after_accesses(uint64_t* bar) {
-  compiler_fence();
-  EmptyBarrier::arrive(bar);
-}
-
 // Waits until the mbarrier completes phase `phase` (parity). False when another CTA already
 // failed or the bound passed (then this thread reports a pipeline timeout at `site`).
 __device__ inline bool wait_phase(uint64_t* bar, uint32_t phase, const PipelineWatch& watch, uint64_t bound_ns,
                                   core::PipelineWait what, const TaskSite& site) {
-  if (EmptyBarrier::try_wait(bar, phase)) {
-    compiler_fence();
-    return true;
-  }
+  if (EmptyBarrier::try_wait(bar, phase)) return true;
   const uint64_t start = global_ns();
   // try_wait suspends the thread until the phase completes or a hardware-defined interval
   // passes, so the loop does not spin hot.
@@ -260,7 +245,6 @@ __device__ inline bool wait_phase(uint64_t* bar, uint32_t phase, const PipelineW
       return false;
     }
   }
-  compiler_fence();
   return true;
 }
 
@@ -326,7 +310,7 @@ __device__ inline void mma_tile(TileSmem& sm, uint32_t& consumed, int kblocks, A
   auto stage_of = [&](int kb) { return int((consumed + kb) % kStages); };
   const bool signals = threadIdx.x % 32 == 0;
   auto release = [&](int kb) {
-    if (signals) arrive_after_accesses(&sm.empty[stage_of(kb)]);
+    if (signals) EmptyBarrier::arrive(&sm.empty[stage_of(kb)]);
   };
   TiledMmaOf<MA, MB> mma;
   ThrMMA thr = mma.get_thread_slice(consumer_thread());
