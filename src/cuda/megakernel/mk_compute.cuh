@@ -356,8 +356,15 @@ __device__ inline void schedule_jobs(TaskQueueOf<Job>& queue, unsigned long long
       free = wait_phase(&queue.finished[q], slot_phase(n) ^ 1u, watch, watch.queue_bound_ns,
                         core::PipelineWait::task_finished, TaskSite{});
     Job& job = queue.jobs[q];
+    // The wait above acquires and the arrive below releases in hardware, but CUTLASS's wrappers
+    // carry no "memory" clobber: without these fences the compiler may hoist the reset's constant
+    // stores above the wait (racecheck caught it overwriting a job its readers still read) or
+    // sink the job's stores below the arrive. (Fences at every pipeline wait and arrive cost the
+    // backward 10x: only the scheduler, off the MMA path, has them.)
+    asm volatile("" ::: "memory");
     job = Job{};
     if (free) fill(uint64_t(atomicAdd(tickets, 1ull)), job);
+    asm volatile("" ::: "memory");
     EmptyBarrier::arrive(&queue.published[q]);  // release (CTA scope): the slot's contents
     if (job.stop) {
       // Observe the last slots' `finished` phases (the readers arrive on them too for the stop).
