@@ -26,6 +26,9 @@ struct CudaBenchOptions {
   // The megakernel backward's saved context: "resident" grows the ring (macrobatch) to hold every
   // routed row of the case, "replay" requires a ring that does not, "auto" keeps the knobs.
   std::string context = "auto";
+  // One GPU: also check the single-GPU path against the cuBLAS loop and time that loop, the
+  // grouped GEMM alone and the fused SwiGLU forward (off: the two paths' rows only).
+  bool baselines = true;
   std::string timeline;
   // Expert-parallel runs: "uniform", "zipf" (per-expert load Gini `gini`) or "one-rank" (every
   // token's experts among rank 0's). Torch columns are attached to uniform runs only.

@@ -47,6 +47,7 @@ struct BenchOptions {
   std::string fail_mode = "bad-input";
   MegakernelConfig megakernel;  // CUDA layer runs also time the megakernel path
   std::string context = "auto";
+  bool no_baselines = false;
   std::string row_order = "rate-based";
   std::string timeline;
   int gpus = 1;
@@ -237,6 +238,7 @@ CudaBenchOptions cuda_options(const BenchOptions& o, const std::string& timeline
   co.megakernel = o.megakernel;
   co.megakernel.row_order = o.row_order == "round-robin" ? RowOrder::round_robin : RowOrder::rate_based;
   co.context = o.context;
+  co.baselines = !o.no_baselines;
   co.timeline = timeline;
   co.routing = o.routing == "router" ? "uniform" : o.routing;  // CUDA cases sample their routing
   co.dump_routing = o.dump_routing;
@@ -436,6 +438,9 @@ void register_bench(CLI::App& app) {
                   "backward megakernel alone on the forward core's rows (one GPU; --comm-sms, --minibatch and "
                   "--macrobatch apply)")
       ->check(CLI::IsMember({"layer", "core", "backward-core"}));
+  cmd->add_flag("--no-baselines", o->no_baselines,
+                "CUDA on one GPU: time the single-GPU and megakernel paths only (no cuBLAS-loop check and times, no "
+                "grouped-GEMM or fused-SwiGLU comparison; the single-GPU row's max_rel_error is then null)");
   cmd->add_flag("--paired-steps", o->paired_steps,
                 "Hold one CUDA case and time one forward+backward per 'step' line on stdin (driven by "
                 "bench/torch_baseline.py --paired-with)");

@@ -248,22 +248,13 @@ MegakernelConfig case_megakernel_config(const CudaBenchOptions& o, const MoeShap
   return c;
 }
 
-// How the megakernel layer runs the backward of its own last forward, decided as
-// MegakernelMoeLayer decides it (megakernel_layer.cu; the layer has no accessor for it): on one
-// GPU through the backward megakernel, on the forward's rows kept in its ring ("resident") when
-// the ring holds every routed row, else pulling x again and recomputing gate|up ("replay");
-// over several ranks through the staged path, which recomputes the forward stages first
-// (context_mode null).
-void set_megakernel_backward(BenchRow& row, const MoeShape& sh, const MegakernelConfig& c, int ranks, int64_t tokens) {
-  auto& e = row.extra;
-  if (ranks > 1) {
-    e["backward"] = "staged (recomputes the forward stages)";
-    e["context_mode"] = nullptr;
-    return;
-  }
+// The saved context the megakernel layer's backward megakernel uses for a backward right after
+// its forward, as MegakernelMoeLayer chooses it (megakernel_layer.cu; the layer has no accessor
+// for it): the forward's rows kept in its ring ("resident") when the ring holds every routed row
+// the case can have, else x pulled again and gate|up recomputed ("replay").
+const char* megakernel_context_mode(const MoeShape& sh, const MegakernelConfig& c, int ranks, int64_t tokens) {
   const core::MegakernelPlan plan = cuda::supported_plan(sh, c, ranks, tokens);
-  e["backward"] = "megakernel";
-  e["context_mode"] = plan.ring_rows >= plan.capacity_rows ? "resident" : "replay";
+  return plan.ring_rows >= plan.capacity_rows ? "resident" : "replay";
 }
 
 void write_timeline(const std::string& path, const std::string& shape, int64_t tokens, int ep,
@@ -327,7 +318,7 @@ std::vector<BenchRow> path_rows(BenchRow staged, const CaseResults& r, const Lay
   auto& e = mk.extra;
   e["error_vs"] = staged.path;
   e["megakernel_config"] = megakernel_config_text(r.mk_config);
-  set_megakernel_backward(mk, sh, r.mk_config, mk.ep, mk.tokens_per_rank);
+  e["context_mode"] = megakernel_context_mode(sh, r.mk_config, mk.ep, mk.tokens_per_rank);
   e["paired_path"] = staged.path;
   e["fwd_speedup_vs_paired"] = r.steps.fwd_speedup;
   e["bwd_speedup_vs_paired"] = r.steps.bwd_speedup;
@@ -369,6 +360,43 @@ CaseResults run_paths(std::unique_ptr<MoeLayer> staged, const StepOutputs& want,
 
 }  // namespace
 
+namespace {
+
+// The single-GPU path's own comparisons, into its row: its outputs (`moka`) against the cuBLAS
+// loop's on every element (max_rel_error) and the loop's times, the forward gate/up grouped GEMM
+// alone, and SwiGLU in the gate GEMM's epilogue against the default unfused path (gate|up GEMM,
+// then the activation pass): the same bits (out, d_x, d_w_down), forward timed alternately.
+void compare_single_gpu(MoeLayer& layer, const StepOutputs& moka, const LayerOptions& lo, const NamedShape& ns,
+                        const LayerTensors& t, const CudaBenchOptions& o, double peak, cudaStream_t s, BenchRow& row) {
+  const MoeShape& sh = ns.shape;
+  auto e = nlohmann::ordered_json::object();
+  {
+    auto base = cuda::make_cuda_baseline_layer(sh, lo);
+    row.max_rel_error = max_rel_diff(moka, step_outputs(*base, t, s));
+    const Timing b = time_layer(*base, t, o, s);
+    e["error_vs"] = "cublas-loop";
+    e["baseline_fwd_ms"] = b.fwd;
+    e["baseline_bwd_ms"] = b.bwd;
+    e["baseline_fwdbwd_ms"] = b.total;
+  }  // the loop's workspace, before the other layers allocate theirs
+  const double gemm = grouped_gemm_tflops(ns, t, o, s);
+  e["grouped_gemm_tflops"] = gemm;
+  e["grouped_gemm_pct_peak"] = 100.0 * gemm / peak;
+  LayerOptions fused_options = lo;
+  fused_options.fused_swiglu = true;
+  auto fused = make_moe_layer(sh, Backend::cuda, nullptr, fused_options);
+  e["fused_swiglu_identical"] = same_bits(step_outputs(*fused, t, s), moka);
+  const Paired fwd = time_paired([&] { fused->forward(t.inputs(), t.weights(), t.out_view(), Stream{s}); },
+                                 [&] { layer.forward(t.inputs(), t.weights(), t.out_view(), Stream{s}); }, o.warmup,
+                                 o.iters, s);
+  e["fused_swiglu_fwd_ms"] = fwd.a_ms;
+  e["unfused_swiglu_fwd_ms"] = fwd.b_ms;
+  e["fused_swiglu_fwd_speedup"] = fwd.ratio;
+  row.extra.update(e);
+}
+
+}  // namespace
+
 std::vector<BenchRow> run_cuda_case(const NamedShape& ns, int64_t tokens, const CudaBenchOptions& o) {
   const CaseStream stream("moka bench --backend cuda");
   const cudaStream_t s = stream.s;
@@ -380,44 +408,17 @@ std::vector<BenchRow> run_cuda_case(const NamedShape& ns, int64_t tokens, const 
   lo.path = LayerPath::single_gpu;
   auto make_layer = [&] { return make_moe_layer(sh, Backend::cuda, nullptr, lo); };
   auto layer = make_layer();
-  auto base = cuda::make_cuda_baseline_layer(sh, lo);
-  // Check first: moka against the cuBLAS-loop path on every output element.
   const StepOutputs moka = step_outputs(*layer, t, s);
-  const double err = max_rel_diff(moka, step_outputs(*base, t, s));
-  const Timing b = time_layer(*base, t, o, s);
-  base.reset();  // its workspace, before the other layers allocate theirs
-  const double gemm = grouped_gemm_tflops(ns, t, o, s);
-
-  // SwiGLU in the gate GEMM's epilogue against the default unfused path (gate|up GEMM, then the
-  // activation pass): the same bits (checked on out, d_x, d_w_down), forward timed alternately.
-  LayerOptions fused_options = lo;
-  fused_options.fused_swiglu = true;
-  auto fused = make_moe_layer(sh, Backend::cuda, nullptr, fused_options);
-  const bool fused_identical = same_bits(step_outputs(*fused, t, s), moka);
-  const Paired fwd = time_paired([&] { fused->forward(t.inputs(), t.weights(), t.out_view(), Stream{s}); },
-                                 [&] { layer->forward(t.inputs(), t.weights(), t.out_view(), Stream{s}); }, o.warmup, o.iters, s);
-  fused.reset();
+  BenchRow row = cuda_row(ns, "single-gpu", t.device, 1, tokens, o.iters);
+  if (o.baselines) compare_single_gpu(*layer, moka, lo, ns, t, o, peak, s, row);
 
   // The single-GPU and megakernel steps, alternately; with uniform routing every rank's rows are
   // T*k, and one GPU moves nothing over links.
   const CaseResults r = run_paths(std::move(layer), moka, make_layer, nullptr, nullptr, ns, t, o, s);
   const LayerFloor floor = layer_floor(sh, tokens, {tokens * sh.top_k}, 1, peak, std::nullopt);
-
-  BenchRow row = cuda_row(ns, "single-gpu", t.device, 1, tokens, o.iters);
-  row.max_rel_error = err;
-  const TorchResult torch = torch_result(o.torch_results, ns.name, tokens, 1);
   auto& e = row.extra;
-  e["error_vs"] = "cublas-loop";
-  e["grouped_gemm_tflops"] = gemm;
-  e["grouped_gemm_pct_peak"] = 100.0 * gemm / peak;
-  e["baseline_fwd_ms"] = b.fwd;
-  e["baseline_bwd_ms"] = b.bwd;
-  e["baseline_fwdbwd_ms"] = b.total;
-  e["speedup_vs_cublas_loop"] = b.total / r.steps.a.fwdbwd_ms;
-  e["fused_swiglu_fwd_ms"] = fwd.a_ms;
-  e["unfused_swiglu_fwd_ms"] = fwd.b_ms;
-  e["fused_swiglu_fwd_speedup"] = fwd.ratio;
-  e["fused_swiglu_identical"] = fused_identical;
+  if (o.baselines) e["speedup_vs_cublas_loop"] = e["baseline_fwdbwd_ms"].get<double>() / r.steps.a.fwdbwd_ms;
+  const TorchResult torch = torch_result(o.torch_results, ns.name, tokens, 1);
   if (torch.paired_runs > 0) {
     e["speedup_vs_torch_paired"] = torch.paired_ratio;
     e["paired_runs"] = torch.paired_runs;
