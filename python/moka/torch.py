@@ -384,8 +384,8 @@ class MoE(nn.Module):
     Routing: ``score`` "softmax" or "sigmoid" over the router logits, top-k (by score plus
     ``selection_bias`` when it is on), weights optionally renormalized over the k and scaled by
     ``route_scale``. ``path`` (CUDA backend): "automatic" (moka picks), "single_gpu", "all_to_all"
-    or "megakernel" (which holds ``max_tokens`` tokens per rank; automatic uses it only when
-    ``max_tokens`` is set). On the GPU, errors the kernels find (a bad expert id) surface at the
+    or "megakernel" (which holds ``max_tokens`` tokens per rank; automatic uses it only over
+    several ranks and when ``max_tokens`` is set). On the GPU, errors the kernels find (a bad expert id) surface at the
     next call or at ``check_errors()`` after synchronizing.
     One forward in flight per layer on the CUDA backend: it keeps the activations of its latest
     forward only, so run a forward's backward before the layer's next forward (activation

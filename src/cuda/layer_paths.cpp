@@ -66,6 +66,11 @@ LayerPath choose_path(const MoeShape& shape, int world, int device, const LayerO
     case LayerPath::megakernel: return LayerPath::megakernel;
     case LayerPath::automatic: break;
   }
+  // One GPU: the single-GPU path. Measured on one H200 (docs/BENCHMARKS.md, "The layer's fwd+bwd
+  // step at EP = 1"): the megakernel path's fwd+bwd is 0.49-0.66x its speed for every named
+  // shape at 4096 and 16384 tokens (the forward 1.02-1.36x slower, the backward 1.6-2.4x): with
+  // no communication to hide, the comm SMs and the backward megakernel only cost.
+  if (world == 1) return staged;
   const bool faster = shape.intermediate <= kMegakernelMaxIntermediate;
   return faster && megakernel_applies(shape, world, device, options) ? LayerPath::megakernel : staged;
 }

@@ -7,7 +7,9 @@
 #include <map>
 
 #include "core/routing_gen.hpp"
+#include "cuda/common/check.hpp"
 #include "cuda/cuda_backend.hpp"
+#include "cuda/layer_paths.hpp"
 #include "cuda/megakernel/megakernel_core.hpp"
 #include "gpu_case.hpp"
 #include "moka/moka.hpp"
@@ -351,18 +353,24 @@ TEST(MegakernelPath, ForwardAndBackwardReplayInOneGraph) {
   });
 }
 
-// LayerPath::automatic takes the megakernel where it applies and was measured faster.
-TEST(MegakernelPath, AutomaticPicksTheMegakernelWhereItApplies) {
-  const MoeShape narrow = shape(1024, 512, 32, 4, 256), wide = shape(1024, 14336, 8, 2);
+// LayerPath::automatic takes the megakernel only where it applies and was measured faster: never
+// on one GPU (measured slower there); an explicit megakernel path runs on one GPU.
+TEST(MegakernelPath, AutomaticKeepsOneGpuOnTheSingleGpuPath) {
+  const MoeShape narrow = shape(1024, 512, 32, 4, 256);
   LayerOptions o;
-  EXPECT_EQ(make_moe_layer(narrow, nullptr, o)->megakernel(), nullptr) << "no max_tokens: its buffers have no size";
   o.max_tokens = 64;
-  EXPECT_NE(make_moe_layer(narrow, nullptr, o)->megakernel(), nullptr);
-  EXPECT_EQ(make_moe_layer(wide, nullptr, o)->megakernel(), nullptr) << "intermediate 14336: measured slower";
-  o.tile_rows = 64;
-  EXPECT_EQ(make_moe_layer(narrow, nullptr, o)->megakernel(), nullptr) << "tile_rows other than its 128";
+  EXPECT_EQ(make_moe_layer(narrow, nullptr, o)->megakernel(), nullptr) << "one GPU: the single-GPU path";
+  int device = 0;
+  MOKA_CUDA_CHECK(cudaGetDevice(&device));
+  EXPECT_EQ(cuda::choose_path(narrow, 1, device, o), LayerPath::single_gpu);
+  int devices = 0;
+  MOKA_CUDA_CHECK(cudaGetDeviceCount(&devices));
+  if (devices < 2)
+    EXPECT_EQ(cuda::choose_path(narrow, 2, device, o), LayerPath::all_to_all) << "two ranks, one visible GPU";
   o.path = LayerPath::megakernel;
-  EXPECT_THROW(make_moe_layer(narrow, nullptr, o), Error);
+  EXPECT_NE(make_moe_layer(narrow, nullptr, o)->megakernel(), nullptr);
+  o.tile_rows = 64;
+  EXPECT_THROW(make_moe_layer(narrow, nullptr, o), Error) << "tile_rows other than its 128";
   o.path = LayerPath::all_to_all;
   EXPECT_THROW(make_moe_layer(narrow, nullptr, o), Error) << "all_to_all on one GPU";
 }
