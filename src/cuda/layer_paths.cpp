@@ -21,7 +21,6 @@ constexpr int64_t kMegakernelMaxIntermediate = 8192;
 // Every rank's buffers are mapped into every other rank's GPU: on one node, every other visible
 // GPU must be a peer of this one (NVLink or PCIe peer access).
 bool peers_reachable(int world, int device) {
-  if (world == 1) return true;
   int devices = 0;
   MOKA_CUDA_CHECK(cudaGetDeviceCount(&devices));
   if (devices < world) return false;

@@ -248,15 +248,6 @@ MegakernelConfig case_megakernel_config(const CudaBenchOptions& o, const MoeShap
   return c;
 }
 
-// The saved context the megakernel layer's backward megakernel uses for a backward right after
-// its forward, as MegakernelMoeLayer chooses it (megakernel_layer.cu; the layer has no accessor
-// for it): the forward's rows kept in its ring ("resident") when the ring holds every routed row
-// the case can have, else x pulled again and gate|up recomputed ("replay").
-const char* megakernel_context_mode(const MoeShape& sh, const MegakernelConfig& c, int ranks, int64_t tokens) {
-  const core::MegakernelPlan plan = cuda::supported_plan(sh, c, ranks, tokens);
-  return plan.ring_rows >= plan.capacity_rows ? "resident" : "replay";
-}
-
 void write_timeline(const std::string& path, const std::string& shape, int64_t tokens, int ep,
                     const std::vector<MegakernelTaskSpan>& spans) {
   std::ofstream f(path);
@@ -292,6 +283,7 @@ struct CaseResults {
   double mk_diff = 0;
   int64_t staged_memory = 0, mk_memory = 0;
   MegakernelConfig mk_config;
+  bool mk_resident = false;  // the megakernel layer's backward context
 };
 // The two rows of a case, the staged path's (`staged`, its common fields and its own columns
 // set) and the megakernel's, each with its step times, the case's floor, its layer's memory and
@@ -318,7 +310,7 @@ std::vector<BenchRow> path_rows(BenchRow staged, const CaseResults& r, const Lay
   auto& e = mk.extra;
   e["error_vs"] = staged.path;
   e["megakernel_config"] = megakernel_config_text(r.mk_config);
-  e["context_mode"] = megakernel_context_mode(sh, r.mk_config, mk.ep, mk.tokens_per_rank);
+  e["context_mode"] = r.mk_resident ? "resident" : "replay";
   e["paired_path"] = staged.path;
   e["fwd_speedup_vs_paired"] = r.steps.fwd_speedup;
   e["bwd_speedup_vs_paired"] = r.steps.bwd_speedup;
@@ -343,6 +335,7 @@ CaseResults run_paths(std::unique_ptr<MoeLayer> staged, const StepOutputs& want,
   r.mk_config = case_megakernel_config(o, sh, ranks, t.T);
   auto make_mk = [&] { return megakernel_layer(sh, group, r.mk_config, t.T); };
   auto mk = make_mk();
+  r.mk_resident = mk->megakernel()->backward_is_resident();
   r.mk_diff = max_rel_diff(step_outputs(*mk, t, s), want);
   r.steps = time_paired_steps(*staged, *mk, t, o, workers, s);
   record_timeline(*mk, group, ns, t, o, s);

@@ -187,7 +187,7 @@ class CudaMegakernelForward final : public MegakernelExtension {
   bf16* const* x_peers() const { return x_.peers<bf16>(); }
   // The ring holds every routed row after any forward (one macrobatch of the worst case): ring
   // row r is grouped row r, so x, g and u of every row stay there (the resident context).
-  bool ring_holds_every_row() const { return worst_.ring_rows >= worst_.capacity_rows; }
+  bool backward_is_resident() const override { return worst_.ring_rows >= worst_.capacity_rows; }
   const bf16* ring_x() const { return ring_x_.data(); }
   const bf16* ring_gate() const { return ring_gate_.data(); }
   const bf16* ring_up() const { return ring_up_.data(); }
@@ -365,7 +365,7 @@ class MegakernelMoeLayer final : public MoeLayer {
       : owned_group_(std::move(owned)), kernel_(shape, group, config_of(options), options.max_tokens),
         stages_(make_staged_layer(shape, group, nullptr, options, GemmEngine::cutlass)) {
     const int world = stages_->world_size();
-    const auto mode = kernel_.ring_holds_every_row() ? core::ContextMode::resident : core::ContextMode::replay;
+    const auto mode = kernel_.backward_is_resident() ? core::ContextMode::resident : core::ContextMode::replay;
     const MegakernelConfig config = config_of(options);
     if (world == 1) {
       backward_ = std::make_unique<MegakernelBackward>(shape, config, 1, options.max_tokens, mode);
