@@ -115,7 +115,7 @@ void run_jobs(size_t count, int workers, bool in_processes, const std::function<
 // Trains c for its whole schedule and returns the validation loss (EMA weights when
 // `use_ema`) after each step count in `eval_steps` (ascending, each <= the schedule's total);
 // infinity from the first non-finite loss or gradient on (a too-high LR is a result, not an
-// error).
+// error; checked every 16 steps and before each evaluation, since each check waits for the GPU).
 std::vector<double> train_and_evaluate_at(const TrainConfig& c, const TextSplit& text,
                                           const std::vector<int64_t>& eval_steps, int eval_batches, bool use_ema);
 

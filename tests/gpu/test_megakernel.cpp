@@ -365,8 +365,9 @@ TEST(MegakernelPath, AutomaticKeepsOneGpuOnTheSingleGpuPath) {
   EXPECT_EQ(cuda::choose_path(narrow, 1, device, o), LayerPath::single_gpu);
   int devices = 0;
   MOKA_CUDA_CHECK(cudaGetDeviceCount(&devices));
-  if (devices < 2)
+  if (devices < 2) {
     EXPECT_EQ(cuda::choose_path(narrow, 2, device, o), LayerPath::all_to_all) << "two ranks, one visible GPU";
+  }
   o.path = LayerPath::megakernel;
   EXPECT_NE(make_moe_layer(narrow, nullptr, o)->megakernel(), nullptr);
   o.tile_rows = 64;
