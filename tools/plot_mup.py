@@ -83,7 +83,8 @@ def plot_lrsweep(plt, rows, png):
         if eta and shown:
             near = min(shown, key=lambda p: abs(math.log(p[0] / eta)))
             spread = seed_optima.get(width, [])
-            xerr = [[eta - min(spread)], [max(spread) - eta]] if seeds > 1 and spread else None
+            # The seed-mean curve's optimum can lie just outside its seeds' range: the bar then ends at it.
+            xerr = [[max(0.0, eta - min(spread))], [max(0.0, max(spread) - eta)]] if seeds > 1 and spread else None
             ax.errorbar([eta], [near[1]], xerr=xerr, marker="*", markersize=14, color=color, markeredgecolor="k",
                         capsize=4)
     ax.set_xscale("log", base=2)
