@@ -290,3 +290,35 @@ TEST(TrainLoop, ValidationSeedFixesTheValidationBatchesAcrossTrainingSeeds) {
   Trainer moved(other, *text);
   EXPECT_NE(plain.evaluate(2), moved.evaluate(2));
 }
+
+// The runs of both studies read their numbers only now and then (a wait for the GPU each): the
+// losses at the asked steps must still be those of a run evaluated step by step.
+TEST(TrainAndEvaluate, LossesAtTheAskedStepsEqualAStepByStepRun) {
+  MOKA_REQUIRE_CORPUS(text);
+  TrainConfig c = moka::train::testing::tiny_train_config(Parameterization::mup, 3e-3);
+  c.schedule = {ScheduleKind::wsd, 2, 37, 0.2, 0.0};
+  c.ema_decay = 0.9;
+  const std::vector<int64_t> at = {3, 16, 17, 37};  // off, on and after the 16-step checks
+  const auto got = train_and_evaluate_at(c, *text, at, 2, true);
+  Trainer trainer(c, *text);
+  std::vector<double> want;
+  for (int64_t s : at) {
+    while (trainer.steps_done() < s) trainer.step();
+    want.push_back(trainer.evaluate(2, true));
+  }
+  ASSERT_EQ(got.size(), at.size());
+  for (size_t i = 0; i < at.size(); ++i) {
+    EXPECT_TRUE(std::isfinite(got[i])) << "step " << at[i];
+    EXPECT_EQ(got[i], want[i]) << "step " << at[i];
+  }
+}
+
+TEST(TrainAndEvaluate, ARunThatDivergesIsInfinityFromThenOn) {
+  MOKA_REQUIRE_CORPUS(text);
+  TrainConfig c = moka::train::testing::tiny_train_config(Parameterization::mup, 1e30);
+  c.schedule = {ScheduleKind::constant, 0, 40, 0.0, 0.0};
+  const auto losses = train_and_evaluate_at(c, *text, {5, 40}, 1, false);
+  ASSERT_EQ(losses.size(), 2u);
+  EXPECT_TRUE(std::isinf(losses[0]) && losses[0] > 0);
+  EXPECT_TRUE(std::isinf(losses[1]) && losses[1] > 0);
+}
