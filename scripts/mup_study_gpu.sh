@@ -58,19 +58,19 @@ start_mps() {
   [[ ${MPS:-auto} != 0 ]] && command -v nvidia-cuda-mps-control >/dev/null || return 1
   export CUDA_MPS_PIPE_DIRECTORY=$(mktemp -d /tmp/moka-mps-pipe.XXXXXX) CUDA_MPS_LOG_DIRECTORY=$(mktemp -d /tmp/moka-mps-log.XXXXXX)
   nvidia-cuda-mps-control -d || { echo "MPS did not start: the parts take turns on the GPU"; return 1; }
-  trap 'echo quit | nvidia-cuda-mps-control' EXIT
+  trap 'echo quit | nvidia-cuda-mps-control; rm -rf "$CUDA_MPS_PIPE_DIRECTORY" "$CUDA_MPS_LOG_DIRECTORY"' EXIT
 }
 run_part() {  # run_part mup|sp|horizon GPU: its report in $OUT/NAME.txt
   if [[ $1 == horizon ]]; then horizon "$2"; else sweep "$1" "$2"; fi > "$OUT/$1.txt" 2>&1
 }
 
-MODE="one after another"
-if [[ $PARTS == all ]] && start_mps; then MODE="at once under MPS"; fi
-say "$GPUS GPU(s); horizon of $HORIZON_STEPS steps; parts: $PARTS, $MODE"
+MPS_ON=0
+start_mps && MPS_ON=1
+say "$GPUS GPU(s); horizon of $HORIZON_STEPS steps; parts: $PARTS; MPS: $( ((MPS_ON)) && echo on || echo off)"
 case $PARTS in
   horizon) run_part horizon 0 ;;
   all)
-    if [[ $MODE != "one after another" ]]; then
+    if ((MPS_ON)); then
       run_part mup 0 & run_part horizon 0 & run_part sp "$SECOND_GPU" & wait
     elif (( SECOND_GPU == 1 )); then
       { run_part mup 0 && run_part horizon 0; } & run_part sp 1 & wait
