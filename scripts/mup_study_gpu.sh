@@ -4,9 +4,9 @@
 # With MPS (nvidia-cuda-mps-control there and MPS not 0; this script starts and stops its own
 # control daemon), the parts run at once: all three on one GPU, or the muP sweep and the horizon
 # study on GPU 0 and the SP sweep on GPU 1. Under MPS the processes' kernels share the SMs instead
-# of taking turns in time slices: 1.35x the runs per second of 4 processes without it on an H200
-# (docs/MUP.md). Without MPS: GPU 0 runs the muP sweep, then the horizon study, GPU 1 the SP
-# sweep (one GPU: all three one after another).
+# of taking turns in time slices (on an H200, 16 sweep runs took 20.9 s in 8 processes under MPS,
+# 28.2 s in 4 without; docs/MUP.md). Without MPS: GPU 0 runs the muP sweep, then the horizon
+# study, GPU 1 the SP sweep (one GPU: all three one after another).
 # Sweeps: widths 128..1024 (experts = width/16, top-2), 9 LRs 2^-11..2^-3, 3 seeds, WSD, 262 steps
 # of 8192 tokens (2.15M tokens per run), 108 runs each. Horizon: the 128-wide proxy (muP), 5 LRs
 # 2^-11..2^-7, 3 seeds, warmup then a constant LR for HORIZON_STEPS steps, the EMA of the weights
