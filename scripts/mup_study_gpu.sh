@@ -58,7 +58,20 @@ start_mps() {
   [[ ${MPS:-auto} != 0 ]] && command -v nvidia-cuda-mps-control >/dev/null || return 1
   export CUDA_MPS_PIPE_DIRECTORY=$(mktemp -d /tmp/moka-mps-pipe.XXXXXX) CUDA_MPS_LOG_DIRECTORY=$(mktemp -d /tmp/moka-mps-log.XXXXXX)
   nvidia-cuda-mps-control -d || { echo "MPS did not start: the parts take turns on the GPU"; return 1; }
-  trap 'echo quit | nvidia-cuda-mps-control; rm -rf "$CUDA_MPS_PIPE_DIRECTORY" "$CUDA_MPS_LOG_DIRECTORY"' EXIT
+  trap stop_mps EXIT
+  # A daemon that started is not yet a server that takes clients: a two-step run must train.
+  if ! timeout 60 "$MOKA" train --backend cuda --data "$DATA" --max-bytes 1000000 --steps 2 --eval-every 0 \
+      > "$OUT/mps_probe.log" 2>&1; then
+    echo "a CUDA run failed under MPS ($OUT/mps_probe.log): the parts take turns on the GPU without it"
+    stop_mps
+    trap - EXIT
+    return 1
+  fi
+}
+stop_mps() {
+  echo quit | nvidia-cuda-mps-control
+  rm -rf "$CUDA_MPS_PIPE_DIRECTORY" "$CUDA_MPS_LOG_DIRECTORY"
+  unset CUDA_MPS_PIPE_DIRECTORY CUDA_MPS_LOG_DIRECTORY
 }
 run_part() {  # run_part mup|sp|horizon GPU: its report in $OUT/NAME.txt
   if [[ $1 == horizon ]]; then horizon "$2"; else sweep "$1" "$2"; fi > "$OUT/$1.txt" 2>&1
