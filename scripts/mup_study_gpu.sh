@@ -57,19 +57,19 @@ horizon() {  # horizon GPU
 start_mps() {
   [[ ${MPS:-auto} != 0 ]] && command -v nvidia-cuda-mps-control >/dev/null || return 1
   export CUDA_MPS_PIPE_DIRECTORY=$(mktemp -d /tmp/moka-mps-pipe.XXXXXX) CUDA_MPS_LOG_DIRECTORY=$(mktemp -d /tmp/moka-mps-log.XXXXXX)
-  nvidia-cuda-mps-control -d || { echo "MPS did not start: the parts take turns on the GPU"; return 1; }
   trap stop_mps EXIT
   # A daemon that started is not yet a server that takes clients: a two-step run must train.
-  if ! timeout 60 "$MOKA" train --backend cuda --data "$DATA" --max-bytes 1000000 --steps 2 --eval-every 0 \
-      > "$OUT/mps_probe.log" 2>&1; then
-    echo "a CUDA run failed under MPS ($OUT/mps_probe.log): the parts take turns on the GPU without it"
-    stop_mps
-    trap - EXIT
-    return 1
+  if nvidia-cuda-mps-control -d && timeout 60 "$MOKA" train --backend cuda --data "$DATA" --max-bytes 1000000 \
+      --steps 2 --eval-every 0 > "$OUT/mps_probe.log" 2>&1; then
+    return 0
   fi
+  echo "MPS did not start, or a CUDA run failed under it ($OUT/mps_probe.log): the parts take turns on the GPU"
+  stop_mps
+  trap - EXIT
+  return 1
 }
 stop_mps() {
-  echo quit | nvidia-cuda-mps-control
+  echo quit | nvidia-cuda-mps-control 2>/dev/null
   rm -rf "$CUDA_MPS_PIPE_DIRECTORY" "$CUDA_MPS_LOG_DIRECTORY"
   unset CUDA_MPS_PIPE_DIRECTORY CUDA_MPS_LOG_DIRECTORY
 }
