@@ -23,6 +23,13 @@
    copies) made inside torch ops and in all (moka's own are the difference), from one profiled
    call. ``--host-only --device cpu`` measures the host part on the CPU backend (shape "tiny" by
    default, where compute is small beside the Python; use few tokens, e.g. --host-tokens 16).
+3. Host time per call as one layer of a model sees it (``--depth``, default 8): a stack of MoE
+   layers, each layer's forward and backward timed in place, the middle layers' median being one
+   call's cost and the first and last layers' carrying what a step pays once (autograd's hand-off
+   of a CUDA backward to its device thread and back); beside it moka's calls alone, the module's
+   Python alone and an autograd node with the module's gradients doing nothing else.
+4. ``--timeline-depth N``: one profiled step of N layers, each thread's events in order (torch
+   ops, autograd nodes, CUDA API calls), and its Chrome trace with ``--trace``.
 One JSON line per measurement on stdout (and appended to --out).
 """
 import argparse
@@ -208,6 +215,21 @@ class NoOp(torch.autograd.Function):
     @staticmethod
     def backward(ctx, d_out):
         return (None,) * 12
+
+
+class GradFloor(torch.autograd.Function):
+    """An autograd node with the gradients of a layer without a shared expert (x's passed through,
+    four weights' allocated and left unwritten) that does nothing else: the per-layer floor of any
+    Python autograd layer with these weights."""
+
+    @staticmethod
+    def forward(ctx, x, *weights):
+        ctx.save_for_backward(*weights)
+        return torch.empty_like(x)
+
+    @staticmethod
+    def backward(ctx, d_out):
+        return (d_out, *(torch.empty_like(w) for w in ctx.saved_tensors))
 
 
 def host_overhead(name, tokens, calls, seed, device):
@@ -445,6 +467,160 @@ def host_overhead(name, tokens, calls, seed, device):
             "python_only_op_forward_us": python_op}
 
 
+def _middle_median(samples):
+    """The median over samples of each layer's time, the first and the last layer left out."""
+    return statistics.median(t for sample in samples for t in sample[1:-1])
+
+
+def host_per_layer(name, tokens, calls, seed, device, depth):
+    """Host time per call as one layer of a model sees it: a stack of `depth` MoE layers, forward
+    through all and one backward, each layer's forward call timed in turn and each layer's
+    backward between the stamps of gradient hooks on the layers' outputs. The median over the
+    middle layers is one call's cost; the first and the last layer of each direction also carry
+    what a step pays once, whatever its layers (the hand-off of a CUDA backward to autograd's
+    device thread and back, a thread's first work after waking). Timed the same ways: moka's
+    calls alone (the forwards on this thread, the backwards on one other thread, as autograd
+    runs them; DLPack arguments made beforehand), the module with moka's calls made no-ops (its
+    Python alone), and an autograd node taking the module's gradients that does nothing else (the
+    floor: Function.apply, the engine, four weight gradients allocated and accumulated)."""
+    layers = [make_layer(name, tokens, seed + i, device)[0] for i in range(depth)]
+    _, x, _, _, d_out = make_layer(name, tokens, seed, device)
+    xs = x.detach()
+    stream = _stream(xs)
+    other_thread = OtherThread()
+
+    def stamped_step(forward):
+        """A step whose forward(h, layer) is timed per layer, and its backward per layer from hooks."""
+        def step():
+            for m in layers:
+                m.zero_grad()
+            forward_times, stamps, h = [], [], xs
+            for m in layers:
+                start = time.perf_counter()
+                h_next = forward(h, m)
+                forward_times.append(time.perf_counter() - start)
+                if h is not xs:
+                    h.register_hook(lambda _grad: stamps.append(time.perf_counter()))
+                h = h_next
+            start = time.perf_counter()
+            h.backward(d_out)
+            stamps = [start, *stamps, time.perf_counter()]
+            return forward_times, [b - a for a, b in zip(stamps, stamps[1:])]
+        return step
+
+    def floor_forward(h, m):
+        (w_router, _, _), (w_gate, w_up, w_down, *_) = m._tensors()
+        return GradFloor.apply(h, w_router, w_gate, w_up, w_down)
+
+    def capsules(m):  # one layer's DLPack arguments for its call each way
+        (w_router, _, load), (w_gate, w_up, w_down, *_) = m._tensors()
+        ids, weights = _routes(xs, m.top_k)
+        forward_args = (_dl(xs), _dl(w_router), None, _dl(load), _dl(w_gate), _dl(w_up), _dl(w_down), None, None,
+                        None, _dl(ids), _dl(weights), _dl(torch.empty_like(xs)), stream)
+        backward_args = (_dl(d_out), _dl(torch.empty_like(xs)), _dl(torch.empty_like(weights)),
+                         _dl(torch.empty_like(w_router)), *(_dl(torch.empty_like(w)) for w in (w_gate, w_up, w_down)),
+                         None, None, None)
+        return m._engine(xs)[2], forward_args, backward_args
+
+    def moka_calls_step():
+        calls = [capsules(m) for m in layers]
+        forward_times, saved = [], []
+        for fused, forward_args, _ in calls:
+            start = time.perf_counter()
+            saved.append(fused.forward(*forward_args))
+            forward_times.append(time.perf_counter() - start)
+
+        def backward():
+            stamps = [time.perf_counter()]
+            for s, (_, _, backward_args) in zip(reversed(saved), reversed(calls)):
+                s.backward(*backward_args)
+                stamps.append(time.perf_counter())
+            return stamps
+
+        start = time.perf_counter()
+        stamps = other_thread.run(backward)
+        stamps = [start, *stamps, time.perf_counter()]  # the hand-offs as the first and last layers' parts
+        backward_times = [b - a for a, b in zip(stamps, stamps[1:])]
+        return forward_times, [backward_times[0] + backward_times[1], *backward_times[2:-2],
+                               backward_times[-2] + backward_times[-1]]
+
+    def run(step):
+        cuda = device == "cuda"
+        samples = []
+        for _ in range(calls):
+            if cuda:  # an empty queue and a busy GPU: no launch waits
+                torch.cuda.synchronize()
+                torch.cuda._sleep(int(1e8))
+            samples.append(step())
+        if cuda:
+            torch.cuda.synchronize()
+        forward, backward = ([[t * 1e6 for t in sample[i]] for sample in samples] for i in (0, 1))
+        return {"forward_per_layer_us": _middle_median(forward), "backward_per_layer_us": _middle_median(backward),
+                "first_forward_us": statistics.median(f[0] for f in forward),
+                # The backward's first layer is the stack's last: it carries the hand-off to the device thread.
+                "first_backward_us": statistics.median(b[0] for b in backward),
+                "last_backward_us": statistics.median(b[-1] for b in backward)}
+
+    module_step = stamped_step(lambda h, m: m(h))
+    for _ in range(3):  # warm: every layer's engine and workspace
+        module_step()
+    rows = {"module": run(module_step), "moka_calls": run(moka_calls_step),
+            "autograd_floor": run(stamped_step(floor_forward))}
+    engines = [m._engines for m in layers]
+    no_moka = NoMoka()
+    for m in layers:  # last: moka's calls doing nothing
+        m._engines = {key: (no_moka, no_moka, no_moka) for key in m._engines}
+    rows["python_only"] = run(module_step)
+    for m, e in zip(layers, engines):
+        m._engines = e
+    module, calls_alone = rows["module"], rows["moka_calls"]
+    return {"measure": "host_per_layer", "shape": name, "tokens_per_rank": tokens, "calls": calls, "depth": depth,
+            **rows,
+            # The target's figure: what the Python layer adds to one layer's call each way.
+            "python_adds_per_layer_forward_us": module["forward_per_layer_us"] - calls_alone["forward_per_layer_us"],
+            "python_adds_per_layer_backward_us": module["backward_per_layer_us"] - calls_alone["backward_per_layer_us"]}
+
+
+def timeline(name, tokens, depth, seed, device, trace_path):
+    """One profiled step of a stack of `depth` MoE layers (forward, then backward) after a few
+    unprofiled ones: each thread's events in order (torch ops, autograd nodes, CUDA API calls),
+    as microseconds from the step's start; the Chrome trace goes to trace_path when given."""
+    layers = [make_layer(name, tokens, seed + i, device)[0] for i in range(depth)]
+    _, x, _, _, d_out = make_layer(name, tokens, seed, device)
+    xs = x.detach()
+
+    def step():
+        for m in layers:
+            m.zero_grad()
+        with torch.profiler.record_function("step.forward"):
+            h = xs
+            for m in layers:
+                h = m(h)
+        with torch.profiler.record_function("step.backward"):
+            h.backward(d_out)
+
+    for _ in range(3):
+        step()
+    if device == "cuda":
+        torch.cuda.synchronize()
+        torch.cuda._sleep(int(1e8))
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device == "cuda" else [])
+    with profile(activities=activities) as prof:
+        step()
+    if device == "cuda":
+        torch.cuda.synchronize()
+    if trace_path:
+        prof.export_chrome_trace(trace_path)
+    events = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CPU]
+    start = min(e.time_range.start for e in events)
+    threads: dict[int, list] = {}
+    for e in sorted(events, key=lambda e: e.time_range.start):
+        threads.setdefault(e.thread, []).append(
+            [e.name[:60], round(e.time_range.start - start, 1), round(e.time_range.elapsed_us(), 1)])
+    return {"measure": "timeline", "shape": name, "tokens_per_rank": tokens, "depth": depth,
+            "threads": {str(t): ev for t, ev in threads.items()}}
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--moka", help="the moka binary whose C++ layer is the reference (device time)")
@@ -457,6 +633,9 @@ def main():
     p.add_argument("--host-shape", default="", help="default: qwen3-30b-a3b on the GPU, tiny on the CPU")
     p.add_argument("--host-tokens", type=int, default=256)
     p.add_argument("--host-calls", type=int, default=20)
+    p.add_argument("--depth", type=int, default=8, help="layers of the per-layer host time's stack (0: not measured)")
+    p.add_argument("--timeline-depth", type=int, default=0, help="a profiled step of this many layers (0: none)")
+    p.add_argument("--trace", default="", help="the profiled step's Chrome trace (with --timeline-depth)")
     p.add_argument("--seed", type=int, default=1)
     p.add_argument("--out", default="")
     a = p.parse_args()
@@ -482,6 +661,12 @@ def main():
         if name not in SHAPES:
             p.error(f"--shapes: unknown shape '{name}' (known: {', '.join(SHAPES)})")
     emit(host_overhead(host_shape, a.host_tokens, a.host_calls, a.seed, a.device))
+    if a.depth:
+        if a.depth < 3:
+            p.error("--depth: at least 3 layers (the first and the last are left out of the per-layer time)")
+        emit(host_per_layer(host_shape, a.host_tokens, a.host_calls, a.seed, a.device, a.depth))
+    if a.timeline_depth:
+        emit(timeline(host_shape, a.host_tokens, a.timeline_depth, a.seed, a.device, a.trace))
     if a.host_only:
         return
     for name in a.shapes.split(","):
