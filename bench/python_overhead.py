@@ -74,6 +74,26 @@ def make_layer(name, tokens, seed, device="cuda"):
     return moe, x, ids, weights, d_out
 
 
+def make_stack(name, tokens, seed, depth, device):
+    """`depth` MoE layers of the named shape (seeds seed, seed + 1, ...), the input x (detached)
+    and the output gradient of make_layer's first."""
+    first, x, _, _, d_out = make_layer(name, tokens, seed, device)
+    return [first] + [make_layer(name, tokens, seed + i, device)[0] for i in range(1, depth)], x.detach(), d_out
+
+
+def fused_call_args(moe, x, d_out, stream):
+    """(forward, backward) DLPack arguments of the module's one moka call each way (a layer with
+    no shared expert nor selection bias) for input x, with fresh routes, output and gradients."""
+    (w_router, _, load), (w_gate, w_up, w_down, *_) = moe._tensors()
+    ids, weights = _routes(x, moe.top_k)
+    forward_args = (_dl(x), _dl(w_router), None, _dl(load), _dl(w_gate), _dl(w_up), _dl(w_down), None, None, None,
+                    _dl(ids), _dl(weights), _dl(torch.empty_like(x)), stream)
+    backward_args = (_dl(d_out), _dl(torch.empty_like(x)), _dl(torch.empty_like(weights)),
+                     _dl(torch.empty_like(w_router)), *(_dl(torch.empty_like(w)) for w in (w_gate, w_up, w_down)),
+                     None, None, None)
+    return forward_args, backward_args
+
+
 def device_overhead(moka, name, tokens, iters, warmup, seed):
     moe, x, ids, weights, d_out = make_layer(name, tokens, seed)
 
@@ -303,10 +323,7 @@ def host_overhead(name, tokens, calls, seed, device):
         yield
 
     def fused_extension_calls(run_backward):  # the module's one call each way alone, arguments made before
-        forward_args = (_dl(xs), _dl(moe.w_router), None, _dl(moe.expert_load), *(_dl(w) for w in args[2:]),
-                        None, None, None, *(_dl(t) for t in routed), _dl(torch.empty_like(xs)), stream)
-        backward_args = (_dl(d_out), _dl(router_grads[0]), _dl(grads[1]), _dl(router_grads[1]),
-                         *(_dl(g) for g in grads[2:]), None, None, None)
+        forward_args, backward_args = fused_call_args(moe, xs, d_out, stream)
         yield
         saved = fused.forward(*forward_args)
         yield
@@ -483,9 +500,7 @@ def host_per_layer(name, tokens, calls, seed, device, depth):
     runs them; DLPack arguments made beforehand), the module with moka's calls made no-ops (its
     Python alone), and an autograd node taking the module's gradients that does nothing else (the
     floor: Function.apply, the engine, four weight gradients allocated and accumulated)."""
-    layers = [make_layer(name, tokens, seed + i, device)[0] for i in range(depth)]
-    _, x, _, _, d_out = make_layer(name, tokens, seed, device)
-    xs = x.detach()
+    layers, xs, d_out = make_stack(name, tokens, seed, depth, device)
     stream = _stream(xs)
     other_thread = OtherThread()
 
@@ -512,18 +527,8 @@ def host_per_layer(name, tokens, calls, seed, device, depth):
         (w_router, _, _), (w_gate, w_up, w_down, *_) = m._tensors()
         return GradFloor.apply(h, w_router, w_gate, w_up, w_down)
 
-    def capsules(m):  # one layer's DLPack arguments for its call each way
-        (w_router, _, load), (w_gate, w_up, w_down, *_) = m._tensors()
-        ids, weights = _routes(xs, m.top_k)
-        forward_args = (_dl(xs), _dl(w_router), None, _dl(load), _dl(w_gate), _dl(w_up), _dl(w_down), None, None,
-                        None, _dl(ids), _dl(weights), _dl(torch.empty_like(xs)), stream)
-        backward_args = (_dl(d_out), _dl(torch.empty_like(xs)), _dl(torch.empty_like(weights)),
-                         _dl(torch.empty_like(w_router)), *(_dl(torch.empty_like(w)) for w in (w_gate, w_up, w_down)),
-                         None, None, None)
-        return m._engine(xs)[2], forward_args, backward_args
-
     def moka_calls_step():
-        calls = [capsules(m) for m in layers]
+        calls = [(m._engine(xs)[2], *fused_call_args(m, xs, d_out, stream)) for m in layers]
         forward_times, saved = [], []
         for fused, forward_args, _ in calls:
             start = time.perf_counter()
@@ -585,9 +590,7 @@ def timeline(name, tokens, depth, seed, device, trace_path):
     """One profiled step of a stack of `depth` MoE layers (forward, then backward) after a few
     unprofiled ones: each thread's events in order (torch ops, autograd nodes, CUDA API calls),
     as microseconds from the step's start; the Chrome trace goes to trace_path when given."""
-    layers = [make_layer(name, tokens, seed + i, device)[0] for i in range(depth)]
-    _, x, _, _, d_out = make_layer(name, tokens, seed, device)
-    xs = x.detach()
+    layers, xs, d_out = make_stack(name, tokens, seed, depth, device)
 
     def step():
         for m in layers:
