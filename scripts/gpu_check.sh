@@ -2,8 +2,9 @@
 # Runs on the GPU machine: the GPU tests, the PyTorch baseline and `moka bench --backend cuda`,
 # side by side in one run. Expects prebuilt binaries next to this script (scripts/stage_gpu.sh
 # copies them) or under build/; writes logs and JSON lines to $OUT (or ./gpu_out).
-#   MODE=tests|bench|all (default all); SUITES (gtest filters), SHAPES, TOKENS, ITERS override
-#   the default lists.
+#   MODE=tests|bench|all (default all), or mps: the megakernel suites in an MPS client limited
+#   to MPS_PERCENT (default 50) of the GPU's threads, whose grids must fit the SMs it owns;
+#   SUITES (gtest filters), SHAPES, TOKENS, ITERS override the default lists.
 # The benchmark first runs torch_baseline.py --paired-with moka: torch's own medians, then ITERS
 # runs alternating one moka and one torch fwd+bwd (the median of per-run ratios, vs_torch_paired),
 # then `moka bench`, which checks every output against the cuBLAS loop and times fwd and bwd.
@@ -32,6 +33,20 @@ if [[ $MODE == tests || $MODE == all ]]; then
     [[ $src -ne 0 ]] && rc=$src
   done
   grep -E "^\[  FAILED  \]|Failure$|actual:|exception" "$OUT/gpu_tests.log" | head -40
+fi
+if [[ $MODE == mps ]]; then
+  whole_gpu_sms=$("$BIN/moka_gpu_tests" --gtest_filter=MegakernelGrid.* 2>/dev/null | sed -n 's/.*the context.s \([0-9]*\).*/\1/p')
+  if mps_daemon_start; then
+    SUITES=${SUITES:-MegakernelGrid.*:Megakernel.*:Shapes/MegakernelVsReference.*:MegakernelPath.*:MegakernelBackward.*:-*Dimensions*}
+    CUDA_MPS_ACTIVE_THREAD_PERCENTAGE=${MPS_PERCENT:-50} MOKA_TEST_GPU_SMS=$whole_gpu_sms timeout 400 \
+      "$BIN/moka_gpu_tests" --gtest_color=no --gtest_filter="$SUITES" > "$OUT/gpu_tests_mps.log" 2>&1
+    rc=$?
+    mps_daemon_stop
+    echo "MPS client at ${MPS_PERCENT:-50}% of the threads (the whole GPU: $whole_gpu_sms SMs): exit code $rc"
+    grep -E "^\[ grid|^\[  PASSED|^\[  FAILED|Failure$|exception" "$OUT/gpu_tests_mps.log" | head -30
+  else
+    echo "MPS is not available here"; rc=1
+  fi
 fi
 if [[ $MODE == bench || $MODE == all ]]; then
   PYTHONUNBUFFERED=1 timeout 300 python3 "$HERE/torch_baseline.py" --shapes "$SHAPES" --tokens "$TOKENS" \

@@ -16,4 +16,18 @@ gpu_script_folders() {  # gpu_script_folders "${1:-}" DEFAULT_OUT
   TRAIN_TESTS=$BIN/moka_train_gpu_tests; [[ -x $TRAIN_TESTS ]] || TRAIN_TESTS=$BIN/tests/train_gpu/moka_train_gpu_tests
   BENCH=$HERE; [[ -f $BENCH/torch_train_baseline.py ]] || BENCH=$HERE/../bench
 }
+# An MPS control daemon of the calling script's own (private pipe and log folders; stopped and
+# removed by mps_daemon_stop). Returns 1 where MPS is off (MPS=0) or unavailable.
+mps_daemon_start() {
+  [[ ${MPS:-auto} != 0 ]] && command -v nvidia-cuda-mps-control >/dev/null || return 1
+  export CUDA_MPS_PIPE_DIRECTORY=$(mktemp -d /tmp/moka-mps-pipe.XXXXXX) CUDA_MPS_LOG_DIRECTORY=$(mktemp -d /tmp/moka-mps-log.XXXXXX)
+  nvidia-cuda-mps-control -d && return 0
+  mps_daemon_stop
+  return 1
+}
+mps_daemon_stop() {
+  echo quit | nvidia-cuda-mps-control 2>/dev/null
+  rm -rf "$CUDA_MPS_PIPE_DIRECTORY" "$CUDA_MPS_LOG_DIRECTORY"
+  unset CUDA_MPS_PIPE_DIRECTORY CUDA_MPS_LOG_DIRECTORY
+}
 true  # sourcing succeeds when a package is missing, so `source gpu_env.sh && cmd` runs cmd

@@ -53,25 +53,19 @@ horizon() {  # horizon GPU
   cat "$OUT/lr_horizon.log"
 }
 
-# An MPS control daemon of this script's own (private pipe and log folders), stopped on exit.
+# An MPS control daemon of this script's own (gpu_env.sh), stopped on exit.
 start_mps() {
-  [[ ${MPS:-auto} != 0 ]] && command -v nvidia-cuda-mps-control >/dev/null || return 1
-  export CUDA_MPS_PIPE_DIRECTORY=$(mktemp -d /tmp/moka-mps-pipe.XXXXXX) CUDA_MPS_LOG_DIRECTORY=$(mktemp -d /tmp/moka-mps-log.XXXXXX)
-  trap stop_mps EXIT
+  mps_daemon_start || return 1
+  trap mps_daemon_stop EXIT
   # A daemon that started is not yet a server that takes clients: a two-step run must train.
-  if nvidia-cuda-mps-control -d && timeout 60 "$MOKA" train --backend cuda --data "$DATA" --max-bytes 1000000 \
+  if timeout 60 "$MOKA" train --backend cuda --data "$DATA" --max-bytes 1000000 \
       --steps 2 --eval-every 0 > "$OUT/mps_probe.log" 2>&1; then
     return 0
   fi
   echo "MPS did not start, or a CUDA run failed under it ($OUT/mps_probe.log): the parts take turns on the GPU"
-  stop_mps
+  mps_daemon_stop
   trap - EXIT
   return 1
-}
-stop_mps() {
-  echo quit | nvidia-cuda-mps-control 2>/dev/null
-  rm -rf "$CUDA_MPS_PIPE_DIRECTORY" "$CUDA_MPS_LOG_DIRECTORY"
-  unset CUDA_MPS_PIPE_DIRECTORY CUDA_MPS_LOG_DIRECTORY
 }
 run_part() {  # run_part mup|sp|horizon GPU: its report in $OUT/NAME.txt
   if [[ $1 == horizon ]]; then horizon "$2"; else sweep "$1" "$2"; fi > "$OUT/$1.txt" 2>&1

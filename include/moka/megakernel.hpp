@@ -28,7 +28,11 @@ struct MegakernelConfig {
   // tile inside a band, so the ~100 tiles that run at once share a few operand tiles through L2
   // instead of each streaming its own weight tile from DRAM. 1: row by row.
   int64_t band_row_tiles = 16;
-  double spin_timeout_seconds = 30.0;  // bound of every in-kernel wait
+  // Bound of every in-kernel wait and device barrier before a hang is reported as a timeout
+  // (the compute CTAs' pipeline waits add it again, clamped to [0.1 s, 1 s], their task-queue waits
+  // twice that).
+  // 30 s suits training; tests set it to seconds.
+  double spin_timeout_seconds = 30.0;
   // Order of the sources' rows in each expert segment, which is the order dispatch pulls them
   // and combine pushes them back: rate-based keeps every peer's flow at its share of the bytes.
   // A MoeLayer takes it from LayerOptions::row_order.

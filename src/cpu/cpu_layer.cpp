@@ -143,7 +143,7 @@ class CpuMoeLayer final : public MoeLayer {
     const int64_t rows = ctx->schedule.total_rows();
 
     ctx->x_grouped.assign(rows * H, T(0));
-    RowExchange<T>(group_, *ctx).dispatch(expand_tokens_to_slots(ctx->x, T_), H, ctx->x_grouped.data());
+    RowExchange<T>(group_, *ctx).dispatch(expand_tokens_to_slots(ctx->x, T_).data(), H, ctx->x_grouped.data());
     ctx->gate.assign(rows * I, T(0));
     ctx->up.assign(rows * I, T(0));
     ctx->hidden.assign(rows * I, T(0));
@@ -175,7 +175,7 @@ class CpuMoeLayer final : public MoeLayer {
 
     // Dispatch d_out (unscaled) to the expert rows, like x in forward.
     std::vector<T> d_out_grouped(rows * H, T(0));
-    RowExchange<T>(group_, ctx).dispatch(expand_tokens_to_slots(d_out, T_), H, d_out_grouped.data());
+    RowExchange<T>(group_, ctx).dispatch(expand_tokens_to_slots(d_out, T_).data(), H, d_out_grouped.data());
     std::vector<T> route_weight(rows, T(0)), d_weight(rows, T(0));
     for (int64_t r = 0; r < rows; ++r)
       if (ctx.schedule.row_source[r] >= 0)
@@ -240,13 +240,14 @@ class CpuMoeLayer final : public MoeLayer {
   }
 
   // The per-slot view of a per-token tensor (slot token*k+j holds token's row), so dispatch
-  // reads from slots like the GPU's `x[slot / k]` addressing.
-  const T* expand_tokens_to_slots(const T* tokens, int64_t T_) {
+  // reads from slots like the GPU's `x[slot / k]` addressing. The call's own buffer: a layer
+  // holds no state between or across calls, so threads may share it.
+  std::vector<T> expand_tokens_to_slots(const T* tokens, int64_t T_) const {
     const int64_t H = shape_.hidden, k = shape_.top_k;
-    slot_scratch_.resize(T_ * k * H);
+    std::vector<T> slots(T_ * k * H);
     for (int64_t t = 0; t < T_; ++t)
-      for (int64_t j = 0; j < k; ++j) std::memcpy(&slot_scratch_[(t * k + j) * H], tokens + t * H, H * sizeof(T));
-    return slot_scratch_.data();
+      for (int64_t j = 0; j < k; ++j) std::memcpy(&slots[(t * k + j) * H], tokens + t * H, H * sizeof(T));
+    return slots;
   }
 
   template <typename Fn>
@@ -362,7 +363,6 @@ class CpuMoeLayer final : public MoeLayer {
   ProcessGroup* group_;
   LayerOptions options_;
   int threads_;
-  std::vector<T> slot_scratch_;
 };
 
 // Picks the f32 or f64 implementation from each call's x, so one layer object serves both.

@@ -8,6 +8,7 @@
 #include "cuda/common/check.hpp"
 #include "cuda/cuda_backend.hpp"
 #include "cuda/layer/layer_kernels.hpp"
+#include "cuda/megakernel/megakernel_launch.hpp"
 
 namespace moka::cuda {
 namespace {
@@ -37,11 +38,9 @@ bool peers_reachable(int world, int device) {
 bool megakernel_applies(const MoeShape& s, int world, int device, const LayerOptions& o) {
   MegakernelConfig c = o.megakernel;
   c.tile_rows = o.tile_rows;
-  int sms = 0;
-  MOKA_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
   try {
     supported_plan(s, c, world, o.max_tokens);
-    core::validate_megakernel_grid(c, sms);
+    core::validate_megakernel_grid(c, context_sm_count());
   } catch (const Error&) {
     return false;
   }

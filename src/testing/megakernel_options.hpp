@@ -2,10 +2,20 @@
 // for up to `max_tokens` tokens per rank: what the GPU tests, `moka bench` and `moka tune` build.
 #pragma once
 #include <cstdint>
+#include <cstdlib>
 
 #include "moka/layer.hpp"
 
 namespace moka::fixtures {
+
+// The megakernels' wait bound in the GPU tests: 2 s, so a hang fails fast (a pipeline wait gives
+// up after 3 s, a task-queue wait after 6 s); MOKA_TEST_SPIN_TIMEOUT_S lengthens it where
+// kernels run far slower (compute-sanitizer: bench/sanitize_gpu.sh).
+inline double test_spin_timeout() {
+  const char* v = std::getenv("MOKA_TEST_SPIN_TIMEOUT_S");
+  const double seconds = v ? std::atof(v) : 2.0;
+  return seconds > 0 ? seconds : 2.0;
+}
 
 inline LayerOptions megakernel_options(const MegakernelConfig& c, int64_t max_tokens) {
   LayerOptions o;

@@ -43,14 +43,23 @@ inline MoeShape shape(int64_t H, int64_t I, int64_t E, int64_t k, int64_t Is = 0
   return MoeShape{H, I, E, k, Is, clamped ? Activation::swiglu_clamped : Activation::swiglu, 7.0f};
 }
 
-// A megakernel config for tests: waits bounded at 10 s, so a hang fails fast.
+// A megakernel config for tests, with the tests' wait bound.
 inline MegakernelConfig megakernel_config(int comm_sms, int64_t minibatch, int64_t macrobatch) {
   MegakernelConfig c;
   c.num_comm_sms = comm_sms;
   c.minibatch_size = minibatch;
   c.macrobatch_size = macrobatch;
-  c.spin_timeout_seconds = 10;
+  c.spin_timeout_seconds = fixtures::test_spin_timeout();
   return c;
+}
+
+// Whether every 16-bit half of a device buffer holds the NaN a failed call fills its outputs with.
+inline bool all_nan(const void* data, size_t bytes) {
+  std::vector<uint16_t> h(bytes / 2);
+  MOKA_CUDA_CHECK(cudaMemcpy(h.data(), data, bytes, cudaMemcpyDeviceToHost));
+  for (uint16_t v : h)
+    if (v != 0x7fc0) return false;
+  return true;
 }
 
 using fixtures::megakernel_options;

@@ -4,6 +4,9 @@
 // SM splits, minibatch and macrobatch sizes (including ring reuse); CUDA-graph replay; errors.
 #include <gtest/gtest.h>
 
+#include <algorithm>
+#include <cstdio>
+#include <cstdlib>
 #include <map>
 
 #include "core/routing_gen.hpp"
@@ -11,6 +14,7 @@
 #include "cuda/cuda_backend.hpp"
 #include "cuda/layer_paths.hpp"
 #include "cuda/megakernel/megakernel_core.hpp"
+#include "cuda/megakernel/megakernel_launch.hpp"
 #include "gpu_case.hpp"
 #include "moka/moka.hpp"
 
@@ -41,6 +45,7 @@ void forward(MoeLayer& mk, GpuCase& c) {
 }
 
 using gpu_test::bytes_of;
+using gpu_test::DeviceTensor;
 
 double forward_error(GpuCase& c, MoeLayer& mk) {
   forward(mk, c);
@@ -120,7 +125,7 @@ TEST(Megakernel, BitsDoNotDependOnRunsSplitsOrBatchSizes) {
   }
   for (const MegakernelConfig& cfg :
        {megakernel_config(1, 128, 128), megakernel_config(8, 512, 1024), megakernel_config(64, 1024, 8192),
-        megakernel_config(100, 128, 256)}) {
+        megakernel_config(std::min(100, cuda::context_sm_count() - 4), 128, 256)}) {
     auto mk = make_moe_layer(s, nullptr, gpu_test::megakernel_options(cfg, T));
     forward(*mk, c);
     EXPECT_EQ(bytes_of(c.out), bits) << "comm " << cfg.num_comm_sms << " minibatch " << cfg.minibatch_size
@@ -221,6 +226,7 @@ TEST(Megakernel, BadExpertIdIsReportedNamingTheEntry) {
   auto mk = make_moe_layer(s, nullptr, gpu_test::megakernel_options(kDefault, 10));
   mk->forward(c.inputs(), c.weights(), c.out_view(), Stream{});
   MOKA_CUDA_CHECK(cudaDeviceSynchronize());
+  EXPECT_TRUE(gpu_test::all_nan(c.out.data(), c.out.bytes())) << "the failed call's output";
   try {
     mk->check_errors();
     FAIL() << "no error";
@@ -253,6 +259,52 @@ TEST(Megakernel, SpinTimeoutIsReportedNotHung) {
   MegakernelConfig ok = megakernel_config(8, 512, 1024);
   auto again = make_moe_layer(s, nullptr, gpu_test::megakernel_options(ok, 2000));
   forward(*again, c);
+}
+
+// A failed call's TMA loads must have landed before its CTAs exit: a load still in flight would
+// write into the shared memory of the next kernel on that SM. Failed calls (1 ns bound) and good
+// ones alternate on one stream with no synchronization between them; every good call has the
+// bits of a good call run alone.
+TEST(Megakernel, FailedCallLeavesNoLoadsInFlight) {
+  const MoeShape s = shape(1024, 512, 32, 4, 256);
+  GpuCase c(s, 2000, 7);
+  route_and_upload(c, U, 7 + 1);
+  MegakernelConfig impatient = megakernel_config(1, 128, 256);
+  impatient.spin_timeout_seconds = 1e-9;
+  auto failing = make_moe_layer(s, nullptr, gpu_test::megakernel_options(impatient, 2000));
+  auto good = make_moe_layer(s, nullptr, gpu_test::megakernel_options(megakernel_config(8, 512, 1024), 2000));
+  forward(*good, c);
+  const auto bits = bytes_of(c.out);
+  DeviceTensor scratch(c.out.bytes());
+  const TensorView scratch_view = [&] {
+    TensorView v = c.out_view();
+    v.data = scratch.data();
+    return v;
+  }();
+  for (int round = 0; round < 4; ++round) {
+    c.poison();
+    failing->forward(c.inputs(), c.weights(), scratch_view, Stream{});
+    good->forward(c.inputs(), c.weights(), c.out_view(), Stream{});
+    MOKA_CUDA_CHECK(cudaDeviceSynchronize());
+    good->check_errors();
+    EXPECT_THROW(failing->check_errors(), Error) << "round " << round;
+    EXPECT_EQ(bytes_of(c.out), bits) << "round " << round;
+  }
+}
+
+// The persistent grids are sized to the SMs the context owns: an MPS client with an
+// active-thread limit, an SM-count execution affinity or a green context owns part of the GPU,
+// and a cooperative launch of the whole GPU's count fails there. scripts/gpu_check.sh MODE=mps
+// runs the megakernel suites in an MPS client at half the threads with MOKA_TEST_GPU_SMS set to
+// the whole GPU's count.
+TEST(MegakernelGrid, SizedToTheSmsTheContextOwns) {
+  int device_sms = 0;
+  MOKA_CUDA_CHECK(cudaDeviceGetAttribute(&device_sms, cudaDevAttrMultiProcessorCount, gpu_test::current_device()));
+  const int owned = cuda::context_sm_count();
+  std::printf("[ grid     ] the device attribute's SMs %d, the context's %d\n", device_sms, owned);
+  EXPECT_GE(owned, 1);
+  EXPECT_LE(owned, device_sms);
+  if (const char* whole = std::getenv("MOKA_TEST_GPU_SMS")) EXPECT_LT(owned, std::atoi(whole));
 }
 
 TEST(Megakernel, RejectsBadConfigAndTooManyTokens) {
@@ -324,6 +376,43 @@ void check_megakernel_path(const MegakernelConfig& config) {
   MOKA_CUDA_CHECK(cudaDeviceSynchronize());
   mk->check_errors();
   EXPECT_TRUE(c.output_bytes() == want_bytes) << "a context overwritten by a later forward: not the staged bits";
+}
+
+// A failure found on the device surfaces at the layer's next call, forward or backward (a
+// training loop that never calls check_errors() stops there), and the failed call's outputs are
+// NaN, so nothing downstream takes them for numbers. A 1 ns bound makes every call fail.
+TEST(MegakernelPath, FailuresSurfaceAtTheNextCallWithNaNOutputs) {
+  const MoeShape s = shape(1024, 512, 32, 4, 256);
+  GpuCase c(s, 700, 11);
+  route_and_upload(c, U, 11 + 1);
+  MegakernelConfig impatient = megakernel_config(4, 512, 1 << 20);
+  impatient.spin_timeout_seconds = 1e-9;
+  auto layer = make_moe_layer(s, nullptr, gpu_test::megakernel_options(impatient, 700));
+  auto zero_outputs = [&] {
+    for (DeviceTensor* t : c.device_outputs()) MOKA_CUDA_CHECK(cudaMemset(t->data(), 0, t->bytes()));
+  };
+  auto expect_raises = [&](auto&& call, const char* direction, const char* who) {
+    try {
+      call();
+      ADD_FAILURE() << "the " << who << "'s failure was not raised by the next " << direction;
+    } catch (const Error& e) {
+      EXPECT_EQ(e.code(), ErrorCode::timeout) << e.what();
+      if (std::string(who) == "backward")
+        EXPECT_NE(std::string(e.what()).find("megakernel backward"), std::string::npos) << e.what();
+    }
+  };
+  zero_outputs();
+  auto ctx = layer->forward(c.inputs(), c.weights(), c.out_view(), Stream{});
+  MOKA_CUDA_CHECK(cudaDeviceSynchronize());
+  EXPECT_TRUE(gpu_test::all_nan(c.out.data(), c.out.bytes())) << "a failed forward's output";
+  expect_raises([&] { layer->backward(*ctx, c.d_out_view(), c.weights(), c.gradients(), Stream{}); }, "backward",
+                "forward");
+  // Raised once: this backward runs (and fails in turn).
+  layer->backward(*ctx, c.d_out_view(), c.weights(), c.gradients(), Stream{});
+  MOKA_CUDA_CHECK(cudaDeviceSynchronize());
+  for (DeviceTensor* t : {&c.d_x, &c.d_w, &c.dwg, &c.dwu, &c.dwd, &c.dwsg, &c.dwsu, &c.dwsd})
+    EXPECT_TRUE(gpu_test::all_nan(t->data(), t->bytes())) << "a failed backward's gradients";
+  expect_raises([&] { layer->forward(c.inputs(), c.weights(), c.out_view(), Stream{}); }, "forward", "backward");
 }
 
 TEST(MegakernelPath, ResidentBackwardMatchesTheStagedPath) { check_megakernel_path(megakernel_config(4, 512, 1 << 20)); }

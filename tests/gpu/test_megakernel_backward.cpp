@@ -31,6 +31,7 @@
 #include "cuda/common/check.hpp"
 #include "cuda/common/device_memory.hpp"
 #include "cuda/megakernel/megakernel_backward.hpp"
+#include "testing/megakernel_options.hpp"
 #include "moka/error.hpp"
 
 namespace moka::cuda {
@@ -472,7 +473,7 @@ class BackwardCase {
   DeviceArray<bf16> wg_dev_, wu_dev_, wd_dev_, wsg_dev_, wsu_dev_, wsd_dev_;
 };
 
-MegakernelConfig config(int comm, int64_t minibatch, int64_t macrobatch, double timeout = 10) {
+MegakernelConfig config(int comm, int64_t minibatch, int64_t macrobatch, double timeout = fixtures::test_spin_timeout()) {
   MegakernelConfig c;
   c.num_comm_sms = comm;
   c.minibatch_size = minibatch;

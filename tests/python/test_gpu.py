@@ -140,3 +140,16 @@ def test_the_module_forward_and_backward_replay_in_a_cuda_graph():
 def test_two_gpus_under_torchrun_match_one_gpu():
     log = run_ep_worker("--cuda")
     assert "rank 0: ok" in log and "rank 1: ok" in log, log
+
+
+def test_a_failure_the_kernels_find_is_raised_by_the_next_call_and_its_output_is_nan():
+    import moka
+    moe = bf16_moe(path="megakernel", max_tokens=64)
+    x = torch.randn(64, HIDDEN, device="cuda", dtype=torch.bfloat16)
+    ids, weights = moe.route(x)
+    ids[5, 1] = EXPERTS + 3  # out of range: found by the megakernel's schedule on the device
+    out = moe.apply_experts(x, ids, weights)
+    torch.cuda.synchronize()
+    assert out.isnan().all()
+    with pytest.raises(moka.Error, match=r"\[5, 1\]"):
+        moe.apply_experts(x, moe.route(x)[0], weights)

@@ -9,17 +9,11 @@
 #include <vector>
 
 #include "cuda/common/check.hpp"
+#include "cuda/common/stream.hpp"
 #include "moka/error.hpp"
 
 namespace moka::cuda {
 namespace {
-
-int sm_count() {
-  int device = 0, sms = 0;
-  MOKA_CUDA_CHECK(cudaGetDevice(&device));
-  MOKA_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
-  return sms;
-}
 
 core::MegakernelBackwardPlan gpu_backward_plan(const MoeShape& s, const MegakernelConfig& config, int world,
                                                int64_t tokens, core::ContextMode mode) {
@@ -52,6 +46,16 @@ __global__ void note_missing_peer_kernel(const uint64_t* barrier_error, Backward
   *slot = s;
 }
 
+// EP = 1: the rank's own failure as the merged status.
+__global__ void own_status_kernel(const BackwardControl* control, MergedBackwardStatus* merged) {
+  MergedBackwardStatus m;
+  if (control->base.status.code != core::StatusCode::ok) {
+    m.rank = 0;
+    m.failure = {control->base.status, control->wait};
+  }
+  *merged = m;
+}
+
 __global__ void merge_status_kernel(BackwardStatus* const* slots, int world, MergedBackwardStatus* merged) {
   MergedBackwardStatus m;
   for (int r = 0; r < world && m.rank < 0; ++r) {
@@ -75,7 +79,7 @@ MegakernelBackward::MegakernelBackward(const MoeShape& shape, const MegakernelCo
                                        int64_t max_tokens, core::ContextMode mode, int num_ctas, BackwardRanks ranks)
     : shape_(shape), config_(config), world_(world_size), ranks_(std::move(ranks)), max_tokens_(max_tokens),
       plan_(gpu_backward_plan(shape, config, world_size, max_tokens, mode)), last_plan_(plan_),
-      num_ctas_(num_ctas > 0 ? num_ctas : sm_count()) {
+      num_ctas_(num_ctas > 0 ? num_ctas : context_sm_count()) {
   const int64_t tokens = max_tokens;
   require(world_size == 1 || (ranks_.barrier && ranks_.barrier_error && ranks_.status_peers && ranks_.own_status),
           ErrorCode::invalid_argument,
@@ -88,6 +92,7 @@ MegakernelBackward::MegakernelBackward(const MoeShape& shape, const MegakernelCo
   cudaFuncAttributes attributes;
   for (const void* kernel : {reinterpret_cast<const void*>(publish_status_kernel),
                              reinterpret_cast<const void*>(note_missing_peer_kernel),
+                             reinterpret_cast<const void*>(own_status_kernel),
                              reinterpret_cast<const void*>(merge_status_kernel)})
     MOKA_CUDA_CHECK(cudaFuncGetAttributes(&attributes, kernel));
   require(config.num_comm_sms >= 1 && config.num_comm_sms < num_ctas_, ErrorCode::invalid_argument,
@@ -111,9 +116,10 @@ MegakernelBackward::MegakernelBackward(const MoeShape& shape, const MegakernelCo
   first_of_step_ = DeviceArray<int64_t>(size_t(plan_.max_steps + 1));
   counters_ = DeviceArray<int64_t>(size_t(core::counter_count(plan_)));
   control_ = DeviceArray<BackwardControl>(1);
-  // check_errors before any call finds no failure.
-  MOKA_CUDA_CHECK(cudaMemset(control_.data(), 0, control_.bytes()));
+  MOKA_CUDA_CHECK(cudaEventCreateWithFlags(&done_, cudaEventDisableTiming));
 }
+
+MegakernelBackward::~MegakernelBackward() { cudaEventDestroy(done_); }
 
 void MegakernelBackward::run(const MegakernelBackwardIo& io, int64_t tokens, cudaStream_t stream) {
   require(tokens >= 1 && tokens <= max_tokens_, ErrorCode::capacity_exceeded,
@@ -162,6 +168,10 @@ void MegakernelBackward::run(const MegakernelBackwardIo& io, int64_t tokens, cud
   if (world_ == 1) {
     launch_megakernel_backward(l, stream);
     launch_backward_epilogue(l, stream);
+    own_status_kernel<<<1, 1, 0, stream>>>(control_.data(), merged_.device());
+    MOKA_CUDA_CHECK_LAUNCH();
+    MOKA_CUDA_CHECK(cudaEventRecord(done_, stream));
+    pending_ = true;
     return;
   }
   l.barrier_error = ranks_.barrier_error;
@@ -175,6 +185,8 @@ void MegakernelBackward::run(const MegakernelBackwardIo& io, int64_t tokens, cud
   MOKA_CUDA_CHECK_LAUNCH();
   merge_status_kernel<<<1, 1, 0, stream>>>(ranks_.status_peers, world_, merged_.device());
   MOKA_CUDA_CHECK_LAUNCH();
+  MOKA_CUDA_CHECK(cudaEventRecord(done_, stream));
+  pending_ = true;
 }
 
 void MegakernelBackward::throw_failure(const BackwardStatus& failure, const std::string& prefix) const {
@@ -202,16 +214,17 @@ void MegakernelBackward::throw_failure(const BackwardStatus& failure, const std:
 }
 
 void MegakernelBackward::check_errors() {
-  if (world_ == 1) {
-    const BackwardControl c = control_.download()[0];
-    if (c.base.status.code == core::StatusCode::ok) return;
-    MOKA_CUDA_CHECK(cudaMemset(control_.data(), 0, control_.bytes()));  // each failure is raised once
-    throw_failure({c.base.status, c.wait}, "megakernel backward: ");
-  }
+  pending_ = false;
   const MergedBackwardStatus merged = merged_.load();
   if (merged.rank < 0) return;
-  merged_.store(MergedBackwardStatus{});
-  throw_failure(merged.failure, "megakernel backward: rank " + std::to_string(merged.rank) + ": ");
+  merged_.store(MergedBackwardStatus{});  // each failure is raised once
+  throw_failure(merged.failure, world_ == 1 ? "megakernel backward: "
+                                            : "megakernel backward: rank " + std::to_string(merged.rank) + ": ");
+}
+
+void MegakernelBackward::raise_finished_errors(cudaStream_t stream) {
+  if (!pending_ || is_capturing(stream) || cudaEventQuery(done_) != cudaSuccess) return;
+  check_errors();
 }
 
 }  // namespace moka::cuda

@@ -164,7 +164,7 @@ struct BackwardRanks {
 //   status into this rank's slot -> barrier (every push landed, every pull of this rank done) ->
 //   d_x sum -> missing-peer note (a barrier that timed out, into this rank's slot if it holds no
 //   failure of its own, so a rank arriving late finds the call failed too) -> every rank's status
-//   merged into mapped host memory.
+//   merged into mapped host memory (EP = 1: the kernel, then d_x sum, then its own status there).
 class MegakernelBackward {
  public:
   // num_ctas 0: one CTA per SM. config.tile_rows must be 128 (the GEMM core's tile). world_size
@@ -182,6 +182,15 @@ class MegakernelBackward {
   // naming the task and counter, a stalled pipeline; at EP > 1 the lowest failing rank's, or a
   // rank that did not arrive at a barrier: every rank reports it), if any, once.
   void check_errors();
+  // check_errors() when the last call's work has finished; nothing (no waiting) while it runs or
+  // while `stream` is being captured into a graph.
+  void raise_finished_errors(cudaStream_t stream);
+  // The last call's merged status code (mapped host memory, written at the end of the call): not
+  // ok when it failed on any rank.
+  const core::StatusCode* failure_code() const { return &merged_.device()->failure.status.code; }
+  ~MegakernelBackward();
+  MegakernelBackward(const MegakernelBackward&) = delete;
+  MegakernelBackward& operator=(const MegakernelBackward&) = delete;
 
  private:
   void throw_failure(const BackwardStatus& failure, const std::string& prefix) const;
@@ -198,7 +207,9 @@ class MegakernelBackward {
   DeviceArray<int64_t> expert_offset_, first_of_step_, counters_;
   DeviceArray<core::WeightGradSegment> segments_;
   DeviceArray<BackwardControl> control_;
-  PinnedWord<MergedBackwardStatus> merged_;  // EP > 1: every rank's first failure, merged on the device
+  PinnedWord<MergedBackwardStatus> merged_;  // every rank's first failure, merged on the device
+  cudaEvent_t done_ = nullptr;               // the last call's end
+  bool pending_ = false;                     // a call ran whose failures were not checked yet
 };
 
 }  // namespace moka::cuda

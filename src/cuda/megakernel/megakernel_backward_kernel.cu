@@ -387,15 +387,18 @@ __device__ inline void schedule_backward(BackwardSmem& sm, const MegakernelBackw
 }
 
 // The TMA thread: loads each published job's products, one after another.
+// After a failed wait it issues nothing more (the queue's waits then fail too).
 __device__ inline void load_backward(BackwardSmem& sm, const PipelineWatch& watch) {
   uint32_t loads = 0;
+  bool issuing = true;
   producer_jobs(sm.queue, watch, [&](const BackwardJob& job, int) {
+    if (!issuing) return;
     if (job.layout == JobLayout::k_k) {
-      if (job.products > 0) load_tile(sm.tile, loads, job.k_k, watch, job.site);
+      if (job.products > 0) issuing = load_tile(sm.tile, loads, job.k_k, watch, job.site);
     } else if (job.layout == JobLayout::mn_mn) {
-      if (job.products > 0) load_tile(sm.tile, loads, job.mn_mn, watch, job.site);
+      if (job.products > 0) issuing = load_tile(sm.tile, loads, job.mn_mn, watch, job.site);
     } else {
-      for (int i = 0; i < job.products; ++i) load_tile(sm.tile, loads, job.k_mn[i], watch, job.site);
+      for (int i = 0; i < job.products && issuing; ++i) issuing = load_tile(sm.tile, loads, job.k_mn[i], watch, job.site);
       if (job.store == JobStore::dgd) prefetch_dgd_inputs(job.dgd);
     }
   });
@@ -455,8 +458,9 @@ __device__ __forceinline__ void compute_backward(BackwardSmem& sm, const Megaker
           }
           store_backward_job(acc, job);
         }
-        // Every consumer's stores (and proxy fence) precede the leader's release.
-        cutlass::arch::NamedBarrier::sync(kConsumerThreads, kConsumerBarrier);
+        // Every consumer's stores (and proxy fence) precede the leader's release; the ordered
+        // barrier keeps the compiler from sinking a store below it.
+        sync_named_ordered(kConsumerThreads, kConsumerBarrier);
         if (leader) release_task(p, plan, segments, job.task);
       },
       [] {});

@@ -74,6 +74,13 @@ namespace moka::cuda {
 // >= 1: the grid is one CTA per SM, all resident, which the progress argument needs).
 int megakernel_ctas_per_sm();
 
+// The SMs the current context may run work on, which the persistent grids are sized to: the
+// device's count, lowered where the context owns part of the GPU: an MPS client's active-thread
+// limit or an SM-count execution affinity (cuCtxGetExecAffinity) and a green context's SM
+// resource (cuCtxGetDevResource). A grid of the device's count would be refused as a cooperative
+// launch there.
+int context_sm_count();
+
 // ---- Routing exchange and schedule checks (megakernel_schedule.cu) ---------------------------
 
 // Each rank's region of every peer's symmetric routing buffer: a header (its token count) and
@@ -118,5 +125,26 @@ void publish_status(const MegakernelControl* control, core::MegakernelStatus* ow
 // (mapped host memory).
 void merge_status(core::MegakernelStatus* const* peer_slots, int world_size, MergedStatus* merged,
                   cudaStream_t stream);
+
+// The outputs of one call (device buffers of bf16 or fp32 values) that fill_nan_on_failure fills
+// with NaN when the call failed.
+struct CallOutputs {
+  static constexpr int kMax = 8;
+  void* at[kMax] = {};
+  size_t bytes[kMax] = {};
+  int count = 0;
+  void add(void* data, size_t size) {
+    if (data == nullptr || size == 0) return;
+    at[count] = data;
+    bytes[count++] = size;
+  }
+};
+// After a call's last kernel: when *code (a merged status, device or mapped host memory) is not
+// ok, or *routing_error (null: not checked) holds a routing error, fills every output with NaN
+// (0x7fc0 in every 16-bit half: a bf16 NaN, and a NaN as fp32 too), so that nothing downstream
+// consumes a failed call's outputs as numbers. When the call succeeded every CTA reads the words
+// once and leaves.
+void fill_nan_on_failure(const core::StatusCode* code, const unsigned long long* routing_error,
+                         const CallOutputs& outputs, cudaStream_t stream);
 
 }  // namespace moka::cuda

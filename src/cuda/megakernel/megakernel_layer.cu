@@ -70,13 +70,6 @@ MegakernelLaunch sized_launch(const core::MegakernelPlan& plan, const MoeShape& 
   return l;
 }
 
-int sm_count() {
-  int device = 0, sms = 0;
-  MOKA_CUDA_CHECK(cudaGetDevice(&device));
-  MOKA_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
-  return sms;
-}
-
 // The megakernel forward of one layer: its buffers, launch sequence and error reports.
 class CudaMegakernelForward final : public MegakernelExtension {
  public:
@@ -105,7 +98,7 @@ class CudaMegakernelForward final : public MegakernelExtension {
         shared_out_(max_tokens * shape.hidden),
         counters_(core::counter_count(worst_)), control_(1), routing_error_(kNoRoutingError) {
     MOKA_CUDA_CHECK(cudaGetDevice(&device_));
-    MOKA_CUDA_CHECK(cudaDeviceGetAttribute(&num_sms_, cudaDevAttrMultiProcessorCount, device_));
+    num_sms_ = context_sm_count();
     core::validate_megakernel_grid(config_, num_sms_);
     require(megakernel_ctas_per_sm() >= 1, ErrorCode::cuda, "the megakernel's CTA does not fit on an SM");
     MOKA_CUDA_CHECK(cudaEventCreateWithFlags(&done_, cudaEventDisableTiming));
@@ -115,7 +108,6 @@ class CudaMegakernelForward final : public MegakernelExtension {
   const MegakernelConfig& config() const override { return config_; }
 
   void forward(const MoeInputs& in, const MoeWeights& w, const TensorView& out, Stream stream) {
-    raise_finished_errors();
     const int64_t T = in.x.rank == 2 ? in.x.dim(0) : 0, H = shape_.hidden, k = shape_.top_k;
     check_inputs(in, w, out, T);
     const cudaStream_t s = to_cuda(stream);
@@ -143,8 +135,18 @@ class CudaMegakernelForward final : public MegakernelExtension {
     combine_tokens(combine_.local<bf16>(), in.topk_weights.as<float>(),
                    shape_.has_shared() ? shared_out_.data() : nullptr, out.as<bf16>(), nullptr, T, k, H, s);
     merge_status(status_.peers<core::MegakernelStatus>(), world_, merged_.device(), s);
+    CallOutputs outputs;
+    outputs.add(out.data, T * H * sizeof(bf16));
+    fill_nan_on_failure(&merged_.device()->status.code, routing_error_.device(), outputs, s);
     MOKA_CUDA_CHECK(cudaEventRecord(done_, s));
     pending_ = true;
+  }
+
+  // Errors of an earlier call whose work has finished (no waiting: the layer never synchronizes;
+  // nothing while `stream` is being captured, where the event cannot be queried).
+  void raise_finished_errors(cudaStream_t stream) {
+    if (!pending_ || is_capturing(stream) || cudaEventQuery(done_) != cudaSuccess) return;
+    check_errors();
   }
 
   void check_errors() {
@@ -266,12 +268,6 @@ class CudaMegakernelForward final : public MegakernelExtension {
     if (group_) group_->device_barrier(s, config_.spin_timeout_seconds);
   }
 
-  // Errors of an earlier call whose work has finished (no waiting: the layer never synchronizes).
-  void raise_finished_errors() {
-    if (!pending_ || cudaEventQuery(done_) != cudaSuccess) return;
-    check_errors();
-  }
-
   void raise(const MergedStatus& merged, unsigned long long routing_code) {
     if (routing_code != kNoRoutingError) {
       routing_error_.store(kNoRoutingError);
@@ -391,6 +387,7 @@ class MegakernelMoeLayer final : public MoeLayer {
 
   std::unique_ptr<MoeContext> forward(const MoeInputs& in, const MoeWeights& w, const TensorView& out,
                                       Stream stream) override {
+    raise_finished_errors(stream);
     kernel_.forward(in, w, out, stream);
     auto ctx = std::make_unique<MegakernelContext>();
     ctx->staged = stages_->context_to_recompute(in, stream, kernel_.expert_rows());
@@ -405,6 +402,7 @@ class MegakernelMoeLayer final : public MoeLayer {
     const auto* ctx = dynamic_cast<const MegakernelContext*>(&saved);
     require(ctx != nullptr && ctx->layer == this, ErrorCode::invalid_argument,
             "backward got a context from another layer");
+    raise_finished_errors(stream);
     if (backward_ && ctx->generation == kernel_.generation()) {
       backward_megakernel(*ctx, d_out, w, g, to_cuda(stream));
     } else {
@@ -420,6 +418,13 @@ class MegakernelMoeLayer final : public MoeLayer {
   MegakernelExtension* megakernel() override { return &kernel_; }
 
  private:
+  // Either direction raises the failures of earlier calls of both whose work has finished (a
+  // training loop that never calls check_errors() stops at the next call).
+  void raise_finished_errors(Stream stream) {
+    kernel_.raise_finished_errors(to_cuda(stream));
+    if (backward_) backward_->raise_finished_errors(to_cuda(stream));
+  }
+
   static MegakernelConfig config_of(const LayerOptions& o) {
     MegakernelConfig c = o.megakernel;
     c.tile_rows = o.tile_rows;
@@ -493,6 +498,11 @@ class MegakernelMoeLayer final : public MoeLayer {
     if (symmetric_)
       MOKA_CUDA_CHECK(cudaMemcpyAsync(g.d_topk_weights.data, symmetric_->d_topk_weights.local<float>(),
                                       T * sh.top_k * sizeof(float), cudaMemcpyDeviceToDevice, s));
+    CallOutputs outputs;
+    for (const TensorView* v : {&g.d_x, &g.d_topk_weights, &g.d_w_gate, &g.d_w_up, &g.d_w_down, &g.d_ws_gate,
+                                &g.d_ws_up, &g.d_ws_down})
+      outputs.add(v->data, v->bytes());
+    fill_nan_on_failure(backward_->failure_code(), nullptr, outputs, s);
   }
 
   std::unique_ptr<DeviceGroup> owned_group_;  // destroyed last: both parts use it
@@ -544,7 +554,7 @@ MegakernelConfig one_macrobatch(MegakernelConfig c, const MoeShape& shape, int64
 
 MegakernelCore::MegakernelCore(const MoeShape& shape, const MegakernelConfig& config, int64_t tokens)
     : shape_(routed_only(shape)), config_(one_macrobatch(config, shape_, tokens)), tokens_(tokens),
-      plan_(supported_plan(shape_, config_, 1, tokens)), num_sms_(sm_count()),
+      plan_(supported_plan(shape_, config_, 1, tokens)), num_sms_(context_sm_count()),
       initial_counters_(core::counter_count(plan_)), counters_(initial_counters_.size()), control_(1) {
   require(megakernel_ctas_per_sm() >= 1, ErrorCode::cuda, "the megakernel's CTA does not fit on an SM");
   // Every step's rows count as dispatched: the compute tiles start at once.

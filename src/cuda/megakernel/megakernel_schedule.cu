@@ -94,7 +94,37 @@ __global__ void merge_kernel(core::MegakernelStatus* const* slots, int world, Me
   *merged = m;
 }
 
+// One CTA per SM, 16-byte stores (the outputs are whole tensors: 16-byte aligned allocations;
+// a tail of 2-byte halves is stored singly).
+__global__ void fill_nan_kernel(const core::StatusCode* code, const unsigned long long* routing_error,
+                                const CallOutputs outputs) {
+  __shared__ bool failed;
+  if (threadIdx.x == 0)
+    failed = *reinterpret_cast<const volatile core::StatusCode*>(code) != core::StatusCode::ok ||
+             (routing_error && *reinterpret_cast<const volatile unsigned long long*>(routing_error) != kNoRoutingError);
+  __syncthreads();
+  if (!failed) return;
+  constexpr uint16_t kNanHalf = 0x7fc0;
+  const uint4 nan4 = make_uint4(0x7fc07fc0u, 0x7fc07fc0u, 0x7fc07fc0u, 0x7fc07fc0u);
+  const size_t first = size_t(blockIdx.x) * blockDim.x + threadIdx.x, stride = size_t(gridDim.x) * blockDim.x;
+  for (int o = 0; o < outputs.count; ++o) {
+    const size_t vectors = outputs.bytes[o] / sizeof(uint4);
+    for (size_t i = first; i < vectors; i += stride) static_cast<uint4*>(outputs.at[o])[i] = nan4;
+    auto* halves = static_cast<uint16_t*>(outputs.at[o]);
+    for (size_t i = vectors * 8 + first; i < outputs.bytes[o] / 2; i += stride) halves[i] = kNanHalf;
+  }
+}
+
 }  // namespace
+
+void fill_nan_on_failure(const core::StatusCode* code, const unsigned long long* routing_error,
+                         const CallOutputs& outputs, cudaStream_t stream) {
+  int device = 0, sms = 0;
+  MOKA_CUDA_CHECK(cudaGetDevice(&device));
+  MOKA_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
+  fill_nan_kernel<<<sms, 512, 0, stream>>>(code, routing_error, outputs);
+  MOKA_CUDA_CHECK_LAUNCH();
+}
 
 void exchange_routing(const RoutingExchange& x, const int32_t* topk_ids, cudaStream_t stream) {
   exchange_kernel<<<grid_for(x.tokens * x.top_k), kThreads, 0, stream>>>(x, topk_ids);

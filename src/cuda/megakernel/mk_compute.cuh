@@ -294,11 +294,11 @@ __device__ inline void write_job(EpilogueSync& epi, Element (&buffers)[kEpilogue
   auto hand_off = [&](auto write) {
     const int b = int(boxes % kEpilogueBuffers);
     if (boxes >= uint32_t(kEpilogueBuffers))
-      wait_phase(&epi.stored[b], (boxes / kEpilogueBuffers - 1) & 1u, watch, watch.stage_bound_ns,
-                 core::PipelineWait::box_stored, j.site);
+      wait_phase_ordered(&epi.stored[b], (boxes / kEpilogueBuffers - 1) & 1u, watch, watch.stage_bound_ns,
+                         core::PipelineWait::box_stored, j.site);
     write(buffers[b]);
     tma_store_fence();  // this thread's shared-memory writes, before the TMA unit reads them
-    EmptyBarrier::arrive(&epi.written[b]);
+    arrive_ordered(&epi.written[b]);
     ++boxes;
   };
   if (j.swiglu) {
@@ -352,25 +352,22 @@ __device__ inline void schedule_jobs(TaskQueueOf<Job>& queue, unsigned long long
   for (uint32_t n = 0;; ++n) {
     const int q = int(n % kTaskSlots);
     bool free = true;
+    // The ordered wait and arrive keep the slot's reset and the job's stores between them (the
+    // compiler once hoisted the reset's constant stores above the wait: racecheck caught it
+    // overwriting a job its readers still read).
     if (n >= uint32_t(kTaskSlots))
-      free = wait_phase(&queue.finished[q], slot_phase(n) ^ 1u, watch, watch.queue_bound_ns,
-                        core::PipelineWait::task_finished, TaskSite{});
+      free = wait_phase_ordered(&queue.finished[q], slot_phase(n) ^ 1u, watch, watch.queue_bound_ns,
+                                core::PipelineWait::task_finished, TaskSite{});
     Job& job = queue.jobs[q];
-    // The wait above acquires and the arrive below releases in hardware, but CUTLASS's wrappers
-    // carry no "memory" clobber: without these fences the compiler may hoist the reset's constant
-    // stores above the wait (racecheck caught it overwriting a job its readers still read) or
-    // sink the job's stores below the arrive. (Fences at every pipeline wait and arrive cost the
-    // backward 10x: only the scheduler, off the MMA path, has them.)
-    asm volatile("" ::: "memory");
     job = Job{};
     if (free) fill(uint64_t(atomicAdd(tickets, 1ull)), job);
-    asm volatile("" ::: "memory");
-    EmptyBarrier::arrive(&queue.published[q]);  // release (CTA scope): the slot's contents
-    if (job.stop) {
+    const bool stop = job.stop;
+    arrive_ordered(&queue.published[q]);  // release (CTA scope): the slot's contents
+    if (stop) {
       // Observe the last slots' `finished` phases (the readers arrive on them too for the stop).
       for (uint32_t m = n > 0 ? n - 1 : 0; m <= n; ++m)
-        wait_phase(&queue.finished[m % kTaskSlots], slot_phase(m), watch, watch.queue_bound_ns,
-                   core::PipelineWait::task_finished, TaskSite{});
+        wait_phase_ordered(&queue.finished[m % kTaskSlots], slot_phase(m), watch, watch.queue_bound_ns,
+                           core::PipelineWait::task_finished, TaskSite{});
       return;
     }
   }
@@ -394,8 +391,8 @@ template <class Job, class Run>
 __device__ inline void producer_jobs(TaskQueueOf<Job>& queue, const PipelineWatch& watch, Run&& run) {
   for (uint32_t n = 0;; ++n) {
     const int q = int(n % kTaskSlots);
-    if (!wait_phase(&queue.published[q], slot_phase(n), watch, watch.queue_bound_ns,
-                    core::PipelineWait::task_published, TaskSite{}))
+    if (!wait_phase_ordered(&queue.published[q], slot_phase(n), watch, watch.queue_bound_ns,
+                            core::PipelineWait::task_published, TaskSite{}))
       return;
     const Job& job = queue.jobs[q];
     const bool stop = job.stop;
@@ -403,32 +400,39 @@ __device__ inline void producer_jobs(TaskQueueOf<Job>& queue, const PipelineWatc
       fence_generic_to_async();
       run(job, q);
     }
-    EmptyBarrier::arrive(&queue.finished[q]);
+    arrive_ordered(&queue.finished[q]);  // no read of the slot moves below it
     if (stop) return;
   }
 }
 
 // The TMA thread: loads each published job's k-blocks.
+// After a failed wait it issues nothing more (the queue's waits then fail too).
 __device__ inline void load_tasks(ComputeSmem& sm, const PipelineWatch& watch) {
   uint32_t loads = 0;
-  producer_jobs(sm.queue, watch,
-                [&](const ComputeJob& job, int) { load_tile(sm.tile, loads, job.loads, watch, job.site); });
+  bool issuing = true;
+  producer_jobs(sm.queue, watch, [&](const ComputeJob& job, int) {
+    if (issuing) issuing = load_tile(sm.tile, loads, job.loads, watch, job.site);
+  });
   drain_tile_pipeline(sm.tile, loads, watch);
 }
 
 // The store thread: stores each published job's output boxes as the consumers hand them over,
-// then, once the stores completed, releases the job's counter.
+// then, once the stores completed, releases the job's counter. After a failed wait it stores and
+// releases nothing more (every store it issued has completed: it waits for each).
 __device__ inline void store_tasks(ComputeSmem& sm, const MegakernelLaunch& p, const core::MegakernelPlan& plan,
                                    const PipelineWatch& watch, int cta) {
   EpilogueSync& epi = sm.epilogue;
   uint32_t boxes = 0;
+  bool storing = true;
   producer_jobs(sm.queue, watch, [&](const ComputeJob& job, int q) {
+    if (!storing) return;
     uint64_t start = global_ns();
     const int count = box_count(job);
     for (int k = 0; k < count; ++k, ++boxes) {
       const int b = int(boxes % kEpilogueBuffers);
-      wait_phase(&epi.written[b], (boxes / kEpilogueBuffers) & 1u, watch, watch.queue_bound_ns,
-                 core::PipelineWait::box_written, job.site);
+      storing = wait_phase_ordered(&epi.written[b], (boxes / kEpilogueBuffers) & 1u, watch, watch.queue_bound_ns,
+                                   core::PipelineWait::box_written, job.site);
+      if (!storing) return;
       // Read before this box's `stored` arrival, which the leader waits on before it can write
       // the slot's next start (at least two boxes later).
       if (k == 0) start = epi.task_start[q];
@@ -437,7 +441,7 @@ __device__ inline void store_tasks(ComputeSmem& sm, const MegakernelLaunch& p, c
       if (col_box * kTileK < out.width) store_box(out, sm.epilogue_box[b], job.row_tile, col_box);
       tma_store_arrive();
       tma_store_wait<0>();  // the TMA unit has read the buffer
-      EmptyBarrier::arrive(&epi.stored[b]);
+      arrive_ordered(&epi.stored[b]);
     }
     // The rows are in global memory; the proxy fence orders the TMA's (async-proxy) writes
     // before the release, for the generic and TMA reads of the CTAs that acquire it.
@@ -462,21 +466,21 @@ __device__ __forceinline__ void consumer_jobs(TaskQueueOf<Job>& queue, const Pip
   for (uint32_t n = 0;; ++n) {
     const int q = int(n % kTaskSlots);
     if (leader)
-      job_ready[q] = wait_phase(&queue.published[q], slot_phase(n), watch, watch.queue_bound_ns,
-                                core::PipelineWait::task_published, TaskSite{});
-    cutlass::arch::NamedBarrier::sync(kConsumerThreads, kConsumerBarrier);
+      job_ready[q] = wait_phase_ordered(&queue.published[q], slot_phase(n), watch, watch.queue_bound_ns,
+                                        core::PipelineWait::task_published, TaskSite{});
+    sync_named_ordered(kConsumerThreads, kConsumerBarrier);  // the flag's write before, its reads after
     if (!job_ready[q]) return;
     // Complete (the leader saw it): returns at once.
-    wait_phase(&queue.published[q], slot_phase(n), watch, watch.queue_bound_ns, core::PipelineWait::task_published,
-               TaskSite{});
+    wait_phase_ordered(&queue.published[q], slot_phase(n), watch, watch.queue_bound_ns,
+                       core::PipelineWait::task_published, TaskSite{});
     const Job& job = queue.jobs[q];
     if (job.stop) {
       at_stop();
-      EmptyBarrier::arrive(&queue.finished[q]);
+      arrive_ordered(&queue.finished[q]);
       return;
     }
     run(job, q);
-    EmptyBarrier::arrive(&queue.finished[q]);
+    arrive_ordered(&queue.finished[q]);  // no read of the slot moves below it
   }
 }
 
@@ -499,8 +503,8 @@ __device__ inline void compute_tasks(ComputeSmem& sm, const MegakernelLaunch& p,
       [&] {
         // Observe the last boxes' `stored` phases (the next boxes' waits observe the others).
         for (uint32_t m = boxes > uint32_t(kEpilogueBuffers) ? boxes - kEpilogueBuffers : 0; m < boxes; ++m)
-          wait_phase(&epi.stored[m % kEpilogueBuffers], (m / kEpilogueBuffers) & 1u, watch, watch.stage_bound_ns,
-                     core::PipelineWait::box_stored, TaskSite{});
+          wait_phase_ordered(&epi.stored[m % kEpilogueBuffers], (m / kEpilogueBuffers) & 1u, watch,
+                             watch.stage_bound_ns, core::PipelineWait::box_stored, TaskSite{});
       });
 }
 

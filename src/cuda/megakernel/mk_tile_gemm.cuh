@@ -196,11 +196,14 @@ __device__ inline bool is_consumer() { return threadIdx.x >= kWarpgroupThreads; 
 
 // ---- Bounded mbarrier waits -------------------------------------------------------------------
 
-// The bounds of the pipeline's waits. A stage wait waits for the TMA unit or the MMAs of one
-// k-block: spin_timeout plus one second of slack. A task-queue wait includes a counter wait or a
-// whole task, each bounded themselves: twice that, so the inner wait always reports first (a
-// counter timeout names the counter, the more useful report).
-inline constexpr uint64_t kPipelineSlackNs = 1000000000ull;
+// The bounds of the pipeline's waits, all derived from the layer's spin_timeout_seconds (tests
+// set it short). A stage wait waits for the TMA unit or the MMAs of one k-block: spin_timeout
+// plus a slack of spin_timeout clamped to [0.1 s, 1 s]. A task-queue wait includes a counter wait
+// or a whole task, each bounded themselves: twice that, so the inner wait always reports first (a
+// counter timeout names the counter, the more useful report; the slack's floor keeps it first
+// even for a bound of nanoseconds, as the timeout tests set).
+inline constexpr uint64_t kMinPipelineSlackNs = 100000000ull;
+inline constexpr uint64_t kMaxPipelineSlackNs = 1000000000ull;
 
 struct PipelineWatch {
   MegakernelControl* control;
@@ -208,7 +211,7 @@ struct PipelineWatch {
 };
 
 __device__ inline PipelineWatch make_watch(MegakernelControl* control, uint64_t timeout_ns) {
-  const uint64_t stage = timeout_ns + kPipelineSlackNs;
+  const uint64_t stage = timeout_ns + min(max(timeout_ns, kMinPipelineSlackNs), kMaxPipelineSlackNs);
   return {control, stage, 2 * stage};
 }
 
@@ -248,6 +251,40 @@ __device__ inline bool wait_phase(uint64_t* bar, uint32_t phase, const PipelineW
   return true;
 }
 
+// ---- Task-level barriers ------------------------------------------------------------------------
+//
+// CUTLASS's mbarrier (`try_wait`, `arrive`) and named-barrier (`bar.sync`) wrappers are `asm
+// volatile` without a "memory" clobber: the hardware orders memory at them, but the compiler may
+// still move ordinary loads and stores of shared or global memory across them (it hoisted a
+// queue slot's reset above the wait for its `finished` phase once; racecheck caught it). Every
+// barrier a thread passes once per task or per output box goes through these wrappers, which add
+// compiler fences on both sides; the per-k-block stage waits inside the MMA loop do not (fences
+// there stop the compiler from scheduling the loop: the backward ran 10x slower,
+// docs/MEGAKERNEL.md "Memory order at the barriers").
+__device__ __forceinline__ void compiler_fence() { asm volatile("" ::: "memory"); }
+
+// An arrive that releases this thread's earlier reads and writes of the slot or buffer.
+__device__ __forceinline__ void arrive_ordered(uint64_t* bar) {
+  compiler_fence();
+  EmptyBarrier::arrive(bar);
+  compiler_fence();
+}
+
+// wait_phase at a task-level barrier: nothing this thread reads or writes after the wait is
+// moved above it, nor anything before it below.
+__device__ inline bool wait_phase_ordered(uint64_t* bar, uint32_t phase, const PipelineWatch& watch, uint64_t bound_ns,
+                                          core::PipelineWait what, const TaskSite& site) {
+  compiler_fence();
+  const bool reached = wait_phase(bar, phase, watch, bound_ns, what, site);
+  compiler_fence();
+  return reached;
+}
+
+// bar.sync over `threads` threads on named barrier `id`, with the compiler fence of the above.
+__device__ __forceinline__ void sync_named_ordered(uint32_t threads, uint32_t id) {
+  asm volatile("bar.sync %0, %1;" ::"r"(id), "r"(threads) : "memory");
+}
+
 __device__ inline void init_tile_pipeline(TileSmem& sm) {
   for (int s = 0; s < kStages; ++s) {
     FullBarrier::init(&sm.full[s], 1);
@@ -270,24 +307,47 @@ __device__ inline void issue_tma(const TileCoordOf<M>& c, Element* smem, uint64_
 
 // The TMA thread: loads every k-block of one task, each into the next stage of the ring once
 // the consumers released that stage's previous k-block. `loads` is its running k-block count.
+// False when a wait failed (this or another CTA reported a failure): it then issues nothing more,
+// and the caller issues no further task's loads either (drain_tile_pipeline waits for the ones
+// in flight).
 template <Major MA, Major MB>
-__device__ inline void load_tile(TileSmem& sm, uint32_t& loads, const TileLoadsOf<MA, MB>& l,
+__device__ inline bool load_tile(TileSmem& sm, uint32_t& loads, const TileLoadsOf<MA, MB>& l,
                                  const PipelineWatch& watch, const TaskSite& site) {
   for (int kb = l.kblock0; kb < l.kblock0 + l.kblocks; ++kb, ++loads) {
     const int stage = int(loads % kStages);
-    if (loads >= uint32_t(kStages))
-      wait_phase(&sm.empty[stage], ((loads / kStages) - 1) & 1u, watch, watch.stage_bound_ns, core::PipelineWait::stage_free,
-                 site);
+    if (loads >= uint32_t(kStages) &&
+        !wait_phase(&sm.empty[stage], ((loads / kStages) - 1) & 1u, watch, watch.stage_bound_ns,
+                    core::PipelineWait::stage_free, site))
+      return false;
     FullBarrier::arrive_and_expect_tx(&sm.full[stage], kStageBytes);
     issue_tma(l.a, sm.a + stage * kBoxElements, sm.full[stage], kb);
     for (int h = 0; h < 2; ++h) issue_tma(l.b[h], sm.b + (2 * stage + h) * kBoxElements, sm.full[stage], kb);
   }
+  return true;
 }
 
-// The TMA thread, before it exits: waits on the `empty` phases the consumers complete for the
-// last k-blocks, so every phase of the ring has been observed.
+// Waits, bounded but even after a failure, until the TMA loads of phase `phase` of `full` have
+// written shared memory. A CTA that exits with loads in flight leaves the TMA unit writing into
+// shared memory the next kernel on the SM may already own.
+__device__ inline void wait_loads_landed(uint64_t* full, uint32_t phase, const PipelineWatch& watch) {
+  const uint64_t start = global_ns();
+  while (!FullBarrier::try_wait(full, phase)) {
+    if (global_ns() - start > watch.stage_bound_ns) {
+      core::MegakernelStatus s;
+      s.code = core::StatusCode::pipeline_timeout;
+      s.pipeline_wait = core::PipelineWait::operands_landed;
+      report(watch.control, s);
+      return;
+    }
+  }
+}
+
+// The TMA thread, before it exits: waits until the last k-blocks it issued have landed (after a
+// failure too), then observes the `empty` phases the consumers complete for them (returns at once
+// after a failure), so every phase of the ring has been observed.
 __device__ inline void drain_tile_pipeline(TileSmem& sm, uint32_t loads, const PipelineWatch& watch) {
   const uint32_t first = loads > uint32_t(kStages) ? loads - kStages : 0;
+  for (uint32_t n = first; n < loads; ++n) wait_loads_landed(&sm.full[n % kStages], (n / kStages) & 1u, watch);
   for (uint32_t n = first; n < loads; ++n)
     wait_phase(&sm.empty[n % kStages], (n / kStages) & 1u, watch, watch.stage_bound_ns, core::PipelineWait::stage_free,
                TaskSite{});
