@@ -258,29 +258,29 @@ __device__ inline bool wait_phase(uint64_t* bar, uint32_t phase, const PipelineW
 // still move ordinary loads and stores of shared or global memory across them (it hoisted a
 // queue slot's reset above the wait for its `finished` phase once; racecheck caught it). Every
 // barrier a thread passes once per task or per output box goes through these wrappers, which add
-// compiler fences on both sides; the per-k-block stage waits inside the MMA loop do not (fences
-// there stop the compiler from scheduling the loop: the backward ran 10x slower,
-// docs/MEGAKERNEL.md "Memory order at the barriers").
+// a compiler fence on the side that matters (before an arrive, after a wait); the per-k-block
+// stage waits inside the MMA loop do not (fences there stop the compiler from scheduling the
+// loop: the backward ran 10x slower, docs/MEGAKERNEL.md "Memory order at the barriers").
 __device__ __forceinline__ void compiler_fence() { asm volatile("" ::: "memory"); }
 
-// An arrive that releases this thread's earlier reads and writes of the slot or buffer.
+// An arrive that releases this thread's earlier reads and writes of the slot or buffer: none of
+// them moves below it. (Moving later accesses above it is harmless, and a second fence costs: with
+// fences on both sides of every task-level barrier ptxas serialized the backward's wgmma.)
 __device__ __forceinline__ void arrive_ordered(uint64_t* bar) {
   compiler_fence();
   EmptyBarrier::arrive(bar);
-  compiler_fence();
 }
 
-// wait_phase at a task-level barrier: nothing this thread reads or writes after the wait is
-// moved above it, nor anything before it below.
+// wait_phase at a task-level barrier: nothing this thread reads or writes after the wait moves
+// above it.
 __device__ inline bool wait_phase_ordered(uint64_t* bar, uint32_t phase, const PipelineWatch& watch, uint64_t bound_ns,
                                           core::PipelineWait what, const TaskSite& site) {
-  compiler_fence();
   const bool reached = wait_phase(bar, phase, watch, bound_ns, what, site);
   compiler_fence();
   return reached;
 }
 
-// bar.sync over `threads` threads on named barrier `id`, with the compiler fence of the above.
+// bar.sync over `threads` threads on named barrier `id`, a compiler fence on both sides.
 __device__ __forceinline__ void sync_named_ordered(uint32_t threads, uint32_t id) {
   asm volatile("bar.sync %0, %1;" ::"r"(id), "r"(threads) : "memory");
 }
