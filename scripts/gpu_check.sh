@@ -2,8 +2,10 @@
 # Runs on the GPU machine: the GPU tests, the PyTorch baseline and `moka bench --backend cuda`,
 # side by side in one run. Expects prebuilt binaries next to this script (scripts/stage_gpu.sh
 # copies them) or under build/; writes logs and JSON lines to $OUT (or ./gpu_out).
-#   MODE=tests|bench|all (default all), or mps: the megakernel suites in an MPS client limited
+#   MODE=tests|bench|all (default all); mps: the megakernel suites in an MPS client limited
 #   to MPS_PERCENT (default 50) of the GPU's threads, whose grids must fit the SMs it owns;
+#   paired: the megakernel layer and backward core of this build against BASE's moka (a folder),
+#   ROUNDS (default 2) of runs alternating the two binaries, and their per-round time ratios;
 #   SUITES (gtest filters), SHAPES, TOKENS, ITERS override the default lists.
 # The benchmark first runs torch_baseline.py --paired-with moka: torch's own medians, then ITERS
 # runs alternating one moka and one torch fwd+bwd (the median of per-run ratios, vs_torch_paired),
@@ -47,6 +49,30 @@ if [[ $MODE == mps ]]; then
   else
     echo "MPS is not available here"; rc=1
   fi
+fi
+if [[ $MODE == paired ]]; then
+  SHAPES=${SHAPES_PAIRED:-qwen3-30b-a3b,mixtral-8x7b}
+  : > "$OUT/paired.jsonl"
+  for round in $(seq "${ROUNDS:-2}"); do
+    for which in base new; do
+      bin=$BIN/moka; [[ $which == base ]] && bin=$BASE/moka
+      tag="s/^{/{\"binary\":\"$which\",\"round\":$round,/"
+      timeout 100 "$bin" bench --backend cuda --shape "$SHAPES" --tokens 16384 --iters 6 --warmup 2 --no-baselines \
+        --json 2>/dev/null | sed "$tag" >> "$OUT/paired.jsonl"
+      timeout 60 "$bin" bench --backend cuda --mode backward-core --shape "$SHAPES" --tokens 16384 --iters 3 --json \
+        2>/dev/null | sed "$tag" >> "$OUT/paired.jsonl"
+    done
+  done
+  python3 - "$OUT/paired.jsonl" <<'PY'
+import json, statistics, sys
+rows = [json.loads(l) for l in open(sys.argv[1])]
+key = lambda r: (r["shape"], r["path"])
+for k in sorted({key(r) for r in rows}):
+    for metric in ("fwd_ms", "bwd_ms"):
+        ratios = [n[metric] / b[metric] for b in rows for n in rows if key(b) == key(n) == k and
+                  b["binary"] == "base" and n["binary"] == "new" and b["round"] == n["round"] and b.get(metric)]
+        if ratios: print(f"{k[0]} {k[1]} {metric}: new / base {statistics.median(ratios):.3f} over {len(ratios)} rounds")
+PY
 fi
 if [[ $MODE == bench || $MODE == all ]]; then
   PYTHONUNBUFFERED=1 timeout 300 python3 "$HERE/torch_baseline.py" --shapes "$SHAPES" --tokens "$TOKENS" \

@@ -48,7 +48,8 @@ struct MoeGradients {
 //   all_to_all: experts split over a group, token rows moved by NCCL all-to-all (the host reads
 //     the split sizes: one synchronization per call);
 //   megakernel: one persistent kernel per call overlapping NVLink dispatch/combine with the expert
-//     GEMMs (forward; its backward runs the staged path's forward stages, then its backward);
+//     GEMMs, forward and backward (the backward megakernel while no later forward overwrote the
+//     forward's rows; else the staged path recomputes the forward's stages and runs its backward);
 //   automatic: the megakernel where it applies and was measured faster, else the staged path.
 enum class LayerPath : uint8_t { automatic, single_gpu, all_to_all, megakernel };
 const char* to_string(LayerPath path);

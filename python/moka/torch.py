@@ -498,6 +498,8 @@ class MoE(nn.Module):
         return _Experts.apply(x, topk_ids, topk_weights, *experts, layer)
 
     def forward(self, x: Tensor) -> Tensor:
+        if x.dim() == 0 or x.shape[-1] != self.hidden:
+            raise ValueError(f"moka: MoE(hidden={self.hidden}) takes x [..., {self.hidden}], got {list(x.shape)}")
         # [T, H] input goes in as it is: a reshape would add a view and its autograd node each way.
         tokens = (x if x.dim() == 2 else x.reshape(-1, self.hidden)).contiguous()
         moe = self._engine(tokens)[2]

@@ -55,6 +55,13 @@ def test_topk_ids_must_be_int32():
         call(moe, x, ids.long(), weights)
 
 
+@pytest.mark.parametrize("shape", [(2, 3, 16), (4, 4), (8, 7), ()])
+def test_an_input_of_the_wrong_width_is_refused_not_reshaped(shape):
+    moe = tiny_moe()
+    with pytest.raises(ValueError, match=r"hidden=8.*x \[\.\.\., 8\]"):
+        moe(torch.randn(shape, dtype=torch.float64))
+
+
 def test_mismatched_shapes_name_the_tensor():
     moe, x, ids, weights = routed()
     with pytest.raises(moka.Error, match="w_up") as e:

@@ -125,3 +125,32 @@ def test_a_forward_without_autograd_skips_the_autograd_function(monkeypatch):
         with no_autograd():
             got = moe(x)
         assert got.grad_fn is None and torch.equal(got, want)
+
+
+def test_threads_sharing_one_module_or_the_op_get_the_results_of_one_thread():
+    import threading
+    moe = tiny_moe(shared=5)
+    inputs = [torch.randn(5 + 3 * i, 8, dtype=torch.float64) for i in range(8)]
+
+    def step(x):
+        x = x.clone().requires_grad_()
+        out = moe(x)
+        ids, weights = reference.route(x.detach(), moe.w_router.detach(), moe.top_k)
+        op = moe_experts(x, ids, weights, moe.w_gate, moe.w_up, moe.w_down)
+        (out.square().sum() + op.sum()).backward(inputs=[x])
+        return out.detach(), op.detach(), x.grad
+
+    alone = [step(x) for x in inputs]
+    mismatches = [0] * len(inputs)
+
+    def run(i):
+        for _ in range(10):
+            if not all(torch.equal(a, b) for a, b in zip(step(inputs[i]), alone[i])):
+                mismatches[i] += 1
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(inputs))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert mismatches == [0] * len(inputs)
