@@ -344,13 +344,22 @@ def _plain_eager_call(tensors) -> bool:
             and all(t is None or type(t) in _PLAIN_TENSORS for t in tensors))
 
 
+def _int32_ids(topk_ids: Tensor) -> Tensor:
+    """int64 ids (torch.topk's, Hugging Face's) as the int32 moka takes; an id outside int32 becomes
+    -1, which moka reports as out of range instead of wrapping it into one that is not."""
+    if topk_ids.dtype != torch.int64:
+        return topk_ids
+    in_range = (topk_ids >= 0) & (topk_ids <= torch.iinfo(torch.int32).max)
+    return torch.where(in_range, topk_ids, -1).to(torch.int32)
+
+
 def moe_experts(x: Tensor, topk_ids: Tensor, topk_weights: Tensor, w_gate: Tensor, w_up: Tensor, w_down: Tensor,
                 ws_gate: Optional[Tensor] = None, ws_up: Optional[Tensor] = None, ws_down: Optional[Tensor] = None,
                 *, activation: str = "swiglu", clamp_limit: float = 7.0,
                 group: Optional[dist.ProcessGroup] = None) -> Tensor:
     """The routed experts (and shared expert) of an MoE layer for tokens routed by the caller.
 
-    x [T, H]; topk_ids [T, k] int32 global expert ids; topk_weights [T, k] (float32, float64 for
+    x [T, H]; topk_ids [T, k] int32 or int64 global expert ids; topk_weights [T, k] (float32, float64 for
     float64 x); expert weights in the module's layouts (this rank's experts with a ``group``).
     Returns out [T, H]. Differentiable in x, topk_weights and every weight. A ``torch.library``
     op (``torch.ops.moka.moe_experts``): ``torch.compile(fullgraph=True)`` traces it as one node,
@@ -360,7 +369,7 @@ def moe_experts(x: Tensor, topk_ids: Tensor, topk_weights: Tensor, w_gate: Tenso
     group_name = ""
     if moka_group(group) is not None:
         group_name = group.group_name
-    inputs = (x, topk_ids, topk_weights, w_gate, w_up, w_down, ws_gate, ws_up, ws_down, activation, clamp_limit,
+    inputs = (x, _int32_ids(topk_ids), topk_weights, w_gate, w_up, w_down, ws_gate, ws_up, ws_down, activation, clamp_limit,
               group_name)
     if _plain_eager_call(inputs[:9]):
         return _EagerExperts.apply(*inputs)
@@ -454,6 +463,13 @@ class MoE(nn.Module):
             for w in (self.w_gate, self.w_up, self.w_down):
                 w[local].copy_(normal(w.shape[1:]))
 
+    def __getstate__(self):
+        # moka's engines hold device state and are no Python objects: a copy (copy.deepcopy,
+        # pickle, torch.save of the module) builds its own at its first call.
+        state = self.__dict__.copy()
+        state["_engines"] = {}
+        return state
+
     def _engine(self, x: Tensor) -> tuple[_moka.Router, _moka.Layer, _moka.Moe]:
         """moka's router, layer, and the two as one call each way, for x's device."""
         backend = _backend(x)
@@ -492,10 +508,11 @@ class MoE(nn.Module):
     def apply_experts(self, x: Tensor, topk_ids: Tensor, topk_weights: Tensor) -> Tensor:
         """The routed experts and the shared expert for x [T, H] routed by the caller (``route`` or
         your own router): out [T, H], differentiable in x, topk_weights and every expert weight.
-        Unlike ``moe_experts``, the backward reuses this forward's state instead of recomputing it."""
+        Unlike ``moe_experts``, the backward reuses this forward's state instead of recomputing it.
+        topk_ids may be int32 or int64."""
         _, layer, _ = self._engine(x)
         _, experts = self._tensors()
-        return _Experts.apply(x, topk_ids, topk_weights, *experts, layer)
+        return _Experts.apply(x, _int32_ids(topk_ids), topk_weights, *experts, layer)
 
     def forward(self, x: Tensor) -> Tensor:
         if x.dim() == 0 or x.shape[-1] != self.hidden:

@@ -43,14 +43,18 @@ moka::DType dtype_of(const Array& a, const char* name, bool takes_int64) {
   static const char* codes[] = {"int", "uint", "float", "?", "bfloat"};
   const std::string kind = t.code < 5 ? codes[t.code] : "code " + std::to_string(t.code);
   throw nb::type_error((std::string(name) + " has dtype " + kind + std::to_string(t.bits) +
-                        "; moka takes bfloat16, float32 or float64 (int32 for topk_ids)").c_str());
+                        "; moka takes bfloat16, float32 or float64 (int32 or int64 for topk_ids)").c_str());
 }
 
 moka::TensorView view_of(const Array& a, const char* name, bool takes_int64 = false) {
   if (a.ndim() < 1 || a.ndim() > size_t(moka::kMaxRank))
     throw nb::value_error((std::string(name) + " must have 1 to 4 dimensions, got " + std::to_string(a.ndim())).c_str());
+  // A tensor without elements has no layout to check (an empty batch's gradient may come with
+  // the zero strides of an expanded tensor).
+  bool empty = false;
+  for (size_t i = 0; i < a.ndim(); ++i) empty = empty || a.shape(i) == 0;
   int64_t expected_stride = 1;
-  for (size_t i = a.ndim(); i-- > 0;) {
+  for (size_t i = a.ndim(); !empty && i-- > 0;) {
     if (a.shape(i) > 1 && a.stride(i) != expected_stride)
       throw nb::value_error((std::string(name) + " is not contiguous; pass tensor.contiguous()").c_str());
     expected_stride *= int64_t(a.shape(i));

@@ -49,10 +49,20 @@ def test_an_expert_twice_in_a_token_is_refused():
     assert e.value.code == ErrorCode.duplicate_expert
 
 
-def test_topk_ids_must_be_int32():
+def test_topk_ids_must_be_int32_or_int64():
     moe, x, ids, weights = routed()
-    with pytest.raises(TypeError, match="topk_ids has dtype int64"):
-        call(moe, x, ids.long(), weights)
+    with pytest.raises(TypeError, match="topk_ids has dtype int16"):
+        call(moe, x, ids.short(), weights)
+
+
+def test_int64_topk_ids_give_the_int32_results_and_are_range_checked():
+    moe, x, ids, weights = routed()
+    assert torch.equal(call(moe, x, ids.long(), weights), call(moe, x, ids, weights))
+    assert torch.equal(moe.apply_experts(x, ids.long(), weights), moe.apply_experts(x, ids, weights))
+    wrapped = ids.long()
+    wrapped[1, 0] = 2**32 + int(ids[1, 1] ^ 1)  # as int32 it would wrap to a valid expert
+    with pytest.raises(moka.Error, match="out of range"):
+        call(moe, x, wrapped, weights)
 
 
 @pytest.mark.parametrize("shape", [(2, 3, 16), (4, 4), (8, 7), ()])

@@ -154,3 +154,30 @@ def test_threads_sharing_one_module_or_the_op_get_the_results_of_one_thread():
     for t in threads:
         t.join()
     assert mismatches == [0] * len(inputs)
+
+
+def test_copies_pickles_and_saves_of_a_used_module_compute_what_it_computes():
+    import copy
+    import io
+    import pickle
+    moe = tiny_moe(shared=5)
+    x = torch.randn(6, 8, dtype=torch.float64)
+    want = moe(x)
+    buffer = io.BytesIO()
+    torch.save(moe, buffer)
+    buffer.seek(0)
+    for other in (copy.deepcopy(moe), pickle.loads(pickle.dumps(moe)), torch.load(buffer, weights_only=False)):
+        assert other._engines == {}
+        assert torch.equal(other(x), want)
+
+
+def test_an_empty_batch_runs_forward_and_backward():
+    moe = tiny_moe(shared=5)
+    x = torch.randn(0, 8, dtype=torch.float64, requires_grad=True)
+    out = moe(x)
+    out.sum().backward()
+    assert out.shape == (0, 8) and x.grad.shape == (0, 8)
+    ids = torch.empty(0, 2, dtype=torch.int32)
+    weights = torch.empty(0, 2, dtype=torch.float64, requires_grad=True)
+    moe_experts(x, ids, weights, moe.w_gate, moe.w_up, moe.w_down).sum().backward()
+    assert weights.grad.shape == (0, 2)
