@@ -120,3 +120,35 @@ TEST(SchedRoutingDump, TrafficFromRoutingRefusesTopKZeroAndForeignIds) {
   EXPECT_THROW(traffic_from_routing({{0, 1}, {2, 3}}, 0, 4, 8, CountMode::per_route), moka::Error);
   EXPECT_THROW(traffic_from_routing({{0, 4}, {2, 3}}, 2, 4, 8, CountMode::per_route), moka::Error);
 }
+
+// A probe's dump: ~100k nested arrays once overflowed the stack when the error path serialized them.
+TEST(SchedRoutingDump, DeepNestingIsRefused) {
+  const std::string deep = std::string(100000, '[') + std::string(100000, ']');
+  expect_read_errors({
+      {"deep_field", edited("\"num_experts\":4", "\"num_experts\":" + deep), "nested deeper than 64"},
+      {"deep_line", deep, "nested deeper than 64"},
+  });
+}
+
+// An offending value is shown as a short excerpt, not serialized whole into the message.
+TEST(SchedRoutingDump, HugeValuesAreNotDumped) {
+  std::string zeros = "[0";
+  for (int i = 1; i < 100000; ++i) zeros += ",0";
+  zeros += "]";
+  const std::vector<BadDump> cases = {
+      {"huge_string", edited("\"top_k\":2", "\"top_k\":\"" + std::string(100000, 'x') + "\""), "'top_k' must be"},
+      {"huge_array", edited("\"num_experts\":4", "\"num_experts\":" + zeros), "'num_experts' must be"},
+      {"huge_id", edited("[0,2,1,3]", "[0,2,1,\"" + std::string(100000, 'y') + "\"]"), "topk_ids[0][3]"},
+      {"huge_token", edited("\"tiny\"", "\"" + std::string(100000, 'z') + "\t\""), "not valid JSON"},
+  };
+  expect_read_errors(cases);
+  for (const auto& c : cases) EXPECT_LT(read_error(c.name, c.text).size(), 500u) << c.name;
+}
+
+TEST(SchedRoutingDump, RanksBeyondTheCap) {
+  std::string ranks = "[[0]";
+  for (int r = 1; r <= kMaxRanks; ++r) ranks += ",[0]";
+  ranks += "]";
+  expect_read_errors({{"too_many_ranks", edited("[[0,2,1,3],[3,0,2,1]]", ranks),
+                       "holds " + std::to_string(kMaxRanks + 1) + " ranks, at most " + std::to_string(kMaxRanks)}});
+}

@@ -249,7 +249,8 @@ std::vector<std::string> policy_names() {
 void register_simulate(CLI::App& app) {
   auto o = std::make_shared<SimulateOptions>();
   auto* cmd = app.add_subcommand("simulate", "Simulate one MoE all-to-all epoch under each scheduling policy");
-  auto* gpus = cmd->add_option("--gpus", o->traffic.gpus, "GPUs (2 to 4096)")->check(CLI::Range(2, 4096));
+  auto* gpus = cmd->add_option("--gpus", o->traffic.gpus, "GPUs (2 to " + std::to_string(sched::kMaxRanks) + ")")
+                   ->check(CLI::Range(2, sched::kMaxRanks));
   auto* gini = cmd->add_option("--gini", o->traffic.routing.gini, "target per-expert load Gini of the Zipf routing")
                    ->check(gini_range());
   auto* routing = cmd->add_option("--routing", o->routing, "uniform | zipf | one-expert")
@@ -291,7 +292,7 @@ void register_simulate(CLI::App& app) {
   cmd->add_option("--link-gbps", o->link_gbps, "per-GPU NVLink bandwidth per direction, GB/s")
       ->check(CLI::Range(1e-3, 1e6));
   cmd->add_option("--gpus-per-server", o->gpus_per_server, "two-tier fabric: GPUs per server (0: single tier)")
-      ->check(CLI::Range(0, 4096));
+      ->check(CLI::Range(0, sched::kMaxRanks));
   cmd->add_option("--nic-gbps", o->nic_gbps, "two-tier fabric: per-GPU NIC bandwidth per direction, GB/s")
       ->check(CLI::Range(1e-3, 1e6));
   cmd->add_option("--chunk-kb", o->chunk_kb, "packet model: chunk size, KiB")->check(CLI::Range(1.0, double(1 << 20)));

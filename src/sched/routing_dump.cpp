@@ -5,6 +5,7 @@
 #include <nlohmann/json.hpp>
 
 #include "moka/error.hpp"
+#include "sched/traffic.hpp"
 
 namespace moka::sched {
 namespace {
@@ -15,6 +16,14 @@ using nlohmann::json;
 // that ids fit int32 and bytes per row cannot overflow.
 constexpr int64_t kMaxExperts = int64_t{1} << 20;
 constexpr int64_t kMaxHidden = int64_t{1} << 24;
+
+// Deepest nesting of arrays and objects a line may hold: an epoch needs 3 (the object, topk_ids,
+// a rank's ids). nlohmann's parser is iterative but dump() recurses: ~100k nested arrays once
+// overflowed the stack in an error message.
+constexpr int kMaxDepth = 64;
+
+// Longest excerpt of an offending value an error message shows.
+constexpr size_t kMaxExcerpt = 40;
 
 // Errors of one line of the dump carry "routing dump PATH line N: ".
 struct LineContext {
@@ -28,6 +37,20 @@ struct LineContext {
   }
 };
 
+// `text` cut to kMaxExcerpt characters, saying how long it was.
+std::string shortened(const std::string& text) {
+  if (text.size() <= kMaxExcerpt) return text;
+  return text.substr(0, kMaxExcerpt) + "... (" + std::to_string(text.size()) + " characters)";
+}
+
+// `value` for an error message: a scalar as JSON, shortened; an array or object only by its type
+// and size, never serialized (it may be huge).
+std::string excerpt(const json& value) {
+  if (value.is_structured())
+    return std::string(value.type_name()) + " of " + std::to_string(value.size()) + " elements";
+  return shortened(value.dump());
+}
+
 std::string range_text(int64_t lo, int64_t hi) {
   std::string text = "[";  // appended piece by piece: GCC 12 warns falsely (-Wrestrict) on "[" + to_string
   text += std::to_string(lo) + ", " + std::to_string(hi) + "]";
@@ -35,11 +58,11 @@ std::string range_text(int64_t lo, int64_t hi) {
 }
 
 int64_t integer_in(const LineContext& at, const json& value, const std::string& name, int64_t lo, int64_t hi) {
-  at.check(value.is_number_integer(), name + " must be an integer, got " + value.dump());
+  at.check(value.is_number_integer(), name + " must be an integer, got " + excerpt(value));
   const bool fits_int64 =
       !value.is_number_unsigned() || value.get<uint64_t>() <= static_cast<uint64_t>(std::numeric_limits<int64_t>::max());
   const int64_t v = fits_int64 ? value.get<int64_t>() : hi;
-  at.check(fits_int64 && v >= lo && v <= hi, name + " is " + value.dump() + ", outside " + range_text(lo, hi));
+  at.check(fits_int64 && v >= lo && v <= hi, name + " is " + excerpt(value) + ", outside " + range_text(lo, hi));
   return v;
 }
 
@@ -63,9 +86,20 @@ std::vector<int32_t> rank_ids(const LineContext& at, const json& ids, int rank, 
 RoutingEpoch parse_epoch(const LineContext& at, const std::string& text) {
   json j;
   try {
-    j = json::parse(text);
+    j = json::parse(text, [&at](int depth, json::parse_event_t event, json&) {
+      // `depth` counts the arrays and objects around the one that starts.
+      const bool starts = event == json::parse_event_t::array_start || event == json::parse_event_t::object_start;
+      if (starts && depth >= kMaxDepth)
+        at.fail("nested deeper than " + std::to_string(kMaxDepth) + " arrays or objects");
+      return true;
+    });
   } catch (const json::parse_error& e) {
-    at.fail(std::string("not valid JSON (truncated or corrupted?): ") + e.what());
+    // nlohmann's message ends with the token last read, which may be a whole (huge) string.
+    std::string what = e.what();
+    const std::string last_read = "last read: ";
+    if (const size_t token = what.find(last_read); token != std::string::npos)
+      what = what.substr(0, token + last_read.size()) + shortened(what.substr(token + last_read.size()));
+    at.fail("not valid JSON (truncated or corrupted?): " + what);
   }
   at.check(j.is_object(), "expected a JSON object, got " + std::string(j.type_name()));
   RoutingEpoch epoch;
@@ -80,6 +114,8 @@ RoutingEpoch parse_epoch(const LineContext& at, const std::string& text) {
   at.check(ids.is_array(), "'topk_ids' must be an array (one per rank), got " + std::string(ids.type_name()));
   const auto world = static_cast<int64_t>(ids.size());
   at.check(world >= 2, "'topk_ids' holds " + std::to_string(world) + " ranks, at least 2 are needed");
+  at.check(world <= kMaxRanks, "'topk_ids' holds " + std::to_string(world) + " ranks, at most " +
+                                   std::to_string(kMaxRanks) + " are simulated (the cap of --gpus)");
   at.check(epoch.num_experts % world == 0, std::to_string(epoch.num_experts) + " experts do not divide over " +
                                                std::to_string(world) + " ranks");
   if (j.contains("world_size"))

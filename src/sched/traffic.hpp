@@ -56,6 +56,11 @@ CountMode parse_count_mode(const std::string& name);  // "route" | "gpu"
 TrafficMatrix traffic_from_routing(const std::vector<std::vector<int32_t>>& topk_ids, int top_k,
                                    int num_experts, int64_t bytes_per_row, CountMode mode);
 
+// Most ranks (GPUs) a simulated epoch may hold, synthetic (`moka simulate --gpus`) or replayed
+// from a routing dump: one cap for both, so that a dump cannot declare a fabric (and ranks^2
+// matrices) that the command line refuses.
+constexpr int kMaxRanks = 4096;
+
 // Synthetic routing (uniform, Zipf at a target Gini, per-rank locality) turned into a matrix.
 struct SyntheticTraffic {
   int gpus = 64;
