@@ -9,6 +9,7 @@
 #include "commands.hpp"
 #include "moka/distributed.hpp"
 #include "moka/error.hpp"
+#include "option_checks.hpp"
 
 namespace moka::cli {
 namespace {
@@ -51,7 +52,8 @@ void register_launch(CLI::App& app) {
   auto o = std::make_shared<Options>();
   auto* cmd = app.add_subcommand("launch", "Run one worker process per GPU: moka launch -n N -- bench ...");
   cmd->add_option("-n,--workers", o->workers, "Number of worker processes")->required();
-  cmd->add_option("--grace", o->grace, "Seconds the others get to exit after one worker fails");
+  cmd->add_option("--grace", o->grace, "Seconds the others get to exit after one worker fails")
+      ->check(finite_range(0, LaunchOptions::kMaxGraceSeconds));
   cmd->add_option("args", o->args, "The command after --")->required();
   cmd->callback([o, &app] {
     std::vector<std::string> args = o->args;

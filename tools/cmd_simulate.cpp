@@ -257,7 +257,7 @@ void register_simulate(CLI::App& app) {
                       ->check(CLI::IsMember({"uniform", "zipf", "one-expert"}));
   auto* locality = cmd->add_option("--locality", o->traffic.routing.locality,
                                    "share of choices drawn from the rank's own experts")
-                       ->check(CLI::Range(0.0, 1.0));
+                       ->check(finite_range(0.0, 1.0));
   auto* seed = cmd->add_option("--seed", o->traffic.routing.seed, "routing seed");
   auto* tokens = cmd->add_option("--tokens", o->traffic.tokens_per_rank, "tokens per rank")
                      ->check(CLI::Range(int64_t{1}, int64_t{1} << 30));
@@ -290,20 +290,21 @@ void register_simulate(CLI::App& app) {
   cmd->add_option("--model", o->model, "packet (chunk level; max-min-fair stays fluid) | fluid")
       ->check(CLI::IsMember({"packet", "fluid"}));
   cmd->add_option("--link-gbps", o->link_gbps, "per-GPU NVLink bandwidth per direction, GB/s")
-      ->check(CLI::Range(1e-3, 1e6));
+      ->check(finite_range(1e-3, 1e6));
   cmd->add_option("--gpus-per-server", o->gpus_per_server, "two-tier fabric: GPUs per server (0: single tier)")
       ->check(CLI::Range(0, sched::kMaxRanks));
   cmd->add_option("--nic-gbps", o->nic_gbps, "two-tier fabric: per-GPU NIC bandwidth per direction, GB/s")
-      ->check(CLI::Range(1e-3, 1e6));
-  cmd->add_option("--chunk-kb", o->chunk_kb, "packet model: chunk size, KiB")->check(CLI::Range(1.0, double(1 << 20)));
+      ->check(finite_range(1e-3, 1e6));
+  cmd->add_option("--chunk-kb", o->chunk_kb, "packet model: chunk size, KiB")
+      ->check(finite_range(1.0, double(1 << 20)));
   cmd->add_option("--buffer-mb", o->buffer_mb, "packet model: buffer per output port, MiB (0: unbounded)")
-      ->check(CLI::Range(0.0, 1e6));
+      ->check(finite_range(0.0, 1e6));
   cmd->add_option("--back-pressure", o->back_pressure, "packet model: credit | pfc")
       ->check(CLI::IsMember({"credit", "pfc"}));
   cmd->add_option("--propagation-us", o->propagation_us, "packet model: per-hop propagation delay, us")
-      ->check(CLI::Range(0.0, 1e6));
+      ->check(finite_range(0.0, 1e6));
   cmd->add_option("--barrier-us", o->barrier_us, "cost of one barrier between phases, us")
-      ->check(CLI::Range(0.0, 1e6));
+      ->check(finite_range(0.0, 1e6));
   cmd->add_option("--phase-budget", o->phase_budget, "greedy-matching: phases before the rate-based tail (0: GPUs)")
       ->check(CLI::Range(0, 1 << 20));
   cmd->add_option("--series-csv", o->series_csv, "write every port's queue over time (policy,epoch,time_s,q0..)");

@@ -3,6 +3,7 @@
 #include <unistd.h>
 
 #include <cstdio>
+#include <functional>
 
 #include "moka/error.hpp"
 
@@ -15,16 +16,34 @@ std::string gibibytes(double bytes) {
   return text;
 }
 
+std::string number_text(double v) {
+  char text[32];
+  std::snprintf(text, sizeof text, "%.15g", v);
+  return text;
+}
+
+// A number for which `ok` holds, described (in --help and in the error) as `in_what`. Every `ok`
+// is a conjunction of comparisons, which NaN fails.
+CLI::Validator number_check(std::function<bool(double)> ok, const std::string& in_what) {
+  return CLI::Validator(
+      [ok, in_what](std::string& value) -> std::string {
+        double v = 0;
+        if (!CLI::detail::lexical_cast(value, v) || !ok(v)) return "Value " + value + " not " + in_what;
+        return {};
+      },
+      in_what);
+}
+
 }  // namespace
 
 CLI::Validator gini_range() {
-  return CLI::Validator(
-      [](std::string& value) -> std::string {
-        double g = 0;
-        if (!CLI::detail::lexical_cast(value, g) || !(g >= 0 && g < 1)) return "Value " + value + " not in [0, 1)";
-        return {};
-      },
-      "in [0, 1)");
+  return number_check([](double g) { return g >= 0 && g < 1; }, "in [0, 1)");
+}
+
+CLI::Validator finite_range(double lo, double hi) {
+  // Infinity is outside a finite [lo, hi], and NaN fails both comparisons.
+  return number_check([lo, hi](double v) { return v >= lo && v <= hi; },
+                      "a finite number in [" + number_text(lo) + ", " + number_text(hi) + "]");
 }
 
 void require_host_memory(double bytes, const std::string& option, const std::string& use) {

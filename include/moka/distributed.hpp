@@ -36,8 +36,11 @@ bool launched_as_worker();  // WORLD_SIZE (or an equivalent) is set and > 1
 std::unique_ptr<ProcessGroup> make_tcp_group(const Rendezvous& rendezvous);
 
 struct LaunchOptions {
+  // The grace period becomes steady_clock nanoseconds added to now(): a million seconds (11.6
+  // days) stays far inside their int64 range.
+  static constexpr double kMaxGraceSeconds = 1e6;
   int num_workers = 1;
-  double grace_seconds = 10.0;  // after one worker fails, how long the others get to exit
+  double grace_seconds = 10.0;  // after one worker fails, how long the others get to exit, [0, kMaxGraceSeconds]
 };
 
 // Runs `args` (argv[0] is the program) as num_workers processes with RANK, WORLD_SIZE,

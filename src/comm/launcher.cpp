@@ -115,6 +115,9 @@ Failure first_failure(const std::vector<Worker>& workers, const StatusChange& ch
 int launch_workers(const std::vector<std::string>& args, const LaunchOptions& o) {
   require(!args.empty(), ErrorCode::invalid_argument, "moka launch needs a command after --");
   require(o.num_workers >= 1, ErrorCode::invalid_argument, "moka launch -n must be >= 1");
+  require(o.grace_seconds >= 0 && o.grace_seconds <= LaunchOptions::kMaxGraceSeconds, ErrorCode::invalid_argument,
+          "moka launch --grace must be a finite number of seconds in [0, " +
+              std::to_string(static_cast<int64_t>(LaunchOptions::kMaxGraceSeconds)) + "]");
   const int port = comm::pick_free_port();
   ::signal(SIGINT, on_signal);
   ::signal(SIGTERM, on_signal);
