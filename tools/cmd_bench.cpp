@@ -209,7 +209,7 @@ std::optional<BenchRow> run_cpu_case_on(ProcessGroup& g, const NamedShape& ns, i
   row.max_rel_error = *std::max_element(errors.begin(), errors.end());
   // The floor counts FLOPs only: emulated ranks and worker processes share this machine's
   // memory, with no link to bound them. Memory stays null: the CPU layers' buffers are host
-  // vectors nothing accounts for (docs/BENCHMARKS.md).
+  // vectors nothing accounts for (docs/PERFORMANCE.md).
   const double peak = cpu_dense_peak_tflops(cpu::resolve_threads(o.threads, world));
   set_floor(row, layer_floor(s, tokens, routes, world, peak, std::nullopt), peak);
   set_torch(row, torch_result(o.torch_results, ns.name, tokens, world));

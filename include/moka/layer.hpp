@@ -61,7 +61,7 @@ struct LayerOptions {
   // CUDA backend: SwiGLU in the gate GEMM's epilogue (an up launch, then a gate launch whose
   // epilogue writes G and H) instead of one gate|up launch and a separate activation pass. Same
   // bits either way. Off by default: on an H200 the fused forward measured 0.70-0.86x the speed
-  // of the unfused one (docs/BENCHMARKS.md); `moka bench --backend cuda` times both.
+  // of the unfused one (docs/notes/benchmarks-log.md); `moka bench --backend cuda` times both.
   bool fused_swiglu = false;
   LayerPath path = LayerPath::automatic;  // CUDA backend (the CPU backend has one path)
   // The megakernel path: tokens per rank its buffers hold (it requires >= 1; with 0, automatic

@@ -13,7 +13,7 @@
 namespace moka::cuda {
 namespace {
 
-// Measured at EP=2 on H200s (docs/BENCHMARKS.md): the megakernel forward is 0.97-2.06x the
+// Measured at EP=2 on H200s (docs/notes/benchmarks-log.md): the megakernel forward is 0.97-2.06x the
 // all-to-all path's for every named shape with an expert intermediate size up to 2880, and
 // 0.69-0.72x for mixtral-8x7b (14336), whose few wide experts its 128 x 128 tiles cover worse
 // than CUTLASS's 128 x 256.
@@ -64,7 +64,7 @@ LayerPath choose_path(const MoeShape& shape, int world, int device, const LayerO
     case LayerPath::megakernel: return LayerPath::megakernel;
     case LayerPath::automatic: break;
   }
-  // One GPU: the single-GPU path. Measured on one H200 (docs/BENCHMARKS.md, "The layer's fwd+bwd
+  // One GPU: the single-GPU path. Measured on one H200 (docs/notes/benchmarks-log.md, "The layer's fwd+bwd
   // step at EP = 1"): the megakernel path's fwd+bwd is 0.49-0.66x its speed for every named
   // shape at 4096 and 16384 tokens (the forward 1.02-1.36x slower, the backward 1.6-2.4x): with
   // no communication to hide, the comm SMs and the backward megakernel only cost.

@@ -220,7 +220,7 @@ __global__ void attention_forward_kernel(AttnDims a, const float* q, const float
 // warp per key row j: dk_j = sum_i dS[i, j] q_i and dv_j = sum_i P[i, j] dO_i over i >= j, in
 // order. (Staging Q and dO as well, with a score row per warp and transposed dS and P for phase
 // 2, was slower on the H200: the larger shared memory halves the blocks per SM and the
-// transposed stores scatter; docs/BENCHMARKS.md.)
+// transposed stores scatter; docs/notes/benchmarks-log.md.)
 __global__ void attention_backward_kernel(AttnDims a, const float* q, const float* k, const float* v,
                                           const float* probs, const float* d_out, float* d_scores, float* dq, float* dk,
                                           float* dv, bool staged) {

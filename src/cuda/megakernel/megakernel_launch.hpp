@@ -9,6 +9,7 @@
 
 #include "core/megakernel_plan.hpp"
 #include "cuda/layer/layer_kernels.hpp"
+#include "moka/error.hpp"
 
 namespace moka::cuda {
 
@@ -135,6 +136,7 @@ struct CallOutputs {
   int count = 0;
   void add(void* data, size_t size) {
     if (data == nullptr || size == 0) return;
+    require(count < kMax, ErrorCode::invalid_argument, "a call has more outputs than CallOutputs holds");
     at[count] = data;
     bytes[count++] = size;
   }
