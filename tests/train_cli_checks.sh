@@ -21,6 +21,40 @@ json_check() {
     fail "$1: $2"
 }
 
+# signal_run SIGNAL PATTERN COMMAND...: runs the command in the background with SIGINT not ignored
+# (a non-interactive shell's background jobs ignore it), sends SIGNAL once out.txt matches
+# PATTERN, and sets rc to the command's exit code.
+signal_run() {
+  signal=$1
+  pattern=$2
+  shift 2
+  env --default-signal=INT true 2>/dev/null || exit 77
+  env --default-signal=INT "$@" >out.txt 2>&1 &
+  pid=$!
+  tries=0
+  until grep -q "$pattern" out.txt; do
+    tries=$((tries + 1))
+    [ $tries -lt 600 ] || fail "no progress before SIG$signal"
+    sleep 0.1
+  done
+  kill -"$signal" $pid
+  rc=0
+  wait $pid || rc=$?
+}
+
+# launch-sigint-exits-130, launch-sigterm-exits-143: the launcher stops its workers and exits
+# 128 + the signal, as a shell reports a process the signal ended.
+case $2 in
+  launch-sig*)
+    signal=$(echo "$2" | sed 's/^launch-sig\([a-z]*\)-exits-[0-9]*$/\1/' | tr a-z A-Z)
+    signal_run "$signal" "^worker started" "$moka" launch -n 2 -- sh -c 'echo worker started; exec sleep 100'
+    [ $rc = "${2##*-}" ] || fail "exit code $rc after SIG$signal, expected ${2##*-}"
+    grep -q "moka launch: interrupted by SIG$signal; stopped the workers" out.txt || fail "no interruption message"
+    echo "ok: $2"
+    exit 0
+    ;;
+esac
+
 if [ "$2" = gcide-records-load-as-text ]; then
   # A 202-entry dictionary in dictd form (index: headword, base64 offset, base64 length), with a
   # header entry, a duplicate index line and the markup the converter removes; moka trains on
@@ -69,23 +103,15 @@ fi
 [ -d "${MOKA_TEXT_DIR:-/usr/share/games/fortunes}" ] || exit 77
 
 case $2 in
-  train-sigterm-saves-then-fails)
+  train-sigint-saves-then-exits-130 | train-sigterm-saves-then-exits-143)
+    signal=$(echo "$2" | sed 's/^train-sig\([a-z]*\)-.*/\1/' | tr a-z A-Z)
     # shellcheck disable=SC2086
-    "$moka" train --steps 1000000 --eval-every 1 --eval-batches 1 $small --save ck.safetensors >out.txt 2>&1 &
-    pid=$!
-    tries=0
-    until grep -q "^step 3:" out.txt; do
-      tries=$((tries + 1))
-      [ $tries -lt 600 ] || fail "no training progress"
-      sleep 0.1
-    done
-    kill -TERM $pid
-    rc=0
-    wait $pid || rc=$?
-    [ $rc -ne 0 ] || fail "exit code 0 after SIGTERM"
-    grep -q "training stopped by SIGTERM after step [0-9]*; --resume ck.safetensors continues it" out.txt ||
+    signal_run "$signal" "^step 3:" "$moka" train --steps 1000000 --eval-every 1 --eval-batches 1 $small \
+      --save ck.safetensors
+    [ $rc = "${2##*-}" ] || fail "exit code $rc after SIG$signal, expected ${2##*-}"
+    grep -q "training stopped by SIG$signal after step [0-9]*; --resume ck.safetensors continues it" out.txt ||
       fail "no stop message"
-    step=$(sed -n 's/.*stopped by SIGTERM after step \([0-9]*\);.*/\1/p' out.txt)
+    step=$(sed -n "s/.*stopped by SIG$signal after step \([0-9]*\);.*/\1/p" out.txt)
     grep -q "saved ck.safetensors at step $step" out.txt || fail "no checkpoint at step $step"
     # shellcheck disable=SC2086
     "$moka" train --resume ck.safetensors --steps $((step + 2)) --eval-every 0 $small >out.txt 2>&1 ||

@@ -10,7 +10,6 @@
 #include <cstdio>
 #include <filesystem>
 #include <iostream>
-#include <stdexcept>
 #include <utility>
 
 #include "bench_report.hpp"
@@ -113,9 +112,13 @@ void run(TrainCommand& c) {
     if (stop.signal()) {
       progress.finish();
       if (!c.save.empty()) save();
-      throw std::runtime_error(std::string("training stopped by ") + (stop.signal() == SIGINT ? "SIGINT" : "SIGTERM") +
-                               " after step " + std::to_string(r.step + 1) +
-                               (c.save.empty() ? " (no --save: nothing saved)" : "; --resume " + c.save + " continues it"));
+      // One write (launched workers share stderr), then the exit code a shell gives a process the
+      // signal ended: 128 + signal. CLI::RuntimeError carries it out of the parse without a message.
+      std::cerr << std::string("moka: training stopped by ") + (stop.signal() == SIGINT ? "SIGINT" : "SIGTERM") +
+                       " after step " + std::to_string(r.step + 1) +
+                       (c.save.empty() ? " (no --save: nothing saved)" : "; --resume " + c.save + " continues it") +
+                       "\n";
+      throw CLI::RuntimeError(128 + stop.signal());
     }
     tokens += r.tokens;
     if (r.step + 1 == kWarmupSteps) steady_start = clock::now();

@@ -22,8 +22,8 @@
 namespace moka {
 namespace {
 
-volatile sig_atomic_t g_interrupted = 0;
-void on_signal(int) { g_interrupted = 1; }
+volatile sig_atomic_t g_interrupted = 0;  // the SIGINT or SIGTERM that interrupted the launcher, else 0
+void on_signal(int signal) { g_interrupted = signal; }
 
 pid_t spawn(const std::vector<std::string>& args, int rank, int world, int port, const sigset_t& worker_mask) {
   const pid_t pid = ::fork();
@@ -175,8 +175,9 @@ int launch_workers(const std::vector<std::string>& args, const LaunchOptions& o)
   ::pthread_sigmask(SIG_SETMASK, &caller_mask, nullptr);
 
   if (g_interrupted) {
-    std::fprintf(stderr, "moka launch: interrupted; stopped the workers\n");
-    return 130;
+    std::fprintf(stderr, "moka launch: interrupted by %s; stopped the workers\n",
+                 g_interrupted == SIGINT ? "SIGINT" : "SIGTERM");
+    return 128 + g_interrupted;  // as a shell reports a process the signal ended
   }
   if (!failure) return 0;
   const bool killed_any = std::any_of(workers.begin(), workers.end(), [](const Worker& w) { return w.killed; });
