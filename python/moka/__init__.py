@@ -26,4 +26,18 @@ _moka._set_error_type(Error)
 ErrorCode = _moka.ErrorCode
 cuda_available = _moka.cuda_available
 __commit__ = _moka.__commit__
+
+
+def _version() -> str:
+    # The installed package's metadata (python/pyproject.toml's version); a build-tree import,
+    # which has none, gets the same number (kept equal to pyproject.toml and CMakeLists.txt's
+    # project(VERSION), which tests/python/test_import.py checks).
+    from importlib import metadata
+    try:
+        return metadata.version("moka")
+    except metadata.PackageNotFoundError:
+        return "0.1.0"
+
+
+__version__ = _version()
 __all__ = ["Error", "ErrorCode", "cuda_available"]

@@ -17,6 +17,7 @@ after a first, allocating call with the same token count).
 """
 from __future__ import annotations
 
+import math
 import os
 import socket
 from typing import Optional
@@ -62,7 +63,13 @@ def _backend(t: Tensor) -> str:
         return "cuda"
     if t.device.type != "cpu":
         raise ValueError(f"moka: x is on {t.device}; moka runs on CPU and CUDA tensors")
+    if t.dtype not in _CPU_DTYPES:
+        raise TypeError(f"moka: x has dtype {str(t.dtype).replace('torch.', '')}; the CPU backend computes in "
+                        f"float32 or float64 (bfloat16 is the CUDA backend's)")
     return "cpu"
+
+
+_CPU_DTYPES = (torch.float32, torch.float64)
 
 
 # --- expert parallelism: moka's own process group, bootstrapped over a torch.distributed group ---
@@ -359,9 +366,26 @@ def moe_experts(x: Tensor, topk_ids: Tensor, topk_weights: Tensor, w_gate: Tenso
                 group: Optional[dist.ProcessGroup] = None) -> Tensor:
     """The routed experts (and shared expert) of an MoE layer for tokens routed by the caller.
 
-    x [T, H]; topk_ids [T, k] int32 or int64 global expert ids; topk_weights [T, k] (float32, float64 for
-    float64 x); expert weights in the module's layouts (this rank's experts with a ``group``).
-    Returns out [T, H]. Differentiable in x, topk_weights and every weight. A ``torch.library``
+    Args:
+        x (Tensor): [T, H], contiguous; float32/float64 on the CPU, bfloat16 on CUDA.
+        topk_ids (Tensor): [T, k] int32 or int64 global expert ids, distinct within a token.
+        topk_weights (Tensor): [T, k] float32 (float64 for float64 x).
+        w_gate, w_up (Tensor): [E_local, I, H], x's dtype (this rank's experts with a ``group``).
+        w_down (Tensor): [E_local, H, I].
+        ws_gate, ws_up (Tensor | None): the shared expert's [Is, H], or None (no shared expert).
+        ws_down (Tensor | None): the shared expert's [H, Is], or None.
+        activation (str, keyword-only): "swiglu" or "swiglu_clamped".
+        clamp_limit (float, keyword-only): the clamp of "swiglu_clamped" (> 0).
+        group (torch.distributed.ProcessGroup | None, keyword-only): the expert-parallel group.
+
+    Returns:
+        Tensor: out [T, H], differentiable in x, topk_weights and every weight.
+
+    Raises:
+        TypeError, ValueError: inputs of a dtype, device or shape moka does not take.
+        moka.Error: what moka finds in the inputs (an expert id out of range, mismatched shapes).
+
+    A ``torch.library``
     op (``torch.ops.moka.moe_experts``): ``torch.compile(fullgraph=True)`` traces it as one node,
     modes and transforms see it; a plain eager call runs the same code without the dispatcher.
     Its backward runs the forward again (the op keeps no state); ``MoE`` keeps it instead.
@@ -378,6 +402,37 @@ def moe_experts(x: Tensor, topk_ids: Tensor, topk_weights: Tensor, w_gate: Tenso
 
 # --- the layer ---
 
+_SCORES = ("softmax", "sigmoid")
+_ACTIVATIONS = ("swiglu", "swiglu_clamped")
+
+
+def _int_arg(name: str, value, least: int) -> int:
+    """value as an int >= least: TypeError for a non-integer (bool included), ValueError below."""
+    if isinstance(value, bool) or not hasattr(value, "__index__"):
+        raise TypeError(f"moka: {name} must be an int, got {type(value).__name__} {value!r}")
+    value = int(value.__index__())
+    if value < least:
+        raise ValueError(f"moka: {name} must be >= {least}, got {value}")
+    return value
+
+
+def _choice_arg(name: str, value, choices) -> None:
+    if not isinstance(value, str):
+        raise TypeError(f"moka: {name} must be a str, got {type(value).__name__} {value!r}")
+    if value not in choices:
+        raise ValueError(f"moka: {name} '{value}' is not one of {', '.join(choices)}")
+
+
+def _float_arg(name: str, value, positive: bool) -> float:
+    """value as a finite float (> 0 if positive): TypeError for a non-number, ValueError else."""
+    if isinstance(value, (bool, str)) or not hasattr(value, "__float__"):
+        raise TypeError(f"moka: {name} must be a float, got {type(value).__name__} {value!r}")
+    value = float(value)
+    if not math.isfinite(value) or (positive and value <= 0):
+        raise ValueError(f"moka: {name} must be a {'positive ' if positive else ''}finite number, got {value}")
+    return value
+
+
 def _selection_bias(bias: Optional[Tensor], x: Tensor) -> Optional[Tensor]:
     """The bias in the dtype moka reads for x (the module keeps it so: a copy only if changed)."""
     return None if bias is None else bias.to(torch.float32 if x.is_cuda else x.dtype)
@@ -387,29 +442,74 @@ class MoE(nn.Module):
     """A Mixture-of-Experts layer: router, routed SwiGLU experts, optional shared expert.
 
     ``forward(x)`` takes x [..., H] and returns the layer's output of the same shape; backward gives
-    the gradients of x, the router and every expert. ``group``: a torch.distributed group over
-    which the experts are split (expert parallelism; each rank passes its own tokens, the same
-    number on every rank), or None.
+    the gradients of x, the router and every expert.
     Routing: ``score`` "softmax" or "sigmoid" over the router logits, top-k (by score plus
     ``selection_bias`` when it is on), weights optionally renormalized over the k and scaled by
-    ``route_scale``. ``path`` (CUDA backend): "automatic" (moka picks), "single_gpu", "all_to_all"
-    or "megakernel" (which holds ``max_tokens`` tokens per rank; automatic uses it only over
-    several ranks and when ``max_tokens`` is set). On the GPU, errors the kernels find (a bad expert id) surface at the
+    ``route_scale``. On the GPU, errors the kernels find (a bad expert id) surface at the
     next call or at ``check_errors()`` after synchronizing.
     One forward in flight per layer on the CUDA backend: it keeps the activations of its latest
     forward only, so run a forward's backward before the layer's next forward (activation
     checkpointing, which recomputes the forward just before its backward, fits; a backward of an
     older forward raises moka.Error).
+
+    Args:
+        hidden (int): H, the width of x and of the output (> 0).
+        intermediate (int): I, each routed expert's intermediate width (> 0).
+        experts (int): E, the number of routed experts over all ranks (> 0, a multiple of the
+            group's size).
+        top_k (int): k, the experts each token is routed to (1 <= k <= E).
+        shared_intermediate (int): Is, the shared expert's intermediate width; 0 (the default):
+            no shared expert.
+        group (torch.distributed.ProcessGroup | None, keyword-only): the ranks over which the
+            experts are split (expert parallelism; each rank passes its own tokens, the same number
+            on every rank, and holds E / world experts), or None (the default): all experts here.
+        path (str, keyword-only): the CUDA backend's path: "automatic" (the default; moka picks),
+            "single_gpu", "all_to_all" or "megakernel" (which holds ``max_tokens`` tokens per rank;
+            automatic uses it only over several ranks and when ``max_tokens`` is set).
+        score (str): "softmax" (the default) or "sigmoid".
+        renormalize (bool): renormalize the k weights of a token to sum to 1 (default False).
+        route_scale (float): a factor on the routing weights (default 1.0).
+        selection_bias (bool): keep a bias [E] added to the scores for the top-k selection only,
+            updated by ``update_selection_bias`` (default False).
+        activation (str): "swiglu" (the default; silu(g) * u) or "swiglu_clamped" (g and u
+            clamped to ``clamp_limit`` first).
+        clamp_limit (float): the clamp of "swiglu_clamped" (> 0; default 7.0).
+        init_std (float): the standard deviation of the initial normal weights (default 0.02).
+        tile_rows (int | None): the CUDA GEMMs' row tile (None: moka's default).
+        max_tokens (int): tokens per rank the megakernel's buffers hold (0, the default: none).
+        device (torch.device | str | None): where the weights are made.
+        dtype (torch.dtype | None): the weights' dtype: float32 or float64 for the CPU backend,
+            bfloat16 for the CUDA backend.
+
+    Raises:
+        TypeError: an argument of the wrong type (a float for ``experts``, a number for
+            ``score``), here; at a call, a tensor of a dtype the backend does not compute in.
+        ValueError: an argument out of range or unknown (``top_k`` > ``experts``, ``top_k`` = 0,
+            an unknown ``score``, ``activation`` or ``path``, ``experts`` not divisible by the
+            group's size), here; at a call, an input of the wrong width or on the wrong device.
+        moka.Error: what moka's kernels find in the inputs (an expert id out of range, a
+            duplicate expert, non-finite logits, mismatched shapes), with a ``code`` and the rank.
     """
 
     def __init__(self, hidden: int, intermediate: int, experts: int, top_k: int, shared_intermediate: int = 0,
-                 group: Optional[dist.ProcessGroup] = None, path: str = "automatic", *, score: str = "softmax",
+                 *, group: Optional[dist.ProcessGroup] = None, path: str = "automatic", score: str = "softmax",
                  renormalize: bool = False, route_scale: float = 1.0, selection_bias: bool = False,
                  activation: str = "swiglu", clamp_limit: float = 7.0, init_std: float = 0.02,
                  tile_rows: Optional[int] = None, max_tokens: int = 0, device=None, dtype=None):
         super().__init__()
-        if path not in _moka.LAYER_PATHS:
-            raise ValueError(f"moka: path '{path}' is not one of {', '.join(_moka.LAYER_PATHS)}")
+        hidden, intermediate, experts, top_k = (_int_arg(name, value, 1) for name, value in (
+            ("hidden", hidden), ("intermediate", intermediate), ("experts", experts), ("top_k", top_k)))
+        shared_intermediate = _int_arg("shared_intermediate", shared_intermediate, 0)
+        max_tokens = _int_arg("max_tokens", max_tokens, 0)
+        if tile_rows is not None:
+            tile_rows = _int_arg("tile_rows", tile_rows, 1)
+        if top_k > experts:
+            raise ValueError(f"moka: top_k = {top_k} exceeds experts = {experts}")
+        _choice_arg("path", path, _moka.LAYER_PATHS)
+        _choice_arg("score", score, _SCORES)
+        _choice_arg("activation", activation, _ACTIVATIONS)
+        clamp_limit = _float_arg("clamp_limit", clamp_limit, positive=True)
+        route_scale = _float_arg("route_scale", route_scale, positive=False)
         world = dist.get_world_size(group) if group is not None else 1
         rank = dist.get_rank(group) if group is not None else 0
         if experts % world:
@@ -499,22 +599,49 @@ class MoE(nn.Module):
         return routing, experts
 
     def route(self, x: Tensor) -> tuple[Tensor, Tensor]:
-        """topk_ids [T, k] int32 and topk_weights [T, k] for x [T, H] (differentiable in x and the
-        router weight through topk_weights)."""
+        """The layer's routing alone.
+
+        Args:
+            x (Tensor): [T, H], contiguous, in the weights' dtype, on the CPU or the current CUDA
+                device.
+
+        Returns:
+            tuple[Tensor, Tensor]: topk_ids [T, k] int32 (global expert ids) and topk_weights
+            [T, k] (float32; float64 for float64 x), differentiable in x and the router weight
+            through topk_weights. The routes are counted in ``expert_load``.
+        """
         router, _, _ = self._engine(x)
         (w_router, bias, load), _ = self._tensors()
         return _Route.apply(x, w_router, _selection_bias(bias, x), router, self.top_k, load)
 
     def apply_experts(self, x: Tensor, topk_ids: Tensor, topk_weights: Tensor) -> Tensor:
-        """The routed experts and the shared expert for x [T, H] routed by the caller (``route`` or
-        your own router): out [T, H], differentiable in x, topk_weights and every expert weight.
-        Unlike ``moe_experts``, the backward reuses this forward's state instead of recomputing it.
-        topk_ids may be int32 or int64."""
+        """The routed experts and the shared expert for tokens routed by the caller (``route`` or
+        your own router). Unlike ``moe_experts``, the backward reuses this forward's state instead
+        of recomputing it.
+
+        Args:
+            x (Tensor): [T, H], contiguous, in the weights' dtype.
+            topk_ids (Tensor): [T, k] int32 or int64 global expert ids, distinct within a token.
+            topk_weights (Tensor): [T, k] float32 (float64 for float64 x).
+
+        Returns:
+            Tensor: out [T, H], differentiable in x, topk_weights and every expert weight.
+        """
         _, layer, _ = self._engine(x)
         _, experts = self._tensors()
         return _Experts.apply(x, _int32_ids(topk_ids), topk_weights, *experts, layer)
 
     def forward(self, x: Tensor) -> Tensor:
+        """Routing, experts and combine.
+
+        Args:
+            x (Tensor): [..., H] in the weights' dtype (float32/float64 on the CPU, bfloat16 on the
+                current CUDA device); with a ``group``, every rank passes the same number of tokens.
+
+        Returns:
+            Tensor: the layer's output, x's shape and dtype, differentiable in x, the router and
+            every expert weight.
+        """
         if x.dim() == 0 or x.shape[-1] != self.hidden:
             raise ValueError(f"moka: MoE(hidden={self.hidden}) takes x [..., {self.hidden}], got {list(x.shape)}")
         # [T, H] input goes in as it is: a reshape would add a view and its autograd node each way.
@@ -547,8 +674,21 @@ class MoE(nn.Module):
 
     @classmethod
     def from_hf(cls, state_dict: dict, style: str, layer: int, top_k: int, **kwargs) -> "MoE":
-        """An MoE holding layer ``layer``'s router and experts from a Hugging Face state dict of
-        style "qwen3_moe", "mixtral" or "deepseek_v3" (see moka.hf)."""
+        """An MoE holding layer ``layer``'s router and experts from a Hugging Face state dict.
+
+        Args:
+            state_dict (dict[str, Tensor]): the checkpoint's tensors, in the names of transformers
+                4.x (one tensor per expert, ``experts.<e>.gate_proj.weight``, ...) or of
+                transformers 5 (``experts.gate_up_proj`` [E, 2I, H], gate rows first, and
+                ``experts.down_proj`` [E, H, I]); see moka.hf.
+            style (str): "qwen3_moe", "mixtral" or "deepseek_v3".
+            layer (int): the decoder layer's index.
+            top_k (int): the model's num_experts_per_tok.
+            prefix (str, keyword-only): what comes before the layer index in the names (default
+                "model.layers."; e.g. "model.language_model.layers." or "layers.").
+            **kwargs: the constructor's keyword arguments (group, device, dtype, ...), which
+                override the style's routing defaults.
+        """
         from .hf import load_moe
         return load_moe(cls, state_dict, style, layer, top_k, **kwargs)
 

@@ -20,17 +20,28 @@ def call(moe, x, ids, weights):
     return moe_experts(x, ids, weights, moe.w_gate, moe.w_up, moe.w_down)
 
 
-def test_float16_is_a_type_error_naming_the_tensor():
-    moe = tiny_moe(dtype=torch.float16)
-    with pytest.raises(TypeError, match="x has dtype float16; moka takes bfloat16, float32 or float64"):
-        moe(torch.randn(4, 8, dtype=torch.float16))
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_a_dtype_the_cpu_does_not_compute_in_is_a_type_error_naming_the_cpus_dtypes(dtype):
+    name = str(dtype).replace("torch.", "")
+    moe = tiny_moe(dtype=dtype)
+    x = torch.randn(4, 8, dtype=dtype)
+    match = f"x has dtype {name}; the CPU backend computes in float32 or float64"
+    with pytest.raises(TypeError, match=match):
+        moe(x)
+    with pytest.raises(TypeError, match=match):
+        moe.route(x)
+    ids = torch.tensor([[0, 1]] * 4, dtype=torch.int32)
+    weights = torch.full((4, 2), 0.5)
+    with pytest.raises(TypeError, match=match):
+        moe.apply_experts(x, ids, weights)
+    with pytest.raises(TypeError, match=match):
+        moe_experts(x, ids, weights, moe.w_gate, moe.w_up, moe.w_down)
 
 
-def test_bfloat16_on_the_cpu_backend_says_which_dtypes_it_computes_in():
-    moe = tiny_moe(dtype=torch.bfloat16)
-    with pytest.raises(moka.Error, match="rank 0 of 1: .*CPU router computes in f32 or f64") as e:
-        moe(torch.randn(4, 8, dtype=torch.bfloat16))
-    assert e.value.code == ErrorCode.invalid_argument
+def test_the_module_dtype_reaches_moka_and_is_named_when_x_differs():
+    moe = tiny_moe(dtype=torch.float64)
+    with pytest.raises(moka.Error, match="rank 0 of 1: "):
+        moe(torch.randn(4, 8, dtype=torch.float32))
 
 
 def test_expert_id_out_of_range_names_rank_token_and_value():
@@ -104,9 +115,58 @@ def test_non_finite_router_logits_are_reported():
 def test_bad_constructor_arguments():
     with pytest.raises(ValueError, match="path 'sideways'"):
         MoE(8, 6, 4, 2, path="sideways")
-    with pytest.raises(moka.Error, match="router top_k exceeds num_experts"):
-        MoE(8, 6, 4, 5, dtype=torch.float64)(torch.randn(2, 8, dtype=torch.float64))
-    with pytest.raises(ValueError, match="unknown score function 'max'"):
-        MoE(8, 6, 4, 2, score="max", dtype=torch.float64)(torch.randn(2, 8, dtype=torch.float64))
     with pytest.raises(ValueError, match="without selection_bias"):
         MoE(8, 6, 4, 2).update_selection_bias()
+
+
+@pytest.mark.parametrize("args, kwargs, match", [
+    ((8, 6, 4, 5), {}, "top_k = 5 exceeds experts = 4"),
+    ((8, 6, 4, 0), {}, "top_k must be >= 1, got 0"),
+    ((0, 6, 4, 2), {}, "hidden must be >= 1, got 0"),
+    ((8, -1, 4, 2), {}, "intermediate must be >= 1, got -1"),
+    ((8, 6, 0, 1), {}, "experts must be >= 1, got 0"),
+    ((8, 6, 4, 2, -3), {}, "shared_intermediate must be >= 0, got -3"),
+    ((8, 6, 4, 2), {"score": "max"}, "score 'max' is not one of softmax, sigmoid"),
+    ((8, 6, 4, 2), {"activation": "gelu"}, "activation 'gelu' is not one of swiglu, swiglu_clamped"),
+    ((8, 6, 4, 2), {"clamp_limit": 0.0}, "clamp_limit must be a positive finite number, got 0.0"),
+    ((8, 6, 4, 2), {"clamp_limit": float("inf")}, "clamp_limit must be a positive finite number"),
+    ((8, 6, 4, 2), {"max_tokens": -1}, "max_tokens must be >= 0"),
+])
+def test_bad_shape_arguments_are_value_errors_in_the_constructor(args, kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        MoE(*args, dtype=torch.float64, **kwargs)
+
+
+@pytest.mark.parametrize("args, kwargs, match", [
+    ((8.0, 6, 4, 2), {}, "hidden must be an int, got float 8.0"),
+    ((8, 6, "4", 2), {}, "experts must be an int, got str '4'"),
+    ((8, 6, 4, True), {}, "top_k must be an int, got bool True"),
+    ((8, 6, 4, 2), {"score": None}, "score must be a str, got NoneType"),
+    ((8, 6, 4, 2), {"path": 1}, "path must be a str"),
+    ((8, 6, 4, 2), {"clamp_limit": "7"}, "clamp_limit must be a float"),
+])
+def test_arguments_of_the_wrong_type_are_type_errors_in_the_constructor(args, kwargs, match):
+    with pytest.raises(TypeError, match=match):
+        MoE(*args, dtype=torch.float64, **kwargs)
+
+
+def test_integer_like_shape_arguments_are_taken():
+    moe = MoE(torch.tensor(8), 6, 4, 2, dtype=torch.float64)
+    assert type(moe.hidden) is int and moe.hidden == 8
+    moe(torch.randn(3, 8, dtype=torch.float64))
+
+
+def test_experts_that_do_not_split_over_the_group_are_refused_in_the_constructor(monkeypatch):
+    import torch.distributed as dist
+    monkeypatch.setattr(dist, "get_world_size", lambda group=None: 3)
+    monkeypatch.setattr(dist, "get_rank", lambda group=None: 0)
+    with pytest.raises(ValueError, match="4 experts cannot be split evenly over 3 ranks"):
+        MoE(8, 6, 4, 2, group=object())
+
+
+def test_group_and_path_are_keyword_only():
+    with pytest.raises(TypeError):
+        MoE(8, 6, 4, 2, 0, None)
+    with pytest.raises(TypeError):
+        MoE(8, 6, 4, 2, 0, None, "automatic")
+    assert MoE(8, 6, 4, 2, 0, group=None, path="automatic").path == "automatic"
