@@ -23,6 +23,23 @@ TEST(TrainLoop, CheckpointResumeIsBitwiseIdentical) {
                                                  "moka_resume_test.safetensors");
 }
 
+// A run that blows up says so, with the step: not the router's complaint about its inputs.
+TEST(TrainLoop, DivergedRunNamesTheStep) {
+  MOKA_REQUIRE_CORPUS(text);
+  Trainer trainer(tiny_train_config(Parameterization::mup, 1e30), *text);
+  std::string message;
+  try {
+    for (int s = 0; s < 100; ++s) trainer.step();
+  } catch (const moka::Error& e) {
+    EXPECT_EQ(e.code(), moka::ErrorCode::non_finite);
+    message = e.what();
+  }
+  EXPECT_NE(message.find("training diverged at step " + std::to_string(trainer.steps_done() + 1) + ": "),
+            std::string::npos)
+      << message;
+  EXPECT_EQ(message.find("check x and w_router"), std::string::npos) << message;
+}
+
 // The CPU engine's profile: each stage of a step on the host clock, the stage times summing to
 // the step, every step's report filled whether or not it is asked to read (nothing to wait for).
 TEST(TrainLoop, CpuProfileTimesEveryStage) {

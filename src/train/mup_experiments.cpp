@@ -57,14 +57,15 @@ std::vector<double> train_and_evaluate_at(const TrainConfig& c, const TextSplit&
     Trainer trainer(c, text);
     size_t next = 0;
     while (next < eval_steps.size()) {
-      // Stop at a non-finite loss or gradient: a diverged run's later losses mean nothing. The
-      // numbers are read (a wait for the device) only every kFiniteCheckEvery steps and before
-      // an evaluation, so the GPU runs ahead of the host in between; the steps a diverged run
-      // takes past its first NaN stay harmless (NaN scores still route to valid experts).
+      // Stop at a non-finite loss (Trainer::step throws non_finite) or gradient: a diverged run's
+      // later losses mean nothing. The numbers are read (a wait for the device) only every
+      // kFiniteCheckEvery steps and before an evaluation, so the GPU runs ahead of the host in
+      // between; the steps a diverged run takes past its first NaN stay harmless (NaN scores still
+      // route to valid experts).
       const int64_t step = trainer.steps_done() + 1;
       const bool check = step % kFiniteCheckEvery == 0 || step == eval_steps[next];
       const auto r = trainer.step(nullptr, check);
-      if (check && (!std::isfinite(r.loss) || !std::isfinite(r.grad_norm))) break;
+      if (check && !std::isfinite(r.grad_norm)) break;
       for (; next < eval_steps.size() && eval_steps[next] == trainer.steps_done(); ++next) {
         const double loss = trainer.evaluate(eval_batches, use_ema);
         if (std::isfinite(loss)) losses[next] = loss;

@@ -157,8 +157,19 @@ StepReport Trainer::step(ActivationStats* stats, bool read_metrics) {
   r.tokens = batch.tokens();
   const double factor = config_.schedule.factor(r.step);
   r.lr = config_.adam.lr * factor;
-  engine_->step(batch, factor, stats, read_metrics, r);
-  ++steps_;
+  // Too high an LR shows first as a non-finite loss or as the CPU router refusing its logits;
+  // either way the run diverged, which the router's own message (about its inputs) would hide.
+  const auto diverged = [&](const std::string& what) {
+    return Error(ErrorCode::non_finite, "training diverged at step " + std::to_string(r.step + 1) + ": " + what);
+  };
+  try {
+    engine_->step(batch, factor, stats, read_metrics, r);
+  } catch (const Error& e) {
+    if (e.code() != ErrorCode::non_finite) throw;
+    throw diverged("the router logits became non-finite");
+  }
+  ++steps_;  // the step was taken, diverged or not
+  if (read_metrics && !std::isfinite(r.loss)) throw diverged("the loss is " + std::to_string(r.loss));
   return r;
 }
 
