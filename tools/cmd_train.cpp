@@ -124,7 +124,7 @@ void run(TrainCommand& c) {
     if (r.step + 1 == kWarmupSteps) steady_start = clock::now();
     if (r.step + 1 > kWarmupSteps) steady_tokens += r.tokens;
     const double seconds = std::chrono::duration<double>(clock::now() - start).count();
-    progress.update(progress_text(last, double(tokens) / seconds), int(r.step + 1), int(total));
+    progress.update(progress_text(last, double(tokens) / seconds), int(r.step + 1), int(total));  // <= kMaxSteps
     if (evaluating) {
       progress.finish();
       const auto eval_start = clock::now();

@@ -11,7 +11,6 @@
 #include <cstring>
 #include <filesystem>
 #include <fstream>
-#include <sstream>
 #include <thread>
 
 #include "commands.hpp"
@@ -31,10 +30,10 @@ CLI::Validator number_check(const std::string& rule, std::function<bool(double)>
       rule);
 }
 
+// The shortest text that reads back as v: a bound such as 2147483647 shows every digit.
 std::string number_text(double v) {
-  std::ostringstream out;
-  out << v;
-  return out.str();
+  char text[32];
+  return std::string(text, std::to_chars(text, text + sizeof text, v).ptr);
 }
 
 const char* python() {
@@ -123,7 +122,11 @@ void add_train_options(CLI::App* cmd, TrainCliOptions& o, SharedOptions which) {
   cmd->add_option("--clip", o.train.adam.clip_norm, "max gradient norm (0 = off)")
       ->capture_default_str()
       ->check(at_least(0));
-  if (which.steps) cmd->add_option("--steps", o.steps, "optimizer steps")->capture_default_str()->check(one_or_more);
+  if (which.steps)
+    cmd->add_option("--steps", o.steps, "optimizer steps")
+        ->capture_default_str()
+        ->check(one_or_more)
+        ->check(at_most(double(kMaxSteps)));
   cmd->add_option("--warmup", o.warmup, "warmup steps")->capture_default_str()->check(at_least(0));
   cmd->add_option("--schedule", o.schedule, "constant | wsd | cosine")
       ->capture_default_str()

@@ -2,6 +2,7 @@
 // the optimizer and schedule, the data, and where the plots come from.
 #pragma once
 #include <CLI/CLI.hpp>
+#include <limits>
 #include <nlohmann/json.hpp>
 #include <string>
 
@@ -9,6 +10,9 @@
 #include "train/trainer.hpp"
 
 namespace moka::cli {
+
+// The most --steps: the progress line counts steps in int, and no run comes near it.
+constexpr int64_t kMaxSteps = std::numeric_limits<int>::max();
 
 struct TrainCliOptions {
   TrainCliOptions();  // a d=32 base model with 4 experts, 4 x 32-token batches
