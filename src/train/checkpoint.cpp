@@ -1,11 +1,14 @@
 #include "train/checkpoint.hpp"
 
 #include <fcntl.h>
+#include <signal.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
 #include <algorithm>
 #include <bit>
+#include <cctype>
+#include <charconv>
 #include <cerrno>
 #include <cstring>
 #include <filesystem>
@@ -50,12 +53,54 @@ std::string shape_text(const std::vector<int64_t>& shape) { return nlohmann::jso
 
 std::string with_errno(const std::string& what, int err = errno) { return what + ": " + std::strerror(err); }
 
+// The temporary names of `path`: path.tmp.<writer's pid>.<mkstemp's six characters>. The pid
+// tells a killed writer's leftover from a save in progress.
+std::string temporary_prefix(const std::string& path) { return path + ".tmp."; }
+
+// The pid of the writer of `name` when it is a temporary name of the path whose file name is
+// `file_name`, else nothing.
+std::optional<pid_t> temporary_writer(const std::string& name, const std::string& file_name) {
+  const std::string prefix = temporary_prefix(file_name);
+  if (name.compare(0, prefix.size(), prefix) != 0) return std::nullopt;
+  const char* const digits = name.data() + prefix.size();
+  const char* const end = name.data() + name.size();
+  pid_t pid = 0;
+  const auto [after_pid, err] = std::from_chars(digits, end, pid);
+  // As the writer spells it: a positive pid without leading zeros, a dot, six of [A-Za-z0-9].
+  constexpr ptrdiff_t kRandom = 6;  // mkstemp's XXXXXX
+  const bool as_written = err == std::errc() && pid > 0 && *digits != '0';
+  if (!as_written || end - after_pid != 1 + kRandom || *after_pid != '.') return std::nullopt;
+  const bool from_mkstemp =
+      std::all_of(after_pid + 1, end, [](char c) { return std::isalnum(static_cast<unsigned char>(c)) != 0; });
+  return from_mkstemp ? std::optional(pid) : std::nullopt;
+}
+
+// Removes the temporaries of `path` that writers killed part-way left behind: regular files of
+// the exact temporary-name pattern whose writer process no longer exists. Best effort: a file
+// that cannot be listed or removed stays, as it would have without this.
+void remove_stale_temporaries(const std::string& path) {
+  namespace fs = std::filesystem;
+  const fs::path destination(path);
+  const fs::path dir = destination.parent_path().empty() ? fs::path(".") : destination.parent_path();
+  const std::string file_name = destination.filename().string();
+  std::error_code ec;
+  for (fs::directory_iterator it(dir, ec), end; !ec && it != end; it.increment(ec)) {
+    const auto writer = temporary_writer(it->path().filename().string(), file_name);
+    if (writer && it->symlink_status(ec).type() == fs::file_type::regular && ::kill(*writer, 0) != 0 &&
+        errno == ESRCH)
+      fs::remove(it->path(), ec);
+    ec.clear();
+  }
+}
+
 // An output file written under a temporary name in its destination's directory; commit() puts
-// the bytes on disk and renames the file over the destination. Without commit() (an error
-// part-way) the temporary is removed and the destination keeps its old contents.
+// the bytes on disk, renames the file over the destination and removes killed writers' stale
+// temporaries. Without commit() (an error part-way) the temporary is removed and the
+// destination keeps its old contents.
 class AtomicFile {
  public:
-  explicit AtomicFile(std::string path) : path_(std::move(path)), temp_(path_ + ".tmp.XXXXXX") {
+  explicit AtomicFile(std::string path)
+      : path_(std::move(path)), temp_(temporary_prefix(path_) + std::to_string(::getpid()) + ".XXXXXX") {
     fd_ = ::mkstemp(temp_.data());
     require(fd_ >= 0, ErrorCode::io, with_errno("cannot create a temporary file next to " + path_));
     // mkstemp creates the file readable by its owner alone; give it the mode open() would.
@@ -95,6 +140,7 @@ class AtomicFile {
     const int err = ::fsync(dir_fd) == 0 ? 0 : errno;
     ::close(dir_fd);
     require(err == 0 || err == EINVAL, ErrorCode::io, with_errno("flushing the directory of " + path_ + " failed", err));
+    remove_stale_temporaries(path_);
   }
 
  private:

@@ -32,6 +32,7 @@ struct SafetensorsFile {
 
 // Writes a temporary file next to `path`, flushes it to disk and renames it over `path`: a
 // crash or kill at any moment leaves either the previous file or the new one, never a torn one.
+// The temporaries of `path` that killed writers left are removed once the new file is in place.
 void write_safetensors(const std::string& path, const SafetensorsFile& file);
 // Throws io, naming the file, on anything that is not a well-formed safetensors file: short
 // reads, lengths or offsets past the end, byte counts that disagree with dtype x shape,
