@@ -304,7 +304,9 @@ TEST(MegakernelGrid, SizedToTheSmsTheContextOwns) {
   std::printf("[ grid     ] the device attribute's SMs %d, the context's %d\n", device_sms, owned);
   EXPECT_GE(owned, 1);
   EXPECT_LE(owned, device_sms);
-  if (const char* whole = std::getenv("MOKA_TEST_GPU_SMS")) EXPECT_LT(owned, std::atoi(whole));
+  if (const char* whole = std::getenv("MOKA_TEST_GPU_SMS")) {
+    EXPECT_LT(owned, std::atoi(whole));
+  }
 }
 
 TEST(Megakernel, RejectsBadConfigAndTooManyTokens) {
@@ -397,8 +399,9 @@ TEST(MegakernelPath, FailuresSurfaceAtTheNextCallWithNaNOutputs) {
       ADD_FAILURE() << "the " << who << "'s failure was not raised by the next " << direction;
     } catch (const Error& e) {
       EXPECT_EQ(e.code(), ErrorCode::timeout) << e.what();
-      if (std::string(who) == "backward")
+      if (std::string(who) == "backward") {
         EXPECT_NE(std::string(e.what()).find("megakernel backward"), std::string::npos) << e.what();
+      }
     }
   };
   zero_outputs();
