@@ -1,6 +1,7 @@
 // Checkpoints: the safetensors reader refuses truncated and corrupted files with an error naming
-// the file (never a crash or an oversized allocation), a killed writer never tears the previous
-// checkpoint, and resuming refuses a checkpoint of another run.
+// the file (never a crash or an oversized allocation), checksums catch flipped bits that leave the
+// file well-formed, a killed writer never tears the previous checkpoint, and resuming refuses a
+// checkpoint of another run.
 #include <gtest/gtest.h>
 #include <signal.h>
 #include <sys/wait.h>
@@ -158,6 +159,104 @@ TEST_F(Checkpoint, RandomCorruptionNeverEscapesAsAnotherError) {
   }
 }
 
+namespace {
+
+// The data-section offset of a file write_safetensors wrote.
+uint64_t data_start(const std::string& bytes) {
+  uint64_t header_length = 0;
+  std::memcpy(&header_length, bytes.data(), sizeof(header_length));
+  return sizeof(header_length) + header_length;
+}
+
+// `bytes` with one bit flipped at each of 20 positions spread over its data section, one copy per position.
+std::vector<std::string> data_bit_flips(const std::string& bytes) {
+  const uint64_t start = data_start(bytes), size = bytes.size() - start;
+  std::vector<std::string> out;
+  for (uint64_t i = 0; i < 20; ++i) {
+    std::string copy = bytes;
+    copy[start + i * size / 20 + (i * 7) % (size / 20)] ^= char(1 << (i % 8));
+    out.push_back(copy);
+  }
+  return out;
+}
+
+}  // namespace
+
+// Before checksums every one of these read back as different numbers, silently.
+TEST_F(Checkpoint, EveryDataBitFlipIsRefusedAsAChecksumMismatch) {
+  SafetensorsFile f = sample();
+  f.put("big", std::vector<float>(1000, 0.5f), {1000});
+  const auto whole_file = path("whole.safetensors");
+  write_safetensors(whole_file, f);
+  const auto flipped = path("flipped.safetensors");
+  for (const auto& copy : data_bit_flips(read_bytes(whole_file))) {
+    std::ofstream(flipped, std::ios::binary | std::ios::trunc) << copy;
+    expect_refused(flipped, "checksum mismatch in tensor '");
+  }
+}
+
+TEST_F(Checkpoint, MetadataIsChecksummedToo) {
+  const auto file = path("ckpt.safetensors");
+  write_safetensors(file, sample());
+  std::string bytes = read_bytes(file);
+  const auto step = bytes.find(R"("step":"7")");
+  ASSERT_NE(step, std::string::npos);
+  bytes[step + 8] = '6';
+  std::ofstream(file, std::ios::binary | std::ios::trunc) << bytes;
+  expect_refused(file, "checksum mismatch in __metadata__");
+}
+
+TEST_F(Checkpoint, RoundTripIsBitForBit) {
+  SafetensorsFile f = sample();
+  f.tensors["nan"] = StoredTensor{moka::DType::f32, {2}, {0x01, 0x00, 0xC0, 0x7F, 0x00, 0x00, 0x00, 0x80}};
+  f.tensors["empty"] = StoredTensor{moka::DType::f64, {0, 3}, {}};
+  const auto file = path("ckpt.safetensors"), again = path("again.safetensors");
+  write_safetensors(file, f);
+  const auto g = read_safetensors(file);
+  EXPECT_EQ(g.metadata, f.metadata);  // the checksums are the reader's, not the caller's
+  ASSERT_EQ(g.tensors.size(), f.tensors.size());
+  for (const auto& [name, t] : f.tensors) {
+    EXPECT_EQ(g.get(name).bytes, t.bytes) << name;
+    EXPECT_EQ(g.get(name).shape, t.shape) << name;
+    EXPECT_EQ(g.get(name).dtype, t.dtype) << name;
+  }
+  write_safetensors(again, g);
+  EXPECT_EQ(read_bytes(again), read_bytes(file));
+}
+
+// CRC-32C test vectors of RFC 3720 B.4, as the file records them.
+TEST_F(Checkpoint, ChecksumsAreCrc32c) {
+  SafetensorsFile f;
+  f.tensors["zeros"] = StoredTensor{moka::DType::f32, {8}, std::vector<uint8_t>(32, 0)};
+  f.tensors["ones"] = StoredTensor{moka::DType::f32, {8}, std::vector<uint8_t>(32, 0xFF)};
+  std::vector<uint8_t> ascending(32);
+  for (size_t i = 0; i < ascending.size(); ++i) ascending[i] = uint8_t(i);
+  f.tensors["ascending"] = StoredTensor{moka::DType::f32, {8}, ascending};
+  const auto file = path("ckpt.safetensors");
+  write_safetensors(file, f);
+  const std::string bytes = read_bytes(file);
+  for (const char* crc : {R"(\"zeros\":\"8a9136aa\")", R"(\"ones\":\"62a8ab43\")",
+                          R"(\"ascending\":\"46dd794e\")"})
+    EXPECT_NE(bytes.find(crc), std::string::npos) << crc << " in " << bytes.substr(0, data_start(bytes));
+}
+
+TEST_F(Checkpoint, FilesWithoutChecksumsAreRefused) {
+  expect_refused(write_raw(R"({"w":{"dtype":"F32","shape":[1],"data_offsets":[0,4]}})", "1234"),
+                 "its metadata has no moka.crc32c checksums");
+  expect_refused(write_raw(R"({"__metadata__":{"moka.crc32c":"[]"}})", ""), "checksums are not a JSON object");
+  expect_refused(write_raw(R"({"w":{"dtype":"F32","shape":[1],"data_offsets":[0,4]},)"
+                           R"("__metadata__":{"moka.crc32c":"{\"__metadata__\":\"00000000\"}"}})",
+                           "1234"),
+                 "tensor 'w' has no checksum");
+  expect_refused(write_raw(R"({"__metadata__":{"moka.crc32c":"{\"__metadata__\":\"0000000g\"}"}})", ""),
+                 "checksum of '__metadata__' is not eight hex digits");
+  expect_refused(write_raw(R"({"__metadata__":{"moka.crc32c":"{\"w\":\"00000000\"}"}})", ""),
+                 "its __metadata__ has no checksum");
+  SafetensorsFile f = sample();
+  f.metadata["moka.crc32c"] = "mine";
+  EXPECT_THROW(write_safetensors(path("reserved.safetensors"), f), moka::Error);
+}
+
 TEST_F(Checkpoint, TensorsHoldExactlyTheirShape) {
   const StoredTensor five_bytes{moka::DType::f32, {1}, {1, 2, 3, 4, 5}};
   EXPECT_THROW(five_bytes.as<float>(), moka::Error);
@@ -284,5 +383,28 @@ TEST(CheckpointResume, RefusesACheckpointOfAnotherRun) {
   expect_load_fails(config, "has checkpoint format moka-train-checkpoint-1");
   edited([&](SafetensorsFile& f) { f.metadata.erase("format"); });
   expect_load_fails(config, "is not a moka training checkpoint: its metadata has no format");
+  fs::remove(file);
+}
+
+// Every one of 20 single-bit flips over a training checkpoint's data section fails the resume.
+TEST(CheckpointResume, RefusesACheckpointWithAFlippedDataBit) {
+  MOKA_REQUIRE_CORPUS(text);
+  const auto file = (fs::temp_directory_path() / "moka_resume_bitflip.safetensors").string();
+  const auto config = tiny_train_config(Parameterization::mup, 1e-2);
+  Trainer(config, *text).save(file);
+  const std::string bytes = read_bytes(file);
+  for (const auto& copy : data_bit_flips(bytes)) {
+    std::ofstream(file, std::ios::binary | std::ios::trunc) << copy;
+    Trainer trainer(config, *text);
+    try {
+      trainer.load(file);
+      ADD_FAILURE() << "resumed from a checkpoint with a flipped bit";
+    } catch (const moka::Error& e) {
+      EXPECT_NE(std::string(e.what()).find(file), std::string::npos) << e.what();
+      EXPECT_NE(std::string(e.what()).find("checksum mismatch in tensor '"), std::string::npos) << e.what();
+    }
+  }
+  std::ofstream(file, std::ios::binary | std::ios::trunc) << bytes;
+  Trainer(config, *text).load(file);  // the undamaged file still resumes
   fs::remove(file);
 }

@@ -6,10 +6,12 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <array>
 #include <bit>
 #include <cctype>
 #include <charconv>
 #include <cerrno>
+#include <cstdio>
 #include <cstring>
 #include <filesystem>
 #include <fstream>
@@ -149,6 +151,56 @@ class AtomicFile {
   bool committed_ = false;
 };
 
+// CRC-32C (Castagnoli: reflected polynomial 0x82F63B78, initial value and final xor ~0, the
+// iSCSI/ext4 checksum; crc32c("123456789") = 0xE3069283), slicing-by-8 so that checksumming a
+// multi-gigabyte checkpoint costs a fraction of writing it. Tables built at compile time.
+constexpr auto kCrc32cTables = [] {
+  std::array<std::array<uint32_t, 256>, 8> t{};
+  for (uint32_t i = 0; i < 256; ++i) {
+    uint32_t c = i;
+    for (int k = 0; k < 8; ++k) c = (c >> 1) ^ (0x82F63B78u & (0u - (c & 1u)));
+    t[0][i] = c;
+  }
+  for (size_t s = 1; s < 8; ++s)
+    for (size_t i = 0; i < 256; ++i) t[s][i] = (t[s - 1][i] >> 8) ^ t[0][t[s - 1][i] & 0xFF];
+  return t;
+}();
+
+uint32_t crc32c(const uint8_t* p, size_t n) {
+  const auto& t = kCrc32cTables;
+  uint32_t c = ~0u;
+  for (; n >= 8; p += 8, n -= 8) {
+    uint64_t w;
+    std::memcpy(&w, p, 8);  // little-endian, asserted above
+    w ^= c;
+    c = t[7][w & 0xFF] ^ t[6][(w >> 8) & 0xFF] ^ t[5][(w >> 16) & 0xFF] ^ t[4][(w >> 24) & 0xFF] ^
+        t[3][(w >> 32) & 0xFF] ^ t[2][(w >> 40) & 0xFF] ^ t[1][(w >> 48) & 0xFF] ^ t[0][w >> 56];
+  }
+  for (; n > 0; ++p, --n) c = (c >> 8) ^ t[0][(c ^ *p) & 0xFF];
+  return ~c;
+}
+uint32_t crc32c(const std::string& s) { return crc32c(reinterpret_cast<const uint8_t*>(s.data()), s.size()); }
+
+// The checksums travel in the one place safetensors leaves to the writer, __metadata__ (string
+// values only, so other safetensors readers still load the file): under kChecksumsKey, a JSON
+// object mapping each tensor's name to the CRC-32C of its bytes, and kMetadataChecksum to the
+// CRC-32C of the rest of the metadata (a flipped step count would resume at the wrong step).
+// The safetensors format has no version field, so a file without checksums cannot be told from
+// a damaged one whose checksum entry was lost: the reader refuses it.
+constexpr const char* kChecksumsKey = "moka.crc32c";
+constexpr const char* kMetadataChecksum = "__metadata__";  // no tensor can have this name
+
+std::string crc_text(uint32_t crc) {
+  char text[9];
+  std::snprintf(text, sizeof(text), "%08x", crc);
+  return text;
+}
+
+// The metadata as the writer checksums it: the std::map's order makes it canonical.
+uint32_t metadata_crc(const std::map<std::string, std::string>& metadata) {
+  return crc32c(nlohmann::json(metadata).dump());
+}
+
 Error corrupt(const std::string& path, const std::string& what) {
   return Error(ErrorCode::io, path + " is not a valid safetensors file: " + what);
 }
@@ -199,6 +251,38 @@ std::map<std::string, std::string> parse_metadata(const std::string& path, const
   return out;
 }
 
+// Takes the checksums out of `metadata`: one per tensor of `entries` plus the metadata's, each
+// eight hex digits, no more and no fewer.
+std::map<std::string, uint32_t> parse_checksums(const std::string& path, std::map<std::string, std::string>& metadata,
+                                                const std::vector<TensorEntry>& entries) {
+  const auto it = metadata.find(kChecksumsKey);
+  if (it == metadata.end())
+    throw corrupt(path, std::string("its metadata has no ") + kChecksumsKey +
+                            " checksums (written before moka checksummed checkpoints, or not by moka)");
+  const std::string text = it->second;
+  metadata.erase(it);
+  nlohmann::json json;
+  try {
+    json = nlohmann::json::parse(text);
+  } catch (const nlohmann::json::exception&) {
+  }
+  if (!json.is_object()) throw corrupt(path, std::string("its ") + kChecksumsKey + " checksums are not a JSON object");
+  std::map<std::string, uint32_t> out;
+  for (const auto& [name, value] : json.items()) {
+    const std::string hex = value.is_string() ? value.get<std::string>() : "";
+    uint32_t crc = 0;
+    const auto [end, err] = std::from_chars(hex.data(), hex.data() + hex.size(), crc, 16);
+    if (hex.size() != 8 || err != std::errc() || end != hex.data() + hex.size())
+      throw corrupt(path, "checksum of '" + name + "' is not eight hex digits");
+    out[name] = crc;
+  }
+  for (const auto& e : entries)
+    if (!out.count(e.name)) throw corrupt(path, "tensor '" + e.name + "' has no checksum");
+  if (!out.count(kMetadataChecksum)) throw corrupt(path, "its __metadata__ has no checksum");
+  if (out.size() != entries.size() + 1) throw corrupt(path, "it has checksums of tensors it does not hold");
+  return out;
+}
+
 }  // namespace
 
 template <typename T>
@@ -240,7 +324,13 @@ void write_safetensors(const std::string& path, const SafetensorsFile& file) {
                     {"data_offsets", {offset, offset + t.bytes.size()}}};
     offset += t.bytes.size();
   }
-  if (!file.metadata.empty()) header["__metadata__"] = file.metadata;
+  require(!file.metadata.count(kChecksumsKey), ErrorCode::invalid_argument,
+          std::string("metadata key ") + kChecksumsKey + " is reserved for the checksums of " + path);
+  nlohmann::json checksums = {{kMetadataChecksum, crc_text(metadata_crc(file.metadata))}};
+  for (const auto& [name, t] : file.tensors) checksums[name] = crc_text(crc32c(t.bytes.data(), t.bytes.size()));
+  auto metadata = file.metadata;
+  metadata[kChecksumsKey] = checksums.dump();
+  header["__metadata__"] = metadata;
   std::string text = header.dump();
   text.append((8 - text.size() % 8) % 8, ' ');  // the format pads the header to 8 bytes
   const uint64_t length = text.size();
@@ -286,11 +376,18 @@ SafetensorsFile read_safetensors(const std::string& path) {
   for (size_t i = 1; i < entries.size(); ++i)
     if (entries[i].begin < entries[i - 1].end)
       throw corrupt(path, "tensors '" + entries[i - 1].name + "' and '" + entries[i].name + "' overlap");
+  const auto checksums = parse_checksums(path, file.metadata, entries);
+  if (checksums.at(kMetadataChecksum) != metadata_crc(file.metadata))
+    throw corrupt(path, "checksum mismatch in __metadata__ (the file is damaged)");
   for (auto& e : entries) {
     e.tensor.bytes.resize(e.end - e.begin);
     in.seekg(std::streamoff(data_start + e.begin));
     require(bool(in.read(reinterpret_cast<char*>(e.tensor.bytes.data()), std::streamsize(e.tensor.bytes.size()))),
             ErrorCode::io, "reading tensor '" + e.name + "' of " + path + " failed");
+    const uint32_t crc = crc32c(e.tensor.bytes.data(), e.tensor.bytes.size());
+    if (crc != checksums.at(e.name))
+      throw corrupt(path, "checksum mismatch in tensor '" + e.name + "': its bytes have CRC-32C " + crc_text(crc) +
+                              ", the file records " + crc_text(checksums.at(e.name)) + " (the file is damaged)");
     file.tensors[e.name] = std::move(e.tensor);
   }
   return file;

@@ -34,9 +34,13 @@ struct SafetensorsFile {
 // crash or kill at any moment leaves either the previous file or the new one, never a torn one.
 // The temporaries of `path` that killed writers left are removed once the new file is in place.
 void write_safetensors(const std::string& path, const SafetensorsFile& file);
+// The writer records a CRC-32C of every tensor's bytes and of the metadata in __metadata__
+// under "moka.crc32c" (a key callers may not use); the reader verifies them and removes the key.
+//
 // Throws io, naming the file, on anything that is not a well-formed safetensors file: short
 // reads, lengths or offsets past the end, byte counts that disagree with dtype x shape,
-// overlapping tensors, malformed JSON. Allocates no more than the file's size.
+// overlapping tensors, malformed JSON; and on missing checksums or a checksum mismatch, naming
+// the tensor. Allocates no more than the file's size.
 SafetensorsFile read_safetensors(const std::string& path);
 
 }  // namespace moka::train
