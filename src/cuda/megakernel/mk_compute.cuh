@@ -342,25 +342,27 @@ inline constexpr uint32_t kConsumerBarrier = 1;  // named barrier of the 256 con
 
 __device__ inline uint32_t slot_phase(uint32_t n) { return (n / kTaskSlots) & 1u; }
 
-// The scheduler thread: publishes jobs until the tickets run out or a wait fails, then a stop.
+// The scheduler thread: publishes jobs until the tickets run out, then a stop.
 // fill(ticket, job): once the wait of ticket `ticket` (of the counter `tickets`) passed, writes
 // its job into `job`, the free slot, which holds a stop until then (no task left, or the wait
-// failed: it stays a stop). Both megakernels' schedulers.
+// failed: it stays a stop). When the wait for a free slot fails, the slot's readers may still be
+// reading it: the scheduler leaves it untouched and returns; the readers' next waits fail at once
+// (a failure is recorded). Both megakernels' schedulers.
 template <class Job, class Fill>
 __device__ inline void schedule_jobs(TaskQueueOf<Job>& queue, unsigned long long* tickets, const PipelineWatch& watch,
                                      Fill&& fill) {
   for (uint32_t n = 0;; ++n) {
     const int q = int(n % kTaskSlots);
-    bool free = true;
     // The ordered wait and arrive keep the slot's reset and the job's stores between them (the
     // compiler once hoisted the reset's constant stores above the wait: racecheck caught it
     // overwriting a job its readers still read).
-    if (n >= uint32_t(kTaskSlots))
-      free = wait_phase_ordered(&queue.finished[q], slot_phase(n) ^ 1u, watch, watch.queue_bound_ns,
-                                core::PipelineWait::task_finished, TaskSite{});
+    if (n >= uint32_t(kTaskSlots) &&
+        !wait_phase_ordered(&queue.finished[q], slot_phase(n) ^ 1u, watch, watch.queue_bound_ns,
+                            core::PipelineWait::task_finished, TaskSite{}))
+      return;
     Job& job = queue.jobs[q];
     job = Job{};
-    if (free) fill(uint64_t(atomicAdd(tickets, 1ull)), job);
+    fill(uint64_t(atomicAdd(tickets, 1ull)), job);
     const bool stop = job.stop;
     arrive_ordered(&queue.published[q]);  // release (CTA scope): the slot's contents
     if (stop) {
