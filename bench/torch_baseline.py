@@ -16,8 +16,21 @@ memory, the saved context and workspace of one fwd+bwd: torch.cuda.max_memory_al
 one fwd+bwd, after torch.cuda.reset_peak_memory_stats(), minus memory_allocated() before it (the
 inputs, weights and d_out, which moka does not count either), minus the .grad tensors the
 backward creates (every .grad is None before it: moka writes gradients into the caller's buffers
-and does not count them). The peak can come before the last .grad exists, so this is a lower
-bound of torch's layer memory. gradient_bytes gives what was subtracted.
+and does not count them), each subtracted from the peaks after it was created only (peak_memory()
+cuts the step at every gradient's accumulation). gradient_bytes gives what was subtracted in all.
+
+saved_bytes_per_layer (max over ranks) is what autograd keeps between one layer's forward and its
+backward, the memory a model holds per layer until its backward runs: torch.cuda.memory_allocated()
+after one forward (its output and graph alive) minus memory_allocated() before it (the inputs and
+weights), minus the bytes of the output itself (the caller's, not saved). null without CUDA.
+
+stack_peak_memory_bytes (max over ranks) is peak_memory_bytes of --depth (default 1; "depth" in the
+JSON line) layers in a model's order: layers of the same shape, each with its own weights and
+routing (the first is the layer measured above), x (which requires grad) into the first, the output
+of each into the next, all the forwards, then one backward from a random d_out of the last output.
+Measured as peak_memory_bytes is, less the .grad tensors of every layer and of x; with --depth 1
+it is the same measurement as peak_memory_bytes. When the stack does not fit on the GPU it is null
+and stack_error says why (the rest of the line stands).
 
 With --paired-with MOKA (one GPU), each case then also starts `MOKA bench --paired-steps` on
 the same shape, which holds its own copy of the case on the GPU, and alternates one moka
@@ -29,6 +42,7 @@ apart does not.
 """
 import argparse
 import json
+import math
 import os
 import statistics
 import subprocess
@@ -152,45 +166,85 @@ def paired_runs(moka, name, T, iters, warmup, seed, torch_step):
             "torch_median_ms": statistics.median(torch_ms), "median_ratio": statistics.median(ratios)}
 
 
-def run(name, T, iters, warmup, seed, paired_with=""):
+def make_layer(T, H, I, E, k, Is, ranks=1, device="cuda", dtype=torch.bfloat16):
+    """One layer's (ids, w, w_gu, w_d, shared), moe()'s arguments after x: this rank's E / ranks
+    experts, the shared expert when Is, and uniform routing of T rows to k of the E experts."""
+    w_gu = (torch.randn(E // ranks, 2 * I, H, device=device, dtype=dtype) / H**0.5).requires_grad_()
+    w_d = (torch.randn(E // ranks, H, I, device=device, dtype=dtype) / I**0.5).requires_grad_()
+    shared = None
+    if Is:
+        shared = ((torch.randn(2 * Is, H, device=device, dtype=dtype) / H**0.5).requires_grad_(),
+                  (torch.randn(H, Is, device=device, dtype=dtype) / Is**0.5).requires_grad_())
+    ids = torch.argsort(torch.rand(T, E, device=device), dim=1)[:, :k].to(torch.int32)  # uniform routing
+    w = torch.empty(T, k, device=device).uniform_(0.1, 1.0).requires_grad_()
+    return ids, w, w_gu, w_d, shared
+
+
+def layer_leaves(layer):
+    """The tensors of a make_layer() layer that get a .grad."""
+    _, w, w_gu, w_d, shared = layer
+    return [w, w_gu, w_d] + list(shared or [])
+
+
+def stack_forward(x, layers, clamped):
+    """The layers in order: x into the first, each one's output into the next; the last output."""
+    for layer in layers:
+        x = moe(x, *layer, clamped)
+    return x
+
+
+def stack_peak_memory(x, layers, d_out, clamped):
+    """peak_memory() of all the forwards of the stack, then one backward from d_out; its leaves
+    are x and every layer's."""
+    leaves = [x] + [t for layer in layers for t in layer_leaves(layer)]
+    return peak_memory(lambda: stack_forward(x, layers, clamped).backward(d_out), leaves)
+
+
+def run(name, T, iters, warmup, seed, paired_with="", depth=1):
     H, I, E, k, Is, clamped = SHAPES[name]
     R = dist.get_world_size() if dist.is_initialized() else 1
     torch.manual_seed(seed * 1000 + (dist.get_rank() if R > 1 else 0))
     dev, bf = "cuda", torch.bfloat16
     x = torch.randn(T, H, device=dev, dtype=bf, requires_grad=True)
-    w_gu = (torch.randn(E // R, 2 * I, H, device=dev, dtype=bf) / H**0.5).requires_grad_()
-    w_d = (torch.randn(E // R, H, I, device=dev, dtype=bf) / I**0.5).requires_grad_()
-    shared = None
-    if Is:
-        shared = ((torch.randn(2 * Is, H, device=dev, dtype=bf) / H**0.5).requires_grad_(),
-                  (torch.randn(H, Is, device=dev, dtype=bf) / Is**0.5).requires_grad_())
-    ids = torch.argsort(torch.rand(T, E, device=dev), dim=1)[:, :k].to(torch.int32)  # uniform routing
-    w = torch.empty(T, k, device=dev).uniform_(0.1, 1.0).requires_grad_()
+    layer = make_layer(T, H, I, E, k, Is, R, dev, bf)
     d_out = torch.randn(T, H, device=dev, dtype=bf)
     state = {}
 
     def fwd():
-        state["out"] = moe(x, ids, w, w_gu, w_d, shared, clamped)
+        state["out"] = moe(x, *layer, clamped)
 
     def bwd():
         state["out"].backward(d_out, retain_graph=True)
 
     def both():
-        moe(x, ids, w, w_gu, w_d, shared, clamped).backward(d_out)
+        moe(x, *layer, clamped).backward(d_out)
 
     f = max_over_ranks(median_ms(fwd, warmup, iters))
     b = max_over_ranks(median_ms(bwd, warmup, iters))
     fb = max_over_ranks(median_ms(both, warmup, iters))
     state.clear()  # the retained graph of fwd/bwd
-    leaves = [x, w, w_gu, w_d] + list(shared or [])
-    peak, grads = peak_memory(both, leaves)
+    peak, grads = peak_memory(both, [x] + layer_leaves(layer))
+    saved = saved_bytes(lambda: moe(x, *layer, clamped))
+    stack_peak, stack_error = None, None
+    try:
+        layers = [layer] + [make_layer(T, H, I, E, k, Is, R, dev, bf) for _ in range(depth - 1)]
+        stack_peak, _ = stack_peak_memory(x, layers, d_out, clamped)
+    except torch.cuda.OutOfMemoryError as e:
+        stack_error = repr(e)[:300]
+    layers = None  # the other layers' weights and all gradients go before the paired runs
+    for t in [x] + layer_leaves(layer):
+        t.grad = None
     flops = 6.0 * T * k * H * I + 6.0 * T * H * Is
     row = {"shape": name, "backend": "torch", "ep": R,
            "path": "all_to_all_single + torch._grouped_mm" if R > 1 else "torch._grouped_mm",
            "tokens_per_rank": T, "device": torch.cuda.get_device_name(), "torch": torch.__version__,
            "iters": iters, "fwd_ms": f, "bwd_ms": b, "fwdbwd_ms": fb,
            "tflops": 3.0 * flops / (fb * 1e-3) / 1e12,
-           "peak_memory_bytes": int(max_over_ranks(peak)), "gradient_bytes": int(max_over_ranks(grads))}
+           "peak_memory_bytes": max_bytes_over_ranks(peak), "gradient_bytes": max_bytes_over_ranks(grads),
+           "saved_bytes_per_layer": max_bytes_over_ranks(saved), "depth": depth,
+           "stack_peak_memory_bytes": max_bytes_over_ranks(stack_peak)}
+    if stack_error:
+        row["stack_error"] = stack_error
     if paired_with:
         torch.cuda.empty_cache()  # moka's process needs the memory
         row["paired"] = paired_runs(paired_with, name, T, iters, warmup, seed, both)
@@ -198,17 +252,56 @@ def run(name, T, iters, warmup, seed, paired_with=""):
 
 
 def peak_memory(step, leaves):
-    """Bytes one run of step() allocates at its peak beyond what exists before it, less the .grad
-    tensors of `leaves` it creates (all None before), and those gradients' bytes."""
+    """Bytes one run of step() allocates at its peak beyond what exists before it, not counting the
+    .grad tensors of `leaves` (all None before: they are the caller's, as moka's gradients are),
+    and those gradients' bytes. The gradients are subtracted where they exist: the step is cut
+    at every gradient's accumulation (a post-accumulate hook), and each piece's peak loses the
+    gradients existing at its end, so a stack's peak in its first layer's backward is not
+    lowered by gradients created after it. The peak is None when no leaf is on a CUDA device
+    (step() still runs)."""
     for t in leaves:
         t.grad = None
-    torch.cuda.synchronize()
-    torch.cuda.reset_peak_memory_stats()
-    before = torch.cuda.memory_allocated()
-    step()
-    torch.cuda.synchronize()
+    cuda = any(t.is_cuda for t in leaves)
+    grad_bytes = [0]
+    peaks = []
+
+    def end_piece(_leaf=None):
+        if _leaf is not None and _leaf.grad is not None:
+            grad_bytes[0] += _leaf.grad.numel() * _leaf.grad.element_size()
+        if cuda:
+            peaks.append(torch.cuda.max_memory_allocated() - before - grad_bytes[0])
+            torch.cuda.reset_peak_memory_stats()
+
+    if cuda:
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        before = torch.cuda.memory_allocated()
+    hooks = [t.register_post_accumulate_grad_hook(end_piece) for t in leaves if t.requires_grad]
+    try:
+        step()
+    finally:
+        for h in hooks:
+            h.remove()
     grads = sum(t.grad.numel() * t.grad.element_size() for t in leaves if t.grad is not None)
-    return torch.cuda.max_memory_allocated() - before - grads, grads
+    if not cuda:
+        return None, grads
+    torch.cuda.synchronize()
+    end_piece()
+    return max(peaks), grads
+
+
+def saved_bytes(forward):
+    """Bytes autograd keeps from one forward() for its backward: memory_allocated() with forward()'s
+    output (and so its graph) alive, less before it, less the output's own bytes. None when the
+    output is not on a CUDA device."""
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+        before = torch.cuda.memory_allocated()
+    out = forward()
+    if not out.is_cuda:
+        return None
+    torch.cuda.synchronize()
+    return torch.cuda.memory_allocated() - before - out.numel() * out.element_size()
 
 
 def max_over_ranks(value):
@@ -219,8 +312,22 @@ def max_over_ranks(value):
     return t.item()
 
 
-def main():
-    p = argparse.ArgumentParser(description=__doc__)
+def max_bytes_over_ranks(value):
+    """max_over_ranks() of a byte count as an int; None when it is None on any rank."""
+    value = max_over_ranks(math.inf if value is None else value)
+    return None if value == math.inf else int(value)
+
+
+def at_least_one(text):
+    """argparse type: an int >= 1."""
+    n = int(text)
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {n}")
+    return n
+
+
+def parser():
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--shapes", default=",".join(SHAPES))
     p.add_argument("--tokens", default="4096,16384")
     p.add_argument("--iters", type=int, default=20)
@@ -229,6 +336,13 @@ def main():
     p.add_argument("--out", default="")
     p.add_argument("--paired-with", default="", metavar="MOKA",
                    help="moka binary to alternate runs with (one GPU): adds the median of per-run ratios")
+    p.add_argument("--depth", type=at_least_one, default=1, metavar="N",
+                   help="layers in the stack whose fwd+bwd peak is stack_peak_memory_bytes (default 1)")
+    return p
+
+
+def main():
+    p = parser()
     a = p.parse_args()
     if a.paired_with and int(os.environ.get("WORLD_SIZE", "1")) > 1:
         p.error("--paired-with runs on one GPU")
@@ -239,7 +353,7 @@ def main():
     for name in a.shapes.split(","):
         for T in (int(t) for t in a.tokens.split(",")):
             try:
-                row = run(name, T, a.iters, a.warmup, a.seed, a.paired_with)
+                row = run(name, T, a.iters, a.warmup, a.seed, a.paired_with, a.depth)
             except Exception as e:  # report and continue: one shape's failure must not hide the rest
                 row = {"shape": name, "tokens_per_rank": T, "error": repr(e)[:300]}
             torch.cuda.empty_cache()

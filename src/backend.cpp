@@ -31,6 +31,14 @@ const char* to_string(LayerPath p) {
   return "?";
 }
 
+const char* to_string(SaveMode save) { return save == SaveMode::none ? "none" : "gate_up"; }
+
+SaveMode parse_save_mode(const std::string& name) {
+  if (name == "gate_up") return SaveMode::gate_up;
+  if (name == "none") return SaveMode::none;
+  throw Error(ErrorCode::invalid_argument, "unknown save mode '" + name + "' (gate_up, none)");
+}
+
 Backend parse_backend(const std::string& name) {
   if (name == "cpu") return Backend::cpu;
   if (name == "cuda") return Backend::cuda;

@@ -9,6 +9,7 @@
 
 #include "bench_report.hpp"
 #include "moka/config.hpp"
+#include "moka/layer.hpp"
 #include "moka/megakernel.hpp"
 #include "moka/process_group.hpp"
 
@@ -35,6 +36,10 @@ struct CudaBenchOptions {
   std::string routing = "uniform";
   double gini = 0.3;
   std::string dump_routing;  // expert-parallel runs: append every rank's ids (rank 0 writes)
+  // Memory: what the staged paths' contexts keep (LayerOptions::save), and the stack of layers
+  // whose fwd+bwd peak is measured besides one layer's.
+  SaveMode save = SaveMode::gate_up;
+  int depth = 1;
 };
 
 // Available only in builds with the CUDA backend (throws backend_unavailable otherwise).

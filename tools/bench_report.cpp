@@ -73,6 +73,10 @@ TorchResult torch_result(const std::string& path, const std::string& shape, int6
     if (j.value("shape", "") != shape || j.value("tokens_per_rank", int64_t(0)) != tokens || j.value("ep", 1) != ep)
       continue;
     r = TorchResult{j.value("fwdbwd_ms", 0.0), j.value("fwd_ms", 0.0), j.value("peak_memory_bytes", int64_t(0))};
+    auto bytes = [&](const char* field) { return j.contains(field) && j[field].is_number() ? j[field].get<int64_t>() : 0; };
+    r.stack_peak_memory_bytes = bytes("stack_peak_memory_bytes");
+    r.saved_bytes_per_layer = bytes("saved_bytes_per_layer");
+    r.depth = j.value("depth", 1);
     if (j.contains("paired")) {
       const auto& p = j["paired"];
       r.paired_ratio = p.value("median_ratio", 0.0);

@@ -64,6 +64,9 @@ void set_floor(BenchRow& row, const LayerFloor& floor, double peak_tflops);
 struct TorchResult {
   double fwdbwd_ms = 0, fwd_ms = 0;
   int64_t peak_memory_bytes = 0;  // 0: not measured (results of an older script)
+  // The memory of a stack of `depth` layers and what one layer saves (0: not measured).
+  int64_t stack_peak_memory_bytes = 0, saved_bytes_per_layer = 0;
+  int depth = 1;
   double paired_ratio = 0, paired_moka_ms = 0;
   int paired_runs = 0;
 };

@@ -48,6 +48,8 @@ struct BenchOptions {
   MegakernelConfig megakernel;  // CUDA layer runs also time the megakernel path
   std::string context = "auto";
   bool no_baselines = false;
+  std::string save = "gate_up";
+  int depth = 1;
   std::string row_order = "rate-based";
   std::string timeline;
   int gpus = 1;
@@ -239,6 +241,8 @@ CudaBenchOptions cuda_options(const BenchOptions& o, const std::string& timeline
   co.megakernel.row_order = o.row_order == "round-robin" ? RowOrder::round_robin : RowOrder::rate_based;
   co.context = o.context;
   co.baselines = !o.no_baselines;
+  co.save = parse_save_mode(o.save);
+  co.depth = o.depth;
   co.timeline = timeline;
   co.routing = o.routing == "router" ? "uniform" : o.routing;  // CUDA cases sample their routing
   co.dump_routing = o.dump_routing;
@@ -438,6 +442,14 @@ void register_bench(CLI::App& app) {
                   "backward megakernel alone on the forward core's rows (one GPU; --comm-sms, --minibatch and "
                   "--macrobatch apply)")
       ->check(CLI::IsMember({"layer", "core", "backward-core"}));
+  cmd->add_option("--save", o->save,
+                  "CUDA: what a forward keeps for its backward on the staged paths: gate_up (the routed rows' gate "
+                  "and up products) | none (the routes only; backward recomputes gate|up from x)")
+      ->check(CLI::IsMember({"gate_up", "none"}));
+  cmd->add_option("--depth", o->depth,
+                  "CUDA layer runs: also measure the device memory of a stack of this many layers, forward through "
+                  "all, then backward through all (stack_peak_memory_bytes)")
+      ->check(CLI::Range(1, 64));
   cmd->add_flag("--no-baselines", o->no_baselines,
                 "CUDA on one GPU: time the single-GPU and megakernel paths only (no cuBLAS-loop check and times, no "
                 "grouped-GEMM or fused-SwiGLU comparison; the single-GPU row's max_rel_error is then null)");

@@ -5,6 +5,7 @@
 #include <memory>
 #include <vector>
 
+#include "moka/allocator.hpp"
 #include "moka/config.hpp"
 #include "moka/megakernel.hpp"
 #include "moka/process_group.hpp"
@@ -54,6 +55,10 @@ struct MoeGradients {
 enum class LayerPath : uint8_t { automatic, single_gpu, all_to_all, megakernel };
 const char* to_string(LayerPath path);
 
+enum class SaveMode : uint8_t { gate_up, none };
+const char* to_string(SaveMode save);
+SaveMode parse_save_mode(const std::string& name);  // "gate_up" | "none"
+
 struct LayerOptions {
   int64_t tile_rows = 128;  // each expert's rows are padded to a multiple (the GEMM M tile)
   int num_threads = 0;      // CPU backend worker threads per rank; 0 = hardware concurrency
@@ -64,16 +69,28 @@ struct LayerOptions {
   // of the unfused one (docs/notes/benchmarks-log.md); `moka bench --backend cuda` times both.
   bool fused_swiglu = false;
   LayerPath path = LayerPath::automatic;  // CUDA backend (the CPU backend has one path)
+  // What a forward's context keeps for its backward (CUDA single-GPU and all-to-all paths; docs/
+  // ARCHITECTURE.md, "Memory"): gate_up keeps the routed rows' gate and up products (2·rows·I bf16),
+  // none keeps the routes and row order only and recomputes gate|up from x in the backward (one
+  // more grouped GEMM: for runs that memory limits).
+  SaveMode save = SaveMode::gate_up;
+  // Per-call device memory (CUDA backend): null = moka's stream-ordered pool. Must outlive the
+  // layer and every context it returned.
+  DeviceAllocator* allocator = nullptr;
   // The megakernel path: tokens per rank its buffers hold (it requires >= 1; with 0, automatic
   // never picks it) and its knobs (tile_rows and row_order come from the fields above).
   int64_t max_tokens = 0;
   MegakernelConfig megakernel{};
 };
 
-// State saved by forward for backward. Opaque; backend-specific.
+// State saved by forward for backward. Opaque; backend-specific. Any number of a layer's contexts
+// may be alive at once, their backwards run in any order; destroying one without a backward is
+// fine (its device memory goes back on the stream of its last use).
 class MoeContext {
  public:
   virtual ~MoeContext() = default;
+  // Device memory this context holds for its backward (0 where the backend keeps none on a device).
+  virtual int64_t saved_bytes() const { return 0; }
   // Routed (token, expert) rows each local expert received in that forward pass (GPU: waits for
   // the forward's stream).
   virtual std::vector<int64_t> local_expert_rows() const = 0;

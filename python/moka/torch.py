@@ -12,8 +12,10 @@ this rank's share, to be all-reduced like any data-parallel parameter (DDP/FSDP 
 Dtypes: the CPU backend computes in float32 or float64, the CUDA backend in bfloat16; router
 weights (topk_weights) are float32, or float64 with float64 activations. Calls run on
 ``torch.cuda.current_stream()``; outputs and gradients are allocated by torch's caching allocator
-(moka keeps one workspace per layer and token count, so a CUDA graph can replay a call captured
-after a first, allocating call with the same token count).
+(moka takes each call's scratch and what a forward saves for its backward from a stream-ordered pool;
+a backward captured in a CUDA graph frees its forward's saved state inside the graph, so a forward and
+backward captured together replay; a first, uncaptured call with the same token count builds the
+GEMMs, which capture cannot).
 """
 from __future__ import annotations
 
@@ -177,6 +179,20 @@ class _Route(torch.autograd.Function):
         return d_x, d_w_router, None, None, None, None
 
 
+def _take_state(ctx, name):
+    """moka's saved state of an autograd node for its backward. Inside a CUDA graph capture it is
+    released from the node, so that its device memory goes back inside the graph that allocated
+    it (a graph must free what it allocates to be replayed); elsewhere the node keeps it, for a
+    second backward (retain_graph=True, gradcheck)."""
+    state = getattr(ctx, name, None)
+    if state is None:
+        raise RuntimeError("moka: the saved state of this MoE call was released by a backward captured in a "
+                           "CUDA graph; a second backward through it (retain_graph=True) is not supported there")
+    if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+        setattr(ctx, name, None)
+    return state
+
+
 class _Experts(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, topk_ids, topk_weights, w_gate, w_up, w_down, ws_gate, ws_up, ws_down, layer):
@@ -189,7 +205,8 @@ class _Experts(torch.autograd.Function):
     @staticmethod
     def backward(ctx, d_out):
         x, _ids, topk_weights, *weights = ctx.saved_tensors
-        d_x, d_topk_weights, d_weights = _experts_backward(ctx.layer, ctx.saved, d_out, x, topk_weights, weights)
+        d_x, d_topk_weights, d_weights = _experts_backward(ctx.layer, _take_state(ctx, "saved"), d_out, x,
+                                                           topk_weights, weights)
         return (d_x, None, d_topk_weights, *d_weights, None)
 
 
@@ -221,9 +238,10 @@ class _MoE(torch.autograd.Function):
         d_x, d_w_router = torch.empty_like(x), torch.empty_like(w_router)
         d_w_gate, d_w_up, d_w_down = torch.empty_like(w_gate), torch.empty_like(w_up), torch.empty_like(w_down)
         d_ws_gate, d_ws_up, d_ws_down = _empty_like(ws_gate), _empty_like(ws_up), _empty_like(ws_down)
-        ctx.state.backward(_dlpack(d_out.contiguous()), _dlpack(d_x), _dlpack(torch.empty_like(ctx.topk_weights)),
-                           _dlpack(d_w_router), _dlpack(d_w_gate), _dlpack(d_w_up), _dlpack(d_w_down), _dl(d_ws_gate),
-                           _dl(d_ws_up), _dl(d_ws_down))
+        state = _take_state(ctx, "state")
+        state.backward(_dlpack(d_out.contiguous()), _dlpack(d_x), _dlpack(torch.empty_like(ctx.topk_weights)),
+                       _dlpack(d_w_router), _dlpack(d_w_gate), _dlpack(d_w_up), _dlpack(d_w_down), _dl(d_ws_gate),
+                       _dl(d_ws_up), _dl(d_ws_down))
         return d_x, d_w_router, d_w_gate, d_w_up, d_w_down, d_ws_gate, d_ws_up, d_ws_down, None, None, None, None
 
 

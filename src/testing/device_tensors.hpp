@@ -122,6 +122,10 @@ struct DeviceLayerTensors {
   TensorView out_view() const { return view(out, DType::bf16, {T, s.hidden}); }
   TensorView d_out_view() const { return view(d_out, DType::bf16, {T, s.hidden}); }
 
+  // A bf16 tensor of this case's device at `data` (the bench's activations between layers).
+  TensorView view_of(void* data, std::initializer_list<int64_t> dims) const {
+    return TensorView(data, DType::bf16, dims, Device::cuda(device));
+  }
   TensorView view(const DeviceMemory& m, DType t, std::initializer_list<int64_t> dims) const {
     return TensorView(m.data(), t, dims, Device::cuda(device));
   }

@@ -12,6 +12,8 @@
 #include <random>
 #include <vector>
 
+#include "core/routing_gen.hpp"
+#include "cpu/expert_math.hpp"
 #include "testing/layer_buffers.hpp"
 #include "cuda/common/check.hpp"
 #include "cuda/cuda_backend.hpp"
@@ -222,5 +224,43 @@ struct GpuCase {
     return all;
   }
 };
+
+// Helpers of the CUDA layer's tests (test_cuda_layer*.cpp).
+inline void route(GpuCase& c, core::RoutingKind kind, uint64_t seed) {
+  const auto& s = c.ref.shape;
+  c.ref.topk_ids = core::sample_topk_ids({kind, 0.5, seed}, c.ref.tokens, s.top_k, s.num_experts);
+}
+
+// One forward and backward on `stream`, waited for.
+inline void run_gpu(MoeLayer& layer, GpuCase& c, cudaStream_t stream = nullptr) {
+  auto ctx = layer.forward(c.inputs(), c.weights(), c.out_view(), Stream{stream});
+  layer.backward(*ctx, c.d_out_view(), c.weights(), c.gradients(), Stream{stream});
+  MOKA_CUDA_CHECK(cudaStreamSynchronize(stream));
+}
+
+// bf16 outputs: ~3 roundings deep; max|diff| / max|ref| per tensor.
+inline void expect_close(const cpu::LayerBuffers<double>& got, const cpu::LayerBuffers<double>& ref, double tol) {
+  auto check = [&](const char* name, const std::vector<double>& a, const std::vector<double>& r) {
+    if (r.empty()) return;
+    const double e = cpu::max_rel_error(a, r);
+    EXPECT_LE(e, tol) << name << " relative error " << e;
+  };
+  check("out", got.out, ref.out);
+  check("d_x", got.d_x, ref.d_x);
+  check("d_topk_weights", got.d_topk_weights, ref.d_topk_weights);
+  check("d_w_gate", got.d_w_gate, ref.d_w_gate);
+  check("d_w_up", got.d_w_up, ref.d_w_up);
+  check("d_w_down", got.d_w_down, ref.d_w_down);
+  check("d_ws_gate", got.d_ws_gate, ref.d_ws_gate);
+  check("d_ws_up", got.d_ws_up, ref.d_ws_up);
+  check("d_ws_down", got.d_ws_down, ref.d_ws_down);
+}
+
+// The fp64 CPU reference's outputs and gradients into c.ref.
+inline void reference(GpuCase& c) {
+  auto cpu = make_moe_layer(c.ref.shape, Backend::cpu);
+  auto ctx = cpu->forward(c.ref.inputs(), c.ref.weights(), c.ref.out_view(), Stream{});
+  cpu->backward(*ctx, c.ref.d_out_view(), c.ref.weights(), c.ref.gradients(), Stream{});
+}
 
 }  // namespace moka::gpu_test

@@ -22,41 +22,10 @@ namespace {
 
 using gpu_test::fresh_seed;
 using gpu_test::shape;
-
-void route(GpuCase& c, core::RoutingKind kind, uint64_t seed) {
-  const auto& s = c.ref.shape;
-  c.ref.topk_ids = core::sample_topk_ids({kind, 0.5, seed}, c.ref.tokens, s.top_k, s.num_experts);
-}
-
-void run_gpu(MoeLayer& layer, GpuCase& c) {
-  auto ctx = layer.forward(c.inputs(), c.weights(), c.out_view(), Stream{});
-  layer.backward(*ctx, c.d_out_view(), c.weights(), c.gradients(), Stream{});
-  MOKA_CUDA_CHECK(cudaDeviceSynchronize());
-}
-
-// bf16 outputs: ~3 roundings deep; max|diff| / max|ref| per tensor.
-void expect_close(const cpu::LayerBuffers<double>& got, const cpu::LayerBuffers<double>& ref, double tol) {
-  auto check = [&](const char* name, const std::vector<double>& a, const std::vector<double>& r) {
-    if (r.empty()) return;
-    const double e = cpu::max_rel_error(a, r);
-    EXPECT_LE(e, tol) << name << " relative error " << e;
-  };
-  check("out", got.out, ref.out);
-  check("d_x", got.d_x, ref.d_x);
-  check("d_topk_weights", got.d_topk_weights, ref.d_topk_weights);
-  check("d_w_gate", got.d_w_gate, ref.d_w_gate);
-  check("d_w_up", got.d_w_up, ref.d_w_up);
-  check("d_w_down", got.d_w_down, ref.d_w_down);
-  check("d_ws_gate", got.d_ws_gate, ref.d_ws_gate);
-  check("d_ws_up", got.d_ws_up, ref.d_ws_up);
-  check("d_ws_down", got.d_ws_down, ref.d_ws_down);
-}
-
-void reference(GpuCase& c) {
-  auto cpu = make_moe_layer(c.ref.shape, Backend::cpu);
-  auto ctx = cpu->forward(c.ref.inputs(), c.ref.weights(), c.ref.out_view(), Stream{});
-  cpu->backward(*ctx, c.ref.d_out_view(), c.ref.weights(), c.ref.gradients(), Stream{});
-}
+using gpu_test::route;
+using gpu_test::run_gpu;
+using gpu_test::expect_close;
+using gpu_test::reference;
 
 struct Case {
   const char* name;
@@ -278,7 +247,7 @@ TEST(CudaLayer, GraphCaptureReplaysForwardAndBackward) {
   route(c, U, 5);
   c.upload();
   auto layer = make_moe_layer(s, Backend::cuda);
-  run_gpu(*layer, c);  // allocates the workspace (allocation is not capturable)
+  run_gpu(*layer, c);  // builds the GEMMs for this token count (not capturable)
   const auto eager = c.output_bytes();
   c.poison();
   gpu_test::replay_in_graph(

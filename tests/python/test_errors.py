@@ -170,3 +170,14 @@ def test_group_and_path_are_keyword_only():
     with pytest.raises(TypeError):
         MoE(8, 6, 4, 2, 0, None, "automatic")
     assert MoE(8, 6, 4, 2, 0, group=None, path="automatic").path == "automatic"
+
+
+def test_a_second_backward_through_one_call_gives_the_same_gradients():
+    # moka's saved state stays with the autograd node outside CUDA graph capture (retain_graph).
+    moe = tiny_moe(dtype=torch.float32)
+    x = torch.randn(5, 8, requires_grad=True)
+    out = moe(x)
+    first = torch.autograd.grad(out.sum(), [x, moe.w_gate], retain_graph=True)
+    second = torch.autograd.grad(out.sum(), [x, moe.w_gate])
+    for a, b in zip(first, second, strict=True):
+        assert torch.equal(a, b)

@@ -198,37 +198,119 @@ bool same_bits(const StepOutputs& a, const StepOutputs& b) {
   return same(a.out, b.out) && same(a.d_x, b.d_x) && same(a.d_w_down, b.d_w_down);
 }
 
-// Device memory a path's layer holds at its peak around one forward+backward: what it allocates
-// when built (its persistent buffers, symmetric buffers, GEMM workspaces) and what its forward
-// and backward allocate and keep (the saved context, the workspace sized by the token count).
-// Measured as the drop of cudaMemGetInfo's free bytes from before `make` builds the layer to the
-// lowest of two samples, after the forward and after the backward (stream synchronized, context
-// alive). The inputs, weights and gradients exist before and are not counted, as torch's
-// peak_memory_bytes does not count its own. Every allocation of the CUDA backend is a cudaMalloc
-// that the layer or its context keeps (none lives only inside one call), so the two samples see
-// the peak; sizes are the driver's, rounded up to its pages. Run it after the path was timed, so
-// that modules loaded lazily by first launches, NCCL's connection buffers and the local memory
-// the kernels reserve are already there and not counted. Collective when `make` builds a layer
-// over a group.
-int64_t layer_peak_memory(const std::function<std::unique_ptr<MoeLayer>()>& make, const LayerTensors& t,
-                          cudaStream_t s) {
+// The bench's allocator for the layers it measures: plain cudaMalloc and cudaFree (after the
+// stream's work, so that stream-ordered frees stay correct) with exact counts of the bytes out
+// and their peak.
+class MeasuringAllocator final : public DeviceAllocator {
+ public:
+  void* allocate(size_t bytes, Stream) override {
+    void* p = nullptr;
+    MOKA_CUDA_CHECK(cudaMalloc(&p, bytes));
+    in_use_ += int64_t(bytes);
+    peak_ = std::max(peak_, in_use_);
+    return p;
+  }
+  void deallocate(void* p, size_t bytes, Stream stream) override {
+    MOKA_CUDA_CHECK(cudaStreamSynchronize(static_cast<cudaStream_t>(stream.handle)));
+    MOKA_CUDA_CHECK(cudaFree(p));
+    in_use_ -= int64_t(bytes);
+  }
+  int64_t in_use() const { return in_use_; }
+  int64_t peak() const { return peak_; }
+
+ private:
+  int64_t in_use_ = 0, peak_ = 0;
+};
+
+// What a path's layers hold in device memory, as a model holds them: `depth` layers (the same
+// weights; each layer's output the next one's input), forward through all, then backward
+// through all in reverse. `stack_peak`: the most held at once: what the layers keep for their
+// life (buffers, GEMM workspaces, rings: the drop of cudaMemGetInfo's free bytes from before the
+// layers were built to after the step, every call's memory back) plus the peak of the per-call
+// memory (contexts, scratch, and in a stack of more than one the layer outputs and input
+// gradients between the layers, which a model holds too). `saved_per_layer`: what one context
+// keeps between its forward and its backward (MoeContext::saved_bytes); `workspace_peak`: the
+// per-call memory's peak beyond the saved contexts, in a stack of one. The caller's inputs,
+// weights and gradients exist before and are not counted, as torch's numbers do not count its
+// own. Run it after the path was timed (lazily loaded modules and NCCL buffers not counted).
+struct LayerMemory {
+  int64_t stack_peak = 0, saved_per_layer = 0, workspace_peak = 0;
+  int64_t peak = 0;  // stack_peak of a stack of one (path_memory)
+};
+using MakeLayer = std::function<std::unique_ptr<MoeLayer>(DeviceAllocator*)>;
+
+LayerMemory layer_memory(const MakeLayer& make, const LayerTensors& t, int depth, cudaStream_t s) {
   auto free_bytes = [] {
     size_t free = 0, total = 0;
     MOKA_CUDA_CHECK(cudaMemGetInfo(&free, &total));
     return free;
   };
+  MeasuringAllocator per_call;
   MOKA_CUDA_CHECK(cudaDeviceSynchronize());
   const size_t before = free_bytes();
-  size_t lowest = before;
-  auto layer = make();
-  auto ctx = layer->forward(t.inputs(), t.weights(), t.out_view(), Stream{s});
-  MOKA_CUDA_CHECK(cudaStreamSynchronize(s));
-  lowest = std::min(lowest, free_bytes());
-  layer->backward(*ctx, t.d_out_view(), t.weights(), t.gradients(), Stream{s});
-  MOKA_CUDA_CHECK(cudaStreamSynchronize(s));
-  lowest = std::min(lowest, free_bytes());
-  layer->check_errors();
-  return static_cast<int64_t>(before - lowest);
+  LayerMemory m;
+  {
+    std::vector<std::unique_ptr<MoeLayer>> layers;
+    for (int i = 0; i < depth; ++i) layers.push_back(make(&per_call));
+    const int64_t rows = t.T * t.s.hidden;
+    auto activation = [&] { return cuda::DeviceArray<__nv_bfloat16>(size_t(rows), per_call, s); };
+    auto as_view = [&](const cuda::DeviceArray<__nv_bfloat16>& a) { return t.view_of(a.data(), {t.T, t.s.hidden}); };
+    // outputs[i]: layer i's output (the last one is the caller's), the next layer's input.
+    std::vector<cuda::DeviceArray<__nv_bfloat16>> outputs;
+    std::vector<std::unique_ptr<MoeContext>> contexts;
+    for (int i = 0; i < depth; ++i) {
+      MoeInputs in = t.inputs();
+      if (i > 0) in.x = as_view(outputs.back());
+      if (i + 1 < depth) outputs.push_back(activation());
+      const TensorView out = i + 1 < depth ? as_view(outputs.back()) : t.out_view();
+      contexts.push_back(layers[i]->forward(in, t.weights(), out, Stream{s}));
+    }
+    for (const auto& c : contexts) m.saved_per_layer = std::max(m.saved_per_layer, c->saved_bytes());
+    // Backward from the last layer: d_out of layer i is the input gradient of layer i + 1.
+    cuda::DeviceArray<__nv_bfloat16> d_out_of_next;
+    for (int i = depth - 1; i >= 0; --i) {
+      MoeGradients g = t.gradients();
+      cuda::DeviceArray<__nv_bfloat16> d_x;
+      if (i > 0) {
+        d_x = activation();
+        g.d_x = as_view(d_x);
+      }
+      const TensorView d_out = i + 1 < depth ? as_view(d_out_of_next) : t.d_out_view();
+      layers[i]->backward(*contexts[i], d_out, t.weights(), g, Stream{s});
+      contexts[i].reset();
+      if (i > 0) outputs.pop_back();  // layer i's input, read by its backward
+      d_out_of_next = std::move(d_x);
+    }
+    MOKA_CUDA_CHECK(cudaStreamSynchronize(s));
+    for (auto& l : layers) l->check_errors();
+    m.stack_peak = int64_t(before - free_bytes()) + per_call.peak();
+  }
+  MOKA_CUDA_CHECK(cudaDeviceSynchronize());
+  if (depth == 1) m.workspace_peak = per_call.peak() - m.saved_per_layer;
+  return m;
+}
+
+// A path's memory in a stack of one (peak_memory_bytes, saved and workspace bytes) and of `depth`.
+LayerMemory path_memory(const MakeLayer& make, const LayerTensors& t, int depth, cudaStream_t s) {
+  LayerMemory m = layer_memory(make, t, 1, s);
+  m.peak = m.stack_peak;
+  if (depth > 1) m.stack_peak = layer_memory(make, t, depth, s).stack_peak;
+  return m;
+}
+
+// The memory columns of a row (extra JSON; docs/PERFORMANCE.md "Memory"), torch's beside them.
+void set_memory(BenchRow& row, const LayerMemory& m, int depth, const TorchResult& torch) {
+  auto& e = row.extra;
+  e["depth"] = depth;
+  e["saved_bytes_per_layer"] = m.saved_per_layer;
+  e["workspace_peak_bytes"] = m.workspace_peak;
+  e["stack_peak_memory_bytes"] = m.stack_peak;
+  e["torch_saved_bytes_per_layer"] = torch.saved_bytes_per_layer > 0 ? nlohmann::ordered_json(torch.saved_bytes_per_layer)
+                                                                      : nlohmann::ordered_json();
+  const bool same_depth = torch.depth == depth && torch.stack_peak_memory_bytes > 0;
+  e["torch_stack_peak_memory_bytes"] =
+      same_depth ? nlohmann::ordered_json(torch.stack_peak_memory_bytes) : nlohmann::ordered_json();
+  if (same_depth) e["stack_memory_vs_torch"] = double(m.stack_peak) / double(torch.stack_peak_memory_bytes);
 }
 
 // The megakernel knobs of a case for --context: "resident" grows the ring (macrobatch) to hold
@@ -281,7 +363,8 @@ void record_timeline(MoeLayer& mk, DeviceGroup* group, const NamedShape& ns, con
 struct CaseResults {
   PairedSteps steps;
   double mk_diff = 0;
-  int64_t staged_memory = 0, mk_memory = 0;
+  LayerMemory staged_memory, mk_memory;  // a stack of one, with the stack's peak of --depth
+  int depth = 1;
   MegakernelConfig mk_config;
   bool mk_resident = false;  // the megakernel layer's backward context
 };
@@ -293,14 +376,15 @@ std::vector<BenchRow> path_rows(BenchRow staged, const CaseResults& r, const Lay
   BenchRow mk = staged;
   mk.path = "megakernel";
   mk.extra = nlohmann::ordered_json::object();
-  auto fill = [&](BenchRow& row, const PathSteps& steps, int64_t memory) {
+  auto fill = [&](BenchRow& row, const PathSteps& steps, const LayerMemory& memory) {
     row.fwd_ms = steps.fwd_ms;
     row.bwd_ms = steps.bwd_ms;
     row.fwdbwd_ms = steps.fwdbwd_ms;
     row.tflops = 3.0 * sh.forward_flops(row.tokens_per_rank) / (steps.fwdbwd_ms * 1e-3) / 1e12;
-    row.peak_memory_bytes = memory;
+    row.peak_memory_bytes = memory.peak;
     set_floor(row, floor, peak_tflops);
     set_torch(row, torch);
+    set_memory(row, memory, r.depth, torch);
     row.extra["times"] = "medians of runs alternating the " + staged.path + " and megakernel paths" +
                          (row.ep > 1 ? ", each run at its slowest rank" : "");
   };
@@ -325,28 +409,30 @@ std::vector<BenchRow> path_rows(BenchRow staged, const CaseResults& r, const Lay
 // Checks the megakernel path against the staged path's outputs (`want`, from `staged` on `t`),
 // times the two alternately on the same tensors, then frees both and measures each path's memory
 // on a fresh layer (`make_staged` builds the staged path's layer again).
-CaseResults run_paths(std::unique_ptr<MoeLayer> staged, const StepOutputs& want,
-                      const std::function<std::unique_ptr<MoeLayer>()>& make_staged, DeviceGroup* group,
+CaseResults run_paths(std::unique_ptr<MoeLayer> staged, const StepOutputs& want, const MakeLayer& make_staged,
+                      DeviceGroup* group,
                       ProcessGroup* workers, const NamedShape& ns, const LayerTensors& t, const CudaBenchOptions& o,
                       cudaStream_t s) {
   const MoeShape& sh = ns.shape;
   const int ranks = group ? group->size() : 1;
   CaseResults r;
   r.mk_config = case_megakernel_config(o, sh, ranks, t.T);
-  auto make_mk = [&] { return megakernel_layer(sh, group, r.mk_config, t.T); };
-  auto mk = make_mk();
+  auto make_mk = [&](DeviceAllocator* allocator) { return megakernel_layer(sh, group, r.mk_config, t.T, allocator); };
+  auto mk = make_mk(nullptr);
   r.mk_resident = mk->megakernel()->backward_is_resident();
   r.mk_diff = max_rel_diff(step_outputs(*mk, t, s), want);
   r.steps = time_paired_steps(*staged, *mk, t, o, workers, s);
   record_timeline(*mk, group, ns, t, o, s);
   staged.reset();
   mk.reset();
-  r.staged_memory = layer_peak_memory(make_staged, t, s);
-  r.mk_memory = layer_peak_memory(make_mk, t, s);
+  r.depth = o.depth;
+  r.staged_memory = path_memory(make_staged, t, o.depth, s);
+  r.mk_memory = path_memory(make_mk, t, o.depth, s);
   if (workers) {
     r.mk_diff = max_over_ranks(*workers, r.mk_diff);
-    r.staged_memory = int64_t(max_over_ranks(*workers, double(r.staged_memory)));
-    r.mk_memory = int64_t(max_over_ranks(*workers, double(r.mk_memory)));
+    for (LayerMemory* m : {&r.staged_memory, &r.mk_memory})
+      for (int64_t* v : {&m->peak, &m->stack_peak, &m->saved_per_layer, &m->workspace_peak})
+        *v = int64_t(max_over_ranks(*workers, double(*v)));
   }
   return r;
 }
@@ -399,8 +485,13 @@ std::vector<BenchRow> run_cuda_case(const NamedShape& ns, int64_t tokens, const 
   randomize_uniform(t, sh, tokens, o.seed);
   LayerOptions lo{o.tile_rows, 0};
   lo.path = LayerPath::single_gpu;
-  auto make_layer = [&] { return make_moe_layer(sh, Backend::cuda, nullptr, lo); };
-  auto layer = make_layer();
+  lo.save = o.save;
+  auto make_layer = [&](DeviceAllocator* allocator) {
+    LayerOptions with = lo;
+    with.allocator = allocator;
+    return make_moe_layer(sh, Backend::cuda, nullptr, with);
+  };
+  auto layer = make_layer(nullptr);
   const StepOutputs moka = step_outputs(*layer, t, s);
   BenchRow row = cuda_row(ns, "single-gpu", t.device, 1, tokens, o.iters);
   if (o.baselines) compare_single_gpu(*layer, moka, lo, ns, t, o, peak, s, row);
@@ -426,7 +517,9 @@ void serve_cuda_steps(const NamedShape& ns, int64_t tokens, const CudaBenchOptio
   const MoeShape& sh = ns.shape;
   LayerTensors t(sh, tokens);
   randomize_uniform(t, sh, tokens, o.seed);
-  auto layer = make_moe_layer(sh, Backend::cuda, nullptr, LayerOptions{o.tile_rows, 0});
+  LayerOptions lo{o.tile_rows, 0};
+  lo.save = o.save;
+  auto layer = make_moe_layer(sh, Backend::cuda, nullptr, lo);
   auto step = [&] {
     auto c = layer->forward(t.inputs(), t.weights(), t.out_view(), Stream{stream.s});
     layer->backward(*c, t.d_out_view(), t.weights(), t.gradients(), Stream{stream.s});
@@ -511,8 +604,13 @@ std::vector<BenchRow> run_cuda_ep_case(ProcessGroup& workers, const NamedShape& 
   auto group = make_nccl_group(workers, t.device);
   LayerOptions all_to_all{o.tile_rows, 0};
   all_to_all.path = LayerPath::all_to_all;
-  auto make_layer = [&] { return make_moe_layer(sh, group.get(), all_to_all); };
-  auto layer = make_layer();
+  all_to_all.save = o.save;
+  auto make_layer = [&](DeviceAllocator* allocator) {
+    LayerOptions with = all_to_all;
+    with.allocator = allocator;
+    return make_moe_layer(sh, group.get(), with);
+  };
+  auto layer = make_layer(nullptr);
   const StepOutputs want = step_outputs(*layer, t, s);
   const CaseResults r = run_paths(std::move(layer), want, make_layer, group.get(), &workers, ns, t, o, s);
   // Uniform routing sends about T*k/R rows to each rank: time that much through NCCL and

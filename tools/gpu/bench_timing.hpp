@@ -166,8 +166,11 @@ inline std::string megakernel_config_text(const MegakernelConfig& c) {
 
 // A megakernel-path layer with these knobs for up to `max_tokens` tokens per rank.
 inline std::unique_ptr<MoeLayer> megakernel_layer(const MoeShape& shape, DeviceGroup* group,
-                                                  const MegakernelConfig& config, int64_t max_tokens) {
-  return make_moe_layer(shape, group, fixtures::megakernel_options(config, max_tokens));
+                                                  const MegakernelConfig& config, int64_t max_tokens,
+                                                  DeviceAllocator* allocator = nullptr) {
+  LayerOptions options = fixtures::megakernel_options(config, max_tokens);
+  options.allocator = allocator;
+  return make_moe_layer(shape, group, options);
 }
 
 }  // namespace moka::cli

@@ -12,30 +12,63 @@
 #include <vector>
 
 #include "cuda/common/check.hpp"
+#include "moka/allocator.hpp"
 
 namespace moka::cuda {
 
-// `count` elements of T in device memory (cudaMalloc, at least 16 bytes so that even an empty
-// array has a TMA-aligned address). Default-constructed: empty, data() == nullptr. Move-only;
-// freed in the destructor.
+// moka's stream-ordered pool on the current device (device_pool.cpp): what a layer takes its
+// per-call memory from when the caller gives no allocator. One per device, shared by every layer
+// and thread (CUDA memory pools are thread-safe); it keeps what it reserved for reuse.
+DeviceAllocator& default_device_allocator();
+
+// `count` elements of T in device memory (at least 16 bytes so that even an empty array has a
+// TMA-aligned address): from cudaMalloc (what an object keeps for its life), or from a
+// stream-ordered DeviceAllocator (a call's scratch, a context's saved rows): then it goes back
+// with deallocate on the stream of its last use (release_on; the allocation's stream until
+// told). Default-constructed: empty, data() == nullptr. Move-only; freed in the destructor.
 template <typename T>
 class DeviceArray {
  public:
   DeviceArray() = default;
   explicit DeviceArray(size_t count) : count_(count) {
     void* p = nullptr;
-    MOKA_CUDA_CHECK(cudaMalloc(&p, std::max<size_t>(count * sizeof(T), 16)));
+    MOKA_CUDA_CHECK(cudaMalloc(&p, padded_bytes()));
     data_ = static_cast<T*>(p);
   }
-  ~DeviceArray() { cudaFree(data_); }
-  DeviceArray(DeviceArray&& o) noexcept : data_(std::exchange(o.data_, nullptr)), count_(std::exchange(o.count_, 0)) {}
+  DeviceArray(size_t count, DeviceAllocator& from, cudaStream_t stream)
+      : count_(count), allocator_(&from), stream_(stream) {
+    data_ = static_cast<T*>(from.allocate(padded_bytes(), Stream{stream}));
+    require(data_ != nullptr, ErrorCode::cuda,
+            "out of device memory: the allocator returned no memory for " + std::to_string(padded_bytes()) + " bytes");
+  }
+  ~DeviceArray() { release(); }
+  DeviceArray(DeviceArray&& o) noexcept
+      : data_(std::exchange(o.data_, nullptr)), count_(std::exchange(o.count_, 0)),
+        allocator_(std::exchange(o.allocator_, nullptr)), stream_(o.stream_) {}
   DeviceArray& operator=(DeviceArray&& o) noexcept {
     std::swap(data_, o.data_);
     std::swap(count_, o.count_);
+    std::swap(allocator_, o.allocator_);
+    std::swap(stream_, o.stream_);
     return *this;
   }
   DeviceArray(const DeviceArray&) = delete;
   DeviceArray& operator=(const DeviceArray&) = delete;
+
+  // An allocator's array: `stream` is where it is used last (its memory is reused after that
+  // stream's work enqueued before the free).
+  void release_on(cudaStream_t stream) const { stream_ = stream; }
+  // Frees now (stream-ordered for an allocator's array); empty afterwards.
+  void release() {
+    if (!data_) return;
+    if (allocator_) {
+      allocator_->deallocate(data_, padded_bytes(), Stream{stream_});
+    } else {
+      cudaFree(data_);
+    }
+    data_ = nullptr;
+    count_ = 0;
+  }
 
   T* data() const { return data_; }
   size_t size() const { return count_; }
@@ -56,8 +89,12 @@ class DeviceArray {
   }
 
  private:
+  size_t padded_bytes() const { return std::max<size_t>(count_ * sizeof(T), 16); }
+
   T* data_ = nullptr;
   size_t count_ = 0;
+  DeviceAllocator* allocator_ = nullptr;  // null: cudaMalloc
+  mutable cudaStream_t stream_ = nullptr;
 };
 
 // `count` elements of T in page-locked host memory (cudaHostAlloc). Mapped: the device reads and

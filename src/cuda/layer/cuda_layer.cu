@@ -4,15 +4,22 @@
 //   fixed j order). LayerOptions::fused_swiglu instead runs an up launch, then a gate launch with
 //   SwiGLU in its epilogue (reads U, writes G and H): the same bits, slower on the H200.
 // Backward: gather d_out -> grouped dY W_down -> SwiGLU backward (+ d_w = <dh_u, h>) ->
-//   grouped dG W_gate, dU W_up -> fixed-order token sum; weight gradients dY^T X per expert.
+//   weight gradients dY^T X per expert -> grouped dG W_gate, dU W_up -> fixed-order token sum.
 // Backward reads the weights and the routed activations where they are: dY W takes W as an
 // MN-major B, and dY^T X both activations as MN-major operands with K = the expert's rows.
 // The host never reads a routed count: every size reaches the GEMMs through device memory.
 // With experts split over a DeviceGroup (the expert-parallel all-to-all path), ExpertExchange
 // replaces the device schedule and the gathers at the edges: rows arrive from every rank over
 // NCCL and go back before the combine; split sizes pass through the host there.
+// Memory: a forward's context keeps the routes, the row order and the routed rows' gate and up
+// products (SaveMode::none: the routes and row order only, gate|up recomputed in backward);
+// hidden is recomputed in the activation's backward, x's rows gathered again. Every other buffer
+// is the call's, from LayerOptions::allocator (moka's stream-ordered pool by default), and goes
+// back as soon as its last reader is enqueued.
 #include <algorithm>
 #include <functional>
+#include <initializer_list>
+#include <mutex>
 #include <sstream>
 
 #include "core/schedule.hpp"
@@ -49,32 +56,59 @@ enum Buf : int {
 };
 static_assert(kNumBufs <= kMaxGemmBuffers);
 
-// Everything sized by the token count (and, across ranks, by the grouped rows received):
-// allocated on the first call that needs more.
-struct Workspace {
-  int64_t tokens = 0, rows = 0;
-  DeviceArray<int32_t> chunk_counts, counts, offsets, row_of_slot;
-  // Expert-parallel path only: rows back in send order (y, the two halves of d_x), and the router
-  // weight and its gradient per grouped row.
-  DeviceArray<bf16> returned_y, returned_dxa, returned_dxb;
-  DeviceArray<float> row_weight, row_d_weight;
-  DeviceArray<bf16> bufs[kNumBufs];  // workspace-owned entries of the buffer table (others stay empty)
+// The grouped GEMMs of a layer for one token count (the shared expert's dense groups take T).
+// They keep device scratch of their own (per-group arrays, CUTLASS's workspace), so the layer
+// orders every call's device work after the previous call's (order_after_last_call).
+struct LayerGemms {
+  int64_t tokens = 0;
   // Forward gate/up: `up` then `gate` (SwiGLU epilogue) when fused, else `gate_up` (both plain).
   std::unique_ptr<GroupedGemm> up, gate, gate_up;
   std::unique_ptr<GroupedGemm> down, data_grad_h, data_grad_x, weight_grad;
 };
 
-// The one context type of the CUDA layer, whichever path ran the forward.
+// Buffer-table entries of one call, from the layer's allocator on the call's stream; each goes
+// back (stream-ordered) at release() or when the call ends.
+struct CallBuffers {
+  DeviceAllocator* allocator;
+  cudaStream_t stream;
+  DeviceArray<bf16> bufs[kNumBufs];
+  bf16* take(Buf b, int64_t elems) {
+    bufs[b] = DeviceArray<bf16>(size_t(elems), *allocator, stream);
+    return bufs[b].data();
+  }
+  void release(std::initializer_list<Buf> which) {
+    for (Buf b : which) bufs[b].release();
+  }
+};
+
+// The one context type of the CUDA layer, whichever path ran the forward. It owns what its
+// backward reads: the routes and row order, the gate and up products of the routed rows and of
+// the shared expert (SaveMode::gate_up), and across ranks the grouped x and route weights; every
+// other buffer of a call lives only inside that call.
 struct CudaContext final : MoeContext {
   const class CudaMoeLayer* layer = nullptr;  // the staged layer that runs the backward
   uint64_t generation = 0;
-  int64_t tokens = 0;
+  int64_t tokens = 0, rows = 0;  // rows: the grouped buffers' (one rank: the worst case)
   cudaStream_t stream = nullptr;  // the forward's
   MoeInputs inputs;  // the forward's views (the caller keeps them alive, as autograd does)
+  DeviceArray<int32_t> counts, offsets, row_of_slot;
+  DeviceArray<bf16> saved[kNumBufs];
+  DeviceArray<float> row_weight;  // across ranks: each grouped row's route weight
   // Set when another path (the megakernel) ran the forward: the device counts it left, and the
-  // backward must first run the staged forward stages (the workspace holds none of it).
+  // backward must first run the staged forward stages (this context holds none of it).
   const int32_t* recompute_expert_rows = nullptr;
   std::vector<int64_t> local_expert_rows() const override;
+  int64_t saved_bytes() const override {
+    int64_t bytes = int64_t(counts.bytes() + offsets.bytes() + row_of_slot.bytes() + row_weight.bytes());
+    for (const auto& b : saved) bytes += int64_t(b.bytes());
+    return bytes;
+  }
+  // The backward on `stream` reads it last: the memory goes back there.
+  void used_on(cudaStream_t stream) const {
+    for (const auto* a : {&counts, &offsets, &row_of_slot}) a->release_on(stream);
+    for (const auto& b : saved) b.release_on(stream);
+    row_weight.release_on(stream);
+  }
 };
 
 // The routed rows the row-wise kernels visit: entry i is grouped row rows[i] (or none if < 0).
@@ -109,6 +143,11 @@ class CudaMoeLayer final : public StagedLayer {
       exchange_ = std::make_unique<ExpertExchange>(*group, shape_, options_.tile_rows);
     }
   }
+  ~CudaMoeLayer() override {
+    if (last_call_done_) cudaEventDestroy(last_call_done_);
+  }
+  CudaMoeLayer(const CudaMoeLayer&) = delete;
+  CudaMoeLayer& operator=(const CudaMoeLayer&) = delete;
   const MoeShape& shape() const override { return shape_; }
   int rank() const override { return rank_; }
   int world_size() const override { return world_; }
@@ -116,10 +155,10 @@ class CudaMoeLayer final : public StagedLayer {
 
   std::unique_ptr<MoeContext> forward(const MoeInputs& in, const MoeWeights& w, const TensorView& out,
                                       Stream stream) override {
+    std::lock_guard<std::mutex> lock(mutex_);
     report_device_errors();
     const Device dev = Device::cuda(device_);
-    const int64_t T = in.x.rank == 2 ? in.x.dim(0) : 0, H = shape_.hidden, I = shape_.intermediate;
-    const int64_t k = shape_.top_k, Is = shape_.shared_intermediate;
+    const int64_t T = in.x.rank == 2 ? in.x.dim(0) : 0, H = shape_.hidden;
     const cudaStream_t s = to_cuda(stream);
     auto check_tensors = [&] {
       core::validate_layer_tensors(shape_, world_, in, w, DType::bf16, dev);
@@ -131,42 +170,15 @@ class CudaMoeLayer final : public StagedLayer {
     } else {
       check_tensors();
     }
-    Workspace& ws = workspace(T, exchange_ ? exchange_->grouped_rows() : T * k + local_experts_ * (options_.tile_rows - 1));
-    if (exchange_) exchange_->dispatch_scalars(in.topk_weights.as<float>(), ws.row_weight.data(), s);
-    const BufferTable table = buffer_table(ws, in.x, w);
-
-    if (exchange_) {
-      exchange_->upload_schedule(ws.counts.data(), ws.offsets.data());
-    } else {
-      build_schedule(schedule(ws), in.topk_ids.as<int32_t>(), in.topk_weights.as<float>(), s);
-    }
-    const RowMap map = routed_rows(ws);
-    dispatch(in.x.as<bf16>(), buf(ws, kGroupedInput), ws, s);
-    const int32_t* counts = ws.counts.data();
-    const int32_t* offsets = ws.offsets.data();
-    if (fused_swiglu_) {
-      ws.up->run(table, counts, offsets, s);
-      ws.gate->run(table, counts, offsets, s);  // G and H, from U
-    } else {
-      ws.gate_up->run(table, counts, offsets, s);
-      swiglu_forward_rows(buf(ws, kGateOut), buf(ws, kUpOut), buf(ws, kHidden), map.rows, map.entries, I, act_, s);
-      if (shape_.has_shared()) swiglu_forward_rows(buf(ws, kSharedGateOut), buf(ws, kSharedUpOut), buf(ws, kSharedHidden), nullptr, T, Is, act_, s);
-    }
-    ws.down->run(table, counts, offsets, s);
-    const bf16* y = buf(ws, kExpertOut);
-    if (exchange_) {
-      exchange_->combine(y, ws.returned_y.data(), H, s);
-      y = ws.returned_y.data();
-    }
-    combine_tokens(y, in.topk_weights.as<float>(), shape_.has_shared() ? buf(ws, kSharedOut) : nullptr, out.as<bf16>(),
-                   slot_map(ws), T, k, H, s);
-
+    order_after_last_call(s);
     auto ctx = std::make_unique<CudaContext>();
     ctx->layer = this;
     ctx->generation = ++generation_;
     ctx->tokens = T;
     ctx->stream = s;
     ctx->inputs = in;
+    run_forward(*ctx, w, out, s);
+    record_last_call(s);
     return ctx;
   }
 
@@ -181,7 +193,10 @@ class CudaMoeLayer final : public StagedLayer {
     return ctx;
   }
 
-  void check_errors() override { report_device_errors(); }
+  void check_errors() override {
+    std::lock_guard<std::mutex> lock(mutex_);
+    report_device_errors();
+  }
 
   void backward(const MoeContext& saved, const TensorView& d_out, const MoeWeights& w, const MoeGradients& g,
                 Stream stream) override {
@@ -190,78 +205,204 @@ class CudaMoeLayer final : public StagedLayer {
             "backward got a context from another layer");
     if (ctx->recompute_expert_rows) {
       // The megakernel ran this forward: its activations sit in its ring, laid out for its
-      // tiles. This path's forward stages recompute what backward reads (the schedule, the
-      // grouped x, gate/up/hidden) on the same inputs, into a scratch output: one staged
-      // forward more per backward (the megakernel layer's backward at EP > 1, or for a context
-      // a later forward overwrote).
+      // tiles. This path's forward stages recompute what backward reads on the same inputs,
+      // into a scratch output: one staged forward more per backward (the megakernel layer's
+      // backward at EP > 1, or for a context a later forward overwrote).
       const int64_t T = ctx->tokens;
-      if (recompute_out_.size() < size_t(T * shape_.hidden)) recompute_out_ = DeviceArray<bf16>(T * shape_.hidden);
-      forward(ctx->inputs, w, TensorView(recompute_out_.data(), DType::bf16, {T, shape_.hidden}, Device::cuda(device_)),
-              stream);
-    } else {
-      require(ctx->generation == generation_, ErrorCode::invalid_argument,
-              "backward got the context of an older forward: the CUDA layer keeps the activations of its "
-              "latest forward only");
+      DeviceArray<bf16> scratch_out(size_t(T * shape_.hidden), allocator(), to_cuda(stream));
+      const auto fresh = forward(ctx->inputs, w,
+                                 TensorView(scratch_out.data(), DType::bf16, {T, shape_.hidden}, Device::cuda(device_)),
+                                 stream);
+      backward(*fresh, d_out, w, g, stream);
+      return;
     }
+    std::lock_guard<std::mutex> lock(mutex_);
+    // Across ranks the exchange's plan (send positions, received rows) is the latest forward's.
+    require(!exchange_ || ctx->generation == generation_, ErrorCode::invalid_argument,
+            "backward got the context of an older forward: across ranks the CUDA layer's exchange keeps the "
+            "plan of its latest forward only");
     report_device_errors();
     const Device dev = Device::cuda(device_);
-    const int64_t T = ctx->tokens, H = shape_.hidden, I = shape_.intermediate, k = shape_.top_k;
-    const int64_t Is = shape_.shared_intermediate, E = local_experts_;
+    const int64_t T = ctx->tokens;
     core::validate_collectively(control_.get(), signature(T), [&] {
-      expect_tensor(d_out, "d_out", DType::bf16, dev, {T, H});
+      expect_tensor(d_out, "d_out", DType::bf16, dev, {T, shape_.hidden});
       core::validate_layer_gradients(shape_, world_, T, g, DType::bf16, dev);
       core::validate_layer_tensors(shape_, world_, ctx->inputs, w, DType::bf16, dev);
     });
-    Workspace& ws = *ws_;
     const cudaStream_t s = to_cuda(stream);
-    BufferTable table = buffer_table(ws, ctx->inputs.x, w);
-    table.ptr[kOutGrad] = d_out.data;
-    table.ptr[kGateWeightGrad] = g.d_w_gate.data;
-    table.ptr[kUpWeightGrad] = g.d_w_up.data;
-    table.ptr[kDownWeightGrad] = g.d_w_down.data;
-    table.ptr[kSharedGateWeightGrad] = g.d_ws_gate.data;
-    table.ptr[kSharedUpWeightGrad] = g.d_ws_up.data;
-    table.ptr[kSharedDownWeightGrad] = g.d_ws_down.data;
-
-    const RowMap map = routed_rows(ws);
-    const int32_t* counts = ws.counts.data();
-    const int32_t* offsets = ws.offsets.data();
-    const bool shared = shape_.has_shared();
-    dispatch(d_out.as<bf16>(), buf(ws, kGroupedOutGrad), ws, s);
-    ws.data_grad_h->run(table, counts, offsets, s);
-    // Route weights and d_w per visited entry: per slot on one rank, per received route across ranks.
-    const float* route_w = exchange_ ? ws.row_weight.data() : ctx->inputs.topk_weights.as<float>();
-    float* route_dw = exchange_ ? ws.row_d_weight.data() : g.d_topk_weights.as<float>();
-    swiglu_backward_rows(buf(ws, kGateOut), buf(ws, kUpOut), buf(ws, kHidden), buf(ws, kHiddenGradUnweighted), route_w, route_dw,
-                         buf(ws, kWeightedHidden), buf(ws, kGateGrad), buf(ws, kUpGrad), map.rows, map.entries, I, act_, s);
-    if (shared)
-      swiglu_backward_rows(buf(ws, kSharedGateOut), buf(ws, kSharedUpOut), buf(ws, kSharedHidden), buf(ws, kSharedHiddenGrad), nullptr, nullptr, nullptr,
-                           buf(ws, kSharedGateGrad), buf(ws, kSharedUpGrad), nullptr, T, Is, act_, s);
-    ws.data_grad_x->run(table, counts, offsets, s);
-    const bf16 *dxa = buf(ws, kInputGradViaGate), *dxb = buf(ws, kInputGradViaUp);
-    if (exchange_) {
-      exchange_->combine(dxa, ws.returned_dxa.data(), H, s);
-      exchange_->combine(dxb, ws.returned_dxb.data(), H, s);
-      exchange_->combine_scalars(route_dw, g.d_topk_weights.as<float>(), s);
-      dxa = ws.returned_dxa.data();
-      dxb = ws.returned_dxb.data();
-    }
-    reduce_input_grads(dxa, dxb, shared ? buf(ws, kSharedInputGradViaGate) : nullptr, shared ? buf(ws, kSharedInputGradViaUp) : nullptr,
-                       g.d_x.as<bf16>(), slot_map(ws), T, k, H, s);
-    zero_empty_experts(counts, E, g.d_w_gate.as<bf16>(), g.d_w_up.as<bf16>(), g.d_w_down.as<bf16>(), I * H, s);
-    ws.weight_grad->run(table, counts, offsets, s);
-  }
-
-  // Reads the routed row counts after `stream` (a synchronization: for tests and statistics only).
-  std::vector<int64_t> read_counts(cudaStream_t stream) const {
-    std::vector<int32_t> c(local_experts_);
-    MOKA_CUDA_CHECK(cudaStreamSynchronize(stream));
-    MOKA_CUDA_CHECK(cudaMemcpy(c.data(), ws_->counts.data(), c.size() * sizeof(int32_t), cudaMemcpyDeviceToHost));
-    return {c.begin(), c.end()};
+    order_after_last_call(s);
+    ctx->used_on(s);
+    run_backward(*ctx, d_out, w, g, s);
+    record_last_call(s);
   }
 
  private:
-  static bf16* buf(const Workspace& ws, Buf b) { return ws.bufs[b].data(); }
+  DeviceAllocator& allocator() const { return options_.allocator ? *options_.allocator : default_device_allocator(); }
+  CallBuffers call_buffers(cudaStream_t s) const { return CallBuffers{&allocator(), s, {}}; }
+
+  // The forward's stages into `ctx` (routes, row order and what it saves) and `out`; the call's
+  // other buffers go back as soon as their last reader is enqueued.
+  void run_forward(CudaContext& ctx, const MoeWeights& w, const TensorView& out, cudaStream_t s) {
+    const int64_t T = ctx.tokens, H = shape_.hidden, I = shape_.intermediate, k = shape_.top_k;
+    const int64_t Is = shape_.shared_intermediate, E = local_experts_;
+    const bool shared = shape_.has_shared();
+    ctx.rows = exchange_ ? exchange_->grouped_rows() : T * k + E * (options_.tile_rows - 1);
+    require(ctx.rows < (int64_t(1) << 31), ErrorCode::unsupported_size, "too many routed rows for int32 offsets");
+    const int64_t R = std::max<int64_t>(ctx.rows, 1);
+    LayerGemms& gemms = gemms_for(T);
+    DeviceAllocator& from = allocator();
+    ctx.counts = DeviceArray<int32_t>(size_t(E), from, s);
+    ctx.offsets = DeviceArray<int32_t>(size_t(E + 1), from, s);
+    ctx.row_of_slot = DeviceArray<int32_t>(size_t(T * k), from, s);
+    CallBuffers call = call_buffers(s);
+    if (exchange_) {
+      ctx.row_weight = DeviceArray<float>(size_t(R), from, s);
+      exchange_->dispatch_scalars(ctx.inputs.topk_weights.as<float>(), ctx.row_weight.data(), s);
+      exchange_->upload_schedule(ctx.counts.data(), ctx.offsets.data());
+    } else {
+      DeviceArray<int32_t> chunk_counts(size_t(schedule_chunks(T * k) * E), from, s);
+      build_schedule(schedule(ctx, chunk_counts.data()), ctx.inputs.topk_ids.as<int32_t>(),
+                     ctx.inputs.topk_weights.as<float>(), s);
+    }
+    // What the backward reads is the context's (gate and up, and across ranks the grouped x,
+    // which only another all-to-all could bring back); the rest is the call's.
+    const bool keep = options_.save == SaveMode::gate_up;
+    auto take = [&](Buf b, int64_t elems, bool saved) {
+      if (!saved) return call.take(b, elems);
+      ctx.saved[b] = DeviceArray<bf16>(size_t(elems), from, s);
+      return ctx.saved[b].data();
+    };
+    bf16* grouped_x = take(kGroupedInput, R * H, exchange_ != nullptr);
+    take(kGateOut, R * I, keep);
+    take(kUpOut, R * I, keep);
+    call.take(kHidden, R * I);
+    if (shared) {
+      take(kSharedGateOut, T * Is, keep);
+      take(kSharedUpOut, T * Is, keep);
+      call.take(kSharedHidden, T * Is);
+      call.take(kSharedOut, T * H);
+    }
+    dispatch(ctx.inputs.x.as<bf16>(), grouped_x, ctx, s);
+    BufferTable table = buffer_table(ctx, call, ctx.inputs.x, w);
+    run_gate_up(gemms, table, ctx, s);
+    if (!fused_swiglu_) {
+      swiglu_forward_rows(ptr(table, kGateOut), ptr(table, kUpOut), ptr(table, kHidden), routed_rows(ctx).rows,
+                          routed_rows(ctx).entries, I, act_, s);
+      if (shared)
+        swiglu_forward_rows(ptr(table, kSharedGateOut), ptr(table, kSharedUpOut), ptr(table, kSharedHidden), nullptr,
+                            T, Is, act_, s);
+    }
+    call.release({kGroupedInput});
+    table.ptr[kExpertOut] = call.take(kExpertOut, R * H);
+    gemms.down->run(table, ctx.counts.data(), ctx.offsets.data(), s);
+    call.release({kHidden, kSharedHidden, kGateOut, kUpOut, kSharedGateOut, kSharedUpOut});
+    const bf16* y = ptr(table, kExpertOut);
+    DeviceArray<bf16> returned_y;
+    if (exchange_) {
+      returned_y = DeviceArray<bf16>(size_t(T * k * H), from, s);
+      exchange_->combine(y, returned_y.data(), H, s);
+      y = returned_y.data();
+    }
+    combine_tokens(y, ctx.inputs.topk_weights.as<float>(), shared ? ptr(table, kSharedOut) : nullptr, out.as<bf16>(),
+                   slot_map(ctx), T, k, H, s);
+  }
+
+  // gate|up of the grouped rows (and the shared expert's of x) into the table's buffers.
+  void run_gate_up(LayerGemms& gemms, const BufferTable& table, const CudaContext& ctx, cudaStream_t s) const {
+    if (fused_swiglu_) {
+      gemms.up->run(table, ctx.counts.data(), ctx.offsets.data(), s);
+      gemms.gate->run(table, ctx.counts.data(), ctx.offsets.data(), s);  // G and H, from U
+    } else {
+      gemms.gate_up->run(table, ctx.counts.data(), ctx.offsets.data(), s);
+    }
+  }
+
+  // The backward's stages, in an order that keeps few buffers alive at once: the weight
+  // gradients (which need the grouped x and d_out) before the input gradient's two halves.
+  void run_backward(const CudaContext& ctx, const TensorView& d_out, const MoeWeights& w, const MoeGradients& g,
+                    cudaStream_t s) {
+    const int64_t T = ctx.tokens, H = shape_.hidden, I = shape_.intermediate, k = shape_.top_k;
+    const int64_t Is = shape_.shared_intermediate, E = local_experts_, R = std::max<int64_t>(ctx.rows, 1);
+    const bool shared = shape_.has_shared();
+    LayerGemms& gemms = gemms_for(T);
+    CallBuffers call = call_buffers(s);
+    const int32_t* counts = ctx.counts.data();
+    const int32_t* offsets = ctx.offsets.data();
+    // One rank gathers x's rows again (a copy, cheaper to redo than to keep).
+    if (!exchange_) dispatch(ctx.inputs.x.as<bf16>(), call.take(kGroupedInput, R * H), ctx, s);
+    if (options_.save == SaveMode::none) {  // gate|up again, on the same rows: the same bits
+      call.take(kGateOut, R * I);
+      call.take(kUpOut, R * I);
+      if (fused_swiglu_) call.take(kHidden, R * I);
+      if (shared) {
+        call.take(kSharedGateOut, T * Is);
+        call.take(kSharedUpOut, T * Is);
+        if (fused_swiglu_) call.take(kSharedHidden, T * Is);
+      }
+      run_gate_up(gemms, buffer_table(ctx, call, ctx.inputs.x, w), ctx, s);
+      call.release({kHidden, kSharedHidden});
+    }
+    dispatch(d_out.as<bf16>(), call.take(kGroupedOutGrad, R * H), ctx, s);
+    call.take(kHiddenGradUnweighted, R * I);
+    if (shared) call.take(kSharedHiddenGrad, T * Is);
+    BufferTable table = with_gradients(buffer_table(ctx, call, ctx.inputs.x, w), d_out, g);
+    gemms.data_grad_h->run(table, counts, offsets, s);
+    // Route weights and d_w per visited entry: per slot on one rank, per received route across ranks.
+    DeviceArray<float> row_d_weight;
+    if (exchange_) row_d_weight = DeviceArray<float>(size_t(R), allocator(), s);
+    const float* route_w = exchange_ ? ctx.row_weight.data() : ctx.inputs.topk_weights.as<float>();
+    float* route_dw = exchange_ ? row_d_weight.data() : g.d_topk_weights.as<float>();
+    // dG overwrites dh_u in place (each element is read by the thread that then writes it).
+    for (Buf b : {kWeightedHidden, kUpGrad}) table.ptr[b] = call.take(b, R * I);
+    table.ptr[kGateGrad] = table.ptr[kHiddenGradUnweighted];
+    const RowMap map = routed_rows(ctx);
+    swiglu_backward_rows(ptr(table, kGateOut), ptr(table, kUpOut), ptr(table, kHiddenGradUnweighted), route_w,
+                         route_dw, ptr(table, kWeightedHidden), ptr(table, kGateGrad), ptr(table, kUpGrad), map.rows,
+                         map.entries, I, act_, s);
+    if (shared) {
+      for (Buf b : {kSharedHidden, kSharedUpGrad}) table.ptr[b] = call.take(b, T * Is);
+      table.ptr[kSharedGateGrad] = table.ptr[kSharedHiddenGrad];
+      swiglu_backward_rows(ptr(table, kSharedGateOut), ptr(table, kSharedUpOut), ptr(table, kSharedHiddenGrad),
+                           nullptr, nullptr, ptr(table, kSharedHidden), ptr(table, kSharedGateGrad),
+                           ptr(table, kSharedUpGrad), nullptr, T, Is, act_, s);
+    }
+    call.release({kGateOut, kUpOut, kSharedGateOut, kSharedUpOut});
+    zero_empty_experts(counts, E, g.d_w_gate.as<bf16>(), g.d_w_up.as<bf16>(), g.d_w_down.as<bf16>(), I * H, s);
+    gemms.weight_grad->run(table, counts, offsets, s);
+    call.release({kGroupedInput, kGroupedOutGrad, kWeightedHidden, kSharedHidden});
+    for (Buf b : {kInputGradViaGate, kInputGradViaUp}) table.ptr[b] = call.take(b, R * H);
+    if (shared)
+      for (Buf b : {kSharedInputGradViaGate, kSharedInputGradViaUp}) table.ptr[b] = call.take(b, T * H);
+    gemms.data_grad_x->run(table, counts, offsets, s);
+    const bf16 *dxa = ptr(table, kInputGradViaGate), *dxb = ptr(table, kInputGradViaUp);
+    DeviceArray<bf16> returned_dxa, returned_dxb;
+    if (exchange_) {
+      returned_dxa = DeviceArray<bf16>(size_t(T * k * H), allocator(), s);
+      returned_dxb = DeviceArray<bf16>(size_t(T * k * H), allocator(), s);
+      exchange_->combine(dxa, returned_dxa.data(), H, s);
+      exchange_->combine(dxb, returned_dxb.data(), H, s);
+      exchange_->combine_scalars(route_dw, g.d_topk_weights.as<float>(), s);
+      dxa = returned_dxa.data();
+      dxb = returned_dxb.data();
+    }
+    reduce_input_grads(dxa, dxb, shared ? ptr(table, kSharedInputGradViaGate) : nullptr,
+                       shared ? ptr(table, kSharedInputGradViaUp) : nullptr, g.d_x.as<bf16>(), slot_map(ctx), T, k, H,
+                       s);
+  }
+
+  // Calls on different streams (or threads) share the GEMMs' device scratch: each call's work
+  // waits for the previous call's (not while a stream is captured: a graph orders its own).
+  void order_after_last_call(cudaStream_t s) {
+    if (last_stream_ && last_stream_ != s && !is_capturing(s)) MOKA_CUDA_CHECK(cudaStreamWaitEvent(s, last_call_done_, 0));
+  }
+  void record_last_call(cudaStream_t s) {
+    if (is_capturing(s)) return;
+    if (!last_call_done_) MOKA_CUDA_CHECK(cudaEventCreateWithFlags(&last_call_done_, cudaEventDisableTiming));
+    MOKA_CUDA_CHECK(cudaEventRecord(last_call_done_, s));
+    last_stream_ = s;
+  }
+
+  static bf16* ptr(const BufferTable& t, Buf b) { return static_cast<bf16*>(const_cast<void*>(t.ptr[b])); }
 
   core::LayerSignature signature(int64_t tokens) const {
     return {tokens, shape_.hidden, shape_.intermediate, shape_.num_experts, shape_.top_k,
@@ -281,24 +422,23 @@ class CudaMoeLayer final : public StagedLayer {
   }
 
   // Rows of x or d_out into the grouped buffer: a local gather, or the all-to-all dispatch.
-  void dispatch(const bf16* tokens, bf16* grouped, const Workspace& ws, cudaStream_t s) const {
+  void dispatch(const bf16* tokens, bf16* grouped, const CudaContext& ctx, cudaStream_t s) const {
     if (exchange_) {
       exchange_->dispatch(tokens, grouped, shape_.hidden, s);
     } else {
-      gather_rows(tokens, grouped, ws.row_of_slot.data(), ws.tokens * shape_.top_k, shape_.top_k,
-                  shape_.hidden, s);
+      gather_rows(tokens, grouped, ctx.row_of_slot.data(), ctx.tokens * shape_.top_k, shape_.top_k, shape_.hidden, s);
     }
   }
 
   // One rank: the slots (non-local ones map to -1). Across ranks: every grouped row, padding
   // included (padding rows compute on garbage no product reads: the GEMMs take real rows only).
-  RowMap routed_rows(const Workspace& ws) const {
-    if (exchange_) return {nullptr, exchange_->grouped_rows()};
-    return {ws.row_of_slot.data(), ws.tokens * shape_.top_k};
+  RowMap routed_rows(const CudaContext& ctx) const {
+    if (exchange_) return {nullptr, ctx.rows};
+    return {ctx.row_of_slot.data(), ctx.tokens * shape_.top_k};
   }
   // Where slot token*k+j's routed row is read by the combine and the d_x reduction.
-  const int32_t* slot_map(const Workspace& ws) const {
-    return exchange_ ? exchange_->send_position_of_slot() : ws.row_of_slot.data();
+  const int32_t* slot_map(const CudaContext& ctx) const {
+    return exchange_ ? exchange_->send_position_of_slot() : ctx.row_of_slot.data();
   }
 
   // A routing error found by the device check of an earlier call (the host reads mapped
@@ -311,26 +451,27 @@ class CudaMoeLayer final : public StagedLayer {
                         "an earlier call's routing was invalid (that call's outputs are invalid) at ");
   }
 
-  DeviceSchedule schedule(const Workspace& ws) const {
+  DeviceSchedule schedule(const CudaContext& ctx, int32_t* chunk_counts) const {
     DeviceSchedule d;
-    d.slots = ws.tokens * shape_.top_k;
+    d.slots = ctx.tokens * shape_.top_k;
     d.num_experts = local_experts_;
     d.first_expert = 0;
     d.global_experts = shape_.num_experts;
     d.tile_rows = options_.tile_rows;
     d.top_k = shape_.top_k;
-    d.chunk_counts = ws.chunk_counts.data();
-    d.counts = ws.counts.data();
-    d.offsets = ws.offsets.data();
-    d.row_of_slot = ws.row_of_slot.data();
+    d.chunk_counts = chunk_counts;
+    d.counts = ctx.counts.data();
+    d.offsets = ctx.offsets.data();
+    d.row_of_slot = ctx.row_of_slot.data();
     d.error = error_.device();
     return d;
   }
 
-  // The workspace's buffers plus the caller's x and weights.
-  static BufferTable buffer_table(const Workspace& ws, const TensorView& x, const MoeWeights& w) {
+  // The context's and the call's buffers plus the caller's x and weights.
+  static BufferTable buffer_table(const CudaContext& ctx, const CallBuffers& call, const TensorView& x,
+                                  const MoeWeights& w) {
     BufferTable t;
-    for (int b = 0; b < kNumBufs; ++b) t.ptr[b] = ws.bufs[b].data();
+    for (int b = 0; b < kNumBufs; ++b) t.ptr[b] = ctx.saved[b].empty() ? call.bufs[b].data() : ctx.saved[b].data();
     t.ptr[kInput] = x.data;
     t.ptr[kGateWeight] = w.w_gate.data;
     t.ptr[kUpWeight] = w.w_up.data;
@@ -340,47 +481,35 @@ class CudaMoeLayer final : public StagedLayer {
     t.ptr[kSharedDownWeight] = w.ws_down.data;
     return t;
   }
+  static BufferTable with_gradients(BufferTable t, const TensorView& d_out, const MoeGradients& g) {
+    t.ptr[kOutGrad] = d_out.data;
+    t.ptr[kGateWeightGrad] = g.d_w_gate.data;
+    t.ptr[kUpWeightGrad] = g.d_w_up.data;
+    t.ptr[kDownWeightGrad] = g.d_w_down.data;
+    t.ptr[kSharedGateWeightGrad] = g.d_ws_gate.data;
+    t.ptr[kSharedUpWeightGrad] = g.d_ws_up.data;
+    t.ptr[kSharedDownWeightGrad] = g.d_ws_down.data;
+    return t;
+  }
 
-  // `rows`: grouped rows needed. One rank sizes for its worst case (every segment rounds up by
-  // < tile); across ranks the received rows are known on the host and buffers grow by 25%.
-  Workspace& workspace(int64_t T, int64_t rows) {
-    if (ws_ && ws_->tokens == T && ws_->rows >= rows) return *ws_;
-    ws_.reset();
-    auto ws = std::make_unique<Workspace>();
-    const int64_t H = shape_.hidden, I = shape_.intermediate, k = shape_.top_k, E = local_experts_;
-    const int64_t Is = shape_.shared_intermediate;
-    ws->tokens = T;
-    ws->rows = exchange_ ? std::max<int64_t>(rows + rows / 4, 8) : rows;
-    if (exchange_) {
-      ws->returned_y = DeviceArray<bf16>(T * k * H);
-      ws->returned_dxa = DeviceArray<bf16>(T * k * H);
-      ws->returned_dxb = DeviceArray<bf16>(T * k * H);
-      ws->row_weight = DeviceArray<float>(ws->rows);
-      ws->row_d_weight = DeviceArray<float>(ws->rows);
+  // The GEMMs for T tokens: the latest token count's are kept (building them allocates and
+  // initializes CUTLASS arguments).
+  LayerGemms& gemms_for(int64_t T) {
+    if (!gemms_ || gemms_->tokens != T) {
+      gemms_.reset();  // its device scratch is freed by cudaFree, which waits for the device
+      auto gemms = std::make_unique<LayerGemms>();
+      gemms->tokens = T;
+      build_gemms(*gemms);
+      gemms_ = std::move(gemms);
     }
-    require(ws->rows < (int64_t(1) << 31), ErrorCode::unsupported_size, "too many routed rows for int32 offsets");
-    ws->chunk_counts = DeviceArray<int32_t>(schedule_chunks(T * k) * E);
-    ws->counts = DeviceArray<int32_t>(E);
-    ws->offsets = DeviceArray<int32_t>(E + 1);
-    ws->row_of_slot = DeviceArray<int32_t>(T * k);
-    const int64_t R = ws->rows;
-    auto alloc = [&](Buf b, int64_t elems) { ws->bufs[b] = DeviceArray<bf16>(elems); };
-    for (Buf b : {kGroupedInput, kExpertOut, kGroupedOutGrad, kInputGradViaGate, kInputGradViaUp}) alloc(b, R * H);
-    for (Buf b : {kGateOut, kUpOut, kHidden, kHiddenGradUnweighted, kGateGrad, kUpGrad, kWeightedHidden}) alloc(b, R * I);
-    if (shape_.has_shared()) {
-      for (Buf b : {kSharedGateOut, kSharedUpOut, kSharedHidden, kSharedHiddenGrad, kSharedGateGrad, kSharedUpGrad}) alloc(b, T * Is);
-      for (Buf b : {kSharedOut, kSharedInputGradViaGate, kSharedInputGradViaUp}) alloc(b, T * H);
-    }
-    build_gemms(*ws);
-    ws_ = std::move(ws);
-    return *ws_;
+    return *gemms_;
   }
 
   // The grouped GEMMs of a layer, each with one group per expert and operand (plus the shared
   // expert's dense products as extra fixed-size groups, so they overlap with the routed tiles in
   // the same persistent launch). Forward is D = A B^T with both operands K-major; backward reads
   // the same tensors as MN-major operands (GemmLayout), so nothing is transposed.
-  void build_gemms(Workspace& ws) const {
+  void build_gemms(LayerGemms& ws) const {
     const int64_t H = shape_.hidden, I = shape_.intermediate, E = local_experts_, T = ws.tokens;
     const int64_t Is = shape_.shared_intermediate;
     const int Ti = static_cast<int>(T), Hi = static_cast<int>(H), Ii = static_cast<int>(I),
@@ -474,15 +603,20 @@ class CudaMoeLayer final : public StagedLayer {
   int device_ = 0;
   PinnedWord<unsigned long long> error_{kNoRoutingError};  // the device routing check's first bad slot
   uint64_t generation_ = 0;
-  std::unique_ptr<Workspace> ws_;
-  DeviceArray<bf16> recompute_out_;  // the discarded output of a recomputed forward
+  std::unique_ptr<LayerGemms> gemms_;
+  // Host state (the GEMMs, the generation, the error word, the last call's stream) is shared by
+  // the callers' threads: one call at a time.
+  std::mutex mutex_;
+  cudaStream_t last_stream_ = nullptr;
+  cudaEvent_t last_call_done_ = nullptr;
 };
 
+// Reads the routed row counts after `stream` (a synchronization: for tests and statistics only).
 std::vector<int64_t> CudaContext::local_expert_rows() const {
-  if (!recompute_expert_rows) return layer->read_counts(stream);
   std::vector<int32_t> c(layer->num_local_experts());
   MOKA_CUDA_CHECK(cudaStreamSynchronize(stream));
-  MOKA_CUDA_CHECK(cudaMemcpy(c.data(), recompute_expert_rows, c.size() * sizeof(int32_t), cudaMemcpyDeviceToHost));
+  MOKA_CUDA_CHECK(cudaMemcpy(c.data(), recompute_expert_rows ? recompute_expert_rows : counts.data(),
+                             c.size() * sizeof(int32_t), cudaMemcpyDeviceToHost));
   return {c.begin(), c.end()};
 }
 

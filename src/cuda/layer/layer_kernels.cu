@@ -193,7 +193,7 @@ __device__ float block_sum(float v) {
 }
 
 __global__ void __launch_bounds__(kRowThreads) swiglu_backward_kernel(
-    const bf16* gate, const bf16* up, const bf16* hidden, const bf16* dh_u, const float* weights, float* d_weight,
+    const bf16* gate, const bf16* up, const bf16* dh_u, const float* weights, float* d_weight,
     bf16* scaled_hidden, bf16* d_gate, bf16* d_up, const int32_t* row_of_slot, int64_t width, ActParams act) {
   const int64_t row = row_of(row_of_slot, blockIdx.x);
   if (row < 0) return;
@@ -204,10 +204,11 @@ __global__ void __launch_bounds__(kRowThreads) swiglu_backward_kernel(
     float g[kVec], u[kVec], h[kVec], dh[kVec], dg[kVec], du[kVec];
     load8(gate + base + c, g);
     load8(up + base + c, u);
-    load8(hidden + base + c, h);
     load8(dh_u + base + c, dh);
 #pragma unroll
     for (int i = 0; i < kVec; ++i) {
+      // The forward's hidden value, bit for bit (its bf16 rounding included): recomputed, not saved.
+      h[i] = __bfloat162float(__float2bfloat16_rn(core::swiglu_forward<float>(g[i], u[i], act.clamped, act.limit)));
       dot += dh[i] * h[i];
       core::swiglu_backward<float>(g[i], u[i], w * dh[i], act.clamped, act.limit, dg[i], du[i]);
       h[i] *= w;
@@ -367,12 +368,12 @@ void swiglu_forward_rows(const bf16* gate, const bf16* up, bf16* hidden, const i
   MOKA_CUDA_CHECK_LAUNCH();
 }
 
-void swiglu_backward_rows(const bf16* gate, const bf16* up, const bf16* hidden, const bf16* dh_u,
+void swiglu_backward_rows(const bf16* gate, const bf16* up, const bf16* dh_u,
                           const float* weights, float* d_weight, bf16* scaled_hidden, bf16* d_gate, bf16* d_up,
                           const int32_t* row_of_slot, int64_t rows, int64_t width, ActParams act,
                           cudaStream_t stream) {
   if (rows == 0) return;
-  swiglu_backward_kernel<<<grid_of(rows), kRowThreads, 0, stream>>>(gate, up, hidden, dh_u, weights, d_weight,
+  swiglu_backward_kernel<<<grid_of(rows), kRowThreads, 0, stream>>>(gate, up, dh_u, weights, d_weight,
                                                                     scaled_hidden, d_gate, d_up, row_of_slot,
                                                                     width, act);
   MOKA_CUDA_CHECK_LAUNCH();

@@ -69,10 +69,12 @@ using ActParams = core::ActParams;
 void swiglu_forward_rows(const bf16* gate, const bf16* up, bf16* hidden, const int32_t* row_of_slot,
                          int64_t rows, int64_t width, ActParams act, cudaStream_t stream);
 
-// Backward of the activation for the same rows. With weights (routed rows):
+// Backward of the activation for the same rows, hidden = act(gate, up) recomputed (the same bits
+// as swiglu_forward_rows wrote). With weights (routed rows):
 //   d_weight[s] = <dh_u[row], hidden[row]>,  dh = w[s] * dh_u[row],  scaled_hidden[row] = w[s] * hidden[row].
-// Without (shared expert): w = 1 and neither d_weight nor scaled_hidden is written.
-void swiglu_backward_rows(const bf16* gate, const bf16* up, const bf16* hidden, const bf16* dh_u,
+// Without (shared expert): w = 1, d_weight is not written and scaled_hidden (if given) gets hidden.
+// d_gate may be dh_u (in place: each element is read before the thread that reads it writes it).
+void swiglu_backward_rows(const bf16* gate, const bf16* up, const bf16* dh_u,
                           const float* weights, float* d_weight, bf16* scaled_hidden, bf16* d_gate, bf16* d_up,
                           const int32_t* row_of_slot, int64_t rows, int64_t width, ActParams act,
                           cudaStream_t stream);

@@ -1,0 +1,213 @@
+// The CUDA layer's memory (issue 29): what a context holds, the caller's allocator getting every
+// byte back, several forwards in flight per layer with their backwards in any order, SaveMode::none
+// recomputing gate|up to the same bits, and threads and streams sharing one layer.
+#include <gtest/gtest.h>
+
+#include <mutex>
+#include <thread>
+#include <unordered_map>
+
+#include "gpu_case.hpp"
+#include "moka/moka.hpp"
+
+using namespace moka;
+using gpu_test::GpuCase;
+
+namespace {
+
+using gpu_test::expect_close;
+using gpu_test::fresh_seed;
+using gpu_test::reference;
+using gpu_test::route;
+using gpu_test::run_gpu;
+using gpu_test::shape;
+
+const auto Z = core::RoutingKind::zipf;
+
+// A stream-ordered allocator that counts what is out: bytes in use now, at most, and the
+// requests, each checked against its own release (size and a known pointer).
+class CountingAllocator final : public DeviceAllocator {
+ public:
+  void* allocate(size_t bytes, Stream stream) override {
+    void* p = nullptr;
+    MOKA_CUDA_CHECK(cudaMallocAsync(&p, bytes, static_cast<cudaStream_t>(stream.handle)));
+    std::lock_guard<std::mutex> lock(mutex_);
+    sizes_[p] = bytes;
+    in_use_ += int64_t(bytes);
+    peak_ = std::max(peak_, in_use_);
+    ++allocations_;
+    return p;
+  }
+  void deallocate(void* p, size_t bytes, Stream stream) override {
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      const auto it = sizes_.find(p);
+      EXPECT_TRUE(it != sizes_.end()) << "deallocate of a pointer this allocator did not hand out";
+      if (it == sizes_.end()) return;
+      EXPECT_EQ(it->second, bytes) << "deallocate with another size than allocate's";
+      in_use_ -= int64_t(it->second);
+      sizes_.erase(it);
+    }
+    MOKA_CUDA_CHECK(cudaFreeAsync(p, static_cast<cudaStream_t>(stream.handle)));
+  }
+  int64_t in_use() const {
+    std::lock_guard<std::mutex> lock(mutex_);
+    return in_use_;
+  }
+  int64_t peak() const {
+    std::lock_guard<std::mutex> lock(mutex_);
+    return peak_;
+  }
+  int64_t allocations() const {
+    std::lock_guard<std::mutex> lock(mutex_);
+    return allocations_;
+  }
+
+ private:
+  mutable std::mutex mutex_;
+  std::unordered_map<void*, size_t> sizes_;
+  int64_t in_use_ = 0, peak_ = 0, allocations_ = 0;
+};
+
+GpuCase routed_case(const MoeShape& s, int64_t tokens, uint64_t seed) {
+  GpuCase c(s, tokens, seed);
+  route(c, Z, seed + 1);
+  c.upload();
+  return c;
+}
+
+std::unique_ptr<MoeLayer> cuda_layer(const MoeShape& s, SaveMode save, DeviceAllocator* allocator = nullptr,
+                                     bool fused_swiglu = false) {
+  LayerOptions o;
+  o.save = save;
+  o.allocator = allocator;
+  o.fused_swiglu = fused_swiglu;
+  o.path = LayerPath::single_gpu;
+  return make_moe_layer(s, Backend::cuda, nullptr, o);
+}
+
+// Bytes of the arrays a context keeps: each at least 16 (DeviceArray's minimum).
+int64_t array_bytes(int64_t elements, int64_t element_bytes) { return std::max<int64_t>(elements * element_bytes, 16); }
+
+TEST(CudaLayerMemory, ContextHoldsTheRoutesAndGateUpAndEveryByteComesBack) {
+  const MoeShape s = shape(256, 128, 16, 4, 96);
+  const int64_t T = 77, k = s.top_k, E = s.num_experts, I = s.intermediate, Is = s.shared_intermediate;
+  const int64_t rows = T * k + E * (128 - 1);  // the default tile's worst case
+  const int64_t routes = array_bytes(E, 4) + array_bytes(E + 1, 4) + array_bytes(T * k, 4);
+  for (SaveMode save : {SaveMode::gate_up, SaveMode::none}) {
+    SCOPED_TRACE(to_string(save));
+    GpuCase c = routed_case(s, T, fresh_seed());
+    CountingAllocator counting;
+    auto layer = cuda_layer(s, save, &counting);
+    cudaStream_t stream;
+    MOKA_CUDA_CHECK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+    {
+      auto ctx = layer->forward(c.inputs(), c.weights(), c.out_view(), Stream{stream});
+      MOKA_CUDA_CHECK(cudaStreamSynchronize(stream));
+      const int64_t gate_up = save == SaveMode::gate_up ? 2 * rows * I * 2 + 2 * T * Is * 2 : 0;
+      EXPECT_EQ(ctx->saved_bytes(), routes + gate_up);
+      EXPECT_EQ(counting.in_use(), ctx->saved_bytes()) << "the forward's scratch went back";
+      EXPECT_GT(counting.peak(), ctx->saved_bytes()) << "the forward's scratch came from the caller's allocator";
+      layer->backward(*ctx, c.d_out_view(), c.weights(), c.gradients(), Stream{stream});
+      MOKA_CUDA_CHECK(cudaStreamSynchronize(stream));
+      EXPECT_EQ(counting.in_use(), ctx->saved_bytes()) << "the backward's scratch went back";
+    }
+    EXPECT_EQ(counting.in_use(), 0) << "the context's memory went back";
+    // A context dropped without a backward gives its memory back too.
+    layer->forward(c.inputs(), c.weights(), c.out_view(), Stream{stream}).reset();
+    MOKA_CUDA_CHECK(cudaStreamSynchronize(stream));
+    EXPECT_EQ(counting.in_use(), 0);
+    const auto got = c.download();
+    reference(c);
+    expect_close(got, c.ref, 2e-2);
+    layer.reset();
+    MOKA_CUDA_CHECK(cudaStreamDestroy(stream));
+  }
+}
+
+// SaveMode::none recomputes gate|up from x in the backward: every output and gradient the same
+// bits as the default's, unfused and fused SwiGLU, with a shared expert and empty experts.
+TEST(CudaLayerMemory, SaveNoneGivesTheBitsOfSaveGateUp) {
+  const struct {
+    const char* name;
+    MoeShape shape;
+    int64_t tokens;
+  } cases[] = {{"shared", shape(256, 128, 16, 4, 128), 37}, {"clamped", shape(512, 1408, 8, 2, 520, true), 100},
+               {"sparse", shape(2048, 768, 64, 8), 5}};
+  for (const auto& p : cases) {
+    for (bool fused : {false, true}) {
+      SCOPED_TRACE(std::string(p.name) + (fused ? " fused" : " unfused"));
+      GpuCase c = routed_case(p.shape, p.tokens, fresh_seed());
+      run_gpu(*cuda_layer(p.shape, SaveMode::gate_up, nullptr, fused), c);
+      const auto saved_bits = c.output_bytes();
+      c.poison();
+      run_gpu(*cuda_layer(p.shape, SaveMode::none, nullptr, fused), c);
+      EXPECT_TRUE(c.output_bytes() == saved_bits) << "outputs or gradients differ from save=gate_up's";
+    }
+  }
+}
+
+// Two forwards of one layer in flight, their backwards in reverse order (what a pipeline
+// schedule or gradient accumulation does), on one stream and on two: the bits of one at a time.
+TEST(CudaLayerMemory, ForwardsInFlightGiveTheBitsOfOneAtATime) {
+  const MoeShape s = shape(256, 128, 16, 4, 128);
+  const uint64_t seed = fresh_seed();
+  GpuCase a = routed_case(s, 61, seed), b = routed_case(s, 90, seed + 7);
+  auto layer = cuda_layer(s, SaveMode::gate_up);
+  run_gpu(*layer, a);
+  run_gpu(*layer, b);
+  const auto a_bits = a.output_bytes(), b_bits = b.output_bytes();
+  cudaStream_t other;
+  MOKA_CUDA_CHECK(cudaStreamCreateWithFlags(&other, cudaStreamNonBlocking));
+  for (cudaStream_t second : {cudaStream_t(nullptr), other}) {
+    a.poison();
+    b.poison();
+    auto ctx_a = layer->forward(a.inputs(), a.weights(), a.out_view(), Stream{});
+    auto ctx_b = layer->forward(b.inputs(), b.weights(), b.out_view(), Stream{second});
+    layer->backward(*ctx_b, b.d_out_view(), b.weights(), b.gradients(), Stream{second});
+    MOKA_CUDA_CHECK(cudaStreamSynchronize(second));  // a's backward may then run on the legacy stream
+    layer->backward(*ctx_a, a.d_out_view(), a.weights(), a.gradients(), Stream{});
+    MOKA_CUDA_CHECK(cudaDeviceSynchronize());
+    EXPECT_TRUE(a.output_bytes() == a_bits) << "the first forward's results changed";
+    EXPECT_TRUE(b.output_bytes() == b_bits) << "the second forward's results changed";
+  }
+  layer.reset();
+  MOKA_CUDA_CHECK(cudaStreamDestroy(other));
+}
+
+// Four threads, each on a stream of its own, share one layer (and moka's default pool): each
+// gets the results it gets alone, for several rounds.
+TEST(CudaLayerMemory, ThreadsSharingALayerGetTheirOwnResults) {
+  const MoeShape s = shape(512, 256, 16, 4, 128);
+  const uint64_t seed = fresh_seed();
+  constexpr int kThreads = 4;
+  std::vector<GpuCase> cases;
+  for (int t = 0; t < kThreads; ++t) cases.push_back(routed_case(s, 50 + 31 * t, seed + 10 * t));
+  auto layer = cuda_layer(s, SaveMode::gate_up);
+  std::vector<std::vector<uint8_t>> alone;
+  for (auto& c : cases) {
+    run_gpu(*layer, c);
+    alone.push_back(c.output_bytes());
+  }
+  for (auto& c : cases) c.poison();
+  std::vector<std::string> failures(kThreads);
+  std::vector<std::thread> threads;
+  for (int t = 0; t < kThreads; ++t)
+    threads.emplace_back([&, t] {
+      try {
+        cudaStream_t stream;
+        MOKA_CUDA_CHECK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+        for (int round = 0; round < 3 && failures[t].empty(); ++round) {
+          run_gpu(*layer, cases[t], stream);
+          if (cases[t].output_bytes() != alone[t]) failures[t] = "round " + std::to_string(round) + " differs";
+        }
+        MOKA_CUDA_CHECK(cudaStreamDestroy(stream));
+      } catch (const std::exception& e) {
+        failures[t] = e.what();
+      }
+    });
+  for (auto& th : threads) th.join();
+  for (int t = 0; t < kThreads; ++t) EXPECT_TRUE(failures[t].empty()) << "thread " << t << ": " << failures[t];
+}
+
+}  // namespace
