@@ -50,7 +50,8 @@ class Model(torch.nn.Module):
     def __init__(s, a):
         super().__init__()
         d, W = a.d_model, a.heads * a.head_dim
-        P = lambda *shape, std: torch.nn.Parameter(torch.randn(*shape) * std)
+        def P(*shape, std):
+            return torch.nn.Parameter(torch.randn(*shape) * std)
         s.a = a
         s.embed = P(256, d, std=1.0)
         s.layers = torch.nn.ModuleList()
@@ -82,7 +83,8 @@ class Model(torch.nn.Module):
             k, v = c @ L.k_up.t(), c @ L.v_up.t()
         else:
             q, k, v = x @ L.q.t(), x @ L.k.t(), x @ L.v.t()
-        split = lambda t: t.view(B, S, a.heads, a.head_dim).transpose(1, 2)
+        def split(t):
+            return t.view(B, S, a.heads, a.head_dim).transpose(1, 2)
         o = F.scaled_dot_product_attention(split(q), split(k), split(v), is_causal=True)
         return o.transpose(1, 2).reshape(B * S, -1) @ L.out.t()
 

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Installs the Python environment of the moka package's build and tests (torch, nanobind,
-# scikit-build-core, pytest; pinned in python/requirements-dev.txt) into a venv kept outside the
-# clone, so that later runs on this machine reuse it: $MOKA_VENV, default ~/.cache/moka-venv.
+# scikit-build-core, pytest, ruff; pinned in python/requirements-dev.txt) into a venv kept outside
+# the clone, so that later runs on this machine reuse it: $MOKA_VENV, default ~/.cache/moka-venv.
 # uv (from PyPI) does the install: ~20 s for torch's 3 GB on a fresh machine, ~2 s from its cache.
 # Idempotent: a venv whose recorded requirements match the file is left as it is.
 set -euo pipefail

@@ -78,7 +78,8 @@ def check_row(r, torch, a):
     else:
         if r["torch_fwdbwd_ms"] != t["fwdbwd_ms"]:
             bad.append(f"{where}: torch_fwdbwd_ms {r['torch_fwdbwd_ms']!r} is not torch's {t['fwdbwd_ms']}")
-        if not positive(r["speedup_vs_torch"]) or not close(r["speedup_vs_torch"], t["fwdbwd_ms"] / r["fwdbwd_ms"], 1e-9):
+        if (not positive(r["speedup_vs_torch"])
+                or not close(r["speedup_vs_torch"], t["fwdbwd_ms"] / r["fwdbwd_ms"], 1e-9)):
             bad.append(f"{where}: speedup_vs_torch {r['speedup_vs_torch']!r} is not torch_fwdbwd_ms / fwdbwd_ms")
         if r["torch_peak_memory_bytes"] != t.get("peak_memory_bytes"):
             bad.append(f"{where}: torch_peak_memory_bytes {r['torch_peak_memory_bytes']!r} is not torch's "

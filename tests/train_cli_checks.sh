@@ -42,14 +42,52 @@ signal_run() {
   wait $pid || rc=$?
 }
 
-# launch-sigint-exits-130, launch-sigterm-exits-143: the launcher stops its workers and exits
-# 128 + the signal, as a shell reports a process the signal ended.
+# launch-sigint-exits-130, launch-sigterm-exits-143: the launcher passes the signal on to its
+# workers and exits 128 + the signal, as a shell reports a process the signal ended.
 case $2 in
   launch-sig*)
     signal=$(echo "$2" | sed 's/^launch-sig\([a-z]*\)-exits-[0-9]*$/\1/' | tr a-z A-Z)
     signal_run "$signal" "^worker started" "$moka" launch -n 2 -- sh -c 'echo worker started; exec sleep 100'
     [ $rc = "${2##*-}" ] || fail "exit code $rc after SIG$signal, expected ${2##*-}"
-    grep -q "moka launch: interrupted by SIG$signal; stopped the workers" out.txt || fail "no interruption message"
+    grep -q "moka launch: interrupted by SIG$signal; passed it on to the workers" out.txt ||
+      fail "no interruption message"
+    echo "ok: $2"
+    exit 0
+    ;;
+  launch-workers-get-the-grace-period-after-sigterm)
+    # Workers that catch SIGTERM finish their work (a trainer's checkpoint) within --grace.
+    # Rank 1 says it started once rank 0 has set its trap too (ready.0).
+    signal_run TERM "worker 1 started" "$moka" launch -n 2 --grace 20 -- \
+      sh -c 'trap "sleep 1; echo saved > saved.\$RANK; exit 0" TERM; touch ready.$RANK
+             until [ -f ready.0 ]; do sleep 0.05; done; echo worker $RANK started; sleep 100 & wait'
+    [ $rc = 143 ] || fail "exit code $rc after SIGTERM, expected 143"
+    [ -f saved.0 ] && [ -f saved.1 ] || fail "a worker did not get to save"
+    echo "ok: $2"
+    exit 0
+    ;;
+  launch-stops-what-a-failed-job-started)
+    # Rank 1 fails; rank 0 and the process it started are stopped with it (its process group).
+    child="sleep 1000.$$"  # a command line no other process has
+    rc=0
+    "$moka" launch -n 2 --grace 0 -- sh -c "[ \$RANK = 1 ] && exit 3; $child & sleep 100" >out.txt 2>&1 || rc=$?
+    [ $rc = 3 ] || fail "exit code $rc, expected rank 1's 3"
+    sleep 0.2
+    if pgrep -f "$child" >/dev/null; then
+      pkill -f "$child"
+      fail "a worker's child outlived the job"
+    fi
+    echo "ok: $2"
+    exit 0
+    ;;
+  launch-n-beyond-the-limit)
+    rc=0
+    "$moka" launch -n 5000 -- true >out.txt 2>&1 || rc=$?
+    [ $rc != 0 ] && grep -q "moka launch -n 5000 exceeds the [0-9]* workers this machine allows" out.txt ||
+      fail "no limit on -n (exit $rc)"
+    rc=0
+    (ulimit -p 64 2>/dev/null || exit 77; "$moka" launch -n 4000 -- true) >out.txt 2>&1 || rc=$?
+    [ $rc = 77 ] && exit 77
+    grep -q "moka launch -n 4000 exceeds the 64 workers" out.txt || fail "RLIMIT_NPROC not honoured (exit $rc)"
     echo "ok: $2"
     exit 0
     ;;

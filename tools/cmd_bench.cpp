@@ -267,6 +267,8 @@ void validate_cases(const BenchOptions& o, const std::vector<NamedShape>& shapes
   const int world = processes ? o.gpus : o.ep;
   const std::string ranks_option = (processes ? "--gpus " : "--ep ") + std::to_string(world);
   require(!processes || o.ep == 1, ErrorCode::invalid_argument, "--ep (emulated ranks) cannot be combined with --gpus");
+  if (!o.dump_routing.empty()) check_output_path("--dump-routing", o.dump_routing);
+  if (!o.timeline.empty()) check_output_path("--timeline", o.timeline);
   for (const auto& ns : shapes) {
     const MoeShape& s = ns.shape;
     require(s.num_experts % world == 0, ErrorCode::invalid_argument,

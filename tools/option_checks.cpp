@@ -3,6 +3,7 @@
 #include <unistd.h>
 
 #include <cstdio>
+#include <filesystem>
 #include <functional>
 
 #include "moka/error.hpp"
@@ -51,6 +52,22 @@ void require_host_memory(double bytes, const std::string& option, const std::str
   require(physical <= 0 || bytes <= physical, ErrorCode::invalid_argument,
           option + " needs about " + gibibytes(bytes) + " of memory for " + use + ", more than this machine's " +
               gibibytes(physical));
+}
+
+void check_output_path(const std::string& option, const std::string& path) {
+  namespace fs = std::filesystem;
+  const fs::path file(path);
+  const fs::path dir = file.parent_path().empty() ? fs::path(".") : file.parent_path();
+  const std::string what = option + " " + path;
+  std::error_code ec;
+  require(!path.empty(), ErrorCode::invalid_argument, option + " needs a file name");
+  require(fs::is_directory(dir, ec), ErrorCode::invalid_argument,
+          what + ": directory " + dir.string() + " does not exist");
+  require(::access(dir.c_str(), W_OK) == 0, ErrorCode::invalid_argument,
+          what + ": directory " + dir.string() + " is not writable");
+  require(!fs::is_directory(file, ec), ErrorCode::invalid_argument, what + " is a directory");
+  require(!fs::exists(file, ec) || ::access(path.c_str(), W_OK) == 0, ErrorCode::invalid_argument,
+          what + " is not writable");
 }
 
 }  // namespace moka::cli

@@ -17,4 +17,9 @@ CLI::Validator finite_range(double lo, double hi);
 // machine's physical memory, before anything is allocated.
 void require_host_memory(double bytes, const std::string& option, const std::string& use);
 
+// Fails fast, naming `option`, unless `path` can be written: its directory exists and is
+// writable and it is not itself a directory. Every option naming an output file is checked so
+// before the work starts.
+void check_output_path(const std::string& option, const std::string& path);
+
 }  // namespace moka::cli

@@ -76,8 +76,8 @@ def plot_lrsweep(plt, rows, png):
         shown = [(lr, statistics.mean(v), statistics.stdev(v) if len(v) > 1 else 0.0)
                  for lr, v in sorted(by_lr.items()) if all(math.isfinite(x) for x in v)]
         finite += [m for _, m, _ in shown]
-        line = ax.errorbar([p[0] for p in shown], [p[1] for p in shown], yerr=[p[2] for p in shown] if seeds > 1 else None,
-                           marker="o", capsize=3, label=f"d={width}")
+        line = ax.errorbar([p[0] for p in shown], [p[1] for p in shown],
+                           yerr=[p[2] for p in shown] if seeds > 1 else None, marker="o", capsize=3, label=f"d={width}")
         color = line.lines[0].get_color()
         eta = optima.get(width)
         if eta and shown:

@@ -6,6 +6,7 @@
 #include <nlohmann/json.hpp>
 #include <string>
 
+#include "option_checks.hpp"
 #include "train/mup_experiments.hpp"
 #include "train/trainer.hpp"
 
@@ -53,10 +54,6 @@ CLI::Validator at_least(double min);
 CLI::Validator greater_than(double min);
 CLI::Validator at_most(double max);
 CLI::Validator below(double max);
-
-// Fails fast, naming `option`, unless `path` can be written: its directory exists and is
-// writable and it is not itself a directory.
-void check_output_path(const std::string& option, const std::string& path);
 
 // Checks that `--plot png` can be drawn before any work starts: the path, tools/plot_mup.py
 // (which the build copies next to the moka binary) and a python with matplotlib.

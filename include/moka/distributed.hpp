@@ -39,6 +39,9 @@ struct LaunchOptions {
   // The grace period becomes steady_clock nanoseconds added to now(): a million seconds (11.6
   // days) stays far inside their int64 range.
   static constexpr double kMaxGraceSeconds = 1e6;
+  // At most this many workers (the ranks a group takes), and no more than the machine lets this
+  // user start processes (the soft RLIMIT_NPROC).
+  static constexpr int kMaxWorkers = 4096;
   int num_workers = 1;
   double grace_seconds = 10.0;  // after one worker fails, how long the others get to exit, [0, kMaxGraceSeconds]
 };

@@ -22,62 +22,27 @@ from __future__ import annotations
 import math
 import os
 import socket
-from typing import Optional
+from typing import NamedTuple, Optional
 
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
-from torch.utils.dlpack import to_dlpack as _dlpack
 
 from . import _moka
+from ._autograd import _Experts, _MoE, _moe_forward, _Route, router_weight_dtype
+from ._op import _backend, _EagerExperts, _groups, _int32_ids, _make_layer, _moe_experts_op, _plain_eager_call
 
-__all__ = ["MoE", "moe_experts", "moka_group", "router_weight_dtype"]
+# Reached through moka.torch by bench/python_overhead.py, which times moka's calls one by one and
+# swaps the op's layers.
+from ._autograd import (_dl, _empty_like, _experts_backward, _experts_forward, _route_forward,  # noqa: F401
+                        _routes, _stream, _weights)
+from ._op import _op_layers  # noqa: F401
 
-
-
-def router_weight_dtype(x_dtype: torch.dtype) -> torch.dtype:
-    """The dtype of topk_weights (and their gradient) for activations of ``x_dtype``."""
-    return torch.float64 if x_dtype == torch.float64 else torch.float32
-
-
-def _dl(t: Optional[Tensor]):
-    # A capsule without the stream synchronization of Tensor.__dlpack__ (moka runs on the current
-    # stream already, and a synchronization would break CUDA graph capture).
-    return None if t is None else _dlpack(t)
-
-
-_raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)  # what torch.compile's code uses
-
-
-def _stream(t: Tensor) -> int:
-    if not t.is_cuda:
-        return 0
-    if _raw_stream is not None:  # a few microseconds less per call than current_stream()
-        return _raw_stream(t.device.index)
-    return torch.cuda.current_stream(t.device).cuda_stream
-
-
-def _backend(t: Tensor) -> str:
-    if t.is_cuda:
-        if t.device.index != torch.cuda.current_device():
-            raise ValueError(f"moka: x is on {t.device} but the current CUDA device is "
-                             f"cuda:{torch.cuda.current_device()}; call torch.cuda.set_device first")
-        return "cuda"
-    if t.device.type != "cpu":
-        raise ValueError(f"moka: x is on {t.device}; moka runs on CPU and CUDA tensors")
-    if t.dtype not in _CPU_DTYPES:
-        raise TypeError(f"moka: x has dtype {str(t.dtype).replace('torch.', '')}; the CPU backend computes in "
-                        f"float32 or float64 (bfloat16 is the CUDA backend's)")
-    return "cpu"
-
-
-_CPU_DTYPES = (torch.float32, torch.float64)
+__all__ = ["MoE", "MoEAux", "moe_experts", "moka_group", "router_weight_dtype"]
 
 
 # --- expert parallelism: moka's own process group, bootstrapped over a torch.distributed group ---
-
-_groups: dict[str, _moka.Group] = {}
-
+# (kept in moka._op's _groups, where the op finds them by name)
 
 def _free_port(addr: str) -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
@@ -112,271 +77,8 @@ def moka_group(group: Optional[dist.ProcessGroup]) -> Optional[_moka.Group]:
     return _groups[name]
 
 
-# --- the autograd functions of MoE (they keep moka's forward state for backward) ---
-
-def _weights(w_gate, w_up, w_down, ws_gate, ws_up, ws_down) -> _moka.Weights:
-    return _moka.Weights(_dl(w_gate), _dl(w_up), _dl(w_down), _dl(ws_gate), _dl(ws_up), _dl(ws_down))
-
-
-def _empty_like(t: Optional[Tensor]) -> Optional[Tensor]:
-    return None if t is None else torch.empty_like(t)
-
-
-# moka's router and layer calls, shared by the autograd functions below (moka's saved state
-# points into the tensors given, so the functions keep those for backward).
-
-def _routes(x: Tensor, top_k: int) -> tuple[Tensor, Tensor]:
-    """Unfilled topk_ids [T, k] and topk_weights [T, k] for x [T, H]."""
-    tokens = x.shape[0]
-    return (torch.empty(tokens, top_k, dtype=torch.int32, device=x.device),
-            torch.empty(tokens, top_k, dtype=router_weight_dtype(x.dtype), device=x.device))
-
-
-def _route_forward(router, x, w_router, bias, top_k, expert_load):
-    """moka's routing of x: (saved state, topk_ids, topk_weights); the routes per expert are added
-    to expert_load [E] int64 inside moka's call (no torch launch for the statistics)."""
-    ids, weights = _routes(x, top_k)
-    saved = router.forward(_dl(x), _dl(w_router), _dl(bias), _dl(ids), _dl(weights), None, _dl(expert_load),
-                           _stream(x))
-    return saved, ids, weights
-
-
-def _route_backward(router, saved, x, w_router, d_weights):
-    """(d_x, d_w_router) of the routing from the gradient of topk_weights."""
-    d_x, d_w_router = torch.empty_like(x), torch.empty_like(w_router)
-    router.backward(saved, _dl(d_weights.contiguous()), _dl(d_x), _dl(d_w_router), _stream(x))
-    return d_x, d_w_router
-
-
-def _experts_forward(layer, x, topk_ids, topk_weights, expert_weights):
-    """(saved state, out) of the experts; expert_weights: w_gate, w_up, w_down, ws_gate, ws_up, ws_down."""
-    out = torch.empty_like(x)
-    saved = layer.forward(_dl(x), _dl(topk_ids), _dl(topk_weights), _weights(*expert_weights), _dl(out), _stream(x))
-    return saved, out
-
-
-def _experts_backward(layer, saved, d_out, x, topk_weights, expert_weights):
-    """(d_x, d_topk_weights, [d_w_gate, ..., d_ws_down]) of the experts."""
-    d_x, d_topk_weights = torch.empty_like(x), torch.empty_like(topk_weights)
-    d_weights = [_empty_like(w) for w in expert_weights]
-    layer.backward(saved, _dl(d_out.contiguous()), _weights(*expert_weights), _dl(d_x), _dl(d_topk_weights),
-                   _weights(*d_weights), _stream(x))
-    return d_x, d_topk_weights, d_weights
-
-
-class _Route(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, w_router, bias, router, top_k, expert_load):
-        ctx.saved, ids, weights = _route_forward(router, x, w_router, bias, top_k, expert_load)
-        ctx.router = router
-        ctx.save_for_backward(x, w_router)
-        ctx.mark_non_differentiable(ids)
-        return ids, weights
-
-    @staticmethod
-    def backward(ctx, _d_ids, d_weights):
-        d_x, d_w_router = _route_backward(ctx.router, ctx.saved, *ctx.saved_tensors, d_weights)
-        return d_x, d_w_router, None, None, None, None
-
-
-def _take_state(ctx, name):
-    """moka's saved state of an autograd node for its backward. Inside a CUDA graph capture it is
-    released from the node, so that its device memory goes back inside the graph that allocated
-    it (a graph must free what it allocates to be replayed); elsewhere the node keeps it, for a
-    second backward (retain_graph=True, gradcheck)."""
-    state = getattr(ctx, name, None)
-    if state is None:
-        raise RuntimeError("moka: the saved state of this MoE call was released by a backward captured in a "
-                           "CUDA graph; a second backward through it (retain_graph=True) is not supported there")
-    if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
-        setattr(ctx, name, None)
-    return state
-
-
-class _Experts(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, topk_ids, topk_weights, w_gate, w_up, w_down, ws_gate, ws_up, ws_down, layer):
-        weights = (w_gate, w_up, w_down, ws_gate, ws_up, ws_down)
-        ctx.saved, out = _experts_forward(layer, x, topk_ids, topk_weights, weights)
-        ctx.layer = layer
-        ctx.save_for_backward(x, topk_ids, topk_weights, *weights)
-        return out
-
-    @staticmethod
-    def backward(ctx, d_out):
-        x, _ids, topk_weights, *weights = ctx.saved_tensors
-        d_x, d_topk_weights, d_weights = _experts_backward(ctx.layer, _take_state(ctx, "saved"), d_out, x,
-                                                           topk_weights, weights)
-        return (d_x, None, d_topk_weights, *d_weights, None)
-
-
-def _moe_forward(x, w_router, w_gate, w_up, w_down, ws_gate, ws_up, ws_down, bias, expert_load, moe, top_k):
-    """moka's forward of the whole layer: (saved state, out, topk_weights)."""
-    ids, weights = _routes(x, top_k)
-    out = torch.empty_like(x)
-    state = moe.forward(_dlpack(x), _dlpack(w_router), _dl(bias), _dlpack(expert_load), _dlpack(w_gate),
-                        _dlpack(w_up), _dlpack(w_down), _dl(ws_gate), _dl(ws_up), _dl(ws_down), _dlpack(ids),
-                        _dlpack(weights), _dlpack(out), _stream(x))
-    return state, out, weights
-
-
-class _MoE(torch.autograd.Function):
-    """Routing, experts and combine as one autograd node and one moka call each way (what
-    ``MoE.forward`` runs where autograd records). moka's saved state keeps the routes and the
-    weights it points into; autograd saves x (moka points into it too) and the weights, for its
-    check that nothing changed them in place and for their gradients' shapes."""
-
-    @staticmethod
-    def forward(ctx, *inputs):
-        ctx.state, out, ctx.topk_weights = _moe_forward(*inputs)  # topk_weights: the router scratch's shape
-        ctx.save_for_backward(*inputs[:8])  # x, w_router and the expert weights
-        return out
-
-    @staticmethod
-    def backward(ctx, d_out):
-        x, w_router, w_gate, w_up, w_down, ws_gate, ws_up, ws_down = ctx.saved_tensors
-        d_x, d_w_router = torch.empty_like(x), torch.empty_like(w_router)
-        d_w_gate, d_w_up, d_w_down = torch.empty_like(w_gate), torch.empty_like(w_up), torch.empty_like(w_down)
-        d_ws_gate, d_ws_up, d_ws_down = _empty_like(ws_gate), _empty_like(ws_up), _empty_like(ws_down)
-        state = _take_state(ctx, "state")
-        state.backward(_dlpack(d_out.contiguous()), _dlpack(d_x), _dlpack(torch.empty_like(ctx.topk_weights)),
-                       _dlpack(d_w_router), _dlpack(d_w_gate), _dlpack(d_w_up), _dlpack(d_w_down), _dl(d_ws_gate),
-                       _dl(d_ws_up), _dl(d_ws_down))
-        return d_x, d_w_router, d_w_gate, d_w_up, d_w_down, d_ws_gate, d_ws_up, d_ws_down, None, None, None, None
-
-
-# --- the functional op, for models that route themselves (traceable by torch.compile) ---
-
-_op_layers: dict[tuple, _moka.Layer] = {}
-
-
-def _op_layer(x, topk_ids, w_gate, ws_gate, activation, clamp_limit, group_name) -> _moka.Layer:
-    group = _groups[group_name] if group_name else None
-    world = group.size if group else 1
-    backend = _backend(x)
-    shared = 0 if ws_gate is None else ws_gate.shape[0]
-    key = (backend, x.device.index, x.shape[-1], w_gate.shape[1], w_gate.shape[0] * world, topk_ids.shape[-1],
-           shared, activation, clamp_limit, group_name)
-    if key not in _op_layers:
-        _op_layers[key] = _make_layer(backend, group, *key[2:8], clamp_limit, "automatic", None, 0)
-    return _op_layers[key]
-
-
-def _make_layer(backend, group, hidden, intermediate, experts, top_k, shared, activation, clamp_limit, path,
-                tile_rows, max_tokens) -> _moka.Layer:
-    if tile_rows is None:  # the CUDA GEMMs' row tile; the CPU backend needs no padding
-        tile_rows = _moka.DEFAULT_TILE_ROWS if backend == "cuda" else 1
-    return _moka.Layer(hidden, intermediate, experts, top_k, shared, activation, clamp_limit, backend, group,
-                       torch.get_num_threads(), tile_rows, path, max_tokens)
-
-
-# What the op computes, as plain functions: the op wraps them for the dispatcher (torch.compile,
-# modes, transforms), _EagerExperts calls them directly in plain eager calls.
-
-def _recomputing_experts_forward(x: Tensor, topk_ids: Tensor, topk_weights: Tensor, w_gate: Tensor, w_up: Tensor,
-                                 w_down: Tensor, ws_gate: Optional[Tensor], ws_up: Optional[Tensor],
-                                 ws_down: Optional[Tensor], activation: str, clamp_limit: float,
-                                 group_name: str) -> Tensor:
-    layer = _op_layer(x, topk_ids, w_gate, ws_gate, activation, clamp_limit, group_name)
-    return _experts_forward(layer, x, topk_ids, topk_weights, (w_gate, w_up, w_down, ws_gate, ws_up, ws_down))[1]
-
-
-def _recomputing_experts_backward(d_out, x, topk_ids, topk_weights, w_gate, w_up, w_down, ws_gate, ws_up, ws_down,
-                                  activation, clamp_limit, group_name):
-    """(d_x, d_topk_weights, [d_w_gate, ..., d_ws_down], None for absent shared-expert weights).
-    Nothing is kept between forward and backward (a graph holds tensors only), so backward runs
-    moka's forward again for the state it needs, like activation checkpointing."""
-    layer = _op_layer(x, topk_ids, w_gate, ws_gate, activation, clamp_limit, group_name)
-    expert_weights = (w_gate, w_up, w_down, ws_gate, ws_up, ws_down)
-    saved, _ = _experts_forward(layer, x, topk_ids, topk_weights, expert_weights)
-    return _experts_backward(layer, saved, d_out, x, topk_weights, expert_weights)
-
-
-_moe_experts_op = torch.library.custom_op("moka::moe_experts", _recomputing_experts_forward, mutates_args=())
-
-
-@_moe_experts_op.register_fake
-def _(x, topk_ids, topk_weights, w_gate, w_up, w_down, ws_gate, ws_up, ws_down, activation, clamp_limit,
-      group_name):
-    return torch.empty_like(x)
-
-
-@torch.library.custom_op("moka::moe_experts_backward", mutates_args=())
-def _moe_experts_backward_op(d_out: Tensor, x: Tensor, topk_ids: Tensor, topk_weights: Tensor, w_gate: Tensor,
-                             w_up: Tensor, w_down: Tensor, ws_gate: Optional[Tensor], ws_up: Optional[Tensor],
-                             ws_down: Optional[Tensor], activation: str, clamp_limit: float,
-                             group_name: str) -> list[Tensor]:
-    d_x, d_topk_weights, d_weights = _recomputing_experts_backward(
-        d_out, x, topk_ids, topk_weights, w_gate, w_up, w_down, ws_gate, ws_up, ws_down, activation, clamp_limit,
-        group_name)
-    # Absent shared-expert weights get empty gradients (an op returns tensors only).
-    return [d_x, d_topk_weights, *(g if g is not None else x.new_empty(0) for g in d_weights)]
-
-
-def _experts_grad_buffers(x, topk_weights, w_gate, w_up, w_down, ws_gate, ws_up, ws_down) -> list[Tensor]:
-    # Absent shared-expert weights get empty gradients (an op returns tensors only, none aliased).
-    return [torch.empty_like(t) if t is not None else x.new_empty(0)
-            for t in (x, topk_weights, w_gate, w_up, w_down, ws_gate, ws_up, ws_down)]
-
-
-@_moe_experts_backward_op.register_fake
-def _(d_out, x, topk_ids, topk_weights, w_gate, w_up, w_down, ws_gate, ws_up, ws_down, activation, clamp_limit,
-      group_name):
-    return _experts_grad_buffers(x, topk_weights, w_gate, w_up, w_down, ws_gate, ws_up, ws_down)
-
-
-def _setup_context(ctx, inputs, output):
-    ctx.save_for_backward(*inputs[:9])
-    ctx.attributes = inputs[9:]
-
-
-def _moe_experts_backward(ctx, d_out):
-    saved = ctx.saved_tensors
-    d_x, d_topk_weights, *d_weights = _moe_experts_backward_op(d_out.contiguous(), *saved, *ctx.attributes)
-    if saved[6] is None:
-        d_weights[3:] = [None, None, None]
-    return (d_x, None, d_topk_weights, *d_weights, None, None, None)
-
-
-_moe_experts_op.register_autograd(_moe_experts_backward, setup_context=_setup_context)
-
-
-class _EagerExperts(torch.autograd.Function):
-    """The op's forward and backward for a plain eager call, without torch.library's dispatch
-    (about 15 us of Python a call on top of moka's own)."""
-
-    @staticmethod
-    def forward(ctx, *inputs):
-        _setup_context(ctx, inputs, None)
-        return _recomputing_experts_forward(*inputs)
-
-    @staticmethod
-    def backward(ctx, d_out):
-        d_x, d_topk_weights, d_weights = _recomputing_experts_backward(d_out.contiguous(), *ctx.saved_tensors,
-                                                                       *ctx.attributes)
-        return (d_x, None, d_topk_weights, *d_weights, None, None, None)
-
-
-_PLAIN_TENSORS = (Tensor, nn.Parameter)
-
-
-def _plain_eager_call(tensors) -> bool:
-    """Whether nothing needs to see the op: plain tensors, and no compiler, tracer, torch function
-    or dispatch mode, or functorch transform around."""
-    return (not torch.compiler.is_compiling() and not torch.jit.is_tracing()
-            and torch._C._len_torch_dispatch_stack() == 0 and torch._C._len_torch_function_stack() == 0
-            and not torch._C._are_functorch_transforms_active()
-            and all(t is None or type(t) in _PLAIN_TENSORS for t in tensors))
-
-
-def _int32_ids(topk_ids: Tensor) -> Tensor:
-    """int64 ids (torch.topk's, Hugging Face's) as the int32 moka takes; an id outside int32 becomes
-    -1, which moka reports as out of range instead of wrapping it into one that is not."""
-    if topk_ids.dtype != torch.int64:
-        return topk_ids
-    in_range = (topk_ids >= 0) & (topk_ids <= torch.iinfo(torch.int32).max)
-    return torch.where(in_range, topk_ids, -1).to(torch.int32)
-
+# --- the functional op, for models that route themselves (traceable by torch.compile; moka._op
+# registers it with torch.library) ---
 
 def moe_experts(x: Tensor, topk_ids: Tensor, topk_weights: Tensor, w_gate: Tensor, w_up: Tensor, w_down: Tensor,
                 ws_gate: Optional[Tensor] = None, ws_up: Optional[Tensor] = None, ws_down: Optional[Tensor] = None,
@@ -411,16 +113,50 @@ def moe_experts(x: Tensor, topk_ids: Tensor, topk_weights: Tensor, w_gate: Tenso
     group_name = ""
     if moka_group(group) is not None:
         group_name = group.group_name
-    inputs = (x, _int32_ids(topk_ids), topk_weights, w_gate, w_up, w_down, ws_gate, ws_up, ws_down, activation, clamp_limit,
-              group_name)
+    inputs = (x, _int32_ids(topk_ids), topk_weights, w_gate, w_up, w_down, ws_gate, ws_up, ws_down, activation,
+              clamp_limit, group_name)
     if _plain_eager_call(inputs[:9]):
         return _EagerExperts.apply(*inputs)
-    return _moe_experts_op(*inputs)
+    try:
+        return _moe_experts_op(*inputs)
+    except RuntimeError as e:  # vmap runs (one call per row); grad, jvp, jacrev do not
+        if "functorch transforms" in str(e):
+            raise RuntimeError(_FUNC_TRANSFORMS) from e
+        raise
 
 
 # --- the layer ---
 
 _SCORES = ("softmax", "sigmoid")
+_FUNC_TRANSFORMS = ("moka: torch.func's differentiating transforms (grad, jvp, jacrev, ...) do not run through moka's "
+                    "MoE layer: use torch.autograd (loss.backward(), torch.autograd.grad); moe_experts runs under vmap")
+
+
+class MoEAux(NamedTuple):
+    """What ``MoE.forward(x, return_aux=True)`` returns beside the output, for trainers that balance
+    the load with an auxiliary loss (Switch Transformer, GShard, Mixtral) instead of, or besides,
+    ``selection_bias``. The losses are differentiable in x and the router weight; add them to the
+    training loss with a coefficient of your choice (Switch: 1e-2 for the load-balancing loss,
+    ST-MoE: 1e-3 for the z-loss).
+
+    Attributes:
+        router_logits (Tensor): [T, E] x @ w_router^T, float32 for bfloat16 x (else x's dtype).
+        router_probs (Tensor): [T, E] the scores the load-balancing loss uses: softmax of the logits
+            (``score="softmax"``), or the sigmoid scores normalized to sum to 1 over the experts
+            (``score="sigmoid"``, as DeepSeek-V3's sequence-wise auxiliary loss does).
+        tokens_per_expert (Tensor): [E] int64, the routes moka's router gave each expert in this
+            call (this rank's tokens).
+        load_balancing_loss (Tensor): E * sum_e f_e * P_e, with f_e = tokens_per_expert / (T * k)
+            (not differentiable) and P_e the mean of router_probs over the tokens: 1 when the
+            load is uniform.
+        z_loss (Tensor): the mean over tokens of logsumexp(router_logits)^2 (ST-MoE).
+    """
+
+    router_logits: Tensor
+    router_probs: Tensor
+    tokens_per_expert: Tensor
+    load_balancing_loss: Tensor
+    z_loss: Tensor
 _ACTIVATIONS = ("swiglu", "swiglu_clamped")
 
 
@@ -465,10 +201,12 @@ class MoE(nn.Module):
     ``selection_bias`` when it is on), weights optionally renormalized over the k and scaled by
     ``route_scale``. On the GPU, errors the kernels find (a bad expert id) surface at the
     next call or at ``check_errors()`` after synchronizing.
-    One forward in flight per layer on the CUDA backend: it keeps the activations of its latest
-    forward only, so run a forward's backward before the layer's next forward (activation
-    checkpointing, which recomputes the forward just before its backward, fits; a backward of an
-    older forward raises moka.Error).
+    Any number of forwards may be in flight, their backwards in any order (pipeline schedules,
+    gradient accumulation), except on the CUDA backend's "megakernel" and "all_to_all" paths,
+    which keep the state of their latest forward only: there run a forward's backward before the
+    layer's next forward (activation checkpointing fits; a backward of an older forward raises
+    moka.Error). Load balancing: ``selection_bias`` (DeepSeek-V3's auxiliary-loss-free bias), or
+    the auxiliary losses of ``forward(x, return_aux=True)`` (``MoEAux``), or both.
 
     Args:
         hidden (int): H, the width of x and of the output (> 0).
@@ -649,17 +387,24 @@ class MoE(nn.Module):
         _, experts = self._tensors()
         return _Experts.apply(x, _int32_ids(topk_ids), topk_weights, *experts, layer)
 
-    def forward(self, x: Tensor) -> Tensor:
+    def forward(self, x: Tensor, return_aux: bool = False):
         """Routing, experts and combine.
 
         Args:
             x (Tensor): [..., H] in the weights' dtype (float32/float64 on the CPU, bfloat16 on the
                 current CUDA device); with a ``group``, every rank passes the same number of tokens.
+            return_aux (bool): also return the routing's auxiliary outputs and losses (``MoEAux``).
+                Off (the default), nothing beyond moka's own call runs; on, the router logits are
+                computed once more with torch ops (one [T, H] x [H, E] product and a few
+                element-wise ops).
 
         Returns:
             Tensor: the layer's output, x's shape and dtype, differentiable in x, the router and
-            every expert weight.
+            every expert weight; with ``return_aux``, the tuple (output, ``MoEAux``).
         """
+        if torch._C._are_functorch_transforms_active():
+            raise RuntimeError("moka: MoE does not run under torch.func transforms (grad, vmap, jvp, ...): use "
+                               "torch.autograd for its gradients (moka.torch.moe_experts runs under vmap)")
         if x.dim() == 0 or x.shape[-1] != self.hidden:
             raise ValueError(f"moka: MoE(hidden={self.hidden}) takes x [..., {self.hidden}], got {list(x.shape)}")
         # [T, H] input goes in as it is: a reshape would add a view and its autograd node each way.
@@ -667,9 +412,27 @@ class MoE(nn.Module):
         moe = self._engine(tokens)[2]
         (w_router, bias, load), experts = self._tensors()
         inputs = (tokens, w_router, *experts, _selection_bias(bias, tokens), load, moe, self.top_k)
+        load_before = load.clone() if return_aux else None  # this call's routes: what it adds
         # With autograd off (evaluation, inference mode) the call skips Function.apply.
         out = _MoE.apply(*inputs) if torch.is_grad_enabled() else _moe_forward(*inputs)[1]
-        return out if x.dim() == 2 else out.reshape(x.shape)
+        out = out if x.dim() == 2 else out.reshape(x.shape)
+        if not return_aux:
+            return out
+        return out, self._aux(tokens, w_router, load - load_before)
+
+    def _aux(self, tokens: Tensor, w_router: Tensor, tokens_per_expert: Tensor) -> MoEAux:
+        dtype = tokens.dtype if tokens.dtype in (torch.float32, torch.float64) else torch.float32
+        logits = tokens.to(dtype) @ w_router.to(dtype).t()
+        if self.score == "softmax":
+            probs = torch.softmax(logits, dim=-1)
+        else:
+            scores = torch.sigmoid(logits)
+            probs = scores / scores.sum(dim=-1, keepdim=True)
+        count = max(tokens.shape[0], 1)  # an empty batch gives losses of 0
+        fraction = tokens_per_expert.to(dtype) / (count * self.top_k)
+        balance = self.experts * (fraction * probs.sum(dim=0)).sum() / count
+        z_loss = torch.logsumexp(logits, dim=-1).square().sum() / count
+        return MoEAux(logits, probs, tokens_per_expert, balance, z_loss)
 
     def check_errors(self):
         """Raises (as moka.Error) what the GPU kernels of finished calls found; synchronize first."""

@@ -1,8 +1,13 @@
 // `moka launch`: one worker process per GPU (or per emulated CPU rank), with the environment
 // torchrun sets. When a worker fails the others get `grace_seconds` to notice (their group
 // reports peer_failure) and are then killed, so the launcher never hangs. The launcher names the
-// chronologically first failure: the others' failures are consequences of it.
+// chronologically first failure: the others' failures are consequences of it. Every worker leads
+// a process group of its own, so that stopping it stops what it started too; a SIGINT or SIGTERM
+// of the launcher is passed on to the workers, which get the grace period to exit (a trainer
+// saves its checkpoint) before they are killed.
 #include <signal.h>
+#include <sys/prctl.h>
+#include <sys/resource.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -25,10 +30,20 @@ namespace {
 volatile sig_atomic_t g_interrupted = 0;  // the SIGINT or SIGTERM that interrupted the launcher, else 0
 void on_signal(int signal) { g_interrupted = signal; }
 
+// A worker in a process group of its own (set on both sides of the fork, so that neither a
+// signal nor a kill can reach it before the group exists); -1 when fork failed (errno says why).
 pid_t spawn(const std::vector<std::string>& args, int rank, int world, int port, const sigset_t& worker_mask) {
+  const pid_t launcher = ::getpid();
   const pid_t pid = ::fork();
-  require(pid >= 0, ErrorCode::io, std::string("fork: ") + std::strerror(errno));
-  if (pid > 0) return pid;
+  if (pid != 0) {
+    if (pid > 0) ::setpgid(pid, pid);
+    return pid;
+  }
+  ::setpgid(0, 0);
+  // Outside the launcher's process group no terminal signal reaches the worker: it dies with the
+  // launcher instead (a launcher killed by SIGKILL leaves no job running).
+  ::prctl(PR_SET_PDEATHSIG, SIGKILL);
+  if (::getppid() != launcher) ::_exit(137);
   ::sigprocmask(SIG_SETMASK, &worker_mask, nullptr);  // the launcher blocks SIGCHLD; workers must not
   ::setenv("RANK", std::to_string(rank).c_str(), 1);
   ::setenv("LOCAL_RANK", std::to_string(rank).c_str(), 1);
@@ -110,11 +125,46 @@ Failure first_failure(const std::vector<Worker>& workers, const StatusChange& ch
   return f;
 }
 
+// Sends `signal` to the process group a worker leads (the worker and whatever it started).
+void signal_worker(const Worker& w, int signal) { ::kill(-w.pid, signal); }
+
+// The workers fork could start, each a process group; when one fork fails the ones started are
+// killed and reaped before the error is raised, so none runs on unsupervised.
+std::vector<Worker> spawn_workers(const std::vector<std::string>& args, int count, int port, const sigset_t& mask) {
+  std::vector<Worker> workers;
+  for (int r = 0; r < count; ++r) {
+    const pid_t pid = spawn(args, r, count, port, mask);
+    if (pid > 0) {
+      workers.push_back(Worker{pid});
+      continue;
+    }
+    const int error = errno;
+    for (const Worker& w : workers) signal_worker(w, SIGKILL);
+    for (const Worker& w : workers) ::waitpid(w.pid, nullptr, 0);
+    throw Error(ErrorCode::io, "moka launch: cannot start worker " + std::to_string(r) + " of " +
+                                   std::to_string(count) + " (fork: " + std::strerror(error) +
+                                   "); stopped the " + std::to_string(r) + " started");
+  }
+  return workers;
+}
+
+// The most workers this machine lets us start: kMaxWorkers, or fewer under RLIMIT_NPROC.
+int worker_limit() {
+  rlimit limit{};
+  if (::getrlimit(RLIMIT_NPROC, &limit) != 0 || limit.rlim_cur == RLIM_INFINITY) return LaunchOptions::kMaxWorkers;
+  return static_cast<int>(std::min<rlim_t>(limit.rlim_cur, LaunchOptions::kMaxWorkers));
+}
+
 }  // namespace
 
 int launch_workers(const std::vector<std::string>& args, const LaunchOptions& o) {
   require(!args.empty(), ErrorCode::invalid_argument, "moka launch needs a command after --");
   require(o.num_workers >= 1, ErrorCode::invalid_argument, "moka launch -n must be >= 1");
+  const int limit = worker_limit();
+  require(o.num_workers <= limit, ErrorCode::invalid_argument,
+          "moka launch -n " + std::to_string(o.num_workers) + " exceeds the " + std::to_string(limit) +
+              " workers this machine allows (at most " + std::to_string(LaunchOptions::kMaxWorkers) +
+              " ranks, and the process limit, ulimit -u)");
   require(o.grace_seconds >= 0 && o.grace_seconds <= LaunchOptions::kMaxGraceSeconds, ErrorCode::invalid_argument,
           "moka launch --grace must be a finite number of seconds in [0, " +
               std::to_string(static_cast<int64_t>(LaunchOptions::kMaxGraceSeconds)) + "]");
@@ -128,7 +178,15 @@ int launch_workers(const std::vector<std::string>& args, const LaunchOptions& o)
   ::sigaddset(&child_changed, SIGCHLD);
   ::pthread_sigmask(SIG_BLOCK, &child_changed, &caller_mask);
   std::vector<Worker> workers;
-  for (int r = 0; r < o.num_workers; ++r) workers.push_back(Worker{spawn(args, r, o.num_workers, port, caller_mask)});
+  try {
+    workers = spawn_workers(args, o.num_workers, port, caller_mask);
+  } catch (...) {
+    ::pthread_sigmask(SIG_SETMASK, &caller_mask, nullptr);
+    throw;
+  }
+  const auto grace = std::chrono::duration_cast<std::chrono::steady_clock::duration>(
+      std::chrono::duration<double>(o.grace_seconds));
+  bool passed_on = false;  // the launcher's SIGINT or SIGTERM, to every worker
 
   using Clock = std::chrono::steady_clock;
   std::optional<Failure> failure;
@@ -149,16 +207,20 @@ int launch_workers(const std::vector<std::string>& args, const LaunchOptions& o)
         --running;
         if (!failure && !g_interrupted && exit_code_of(c.status) != 0) {
           failure = first_failure(workers, c);
-          kill_at = Clock::now() + std::chrono::duration_cast<Clock::duration>(
-                                       std::chrono::duration<double>(o.grace_seconds));
+          kill_at = Clock::now() + grace;
         }
       }
     }
-    if (g_interrupted && kill_at == Clock::time_point::max()) kill_at = Clock::now();
+    if (g_interrupted && !passed_on) {
+      for (const Worker& w : workers)
+        if (w.running) signal_worker(w, g_interrupted);
+      passed_on = true;
+      kill_at = std::min(kill_at, Clock::now() + grace);
+    }
     // A stopped worker cannot notice the failure, so it does not get the grace period.
     for (Worker& w : workers) {
       if (w.running && !w.killed && (Clock::now() >= kill_at || (failure && w.stopped_at != 0))) {
-        ::kill(w.pid, SIGKILL);
+        signal_worker(w, SIGKILL);
         w.killed = true;
       }
     }
@@ -173,10 +235,16 @@ int launch_workers(const std::vector<std::string>& args, const LaunchOptions& o)
     ::sigtimedwait(&child_changed, nullptr, &ts);  // a worker changed state, a signal, or the time is up
   }
   ::pthread_sigmask(SIG_SETMASK, &caller_mask, nullptr);
+  // What a failed or stopped job's workers started and left behind goes too.
+  if (failure || g_interrupted)
+    for (const Worker& w : workers) signal_worker(w, SIGKILL);
 
   if (g_interrupted) {
-    std::fprintf(stderr, "moka launch: interrupted by %s; stopped the workers\n",
-                 g_interrupted == SIGINT ? "SIGINT" : "SIGTERM");
+    std::fprintf(stderr, "moka launch: interrupted by %s; passed it on to the workers%s\n",
+                 g_interrupted == SIGINT ? "SIGINT" : "SIGTERM",
+                 std::any_of(workers.begin(), workers.end(), [](const Worker& w) { return w.killed; })
+                     ? " and killed those still running after the grace period"
+                     : "");
     return 128 + g_interrupted;  // as a shell reports a process the signal ended
   }
   if (!failure) return 0;

@@ -1,5 +1,5 @@
 // The plan the backward megakernel follows: its tasks, the counters between them, the ring
-// slots and the two ticket orders. Plain C++ shared by the (future) CUDA kernel and the CPU
+// slots and the two ticket orders. Plain C++ shared by the CUDA kernel and the CPU
 // emulation (src/cpu/megakernel_backward_emulation.cpp), so both execute the same schedule.
 //
 // Rows: the forward's expert-grouped receive buffer (core/schedule.hpp), each expert padded to

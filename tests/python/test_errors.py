@@ -181,3 +181,29 @@ def test_a_second_backward_through_one_call_gives_the_same_gradients():
     second = torch.autograd.grad(out.sum(), [x, moe.w_gate])
     for a, b in zip(first, second, strict=True):
         assert torch.equal(a, b)
+
+
+def test_double_backward_raises_instead_of_dropping_the_second_order_term():
+    moe, x, ids, weights = routed(dtype=torch.float64)
+    x.requires_grad_()
+    plain, = torch.autograd.grad(moe(x).sum(), x)
+    for out in (moe(x), call(moe, x, ids, weights)):
+        first, = torch.autograd.grad(out.sum(), x, create_graph=True)
+        if out.grad_fn.name().startswith("_MoE"):
+            assert torch.equal(first.detach(), plain)  # the first-order gradient is still right
+        with pytest.raises(RuntimeError, match="no double backward"):
+            first.pow(2).sum().backward()
+
+
+def test_torch_func_transforms_raise_a_clear_error_or_run():
+    moe, x, ids, weights = routed(dtype=torch.float64)
+    with pytest.raises(RuntimeError, match="MoE does not run under torch.func"):
+        torch.func.grad(lambda t: moe(t).sum())(x)
+    with pytest.raises(RuntimeError, match="MoE does not run under torch.func"):
+        torch.func.vmap(lambda r: moe(r.unsqueeze(0)).squeeze(0))(x)
+    experts = [w.detach() for w in (moe.w_gate, moe.w_up, moe.w_down)]
+    with pytest.raises(RuntimeError, match="use torch.autograd"):
+        torch.func.grad(lambda t: moe_experts(t, ids, weights, *experts).sum())(x)
+    # vmap of the op runs it row by row: the rows of one batched call.
+    rows = torch.func.vmap(lambda r, i, w: moe_experts(r[None], i[None], w[None], *experts)[0])(x, ids, weights)
+    assert torch.allclose(rows, moe_experts(x, ids, weights, *experts))

@@ -7,7 +7,7 @@ import torch
 import moka.torch
 from conftest import reference_of, tiny_moe
 from moka import reference
-from moka.torch import moe_experts
+from moka.torch import MoE, moe_experts
 
 SHARED = [0, 5]
 
@@ -181,3 +181,32 @@ def test_an_empty_batch_runs_forward_and_backward():
     weights = torch.empty(0, 2, dtype=torch.float64, requires_grad=True)
     moe_experts(x, ids, weights, moe.w_gate, moe.w_up, moe.w_down).sum().backward()
     assert weights.grad.shape == (0, 2)
+
+
+@pytest.mark.parametrize("score", ["softmax", "sigmoid"])
+def test_routing_aux_outputs_and_losses_match_a_hand_computation(score):
+    torch.manual_seed(3)
+    moe = MoE(8, 6, 4, 2, score=score, dtype=torch.float64)
+    x = torch.randn(2, 5, 8, dtype=torch.float64, requires_grad=True)
+    out, aux = moe(x, return_aux=True)
+    assert torch.equal(out, moe(x))  # the same output as without aux
+    tokens = x.reshape(-1, 8)
+    ids, _ = reference.route(tokens.detach(), moe.w_router.detach(), 2, score=score)
+    counts = torch.bincount(ids.flatten().long(), minlength=4)
+    assert torch.equal(aux.tokens_per_expert, counts)
+    logits = tokens @ moe.w_router.t()
+    scores = torch.softmax(logits, -1) if score == "softmax" else torch.sigmoid(logits)
+    probs = scores / scores.sum(-1, keepdim=True)
+    torch.testing.assert_close(aux.router_logits, logits)
+    torch.testing.assert_close(aux.router_probs, probs)
+    torch.testing.assert_close(aux.load_balancing_loss, 4 * (counts / 20.0 * probs.mean(0)).sum())
+    torch.testing.assert_close(aux.z_loss, (torch.logsumexp(logits, -1) ** 2).mean())
+    (aux.load_balancing_loss + aux.z_loss).backward()
+    assert moe.w_router.grad.abs().sum() > 0 and x.grad.abs().sum() > 0
+
+
+def test_routing_aux_of_an_empty_batch_is_zero():
+    moe = MoE(8, 6, 4, 2, dtype=torch.float64)
+    out, aux = moe(torch.zeros(0, 8, dtype=torch.float64), return_aux=True)
+    assert out.shape == (0, 8) and aux.tokens_per_expert.sum() == 0
+    assert aux.load_balancing_loss.item() == 0 and aux.z_loss.item() == 0
