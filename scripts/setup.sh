@@ -3,7 +3,7 @@
 # Python test environment. The CUDA backend's CUTLASS headers are fetched by CMake into each
 # build directory (scripts/fetch_cutlass.sh).
 set -euo pipefail
-packages=(cmake ninja-build g++ git python3 python3-pip python3-matplotlib unzip libgtest-dev libcli11-dev nlohmann-json3-dev)
+packages=(cmake ninja-build g++ git python3 python3-pip python3-matplotlib unzip libgtest-dev libcli11-dev nlohmann-json3-dev libssl-dev)
 missing=()
 for p in "${packages[@]}"; do
   dpkg -s "$p" >/dev/null 2>&1 || missing+=("$p")

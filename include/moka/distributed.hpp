@@ -17,10 +17,17 @@ struct Rendezvous {
   std::string master_addr = "127.0.0.1";
   int master_port = 29500;
   double timeout_seconds = 60.0;  // connect and every collective; MOKA_COMM_TIMEOUT_S overrides
+  // The job's secret (MOKA_JOB_KEY, or the first line of the file MOKA_JOB_KEY_FILE; at least 16
+  // bytes; `moka launch` makes a random one per job): every rank proves it holds it when it
+  // joins, so a stranger that reaches the port can neither join nor stop the job. Empty: no
+  // proof, which only a loopback master_addr allows, or allow_unauthenticated
+  // (MOKA_ALLOW_UNAUTHENTICATED=1).
+  std::string job_key;
+  bool allow_unauthenticated = false;
 };
 
 // Reads RANK/WORLD_SIZE/LOCAL_RANK/MASTER_ADDR/MASTER_PORT/MOKA_COMM_TIMEOUT_S (torchrun,
-// `moka launch`), falling back to Slurm's SLURM_PROCID/SLURM_NTASKS/SLURM_LOCALID and Open MPI's
+// `moka launch`), MOKA_JOB_KEY/MOKA_JOB_KEY_FILE/MOKA_ALLOW_UNAUTHENTICATED, falling back to Slurm's SLURM_PROCID/SLURM_NTASKS/SLURM_LOCALID and Open MPI's
 // OMPI_COMM_WORLD_*. An empty variable counts as unset; world_size is 0 when no size is set.
 // Every value must be whole and in range (ranks below the world size, a port in 1..65535, a
 // positive finite timeout), else Error(invalid_argument) names the variable and its value.

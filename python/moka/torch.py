@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import math
 import os
+import secrets
 import socket
 from typing import NamedTuple, Optional
 
@@ -54,9 +55,11 @@ def moka_group(group: Optional[dist.ProcessGroup]) -> Optional[_moka.Group]:
     """moka's process group over the ranks of ``group`` (None, or a group of one rank: none).
 
     Collective on first use for a group: every rank of it must call. Its rank 0 picks a free port
-    on its address (MASTER_ADDR for the default group, else its host name's address), the address
-    reaches the others through ``group`` and moka connects over TCP there; with the CUDA backend
-    moka makes its NCCL communicator from this group. Later calls return the same group.
+    on its address (MASTER_ADDR for the default group, else its host name's address) and a random
+    job key; both reach the others through ``group`` (torch.distributed's own channel) and moka
+    connects over TCP there, each rank proving it holds the key, so nobody else who reaches the
+    port can join; with the CUDA backend moka makes its NCCL communicator from this group. Later
+    calls return the same group.
     """
     if group is None or dist.get_world_size(group) == 1:
         return None
@@ -69,11 +72,11 @@ def moka_group(group: Optional[dist.ProcessGroup]) -> Optional[_moka.Group]:
             addr = (os.environ.get("MASTER_ADDR", "127.0.0.1") if leader == 0
                     else socket.gethostbyname(socket.gethostname()))
             addr = socket.gethostbyname(addr)
-            endpoint = [(addr, _free_port(addr))]
+            endpoint = [(addr, _free_port(addr), secrets.token_hex(32))]
         dist.broadcast_object_list(endpoint, src=leader, group=group)
-        addr, port = endpoint[0]
+        addr, port, key = endpoint[0]
         timeout = float(os.environ.get("MOKA_COMM_TIMEOUT_S", "60"))
-        _groups[name] = _moka.Group(rank, size, addr, port, timeout)
+        _groups[name] = _moka.Group(rank, size, addr, port, timeout, key)
     return _groups[name]
 
 

@@ -107,13 +107,15 @@ auto on_rank(int rank, int size, moka::ProcessGroup* group, F&& body) {
 
 class Group {
  public:
-  Group(int rank, int world_size, const std::string& master_addr, int master_port, double timeout_s) {
+  Group(int rank, int world_size, const std::string& master_addr, int master_port, double timeout_s,
+        const std::string& job_key) {
     moka::Rendezvous r;
     r.rank = rank;
     r.world_size = world_size;
     r.master_addr = master_addr;
     r.master_port = master_port;
     r.timeout_seconds = timeout_s;
+    r.job_key = job_key;
     group_ = on_rank(rank, world_size, nullptr, [&] { return moka::make_tcp_group(r); });
   }
   int rank() const { return group_->rank(); }
@@ -390,8 +392,9 @@ NB_MODULE(_moka, m) {
   });
 
   nb::class_<Group>(m, "Group", "moka's TCP process group (rank 0 listens on master_addr:master_port)")
-      .def(nb::init<int, int, const std::string&, int, double>(), "rank"_a, "world_size"_a, "master_addr"_a,
-           "master_port"_a, "timeout_s"_a = 60.0, nb::call_guard<nb::gil_scoped_release>())
+      .def(nb::init<int, int, const std::string&, int, double, const std::string&>(), "rank"_a, "world_size"_a,
+           "master_addr"_a, "master_port"_a, "timeout_s"_a = 60.0, "job_key"_a = "",
+           nb::call_guard<nb::gil_scoped_release>())
       .def_prop_ro("rank", &Group::rank)
       .def_prop_ro("size", &Group::size);
 

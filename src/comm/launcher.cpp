@@ -14,12 +14,14 @@
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <optional>
 #include <string.h>
 #include <string>
 #include <vector>
 
+#include "comm/auth.hpp"
 #include "comm/socket.hpp"
 #include "moka/distributed.hpp"
 #include "moka/error.hpp"
@@ -32,7 +34,8 @@ void on_signal(int signal) { g_interrupted = signal; }
 
 // A worker in a process group of its own (set on both sides of the fork, so that neither a
 // signal nor a kill can reach it before the group exists); -1 when fork failed (errno says why).
-pid_t spawn(const std::vector<std::string>& args, int rank, int world, int port, const sigset_t& worker_mask) {
+pid_t spawn(const std::vector<std::string>& args, int rank, int world, int port, const std::string& job_key,
+            const sigset_t& worker_mask) {
   const pid_t launcher = ::getpid();
   const pid_t pid = ::fork();
   if (pid != 0) {
@@ -52,6 +55,7 @@ pid_t spawn(const std::vector<std::string>& args, int rank, int world, int port,
   ::setenv("MASTER_ADDR", "127.0.0.1", 1);
   ::setenv("MASTER_PORT", std::to_string(port).c_str(), 1);
   ::setenv("NCCL_NVLS_ENABLE", "0", 0);  // NVLink multicast stays off unless the user decides
+  if (!job_key.empty()) ::setenv("MOKA_JOB_KEY", job_key.c_str(), 1);
   std::vector<char*> argv;
   for (const auto& a : args) argv.push_back(const_cast<char*>(a.c_str()));
   argv.push_back(nullptr);
@@ -130,10 +134,14 @@ void signal_worker(const Worker& w, int signal) { ::kill(-w.pid, signal); }
 
 // The workers fork could start, each a process group; when one fork fails the ones started are
 // killed and reaped before the error is raised, so none runs on unsupervised.
+// The job key the workers prove themselves with: a fresh random one, unless the caller gave one
+// (MOKA_JOB_KEY or MOKA_JOB_KEY_FILE, which the workers then read themselves).
 std::vector<Worker> spawn_workers(const std::vector<std::string>& args, int count, int port, const sigset_t& mask) {
+  const bool caller_key = std::getenv("MOKA_JOB_KEY") || std::getenv("MOKA_JOB_KEY_FILE");
+  const std::string job_key = caller_key ? std::string() : comm::random_key();
   std::vector<Worker> workers;
   for (int r = 0; r < count; ++r) {
-    const pid_t pid = spawn(args, r, count, port, mask);
+    const pid_t pid = spawn(args, r, count, port, job_key, mask);
     if (pid > 0) {
       workers.push_back(Worker{pid});
       continue;

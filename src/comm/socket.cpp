@@ -154,6 +154,15 @@ Socket accept_one(Socket& listener) {
   return s;
 }
 
+std::string peer_name(const Socket& s) {
+  sockaddr_in sa{};
+  socklen_t len = sizeof(sa);
+  if (::getpeername(s.fd(), reinterpret_cast<sockaddr*>(&sa), &len) != 0) return "an unknown address";
+  char ip[INET_ADDRSTRLEN] = {};
+  ::inet_ntop(AF_INET, &sa.sin_addr, ip, sizeof(ip));
+  return std::string(ip) + ":" + std::to_string(ntohs(sa.sin_port));
+}
+
 Socket connect_to(const std::string& addr, int port, double timeout_s) {
   const double deadline = now_seconds() + timeout_s;
   const sockaddr_in sa = resolve(addr, port);

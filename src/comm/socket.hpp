@@ -58,6 +58,7 @@ class Socket {
 
 Socket listen_on(const std::string& addr, int port);          // bound, listening socket
 Socket accept_one(Socket& listener);  // blocks until a connection arrives (see readable_within)
+std::string peer_name(const Socket& s);  // "ADDRESS:PORT" of the other end, for messages
 Socket connect_to(const std::string& addr, int port, double timeout_s);  // retries until the deadline
 int pick_free_port();
 double now_seconds();  // steady clock

@@ -3,15 +3,24 @@
 // relay is simple and fast enough; GPU data moves over NCCL and NVLink, never through this.
 // Everything read from the wire is checked before use: a corrupted or hostile peer gets an
 // Error naming it, never a read past a buffer.
+// Joining: rank 0 sends every connection a fresh 32-byte challenge; a rank answers with its
+// Hello, whose proof is HMAC-SHA256(job key, kHelloLabel | challenge | rank | world size). Rank 0
+// drops (and reports) a connection that proves nothing within kHandshakeSeconds, sends anything
+// else, or claims a taken rank, and goes on waiting for the real ranks; it listens until every
+// rank is in, so the port is never free for someone else to take while ranks still join, and
+// each rank's traffic then stays on the connection it authenticated. Without a key (loopback, or
+// allow_unauthenticated) the proof is not checked.
 #include <algorithm>
 #include <charconv>
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <fstream>
 #include <functional>
 #include <string>
 
+#include "comm/auth.hpp"
 #include "comm/socket.hpp"
 #include "moka/distributed.hpp"
 #include "moka/error.hpp"
@@ -32,7 +41,39 @@ constexpr double kMaxReportInterval = 10.0;
 struct Hello {
   int32_t rank;
   int32_t world_size;
+  comm::Digest proof;  // zeros without a job key
 };
+constexpr size_t kChallengeBytes = 32;
+constexpr char kHelloLabel[] = "moka-tcp-hello-1";
+// How long a new connection may take to answer the challenge: a rank answers at once, so this
+// only bounds how long a silent stranger holds up the rendezvous.
+constexpr double kHandshakeSeconds = 5.0;
+constexpr size_t kMinKeyBytes = 16;
+
+comm::Digest hello_proof(const std::string& key, const std::vector<char>& challenge, int32_t rank, int32_t world) {
+  std::string text(kHelloLabel, sizeof(kHelloLabel));  // the label and its terminating zero
+  text.append(challenge.data(), challenge.size());
+  for (int32_t v : {rank, world})
+    for (int b = 0; b < 4; ++b) text.push_back(static_cast<char>(uint32_t(v) >> (8 * b)));
+  return comm::hmac_sha256(key, std::vector<uint8_t>(text.begin(), text.end()));
+}
+
+// A rendezvous without a key only on loopback (or when the user opts out), and a key long
+// enough to guess no faster than the HMAC.
+void check_authentication(const Rendezvous& rv) {
+  if (!rv.job_key.empty()) {
+    require(rv.job_key.size() >= kMinKeyBytes, ErrorCode::invalid_argument,
+            "the job key (MOKA_JOB_KEY) has " + std::to_string(rv.job_key.size()) + " bytes; it needs at least " +
+                std::to_string(kMinKeyBytes) + " (moka launch makes 64 hex digits)");
+    return;
+  }
+  require(rv.world_size == 1 || rv.allow_unauthenticated || comm::is_loopback(rv.master_addr),
+          ErrorCode::invalid_argument,
+          "no job key for a rendezvous at " + rv.master_addr +
+              ", which other machines may reach: anyone who connects could join the job or stop it. Give every "
+              "rank the same secret in MOKA_JOB_KEY (or a file named by MOKA_JOB_KEY_FILE), or set "
+              "MOKA_ALLOW_UNAUTHENTICATED=1 to run without one");
+}
 
 std::string seconds_text(double s) {
   char buf[32];
@@ -48,13 +89,13 @@ class TcpGroup final : public ProcessGroup {
         timeout_(rv.timeout_seconds),
         report_every_(std::min(kMaxReportInterval, rv.timeout_seconds / 4)) {
     peers_.resize(size_);
+    job_key_ = rv.job_key;
     if (size_ == 1) return;
+    check_authentication(rv);
     if (rank_ == 0) {
       accept_peers(rv);
     } else {
-      peers_[0] = comm::connect_to(rv.master_addr, rv.master_port, timeout_);
-      const Hello hello{rank_, size_};
-      peers_[0].send_frame(FrameType::data, &hello, sizeof(hello), "rank 0", timeout_);
+      join(rv);
     }
   }
   ~TcpGroup() override = default;
@@ -177,6 +218,68 @@ class TcpGroup final : public ProcessGroup {
     return (missing == 1 ? "rank " : "ranks ") + out;
   }
 
+  // A rank other than 0: connect, answer rank 0's challenge with this rank's proof. A refusal
+  // (another key) comes back as an abort frame at the first collective.
+  void join(const Rendezvous& rv) {
+    peers_[0] = comm::connect_to(rv.master_addr, rv.master_port, timeout_);
+    const Frame challenge = peers_[0].recv_frame("rank 0", timeout_);
+    require(challenge.type == FrameType::data && challenge.payload.size() == kChallengeBytes, ErrorCode::io,
+            "rank 0 at " + rv.master_addr + ":" + std::to_string(rv.master_port) +
+                " did not send a moka challenge (another program on that port, or a moka without authentication?)");
+    Hello hello{rank_, size_, {}};
+    if (!rv.job_key.empty()) hello.proof = hello_proof(rv.job_key, challenge.payload, rank_, size_);
+    peers_[0].send_frame(FrameType::data, &hello, sizeof(hello), "rank 0", timeout_);
+  }
+
+  // Rank 0: one connection's challenge and hello. The rank it proves to be, or -1 when it is
+  // dropped (reported on stderr): it answered nothing, something else, a wrong proof or a taken
+  // rank. A proven rank with another world size stops the job (a misconfiguration, not a
+  // stranger).
+  int admit(Socket& s, const std::string& from) {
+    std::string why;
+    try {
+      const std::vector<uint8_t> nonce = comm::random_bytes(kChallengeBytes);
+      const std::vector<char> challenge(nonce.begin(), nonce.end());
+      const double handshake = std::min(timeout_, kHandshakeSeconds);
+      s.send_frame(FrameType::data, challenge.data(), challenge.size(), from, handshake);
+      if (!s.readable_within(handshake)) {
+        why = "it sent no hello within " + seconds_text(handshake);
+      } else {
+        const Frame f = s.recv_frame(from, handshake);
+        Hello hello{};
+        if (f.type != FrameType::data || f.payload.size() != sizeof(hello)) {
+          why = "it sent no moka hello (" + std::to_string(f.payload.size()) + " bytes)";
+        } else {
+          std::memcpy(&hello, f.payload.data(), sizeof(hello));
+          const bool proven =
+              job_key_.empty() || comm::digests_equal(hello.proof, hello_proof(job_key_, challenge, hello.rank,
+                                                                                 hello.world_size));
+          if (!proven) {
+            why = "its proof of the job key is wrong (every rank needs the same MOKA_JOB_KEY)";
+          } else if (hello.world_size != size_) {
+            throw Error(ErrorCode::shape_mismatch, "rank " + std::to_string(hello.rank) + " has WORLD_SIZE " +
+                                                       std::to_string(hello.world_size) + ", rank 0 has " +
+                                                       std::to_string(size_));
+          } else if (hello.rank <= 0 || hello.rank >= size_ || peers_[hello.rank].valid()) {
+            why = "it claims rank " + std::to_string(hello.rank) + ", which is out of range or already in";
+          } else {
+            return hello.rank;
+          }
+        }
+      }
+    } catch (const Error& e) {
+      if (e.code() == ErrorCode::shape_mismatch) throw;
+      why = comm::printable(e.what(), 200);
+    }
+    std::fprintf(stderr, "moka: rank 0 dropped a connection from %s: %s\n", from.c_str(), why.c_str());
+    const std::string refusal = "rank 0 refused this connection: " + why;
+    try {
+      s.send_frame(FrameType::abort, refusal.data(), refusal.size(), from, 1.0);
+    } catch (const Error&) {
+    }
+    return -1;
+  }
+
   void accept_peers(const Rendezvous& rv) {
     Socket listener = comm::listen_on(rv.master_addr, rv.master_port);
     Wait wait = begin_wait();
@@ -189,17 +292,12 @@ class TcpGroup final : public ProcessGroup {
         give_up(missing_ranks() + " did not connect to rank 0 at " + rv.master_addr + ":" +
                 std::to_string(rv.master_port) + " within MOKA_COMM_TIMEOUT_S=" + seconds_text(timeout_));
       Socket s = comm::accept_one(listener);
-      const Frame f = s.recv_frame("a connecting rank", timeout_);
-      Hello hello{};
-      require(f.type == FrameType::data && f.payload.size() == sizeof(hello), ErrorCode::io,
-              "a connecting rank sent a malformed hello (" + std::to_string(f.payload.size()) + " bytes)");
-      std::memcpy(&hello, f.payload.data(), sizeof(hello));
-      require(hello.world_size == size_, ErrorCode::shape_mismatch,
-              "rank " + std::to_string(hello.rank) + " has WORLD_SIZE " + std::to_string(hello.world_size) +
-                  ", rank 0 has " + std::to_string(size_));
-      require(hello.rank > 0 && hello.rank < size_ && !peers_[hello.rank].valid(), ErrorCode::invalid_argument,
-              "rank " + std::to_string(hello.rank) + " is out of range or joined twice");
-      peers_[hello.rank] = std::move(s);
+      const int rank = admit(s, comm::peer_name(s));
+      if (rank < 0) {
+        --joined;  // a stranger: still waiting for as many ranks
+        continue;
+      }
+      peers_[rank] = std::move(s);
     }
   }
 
@@ -237,7 +335,10 @@ class TcpGroup final : public ProcessGroup {
       Frame f = peers_[p].recv_frame(name(p), timeout_);
       if (f.type == FrameType::data) return std::move(f.payload);
       if (f.type == FrameType::abort) {
-        const std::string reason(f.payload.begin(), f.payload.end());
+        // Printable, and attributed to the rank whose connection carried it (rank 0 relays:
+        // what it passes on is already attributed).
+        std::string reason = comm::printable(std::string(f.payload.begin(), f.payload.end()));
+        if (rank_ == 0 && reason.rfind(name(p) + " ", 0) != 0) reason = name(p) + " reports: " + reason;
         if (rank_ == 0 && !aborted_) {
           aborted_ = true;
           notify_peers(FrameType::abort, reason, p);
@@ -245,7 +346,8 @@ class TcpGroup final : public ProcessGroup {
         throw Error(ErrorCode::peer_failure, reason);
       }
       require(rank_ != 0, ErrorCode::io, name(p) + " sent a frame only rank 0 sends (corrupted stream?)");
-      if (f.type == FrameType::stalled) throw Error(ErrorCode::timeout, std::string(f.payload.begin(), f.payload.end()));
+      if (f.type == FrameType::stalled)
+        throw Error(ErrorCode::timeout, comm::printable(std::string(f.payload.begin(), f.payload.end())));
       rank_0_waits_for = waited_rank(f);
       wait.deadline = comm::now_seconds() + timeout_;
     }
@@ -352,6 +454,7 @@ class TcpGroup final : public ProcessGroup {
   int rank_, size_;
   double timeout_, report_every_;
   std::vector<Socket> peers_;
+  std::string job_key_;  // empty: proofs not checked
   bool aborted_ = false;
 };
 
@@ -402,6 +505,20 @@ Rendezvous rendezvous_from_env() {
     require(ec == std::errc() && parsed_end == end && std::isfinite(v) && v > 0, ErrorCode::invalid_argument,
             std::string("MOKA_COMM_TIMEOUT_S='") + t + "' is not a positive number of seconds");
     rv.timeout_seconds = v;
+  }
+  if (const char* key = env_value("MOKA_JOB_KEY")) {
+    rv.job_key = key;
+  } else if (const char* file = env_value("MOKA_JOB_KEY_FILE")) {
+    std::ifstream in(file);
+    require(in.good(), ErrorCode::invalid_argument, std::string("MOKA_JOB_KEY_FILE=") + file + " cannot be read");
+    std::getline(in, rv.job_key);
+    require(!rv.job_key.empty(), ErrorCode::invalid_argument,
+            std::string("MOKA_JOB_KEY_FILE=") + file + " has no key on its first line");
+  }
+  if (const char* allow = env_value("MOKA_ALLOW_UNAUTHENTICATED")) {
+    require(std::string(allow) == "0" || std::string(allow) == "1", ErrorCode::invalid_argument,
+            std::string("MOKA_ALLOW_UNAUTHENTICATED='") + allow + "' is neither 0 nor 1");
+    rv.allow_unauthenticated = std::string(allow) == "1";
   }
   return rv;
 }
