@@ -1,9 +1,11 @@
 // The trainer: loss goes down, checkpoints resume bit-exactly, schedules, data and file format.
 #include <gtest/gtest.h>
+#include <unistd.h>
 
 #include <cmath>
 #include <cstring>
 #include <filesystem>
+#include <fstream>
 #include <numeric>
 
 #include "train/checkpoint.hpp"
@@ -133,4 +135,33 @@ TEST(TextData, SplitIsDeterministicAndBatchesShiftByOne) {
     for (int64_t t = 0; t + 1 < 16; ++t) EXPECT_EQ(b.targets[s * 16 + t], b.inputs[s * 16 + t + 1]);
   EXPECT_EQ(sample_batch(text->train, 3, 16, 1, 5).inputs, b.inputs);
   EXPECT_NE(sample_batch(text->train, 3, 16, 1, 6).inputs, b.inputs);
+}
+
+// Bytes this process has read through read(2) so far (Linux's /proc/self/io "rchar").
+static int64_t bytes_read_so_far() {
+  std::ifstream io("/proc/self/io");
+  std::string key;
+  int64_t value = 0;
+  while (io >> key >> value)
+    if (key == "rchar:") return value;
+  return -1;
+}
+
+TEST(TextData, MaxBytesStopsTheReadingNotJustTheKeeping) {
+  // A 16 MB corpus file; --max-bytes 1000 must not read it all first.
+  const auto dir = std::filesystem::temp_directory_path() / ("moka_text_" + std::to_string(::getpid()));
+  std::filesystem::create_directories(dir);
+  {
+    std::ofstream f(dir / "big");
+    const std::string record(100, 'a');
+    for (int i = 0; i < 160'000; ++i) f << record << i << "\n%\n";
+  }
+  const int64_t before = bytes_read_so_far();
+  const TextSplit split = load_fortune_corpus(dir.string(), 1000);
+  const int64_t read = bytes_read_so_far() - before;
+  std::filesystem::remove_all(dir);
+  if (before < 0) GTEST_SKIP() << "no /proc/self/io";
+  EXPECT_GE(int64_t(split.train.size() + split.validation.size()), 1000);
+  EXPECT_LT(split.records, 20);
+  EXPECT_LT(read, 1 << 20) << "read " << read << " bytes of a 16 MB file for 1000";
 }

@@ -4,6 +4,7 @@
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
+#include <functional>
 #include <random>
 #include <sstream>
 
@@ -32,19 +33,19 @@ std::vector<std::string> fortune_files(const std::string& dir) {
   return files;
 }
 
-std::vector<std::string> split_records(std::istream& in) {
-  std::vector<std::string> records;
+// Calls take(record) for each record of `in` (records end at a line "%"), reading no further
+// than the record that makes take return false.
+void for_each_record(std::istream& in, const std::function<bool(std::string&)>& take) {
   std::string line, record;
   while (std::getline(in, line)) {
     if (line == "%") {
-      if (!record.empty()) records.push_back(std::move(record));
+      if (!record.empty() && !take(record)) return;
       record.clear();
     } else {
       record += line + "\n";
     }
   }
-  if (!record.empty()) records.push_back(std::move(record));
-  return records;
+  if (!record.empty()) take(record);
 }
 
 uint64_t fnv1a(const std::string& s) {
@@ -63,14 +64,18 @@ TextSplit load_fortune_corpus(const std::string& dir, int64_t max_bytes, int val
     std::ifstream in(path, std::ios::binary);
     require(bool(in), ErrorCode::io, "cannot read " + path);
     split.files.push_back(path);
-    for (auto& record : split_records(in)) {
+    // Record by record: with max_bytes, reading stops at the record that reaches it.
+    bool full = false;
+    for_each_record(in, [&](std::string& record) {
       auto& dst = fnv1a(record) % uint64_t(validation_every) == 0 ? split.validation : split.train;
       record += "\n";
       dst.insert(dst.end(), record.begin(), record.end());
       ++split.records;
       loaded += int64_t(record.size());
-      if (max_bytes > 0 && loaded >= max_bytes) return split;
-    }
+      full = max_bytes > 0 && loaded >= max_bytes;
+      return !full;
+    });
+    if (full) return split;
   }
   return split;
 }
