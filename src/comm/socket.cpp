@@ -163,6 +163,16 @@ std::string peer_name(const Socket& s) {
   return std::string(ip) + ":" + std::to_string(ntohs(sa.sin_port));
 }
 
+void close_gracefully(Socket& s, double timeout_s) {
+  if (!s.valid()) return;
+  ::shutdown(s.fd(), SHUT_WR);
+  const double deadline = now_seconds() + timeout_s;
+  char discard[4096];
+  while (s.readable_within(deadline - now_seconds()) && ::recv(s.fd(), discard, sizeof(discard), 0) > 0) {
+  }
+  s.close();
+}
+
 Socket connect_to(const std::string& addr, int port, double timeout_s) {
   const double deadline = now_seconds() + timeout_s;
   const sockaddr_in sa = resolve(addr, port);

@@ -275,6 +275,7 @@ class TcpGroup final : public ProcessGroup {
     const std::string refusal = "rank 0 refused this connection: " + why;
     try {
       s.send_frame(FrameType::abort, refusal.data(), refusal.size(), from, 1.0);
+      comm::close_gracefully(s, 1.0);  // the refusal reaches a rank that already sent more
     } catch (const Error&) {
     }
     return -1;
