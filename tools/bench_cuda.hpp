@@ -40,6 +40,8 @@ struct CudaBenchOptions {
   // whose fwd+bwd peak is measured besides one layer's.
   SaveMode save = SaveMode::gate_up;
   int depth = 1;
+  // Layer runs: also time each path's stages (MoeLayer::stage_times), `iters` more steps each.
+  bool breakdown = false;
 };
 
 // Available only in builds with the CUDA backend (throws backend_unavailable otherwise).

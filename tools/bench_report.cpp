@@ -153,6 +153,23 @@ void print_cuda_comparison(std::ostream& os, const std::vector<BenchRow>& rows) 
   }
 }
 
+void print_stage_breakdown(std::ostream& os, const std::vector<BenchRow>& rows) {
+  os << "\nstage medians (ms):\n";
+  for (const auto& r : rows) {
+    const auto stages = r.extra.find("stages");
+    if (stages == r.extra.end()) continue;
+    for (const auto& [direction, list] : stages->items()) {
+      char head[96];
+      std::snprintf(head, sizeof(head), "%-16s %7lld %-11s %-8s", r.shape.c_str(), static_cast<long long>(r.tokens_per_rank),
+                    r.path.c_str(), direction.c_str());
+      os << head;
+      for (const auto& [stage, ms] : list.items()) os << " " << stage << " " << std::fixed << std::setprecision(3) << ms.get<double>();
+      os << "\n";
+    }
+  }
+  os << std::defaultfloat;
+}
+
 void print_floor_comparison(std::ostream& os, const std::vector<BenchRow>& rows) {
   // vs_floor: fwd+bwd over its floor; peak_MiB: the path's layer memory (saved context +
   // workspace; "-" where not measured); vs_torch: torch's fwd+bwd over this row's.

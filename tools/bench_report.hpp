@@ -83,6 +83,8 @@ void print_floor_comparison(std::ostream& os, const std::vector<BenchRow>& rows)
 // The CUDA rows' comparison columns (from their extra JSON): dense peak, grouped GEMM share of
 // it, and the speedups over the cuBLAS loop and over PyTorch.
 void print_cuda_comparison(std::ostream& os, const std::vector<BenchRow>& rows);
+// Each row's stage times (extra "stages", from --breakdown): one line per path and direction.
+void print_stage_breakdown(std::ostream& os, const std::vector<BenchRow>& rows);
 // `moka bench --mode core` rows: the megakernel core and the CUTLASS grouped GEMMs side by side.
 void print_core_comparison(std::ostream& os, const std::vector<BenchRow>& rows);
 

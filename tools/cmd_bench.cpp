@@ -48,6 +48,7 @@ struct BenchOptions {
   MegakernelConfig megakernel;  // CUDA layer runs also time the megakernel path
   std::string context = "auto";
   bool no_baselines = false;
+  bool breakdown = false;
   std::string save = "gate_up";
   int depth = 1;
   std::string row_order = "rate-based";
@@ -243,6 +244,7 @@ CudaBenchOptions cuda_options(const BenchOptions& o, const std::string& timeline
   co.baselines = !o.no_baselines;
   co.save = parse_save_mode(o.save);
   co.depth = o.depth;
+  co.breakdown = o.breakdown;
   co.timeline = timeline;
   co.routing = o.routing == "router" ? "uniform" : o.routing;  // CUDA cases sample their routing
   co.dump_routing = o.dump_routing;
@@ -307,6 +309,10 @@ void run_bench(const BenchOptions& o) {
           ErrorCode::invalid_argument,
           "--mode " + o.mode + " runs on one GPU: it takes --backend cuda (or auto with a GPU visible), and neither "
           "--gpus, --ep nor --paired-steps");
+  require(!o.breakdown || (backend == Backend::cuda && o.mode == "layer" && !o.paired_steps),
+          ErrorCode::invalid_argument,
+          "--breakdown times the CUDA layer's stages: it takes --backend cuda (or auto with a GPU visible), --mode "
+          "layer and no --paired-steps");
   if (ran_as_workers(o.gpus, "bench")) return;
   if (o.mode != "layer") {
     const bool backward = o.mode == "backward-core";
@@ -373,6 +379,7 @@ void run_bench(const BenchOptions& o) {
   std::vector<BenchRow> staged;  // the megakernel rows have none of the comparison's columns
   std::copy_if(rows.begin(), rows.end(), std::back_inserter(staged), [](const BenchRow& r) { return r.path != "megakernel"; });
   if (backend == Backend::cuda) print_cuda_comparison(std::cout, staged);
+  if (o.breakdown) print_stage_breakdown(std::cout, rows);
 }
 
 }  // namespace
@@ -452,6 +459,9 @@ void register_bench(CLI::App& app) {
                   "CUDA layer runs: also measure the device memory of a stack of this many layers, forward through "
                   "all, then backward through all (stack_peak_memory_bytes)")
       ->check(CLI::Range(1, 64));
+  cmd->add_flag("--breakdown", o->breakdown,
+                "CUDA layer runs: also time each stage of both paths, forward and backward (medians of --iters "
+                "more steps; the rows' 'stages' field)");
   cmd->add_flag("--no-baselines", o->no_baselines,
                 "CUDA on one GPU: time the single-GPU and megakernel paths only (no cuBLAS-loop check and times, no "
                 "grouped-GEMM or fused-SwiGLU comparison; the single-GPU row's max_rel_error is then null)");

@@ -3,6 +3,7 @@
 //   expert_e(v) = W_down[e] @ act(W_gate[e] @ v, W_up[e] @ v)
 #pragma once
 #include <memory>
+#include <string>
 #include <vector>
 
 #include "moka/allocator.hpp"
@@ -83,6 +84,13 @@ struct LayerOptions {
   MegakernelConfig megakernel{};
 };
 
+// The GPU time of one stage of a layer call (MoeLayer::stage_times).
+struct StageTime {
+  std::string direction;  // "forward" or "backward"
+  std::string stage;      // the path's name for it: "gate_up", "megakernel", ...
+  double ms = 0;          // from the end of the previous stage (or the call's start) to its end
+};
+
 // State saved by forward for backward. Opaque; backend-specific. Any number of a layer's contexts
 // may be alive at once, their backwards run in any order; destroying one without a backward is
 // fine (its device memory goes back on the stream of its last use).
@@ -119,6 +127,13 @@ class MoeLayer {
   // entry: call after synchronizing the stream; the next forward or backward raises them too.
   // The CPU backend raises every error in the call itself.
   virtual void check_errors() {}
+  // Per-stage timing (CUDA backend; the CPU backend records nothing): while on, every call
+  // records a timed event at its start and after each of its stages on its stream (about a
+  // microsecond each); stage_times() gives the last forward's stages, then the last backward's,
+  // once the caller has synchronized their streams. A stage's time includes any wait of the GPU
+  // for the host to enqueue its work. Calls on a stream being captured record nothing.
+  virtual void record_stage_times(bool /*on*/) {}
+  virtual std::vector<StageTime> stage_times() const { return {}; }
   // The megakernel path's extension (config, timeline); null on every other path.
   virtual MegakernelExtension* megakernel() { return nullptr; }
 };

@@ -2,7 +2,7 @@
 // AdamW moments and EMA live on the device. Dense GEMMs (projections, LM head) are cuBLAS TF32
 // (or bf16: TrainConfig::bf16_matmuls) with fp32 accumulation; attention (fused on TF32 tensor
 // cores, or the fp32 reference), RMSNorm, embedding, cross-entropy and AdamW are the kernels of
-// cuda_kernels.cuh; the FFNs and routers are moka's CUDA MoE layer and router (bf16 in and out,
+// cuda/ops/; the FFNs and routers are moka's CUDA MoE layer and router (bf16 in and out,
 // fed from bf16 copies of the master weights that the AdamW kernel refreshes). Everything runs on
 // the engine's own stream (cuBLAS is set to it and the moka layers and routers are given it).
 // A step waits for nothing: its inputs go through a pinned staging copy in one asynchronous

@@ -2,7 +2,7 @@
 // aux-loss-free router balancing, EMA of the weights, validation, and checkpoints that resume
 // bit-exactly (weights, optimizer moments, EMA, router biases and the step are all saved; the
 // data order depends only on the seed and the step). The model and optimizer run on an engine:
-// the CPU one (`Model<float>` + `AdamW`, the reference) or the CUDA one (cuda_engine.cu).
+// the CPU one (`Model<float>` + `AdamW`, the reference) or the CUDA one (cuda_engine.hpp).
 #pragma once
 #include <memory>
 #include <optional>

@@ -147,6 +147,48 @@ TEST(CudaLayerMemory, SaveNoneGivesTheBitsOfSaveGateUp) {
   }
 }
 
+// An allocator whose memory starts as NaN in every element (every byte 0xff; -1 as an index).
+class PoisoningAllocator final : public DeviceAllocator {
+ public:
+  void* allocate(size_t bytes, Stream stream) override {
+    const auto s = static_cast<cudaStream_t>(stream.handle);
+    void* p = nullptr;
+    MOKA_CUDA_CHECK(cudaMallocAsync(&p, bytes, s));
+    MOKA_CUDA_CHECK(cudaMemsetAsync(p, 0xff, bytes, s));
+    return p;
+  }
+  void deallocate(void* p, size_t, Stream stream) override {
+    MOKA_CUDA_CHECK(cudaFreeAsync(p, static_cast<cudaStream_t>(stream.handle)));
+  }
+};
+
+// Every value a call reads from its scratch or its context it wrote there first (padding rows
+// included, which the GEMMs must not read): with memory that starts as NaN the outputs and
+// gradients are the bits of a run on the default pool. This is what compute-sanitizer's
+// initcheck would show, except that it does not see the writes of the GEMMs' TMA-store
+// epilogues (docs/MEGAKERNEL.md, "Sanitizers").
+TEST(CudaLayerMemory, EveryValueACallReadsItWrote) {
+  const struct {
+    const char* name;
+    MoeShape shape;
+    int64_t tokens;
+  } cases[] = {{"shared", shape(256, 128, 16, 4, 128), 37}, {"sparse", shape(2048, 768, 64, 8), 5}};
+  for (const auto& p : cases) {
+    for (SaveMode save : {SaveMode::gate_up, SaveMode::none}) {
+      for (bool fused : {false, true}) {
+        SCOPED_TRACE(std::string(p.name) + " " + to_string(save) + (fused ? " fused" : " unfused"));
+        GpuCase c = routed_case(p.shape, p.tokens, fresh_seed());
+        run_gpu(*cuda_layer(p.shape, save, nullptr, fused), c);
+        const auto pool_bits = c.output_bytes();
+        c.poison();
+        PoisoningAllocator poisoning;
+        run_gpu(*cuda_layer(p.shape, save, &poisoning, fused), c);
+        EXPECT_TRUE(c.output_bytes() == pool_bits) << "a call read memory it had not written";
+      }
+    }
+  }
+}
+
 // Two forwards of one layer in flight, their backwards in reverse order (what a pipeline
 // schedule or gradient accumulation does), on one stream and on two: the bits of one at a time.
 TEST(CudaLayerMemory, ForwardsInFlightGiveTheBitsOfOneAtATime) {

@@ -12,6 +12,7 @@
 #include <functional>
 #include <iomanip>
 #include <istream>
+#include <map>
 #include <ostream>
 #include <nlohmann/json.hpp>
 #include <random>
@@ -172,6 +173,31 @@ PairedSteps time_paired_steps(MoeLayer& a, MoeLayer& b, const LayerTensors& t, c
   p.bwd_speedup = median_ratio(sb.bwd, sa.bwd);
   p.fwdbwd_speedup = median_ratio(sb.step, sa.step);
   return p;
+}
+
+// Per-stage medians of `iters` steps of `layer` (MoeLayer::stage_times): {"forward": {stage: ms},
+// "backward": {...}} in the order the path runs them; with workers, each stage at its slowest rank.
+nlohmann::ordered_json stage_breakdown(MoeLayer& layer, const LayerTensors& t, int iters, ProcessGroup* workers,
+                                       cudaStream_t s) {
+  layer.record_stage_times(true);
+  std::vector<std::pair<std::string, std::string>> order;  // (direction, stage) as first seen
+  std::map<std::pair<std::string, std::string>, std::vector<double>> samples;
+  for (int i = 0; i < iters; ++i) {
+    time_step(layer, t, s);  // synchronizes
+    for (const StageTime& st : layer.stage_times()) {
+      auto& v = samples[{st.direction, st.stage}];
+      if (v.empty()) order.emplace_back(st.direction, st.stage);
+      v.push_back(st.ms);
+    }
+  }
+  layer.record_stage_times(false);
+  layer.check_errors();
+  auto j = nlohmann::ordered_json::object();
+  for (const auto& key : order) {
+    std::vector<double>& v = samples[key];
+    j[key.first][key.second] = workers ? median(max_over_ranks(*workers, v)) : median(v);
+  }
+  return j;
 }
 
 // What one step of a path writes that every path must reproduce: out, d_x and d_w_down.
@@ -362,6 +388,7 @@ void record_timeline(MoeLayer& mk, DeviceGroup* group, const NamedShape& ns, con
 // the peak memory of each path's layer.
 struct CaseResults {
   PairedSteps steps;
+  nlohmann::ordered_json staged_stages, mk_stages;  // --breakdown
   double mk_diff = 0;
   LayerMemory staged_memory, mk_memory;  // a stack of one, with the stack's peak of --depth
   int depth = 1;
@@ -385,6 +412,8 @@ std::vector<BenchRow> path_rows(BenchRow staged, const CaseResults& r, const Lay
     set_floor(row, floor, peak_tflops);
     set_torch(row, torch);
     set_memory(row, memory, r.depth, torch);
+    const auto& stages = &row == &staged ? r.staged_stages : r.mk_stages;
+    if (!stages.is_null()) row.extra["stages"] = stages;
     row.extra["times"] = "medians of runs alternating the " + staged.path + " and megakernel paths" +
                          (row.ep > 1 ? ", each run at its slowest rank" : "");
   };
@@ -422,6 +451,10 @@ CaseResults run_paths(std::unique_ptr<MoeLayer> staged, const StepOutputs& want,
   r.mk_resident = mk->megakernel()->backward_is_resident();
   r.mk_diff = max_rel_diff(step_outputs(*mk, t, s), want);
   r.steps = time_paired_steps(*staged, *mk, t, o, workers, s);
+  if (o.breakdown) {
+    r.staged_stages = stage_breakdown(*staged, t, o.iters, workers, s);
+    r.mk_stages = stage_breakdown(*mk, t, o.iters, workers, s);
+  }
   record_timeline(*mk, group, ns, t, o, s);
   staged.reset();
   mk.reset();

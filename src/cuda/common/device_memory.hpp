@@ -22,7 +22,9 @@ namespace moka::cuda {
 DeviceAllocator& default_device_allocator();
 
 // `count` elements of T in device memory (at least 16 bytes so that even an empty array has a
-// TMA-aligned address): from cudaMalloc (what an object keeps for its life), or from a
+// TMA-aligned address): from cudaMalloc (what an object keeps for its life; zeroed once, so that
+// no kernel reads memory nobody wrote, as a tile's loads of the padding rows of a ring would,
+// which compute-sanitizer's initcheck verifies), or from a
 // stream-ordered DeviceAllocator (a call's scratch, a context's saved rows): then it goes back
 // with deallocate on the stream of its last use (release_on; the allocation's stream until
 // told). Default-constructed: empty, data() == nullptr. Move-only; freed in the destructor.
@@ -33,6 +35,9 @@ class DeviceArray {
   explicit DeviceArray(size_t count) : count_(count) {
     void* p = nullptr;
     MOKA_CUDA_CHECK(cudaMalloc(&p, padded_bytes()));
+    const cudaError_t zeroed = cudaMemset(p, 0, padded_bytes());
+    if (zeroed != cudaSuccess) cudaFree(p);
+    MOKA_CUDA_CHECK(zeroed);
     data_ = static_cast<T*>(p);
   }
   DeviceArray(size_t count, DeviceAllocator& from, cudaStream_t stream)

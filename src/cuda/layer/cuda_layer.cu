@@ -26,6 +26,7 @@
 #include "core/validate.hpp"
 #include "cuda/common/check.hpp"
 #include "cuda/common/device_memory.hpp"
+#include "cuda/common/stage_clock.hpp"
 #include "cuda/common/stream.hpp"
 #include "cuda/cuda_backend.hpp"
 #include "cuda/layer/expert_exchange.hpp"
@@ -160,6 +161,7 @@ class CudaMoeLayer final : public StagedLayer {
     const Device dev = Device::cuda(device_);
     const int64_t T = in.x.rank == 2 ? in.x.dim(0) : 0, H = shape_.hidden;
     const cudaStream_t s = to_cuda(stream);
+    clock_.start(StageClock::Direction::forward, s);
     auto check_tensors = [&] {
       core::validate_layer_tensors(shape_, world_, in, w, DType::bf16, dev);
       require(T >= 1, ErrorCode::invalid_argument, "the CUDA layer needs at least one token");
@@ -197,6 +199,8 @@ class CudaMoeLayer final : public StagedLayer {
     std::lock_guard<std::mutex> lock(mutex_);
     report_device_errors();
   }
+  void record_stage_times(bool on) override { clock_.set_on(on); }
+  std::vector<StageTime> stage_times() const override { return clock_.read(); }
 
   void backward(const MoeContext& saved, const TensorView& d_out, const MoeWeights& w, const MoeGradients& g,
                 Stream stream) override {
@@ -230,6 +234,7 @@ class CudaMoeLayer final : public StagedLayer {
       core::validate_layer_tensors(shape_, world_, ctx->inputs, w, DType::bf16, dev);
     });
     const cudaStream_t s = to_cuda(stream);
+    clock_.start(StageClock::Direction::backward, s);
     order_after_last_call(s);
     ctx->used_on(s);
     run_backward(*ctx, d_out, w, g, s);
@@ -264,6 +269,7 @@ class CudaMoeLayer final : public StagedLayer {
       build_schedule(schedule(ctx, chunk_counts.data()), ctx.inputs.topk_ids.as<int32_t>(),
                      ctx.inputs.topk_weights.as<float>(), s);
     }
+    clock_.mark("schedule", s);
     // What the backward reads is the context's (gate and up, and across ranks the grouped x,
     // which only another all-to-all could bring back); the rest is the call's.
     const bool keep = options_.save == SaveMode::gate_up;
@@ -283,18 +289,22 @@ class CudaMoeLayer final : public StagedLayer {
       call.take(kSharedOut, T * H);
     }
     dispatch(ctx.inputs.x.as<bf16>(), grouped_x, ctx, s);
+    clock_.mark(exchange_ ? "dispatch" : "gather", s);
     BufferTable table = buffer_table(ctx, call, ctx.inputs.x, w);
     run_gate_up(gemms, table, ctx, s);
+    clock_.mark(fused_swiglu_ ? "gate_up+swiglu" : "gate_up", s);
     if (!fused_swiglu_) {
       swiglu_forward_rows(ptr(table, kGateOut), ptr(table, kUpOut), ptr(table, kHidden), routed_rows(ctx).rows,
                           routed_rows(ctx).entries, I, act_, s);
       if (shared)
         swiglu_forward_rows(ptr(table, kSharedGateOut), ptr(table, kSharedUpOut), ptr(table, kSharedHidden), nullptr,
                             T, Is, act_, s);
+      clock_.mark("swiglu", s);
     }
     call.release({kGroupedInput});
     table.ptr[kExpertOut] = call.take(kExpertOut, R * H);
     gemms.down->run(table, ctx.counts.data(), ctx.offsets.data(), s);
+    clock_.mark("down", s);
     call.release({kHidden, kSharedHidden, kGateOut, kUpOut, kSharedGateOut, kSharedUpOut});
     const bf16* y = ptr(table, kExpertOut);
     DeviceArray<bf16> returned_y;
@@ -305,6 +315,7 @@ class CudaMoeLayer final : public StagedLayer {
     }
     combine_tokens(y, ctx.inputs.topk_weights.as<float>(), shared ? ptr(table, kSharedOut) : nullptr, out.as<bf16>(),
                    slot_map(ctx), T, k, H, s);
+    clock_.mark("combine", s);
   }
 
   // gate|up of the grouped rows (and the shared expert's of x) into the table's buffers.
@@ -329,7 +340,10 @@ class CudaMoeLayer final : public StagedLayer {
     const int32_t* counts = ctx.counts.data();
     const int32_t* offsets = ctx.offsets.data();
     // One rank gathers x's rows again (a copy, cheaper to redo than to keep).
-    if (!exchange_) dispatch(ctx.inputs.x.as<bf16>(), call.take(kGroupedInput, R * H), ctx, s);
+    if (!exchange_) {
+      dispatch(ctx.inputs.x.as<bf16>(), call.take(kGroupedInput, R * H), ctx, s);
+      clock_.mark("gather_x", s);
+    }
     if (options_.save == SaveMode::none) {  // gate|up again, on the same rows: the same bits
       call.take(kGateOut, R * I);
       call.take(kUpOut, R * I);
@@ -341,12 +355,15 @@ class CudaMoeLayer final : public StagedLayer {
       }
       run_gate_up(gemms, buffer_table(ctx, call, ctx.inputs.x, w), ctx, s);
       call.release({kHidden, kSharedHidden});
+      clock_.mark("recompute_gate_up", s);
     }
     dispatch(d_out.as<bf16>(), call.take(kGroupedOutGrad, R * H), ctx, s);
+    clock_.mark(exchange_ ? "dispatch_d_out" : "gather_d_out", s);
     call.take(kHiddenGradUnweighted, R * I);
     if (shared) call.take(kSharedHiddenGrad, T * Is);
     BufferTable table = with_gradients(buffer_table(ctx, call, ctx.inputs.x, w), d_out, g);
     gemms.data_grad_h->run(table, counts, offsets, s);
+    clock_.mark("dh", s);
     // Route weights and d_w per visited entry: per slot on one rank, per received route across ranks.
     DeviceArray<float> row_d_weight;
     if (exchange_) row_d_weight = DeviceArray<float>(size_t(R), allocator(), s);
@@ -367,13 +384,16 @@ class CudaMoeLayer final : public StagedLayer {
                            ptr(table, kSharedUpGrad), nullptr, T, Is, act_, s);
     }
     call.release({kGateOut, kUpOut, kSharedGateOut, kSharedUpOut});
+    clock_.mark("swiglu_backward", s);
     zero_empty_experts(counts, E, g.d_w_gate.as<bf16>(), g.d_w_up.as<bf16>(), g.d_w_down.as<bf16>(), I * H, s);
     gemms.weight_grad->run(table, counts, offsets, s);
+    clock_.mark("weight_grads", s);
     call.release({kGroupedInput, kGroupedOutGrad, kWeightedHidden, kSharedHidden});
     for (Buf b : {kInputGradViaGate, kInputGradViaUp}) table.ptr[b] = call.take(b, R * H);
     if (shared)
       for (Buf b : {kSharedInputGradViaGate, kSharedInputGradViaUp}) table.ptr[b] = call.take(b, T * H);
     gemms.data_grad_x->run(table, counts, offsets, s);
+    clock_.mark("dx", s);
     const bf16 *dxa = ptr(table, kInputGradViaGate), *dxb = ptr(table, kInputGradViaUp);
     DeviceArray<bf16> returned_dxa, returned_dxb;
     if (exchange_) {
@@ -388,6 +408,7 @@ class CudaMoeLayer final : public StagedLayer {
     reduce_input_grads(dxa, dxb, shared ? ptr(table, kSharedInputGradViaGate) : nullptr,
                        shared ? ptr(table, kSharedInputGradViaUp) : nullptr, g.d_x.as<bf16>(), slot_map(ctx), T, k, H,
                        s);
+    clock_.mark(exchange_ ? "combine+reduce" : "reduce", s);
   }
 
   // Calls on different streams (or threads) share the GEMMs' device scratch: each call's work
@@ -609,6 +630,7 @@ class CudaMoeLayer final : public StagedLayer {
   std::mutex mutex_;
   cudaStream_t last_stream_ = nullptr;
   cudaEvent_t last_call_done_ = nullptr;
+  StageClock clock_;  // record_stage_times
 };
 
 // Reads the routed row counts after `stream` (a synchronization: for tests and statistics only).

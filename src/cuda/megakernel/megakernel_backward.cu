@@ -121,7 +121,11 @@ MegakernelBackward::MegakernelBackward(const MoeShape& shape, const MegakernelCo
 
 MegakernelBackward::~MegakernelBackward() { cudaEventDestroy(done_); }
 
-void MegakernelBackward::run(const MegakernelBackwardIo& io, int64_t tokens, cudaStream_t stream) {
+void MegakernelBackward::run(const MegakernelBackwardIo& io, int64_t tokens, cudaStream_t stream,
+                             StageClock* clock) {
+  auto mark = [&](const char* stage) {
+    if (clock) clock->mark(stage, stream);
+  };
   require(tokens >= 1 && tokens <= max_tokens_, ErrorCode::capacity_exceeded,
           "megakernel backward call has " + std::to_string(tokens) + " tokens, its workspace holds 1 to " +
               std::to_string(max_tokens_));
@@ -166,17 +170,22 @@ void MegakernelBackward::run(const MegakernelBackwardIo& io, int64_t tokens, cud
   MOKA_CUDA_CHECK(cudaMemsetAsync(control_.data(), 0, sizeof(BackwardControl), stream));
   MOKA_CUDA_CHECK(cudaMemsetAsync(counters_.data(), 0, counters_.bytes(), stream));
   if (world_ == 1) {
+    mark("setup");
     launch_megakernel_backward(l, stream);
+    mark("megakernel");
     launch_backward_epilogue(l, stream);
     own_status_kernel<<<1, 1, 0, stream>>>(control_.data(), merged_.device());
     MOKA_CUDA_CHECK_LAUNCH();
+    mark("epilogue");
     MOKA_CUDA_CHECK(cudaEventRecord(done_, stream));
     pending_ = true;
     return;
   }
   l.barrier_error = ranks_.barrier_error;
   ranks_.barrier(stream);  // every rank's d_out, route weights (and x) written; its slots free
+  mark("setup");
   launch_megakernel_backward(l, stream);
+  mark("megakernel");
   publish_status_kernel<<<1, 1, 0, stream>>>(control_.data(), ranks_.own_status);
   MOKA_CUDA_CHECK_LAUNCH();
   ranks_.barrier(stream);  // every push into this rank's slots landed; no peer pulls from it any more
@@ -185,6 +194,7 @@ void MegakernelBackward::run(const MegakernelBackwardIo& io, int64_t tokens, cud
   MOKA_CUDA_CHECK_LAUNCH();
   merge_status_kernel<<<1, 1, 0, stream>>>(ranks_.status_peers, world_, merged_.device());
   MOKA_CUDA_CHECK_LAUNCH();
+  mark("epilogue");
   MOKA_CUDA_CHECK(cudaEventRecord(done_, stream));
   pending_ = true;
 }

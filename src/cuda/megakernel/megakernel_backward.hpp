@@ -18,6 +18,7 @@
 #include "core/activation.hpp"
 #include "core/megakernel_backward_plan.hpp"
 #include "cuda/common/device_memory.hpp"
+#include "cuda/common/stage_clock.hpp"
 #include "cuda/layer/layer_kernels.hpp"
 #include "cuda/megakernel/megakernel_launch.hpp"
 #include "moka/config.hpp"
@@ -176,8 +177,8 @@ class MegakernelBackward {
   const core::MegakernelBackwardPlan& plan() const { return plan_; }
   bool replay() const { return plan_.mode == core::ContextMode::replay; }
   // Enqueues one call of `tokens` (<= max_tokens) on `stream` (no host synchronization;
-  // capturable).
-  void run(const MegakernelBackwardIo& io, int64_t tokens, cudaStream_t stream);
+  // capturable). `clock` (may be null) gets the call's stages: setup, megakernel, epilogue.
+  void run(const MegakernelBackwardIo& io, int64_t tokens, cudaStream_t stream, StageClock* clock = nullptr);
   // After the stream is synchronized: throws the first failure (capacity, a timed-out wait
   // naming the task and counter, a stalled pipeline; at EP > 1 the lowest failing rank's, or a
   // rank that did not arrive at a barrier: every rank reports it), if any, once.

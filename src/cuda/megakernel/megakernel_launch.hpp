@@ -144,9 +144,10 @@ struct CallOutputs {
 // After a call's last kernel: when *code (a merged status, device or mapped host memory) is not
 // ok, or *routing_error (null: not checked) holds a routing error, fills every output with NaN
 // (0x7fc0 in every 16-bit half: a bf16 NaN, and a NaN as fp32 too), so that nothing downstream
-// consumes a failed call's outputs as numbers. When the call succeeded every CTA reads the words
-// once and leaves.
-void fill_nan_on_failure(const core::StatusCode* code, const unsigned long long* routing_error,
+// consumes a failed call's outputs as numbers. `flag`: one device int of the caller's, which a
+// single thread sets from the status words before the fill's CTAs read it (when the call
+// succeeded they read it and leave).
+void fill_nan_on_failure(const core::StatusCode* code, const unsigned long long* routing_error, int* flag,
                          const CallOutputs& outputs, cudaStream_t stream);
 
 }  // namespace moka::cuda

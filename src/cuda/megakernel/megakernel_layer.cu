@@ -8,6 +8,7 @@
 // With one GPU and no group the "symmetric" buffers are plain allocations and there are no
 // barriers: dispatch pulls from this GPU's own x.
 #include <algorithm>
+#include <atomic>
 #include <cstring>
 
 #include "core/megakernel_plan.hpp"
@@ -107,7 +108,8 @@ class CudaMegakernelForward final : public MegakernelExtension {
 
   const MegakernelConfig& config() const override { return config_; }
 
-  void forward(const MoeInputs& in, const MoeWeights& w, const TensorView& out, Stream stream) {
+  // `clock` gets the call's stages: inputs, schedule, megakernel, combine, status.
+  void forward(const MoeInputs& in, const MoeWeights& w, const TensorView& out, Stream stream, StageClock& clock) {
     const int64_t T = in.x.rank == 2 ? in.x.dim(0) : 0, H = shape_.hidden, k = shape_.top_k;
     check_inputs(in, w, out, T);
     const cudaStream_t s = to_cuda(stream);
@@ -121,6 +123,7 @@ class CudaMegakernelForward final : public MegakernelExtension {
     MOKA_CUDA_CHECK(cudaMemcpyAsync(x_.local<bf16>(), in.x.data, T * H * sizeof(bf16), cudaMemcpyDeviceToDevice, s));
     exchange_routing({routing_.peers<int32_t>(), world_, rank_, T, k, max_tokens_}, in.topk_ids.as<int32_t>(), s);
     barrier(s);
+    clock.mark("inputs", s);
 
     const ScheduleCheck check{routing_.local<int32_t>(), world_, T, k, max_tokens_, shape_.num_experts, experts_,
                               plan.capacity_rows, offsets_.data(), row_of_slot_.data(),
@@ -128,16 +131,20 @@ class CudaMegakernelForward final : public MegakernelExtension {
     gather_source_ids(check, ids_.data(), s);
     build_schedule(device_schedule(T), ids_.data(), world_ == 1 ? in.topk_weights.as<float>() : nullptr, s);
     finish_schedule(check, s);
+    clock.mark("schedule", s);
 
     launch_megakernel(launch(plan, T, w), s);
+    clock.mark("megakernel", s);
     publish_status(control_.data(), status_.local<core::MegakernelStatus>(), s);
     barrier(s);
     combine_tokens(combine_.local<bf16>(), in.topk_weights.as<float>(),
                    shape_.has_shared() ? shared_out_.data() : nullptr, out.as<bf16>(), nullptr, T, k, H, s);
+    clock.mark("combine", s);
     merge_status(status_.peers<core::MegakernelStatus>(), world_, merged_.device(), s);
     CallOutputs outputs;
     outputs.add(out.data, T * H * sizeof(bf16));
-    fill_nan_on_failure(&merged_.device()->status.code, routing_error_.device(), outputs, s);
+    fill_nan_on_failure(&merged_.device()->status.code, routing_error_.device(), failed_.data(), outputs, s);
+    clock.mark("status", s);
     MOKA_CUDA_CHECK(cudaEventRecord(done_, s));
     pending_ = true;
   }
@@ -319,6 +326,7 @@ class CudaMegakernelForward final : public MegakernelExtension {
   DeviceArray<MegakernelControl> control_;
   PinnedWord<MergedStatus> merged_;
   PinnedWord<unsigned long long> routing_error_;
+  DeviceArray<int> failed_{1};  // fill_nan_on_failure's flag
   DeviceArray<TimelineRecord> timeline_compute_, timeline_comm_;  // empty until a timeline is asked for
   bool timeline_on_ = false, pending_ = false;
   core::MegakernelPlan last_plan_;  // the last forward's worst-case plan (trimmed by its row count)
@@ -387,8 +395,9 @@ class MegakernelMoeLayer final : public MoeLayer {
 
   std::unique_ptr<MoeContext> forward(const MoeInputs& in, const MoeWeights& w, const TensorView& out,
                                       Stream stream) override {
+    clock_.start(StageClock::Direction::forward, to_cuda(stream));
     raise_finished_errors(stream);
-    kernel_.forward(in, w, out, stream);
+    kernel_.forward(in, w, out, stream, clock_);
     auto ctx = std::make_unique<MegakernelContext>();
     ctx->staged = stages_->context_to_recompute(in, stream, kernel_.expert_rows());
     ctx->layer = this;
@@ -403,12 +412,33 @@ class MegakernelMoeLayer final : public MoeLayer {
     require(ctx != nullptr && ctx->layer == this, ErrorCode::invalid_argument,
             "backward got a context from another layer");
     raise_finished_errors(stream);
-    if (backward_ && ctx->generation == kernel_.generation()) {
+    last_backward_staged_ = !(backward_ && ctx->generation == kernel_.generation());
+    if (!last_backward_staged_) {
+      clock_.start(StageClock::Direction::backward, to_cuda(stream));
       backward_megakernel(*ctx, d_out, w, g, to_cuda(stream));
     } else {
       // Several ranks, or a later forward overwrote this one's rows and schedule.
       stages_->backward(*ctx->staged, d_out, w, g, stream);
     }
+  }
+  void record_stage_times(bool on) override {
+    clock_.set_on(on);
+    stages_->record_stage_times(on);
+  }
+  // The last forward's stages, and the last backward's: the megakernel's or, where the staged
+  // path ran it, that path's (its forward stages recomputed first).
+  std::vector<StageTime> stage_times() const override {
+    std::vector<StageTime> times = clock_.read();
+    if (last_backward_staged_) {
+      times.erase(std::remove_if(times.begin(), times.end(), [](const StageTime& t) { return t.direction == "backward"; }),
+                  times.end());
+      for (StageTime& t : stages_->stage_times()) {
+        if (t.direction == "forward") t.stage = "recompute " + t.stage;
+        t.direction = "backward";
+        times.push_back(t);
+      }
+    }
+    return times;
   }
   void check_errors() override {
     kernel_.check_errors();
@@ -494,7 +524,7 @@ class MegakernelMoeLayer final : public MoeLayer {
       io.d_ws_up = g.d_ws_up.as<bf16>();
       io.d_ws_down = g.d_ws_down.as<bf16>();
     }
-    backward_->run(io, T, s);
+    backward_->run(io, T, s, &clock_);
     if (symmetric_)
       MOKA_CUDA_CHECK(cudaMemcpyAsync(g.d_topk_weights.data, symmetric_->d_topk_weights.local<float>(),
                                       T * sh.top_k * sizeof(float), cudaMemcpyDeviceToDevice, s));
@@ -502,12 +532,16 @@ class MegakernelMoeLayer final : public MoeLayer {
     for (const TensorView* v : {&g.d_x, &g.d_topk_weights, &g.d_w_gate, &g.d_w_up, &g.d_w_down, &g.d_ws_gate,
                                 &g.d_ws_up, &g.d_ws_down})
       outputs.add(v->data, v->bytes());
-    fill_nan_on_failure(backward_->failure_code(), nullptr, outputs, s);
+    fill_nan_on_failure(backward_->failure_code(), nullptr, backward_failed_.data(), outputs, s);
+    clock_.mark("status", s);
   }
 
   std::unique_ptr<DeviceGroup> owned_group_;  // destroyed last: both parts use it
   CudaMegakernelForward kernel_;
   std::unique_ptr<StagedLayer> stages_;
+  StageClock clock_;  // record_stage_times
+  DeviceArray<int> backward_failed_{1};  // fill_nan_on_failure's flag
+  std::atomic<bool> last_backward_staged_{false};
   std::unique_ptr<BackwardSymmetric> symmetric_;  // EP > 1
   std::unique_ptr<MegakernelBackward> backward_;
   DeviceArray<void*> peer_tables_;  // EP = 1: d_out, route weights, d_x slots, d_topk_weights

@@ -1,5 +1,7 @@
 // The megakernel's routing exchange, schedule checks and status merge: small kernels around the
 // persistent kernel (the receive schedule itself is build_schedule, layer_kernels.cu).
+#include <algorithm>
+
 #include "cuda/common/check.hpp"
 #include "cuda/megakernel/megakernel_launch.hpp"
 
@@ -94,16 +96,18 @@ __global__ void merge_kernel(core::MegakernelStatus* const* slots, int world, Me
   *merged = m;
 }
 
-// One CTA per SM, 16-byte stores (the outputs are whole tensors: 16-byte aligned allocations;
-// a tail of 2-byte halves is stored singly).
-__global__ void fill_nan_kernel(const core::StatusCode* code, const unsigned long long* routing_error,
-                                const CallOutputs outputs) {
-  __shared__ bool failed;
-  if (threadIdx.x == 0)
-    failed = *reinterpret_cast<const volatile core::StatusCode*>(code) != core::StatusCode::ok ||
-             (routing_error && *reinterpret_cast<const volatile unsigned long long*>(routing_error) != kNoRoutingError);
-  __syncthreads();
-  if (!failed) return;
+// One thread reads the status words (mapped host memory: every CTA of the fill reading them
+// over PCIe took ~0.12 ms on an H200) into a device flag.
+__global__ void failure_flag_kernel(const core::StatusCode* code, const unsigned long long* routing_error,
+                                    int* failed) {
+  *failed = *reinterpret_cast<const volatile core::StatusCode*>(code) != core::StatusCode::ok ||
+            (routing_error && *reinterpret_cast<const volatile unsigned long long*>(routing_error) != kNoRoutingError);
+}
+
+// 16-byte stores (the outputs are whole tensors: 16-byte aligned allocations; a tail of 2-byte
+// halves is stored singly).
+__global__ void fill_nan_kernel(const int* failed, const CallOutputs outputs) {
+  if (*failed == 0) return;
   constexpr uint16_t kNanHalf = 0x7fc0;
   const uint4 nan4 = make_uint4(0x7fc07fc0u, 0x7fc07fc0u, 0x7fc07fc0u, 0x7fc07fc0u);
   const size_t first = size_t(blockIdx.x) * blockDim.x + threadIdx.x, stride = size_t(gridDim.x) * blockDim.x;
@@ -117,12 +121,17 @@ __global__ void fill_nan_kernel(const core::StatusCode* code, const unsigned lon
 
 }  // namespace
 
-void fill_nan_on_failure(const core::StatusCode* code, const unsigned long long* routing_error,
+void fill_nan_on_failure(const core::StatusCode* code, const unsigned long long* routing_error, int* flag,
                          const CallOutputs& outputs, cudaStream_t stream) {
-  int device = 0, sms = 0;
-  MOKA_CUDA_CHECK(cudaGetDevice(&device));
-  MOKA_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
-  fill_nan_kernel<<<sms, 512, 0, stream>>>(code, routing_error, outputs);
+  constexpr int kThreads = 512;
+  size_t largest = 0;
+  for (int o = 0; o < outputs.count; ++o) largest = std::max(largest, outputs.bytes[o]);
+  // Enough CTAs to fill at full bandwidth on a failure; few where the outputs are small.
+  const size_t per_cta = size_t(kThreads) * sizeof(uint4) * 8;
+  const int ctas = int(std::clamp<size_t>((largest + per_cta - 1) / per_cta, 1, 1024));
+  failure_flag_kernel<<<1, 1, 0, stream>>>(code, routing_error, flag);
+  MOKA_CUDA_CHECK_LAUNCH();
+  fill_nan_kernel<<<ctas, kThreads, 0, stream>>>(flag, outputs);
   MOKA_CUDA_CHECK_LAUNCH();
 }
 
