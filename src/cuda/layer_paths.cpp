@@ -8,7 +8,7 @@
 #include "cuda/common/check.hpp"
 #include "cuda/cuda_backend.hpp"
 #include "cuda/layer/layer_kernels.hpp"
-#include "cuda/megakernel/megakernel_launch.hpp"
+#include "cuda/megakernel/launch.hpp"
 
 namespace moka::cuda {
 namespace {

@@ -1,6 +1,6 @@
 // The CUDA layer's paths (LayerOptions::path) and how one is chosen. The staged layer
 // (layer/cuda_layer.cu) is the single_gpu and all_to_all paths; the megakernel layer
-// (megakernel/megakernel_layer.cu) runs its forward as one persistent kernel, its backward at
+// (megakernel/layer.cu) runs its forward as one persistent kernel, its backward at
 // EP = 1 as the backward megakernel, and hands other contexts to a staged layer for backward.
 #pragma once
 #include <cstdint>

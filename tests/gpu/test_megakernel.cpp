@@ -13,8 +13,8 @@
 #include "cuda/common/check.hpp"
 #include "cuda/cuda_backend.hpp"
 #include "cuda/layer_paths.hpp"
-#include "cuda/megakernel/megakernel_core.hpp"
-#include "cuda/megakernel/megakernel_launch.hpp"
+#include "cuda/megakernel/gemm_core.hpp"
+#include "cuda/megakernel/launch.hpp"
 #include "gpu_case.hpp"
 #include "moka/moka.hpp"
 

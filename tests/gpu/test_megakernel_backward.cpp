@@ -1,4 +1,4 @@
-// The backward megakernel (cuda/megakernel/megakernel_backward.hpp) at EP = 1 and at EP = 2 with
+// The backward megakernel (cuda/megakernel/backward.hpp) at EP = 1 and at EP = 2 with
 // both ranks on one GPU: every gradient (d_x, d_topk_weights, the routed experts' dW_gate/up/down
 // and the shared expert's) against an fp64 backward of the same bf16 inputs, on outputs poisoned
 // with NaN bits first; the same bits across SM splits and minibatch/macrobatch sizes; a bounded
@@ -30,7 +30,7 @@
 #include "core/schedule.hpp"
 #include "cuda/common/check.hpp"
 #include "cuda/common/device_memory.hpp"
-#include "cuda/megakernel/megakernel_backward.hpp"
+#include "cuda/megakernel/backward.hpp"
 #include "testing/megakernel_options.hpp"
 #include "moka/error.hpp"
 

@@ -1,4 +1,4 @@
-// The megakernel's GEMM core (mk_tile_gemm.cuh) with the backward's operand layouts, run alone:
+// The megakernel's GEMM core (tile_gemm.cuh) with the backward's operand layouts, run alone:
 // a test kernel whose CTAs run the core's warp-specialized tile loop (TMA thread + two consumer
 // warpgroups, the k-block count carried across tiles) over every tile of one GEMM, against an
 // fp64 CPU product of the same bf16 inputs.
@@ -20,8 +20,8 @@
 
 #include "cuda/common/check.hpp"
 #include "cuda/common/device_memory.hpp"
-#include "cuda/megakernel/mk_backward_epilogue.cuh"
-#include "cuda/megakernel/mk_compute.cuh"
+#include "cuda/megakernel/backward_epilogue.cuh"
+#include "cuda/megakernel/forward_compute.cuh"
 
 namespace moka::cuda::mk {
 namespace {
@@ -55,7 +55,7 @@ struct PlainStore : StartsFromZero {
   }
 };
 
-// The dgd epilogue of the backward (mk_backward_epilogue.cuh) on 256-column tiles.
+// The dgd epilogue of the backward (backward_epilogue.cuh) on 256-column tiles.
 struct DgdStore : StartsFromZero {
   DgdTile tile;  // row0, col0 and col_tile are set per tile
 

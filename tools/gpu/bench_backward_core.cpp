@@ -8,8 +8,8 @@
 
 #include "bench_cuda.hpp"
 #include "core/routing_gen.hpp"
-#include "cuda/megakernel/megakernel_backward.hpp"
-#include "cuda/megakernel/megakernel_core.hpp"
+#include "cuda/megakernel/backward.hpp"
+#include "cuda/megakernel/gemm_core.hpp"
 #include "gpu/bench_timing.hpp"
 
 namespace moka::cli {

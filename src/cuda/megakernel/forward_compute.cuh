@@ -1,5 +1,5 @@
 // The megakernel's compute role: shared-expert and routed expert tiles on the GEMM core
-// (mk_tile_gemm.cuh). A gate|up tile computes 128 rows x 128 hidden columns of both gate and
+// (tile_gemm.cuh). A gate|up tile computes 128 rows x 128 hidden columns of both gate and
 // up (one 128 x 256 accumulator: gate columns left, up columns right, sharing the A tile) and
 // applies SwiGLU in its epilogue, writing gate, up and hidden (the saved context of backward);
 // a down tile computes 128 x 256 of y.
@@ -38,9 +38,10 @@
 
 #include "core/activation.hpp"
 #include "core/megakernel_plan.hpp"
-#include "cuda/megakernel/megakernel_launch.hpp"
-#include "cuda/megakernel/mk_sync.cuh"
-#include "cuda/megakernel/mk_tile_gemm.cuh"
+#include "cuda/megakernel/launch.hpp"
+#include "cuda/megakernel/pipeline.cuh"
+#include "cuda/megakernel/sync.cuh"
+#include "cuda/megakernel/tile_gemm.cuh"
 
 namespace moka::cuda::mk {
 
@@ -91,20 +92,6 @@ struct ComputeJob {
   int row_tile = 0, col_box = 0;
 };
 
-inline constexpr int kTaskSlots = 2;
-
-// The task queue between the scheduler thread and the TMA thread, the consumers and the store
-// thread (the backward megakernel's queue holds its own job type).
-template <class Job>
-struct TaskQueueOf {
-  Job jobs[kTaskSlots];
-  alignas(8) uint64_t published[kTaskSlots];  // one arrival: the scheduler wrote the slot
-  // The TMA thread, every consumer thread and the store thread arrive once they read the slot
-  // for the last time (the store thread after it released the task's counter):
-  // each reader's own arrival (and its own wait on `published`) orders its reads in a way
-  // compute-sanitizer's racecheck follows, which a barrier relayed through one thread is not.
-  alignas(8) uint64_t finished[kTaskSlots];
-};
 using TaskQueue = TaskQueueOf<ComputeJob>;
 inline constexpr uint32_t kSlotReaders = 2 + kConsumerThreads;
 
@@ -131,15 +118,6 @@ inline constexpr size_t kComputeSmemBytes = offsetof(ComputeSmem, queue) + sizeo
 // One CTA per SM within the largest opt-in shared memory of sm_90 (227 KiB), with the 1 KiB the
 // kernel may skip to align the dynamic shared memory and a little for its static variables.
 static_assert(kComputeSmemBytes + 1024 + 256 <= 232448, "the compute CTA's shared memory must fit one H100/H200 SM");
-
-// One thread: the queue's barriers; `readers` arrive on each slot's `finished`.
-template <class Job>
-__device__ inline void init_task_queue(TaskQueueOf<Job>& queue, uint32_t readers) {
-  for (int q = 0; q < kTaskSlots; ++q) {
-    EmptyBarrier::init(&queue.published[q], 1);
-    EmptyBarrier::init(&queue.finished[q], readers);
-  }
-}
 
 __device__ inline void init_compute_smem(ComputeSmem& sm) {
   if (threadIdx.x == 0) {
@@ -289,7 +267,7 @@ __device__ inline void write_box(Element* box, Value&& value) {
 // its right half; a box's values are the ones the row-major epilogue stored (bf16 gate and up,
 // the activation of the rounded values in fp32, then rounded).
 __device__ inline void write_job(EpilogueSync& epi, Element (&buffers)[kEpilogueBuffers][kBoxElements], uint32_t& boxes,
-                                 const Accumulator& acc, const ComputeJob& j, ActParams act,
+                                 const Accumulator& acc, const ComputeJob& j, core::ActParams act,
                                  const PipelineWatch& watch) {
   auto hand_off = [&](auto write) {
     const int b = int(boxes % kEpilogueBuffers);
@@ -338,43 +316,6 @@ __device__ inline void wait_stores_complete() { asm volatile("cp.async.bulk.wait
 
 // ---- Roles ----------------------------------------------------------------------------------
 
-inline constexpr uint32_t kConsumerBarrier = 1;  // named barrier of the 256 consumer threads
-
-__device__ inline uint32_t slot_phase(uint32_t n) { return (n / kTaskSlots) & 1u; }
-
-// The scheduler thread: publishes jobs until the tickets run out, then a stop.
-// fill(ticket, job): once the wait of ticket `ticket` (of the counter `tickets`) passed, writes
-// its job into `job`, the free slot, which holds a stop until then (no task left, or the wait
-// failed: it stays a stop). When the wait for a free slot fails, the slot's readers may still be
-// reading it: the scheduler leaves it untouched and returns; the readers' next waits fail at once
-// (a failure is recorded). Both megakernels' schedulers.
-template <class Job, class Fill>
-__device__ inline void schedule_jobs(TaskQueueOf<Job>& queue, unsigned long long* tickets, const PipelineWatch& watch,
-                                     Fill&& fill) {
-  for (uint32_t n = 0;; ++n) {
-    const int q = int(n % kTaskSlots);
-    // The ordered wait and arrive keep the slot's reset and the job's stores between them (the
-    // compiler once hoisted the reset's constant stores above the wait: racecheck caught it
-    // overwriting a job its readers still read).
-    if (n >= uint32_t(kTaskSlots) &&
-        !wait_phase_ordered(&queue.finished[q], slot_phase(n) ^ 1u, watch, watch.queue_bound_ns,
-                            core::PipelineWait::task_finished, TaskSite{}))
-      return;
-    Job& job = queue.jobs[q];
-    job = Job{};
-    fill(uint64_t(atomicAdd(tickets, 1ull)), job);
-    const bool stop = job.stop;
-    arrive_ordered(&queue.published[q]);  // release (CTA scope): the slot's contents
-    if (stop) {
-      // Observe the last slots' `finished` phases (the readers arrive on them too for the stop).
-      for (uint32_t m = n > 0 ? n - 1 : 0; m <= n; ++m)
-        wait_phase_ordered(&queue.finished[m % kTaskSlots], slot_phase(m), watch, watch.queue_bound_ns,
-                           core::PipelineWait::task_finished, TaskSite{});
-      return;
-    }
-  }
-}
-
 __device__ inline void schedule_tasks(ComputeSmem& sm, const MegakernelLaunch& p, const Operands& ops,
                                       const core::MegakernelPlan& plan, const PipelineWatch& watch) {
   const uint64_t task_count = core::compute_task_count(plan);
@@ -382,29 +323,6 @@ __device__ inline void schedule_tasks(ComputeSmem& sm, const MegakernelLaunch& p
     const core::Task task = ticket < task_count ? core::compute_task(plan, int64_t(ticket)) : core::Task{};
     if (task.kind != core::TaskKind::none && wait_for(p, plan, task)) make_job(job, p, ops, plan, task, ticket);
   });
-}
-
-// A producer thread's job loop (the TMA thread, the store thread): runs each published job
-// until the stop or a failed wait, then arrives on the slot's `finished`. Both threads' TMA
-// touches rows the scheduler thread acquired the counter of (loads read rows other CTAs wrote;
-// stores overwrite ring rows other CTAs read before releasing), through the async proxy: the
-// fence orders it after that acquire, which the thread's wait on `published` follows.
-template <class Job, class Run>
-__device__ inline void producer_jobs(TaskQueueOf<Job>& queue, const PipelineWatch& watch, Run&& run) {
-  for (uint32_t n = 0;; ++n) {
-    const int q = int(n % kTaskSlots);
-    if (!wait_phase_ordered(&queue.published[q], slot_phase(n), watch, watch.queue_bound_ns,
-                            core::PipelineWait::task_published, TaskSite{}))
-      return;
-    const Job& job = queue.jobs[q];
-    const bool stop = job.stop;
-    if (!stop) {
-      fence_generic_to_async();
-      run(job, q);
-    }
-    arrive_ordered(&queue.finished[q]);  // no read of the slot moves below it
-    if (stop) return;
-  }
 }
 
 // The TMA thread: loads each published job's k-blocks.
@@ -452,38 +370,6 @@ __device__ inline void store_tasks(ComputeSmem& sm, const MegakernelLaunch& p, c
     release_done(p, plan, job.task);
     record(p.timeline_compute, job.ticket, start, cta, job.task);
   });
-}
-
-// The 256 consumer threads' job loop: run(job, q) for each published job, at_stop() at the
-// stop; both megakernels' consumers. The leader thread (consumer 0) waits for each job and
-// tells the others through a named barrier (a flag per slot: the leader writes a slot's next
-// flag only after every consumer passed the barrier that follows its reads of the previous
-// one), so all consumers see the same job or the same stop and reach the same barriers; then
-// every consumer acquires the (completed) phase itself before it reads the slot.
-template <class Job, class Run, class AtStop>
-__device__ __forceinline__ void consumer_jobs(TaskQueueOf<Job>& queue, const PipelineWatch& watch, Run&& run,
-                                              AtStop&& at_stop) {
-  __shared__ bool job_ready[kTaskSlots];
-  const bool leader = consumer_thread() == 0;
-  for (uint32_t n = 0;; ++n) {
-    const int q = int(n % kTaskSlots);
-    if (leader)
-      job_ready[q] = wait_phase_ordered(&queue.published[q], slot_phase(n), watch, watch.queue_bound_ns,
-                                        core::PipelineWait::task_published, TaskSite{});
-    sync_named_ordered(kConsumerThreads, kConsumerBarrier);  // the flag's write before, its reads after
-    if (!job_ready[q]) return;
-    // Complete (the leader saw it): returns at once.
-    wait_phase_ordered(&queue.published[q], slot_phase(n), watch, watch.queue_bound_ns,
-                       core::PipelineWait::task_published, TaskSite{});
-    const Job& job = queue.jobs[q];
-    if (job.stop) {
-      at_stop();
-      arrive_ordered(&queue.finished[q]);
-      return;
-    }
-    run(job, q);
-    arrive_ordered(&queue.finished[q]);  // no read of the slot moves below it
-  }
 }
 
 // The forward's consumers: compute each published job and hand its outputs to the store thread.

@@ -10,7 +10,7 @@
 #include <cstdint>
 
 #include "cuda/common/device_memory.hpp"
-#include "cuda/megakernel/megakernel_launch.hpp"
+#include "cuda/megakernel/launch.hpp"
 #include "moka/config.hpp"
 #include "moka/megakernel.hpp"
 

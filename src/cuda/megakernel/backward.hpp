@@ -2,12 +2,12 @@
 // persistent kernel that follows core/megakernel_backward_plan.hpp. Its comm CTAs pull d_out
 // rows and route weights into the ring and push d_x rows and d_topk_weights to their origin
 // slots; its compute CTAs run the shared expert's and the routed experts' dgd, dx and weight-
-// gradient tiles on the megakernel's GEMM core (mk_tile_gemm.cuh). Context modes
+// gradient tiles on the megakernel's GEMM core (tile_gemm.cuh). Context modes
 // (core::ContextMode): resident reads the forward's grouped rows of x, g and u; replay pulls x
 // from its origin rank again and recomputes g, u (the forward's gate|up tile, its bits).
 //
 // This header is plain C++ (no CuTe): the launch's pointers and sizes, and the host-side owner of
-// the kernel's workspace. The TMA descriptors are made in megakernel_backward_kernel.cu.
+// the kernel's workspace. The TMA descriptors are made in backward_kernel.cu.
 #pragma once
 #include <cuda_runtime.h>
 
@@ -19,8 +19,7 @@
 #include "core/megakernel_backward_plan.hpp"
 #include "cuda/common/device_memory.hpp"
 #include "cuda/common/stage_clock.hpp"
-#include "cuda/layer/layer_kernels.hpp"
-#include "cuda/megakernel/megakernel_launch.hpp"
+#include "cuda/megakernel/launch.hpp"
 #include "moka/config.hpp"
 #include "moka/megakernel.hpp"
 

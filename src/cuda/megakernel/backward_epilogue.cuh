@@ -17,8 +17,8 @@
 #include <utility>
 
 #include "core/activation.hpp"
-#include "cuda/megakernel/mk_compute.cuh"
-#include "cuda/megakernel/mk_tile_gemm.cuh"
+#include "cuda/megakernel/forward_compute.cuh"
+#include "cuda/megakernel/tile_gemm.cuh"
 
 namespace moka::cuda::mk {
 

@@ -6,7 +6,7 @@
 // always run, for any routing and CTA split. Every wait is bounded and reports into the status
 // word; a failure ends every CTA.
 //
-// Compute CTAs have the forward's roles (mk_compute.cuh): a scheduler thread takes tickets,
+// Compute CTAs have the forward's roles (forward_compute.cuh): a scheduler thread takes tickets,
 // waits and publishes jobs into a two-slot queue, a TMA thread loads their k-blocks, two
 // consumer warpgroups run the MMAs and the epilogue and release the task's counters. A job holds
 // up to two products of one operand layout:
@@ -18,11 +18,11 @@
 // A weight-gradient tile whose expert continues from the previous macrobatch starts from that
 // segment's fp32 carry; one that continues into the next leaves its accumulator there.
 #include "cuda/common/check.hpp"
-#include "cuda/megakernel/megakernel_backward.hpp"
-#include "cuda/megakernel/mk_backward_epilogue.cuh"
-#include "cuda/megakernel/mk_comm.cuh"
-#include "cuda/megakernel/mk_compute.cuh"
-#include "cuda/megakernel/mk_sync.cuh"
+#include "cuda/megakernel/backward.hpp"
+#include "cuda/megakernel/backward_epilogue.cuh"
+#include "cuda/megakernel/comm.cuh"
+#include "cuda/megakernel/forward_compute.cuh"
+#include "cuda/megakernel/sync.cuh"
 
 namespace moka::cuda {
 namespace mk {
@@ -373,7 +373,7 @@ __device__ inline void init_backward_smem(BackwardSmem& sm) {
   __syncthreads();
 }
 
-// The scheduler thread (mk_compute.cuh's loop): it takes a ticket only once a queue slot is free
+// The scheduler thread (pipeline.cuh's loop): it takes a ticket only once a queue slot is free
 // (the plan's progress argument: a CTA holds a later task only while it runs an earlier one).
 __device__ inline void schedule_backward(BackwardSmem& sm, const MegakernelBackwardLaunch& p,
                                          const BackwardOperands& ops, const MegakernelBackwardPlan& plan,

@@ -6,8 +6,8 @@
 #include <cstdint>
 
 #include "core/megakernel_plan.hpp"
-#include "cuda/megakernel/megakernel_launch.hpp"
-#include "cuda/megakernel/mk_tile_gemm.cuh"
+#include "cuda/megakernel/launch.hpp"
+#include "cuda/megakernel/tile_gemm.cuh"
 
 namespace moka::cuda::mk {
 

@@ -1,13 +1,13 @@
 // The persistent forward megakernel: grid = one CTA per SM; the first num_comm_ctas CTAs to
-// arrive run the communication role (mk_comm.cuh), the others the compute role (mk_compute.cuh).
+// arrive run the communication role (comm.cuh), the others the compute role (forward_compute.cuh).
 // Each role takes tasks in the plan's global order through its own atomic ticket
 // (core/megakernel_plan.hpp) and waits only on counters that earlier tasks release, so it
 // finishes for any routing.
 #include "cuda/common/check.hpp"
-#include "cuda/megakernel/megakernel_launch.hpp"
-#include "cuda/megakernel/mk_comm.cuh"
-#include "cuda/megakernel/mk_compute.cuh"
-#include "cuda/megakernel/mk_sync.cuh"
+#include "cuda/megakernel/launch.hpp"
+#include "cuda/megakernel/comm.cuh"
+#include "cuda/megakernel/forward_compute.cuh"
+#include "cuda/megakernel/sync.cuh"
 
 namespace moka::cuda {
 namespace {

@@ -6,7 +6,7 @@
 
 #include "core/megakernel_plan.hpp"
 #include "cuda/common/check.hpp"
-#include "cuda/megakernel/megakernel_launch.hpp"
+#include "cuda/megakernel/launch.hpp"
 
 namespace moka::cuda::mk {
 

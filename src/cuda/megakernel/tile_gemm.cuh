@@ -45,7 +45,7 @@
 #include <string>
 #include <type_traits>
 
-#include "cuda/megakernel/mk_sync.cuh"
+#include "cuda/megakernel/sync.cuh"
 #include "moka/error.hpp"
 
 namespace moka::cuda::mk {

@@ -1,17 +1,19 @@
 // What one launch of the forward megakernel reads and writes (plain pointers and sizes; the
-// TMA descriptors are made from them in megakernel_kernel.cu, the only file that sees CuTe).
-// The host side (megakernel_layer.cu) owns the buffers; docs/MEGAKERNEL.md has the design.
+// TMA descriptors are made from them in forward_kernel.cu, the only file that sees CuTe).
+// The host side (layer.cu) owns the buffers; docs/MEGAKERNEL.md has the design.
 #pragma once
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
 #include <cstdint>
 
+#include "core/activation.hpp"
 #include "core/megakernel_plan.hpp"
-#include "cuda/layer/layer_kernels.hpp"
 #include "moka/error.hpp"
 
 namespace moka::cuda {
+
+using bf16 = __nv_bfloat16;
 
 // Per-launch control words, zeroed in the stream before the schedule kernels (so a captured
 // graph resets them on every replay): the CTA arrival counter that assigns roles, the two task
@@ -36,7 +38,7 @@ struct MegakernelLaunch {
   core::MegakernelPlan plan;  // worst case; every CTA trims it to offsets[E] rows
   int num_ctas = 0, num_comm_ctas = 0;
   int64_t tokens = 0, top_k = 0, hidden = 0, intermediate = 0, shared_intermediate = 0, local_experts = 0;
-  ActParams act;
+  core::ActParams act;
   uint64_t timeout_ns = 0;
 
   const int32_t* offsets = nullptr;      // [E + 1] padded expert segments of the receive schedule
@@ -82,7 +84,7 @@ int megakernel_ctas_per_sm();
 // launch there.
 int context_sm_count();
 
-// ---- Routing exchange and schedule checks (megakernel_schedule.cu) ---------------------------
+// ---- Routing exchange and schedule checks (schedule.cu) ---------------------------
 
 // Each rank's region of every peer's symmetric routing buffer: a header (its token count) and
 // its T*k expert ids, at [rank * routing_region_ints(max_tokens, k)].

@@ -1,6 +1,6 @@
 // Host side of the backward megakernel: sizes its workspace from the worst-case plan, fills the
 // launch, and turns the kernel's status word into an Error.
-#include "cuda/megakernel/megakernel_backward.hpp"
+#include "cuda/megakernel/backward.hpp"
 
 #include <algorithm>
 #include <cstring>

@@ -17,9 +17,10 @@
 #include "cuda/layer_paths.hpp"
 #include "cuda/common/device_memory.hpp"
 #include "cuda/common/stream.hpp"
-#include "cuda/megakernel/megakernel_backward.hpp"
-#include "cuda/megakernel/megakernel_core.hpp"
-#include "cuda/megakernel/megakernel_launch.hpp"
+#include "cuda/layer/layer_kernels.hpp"
+#include "cuda/megakernel/backward.hpp"
+#include "cuda/megakernel/gemm_core.hpp"
+#include "cuda/megakernel/launch.hpp"
 #include "moka/device_group.hpp"
 
 namespace moka::cuda {

@@ -3,7 +3,8 @@
 #include <algorithm>
 
 #include "cuda/common/check.hpp"
-#include "cuda/megakernel/megakernel_launch.hpp"
+#include "cuda/layer/layer_kernels.hpp"
+#include "cuda/megakernel/launch.hpp"
 
 namespace moka::cuda {
 namespace {

@@ -1,4 +1,4 @@
-// The SMs a persistent megakernel grid may occupy (megakernel_launch.hpp). The driver API is
+// The SMs a persistent megakernel grid may occupy (launch.hpp). The driver API is
 // reached through the runtime's entry points, so that binaries do not link libcuda (they load
 // on machines without a driver, as CI's).
 #include <cuda.h>
@@ -7,7 +7,7 @@
 #include <algorithm>
 
 #include "cuda/common/check.hpp"
-#include "cuda/megakernel/megakernel_launch.hpp"
+#include "cuda/megakernel/launch.hpp"
 
 namespace moka::cuda {
 namespace {
