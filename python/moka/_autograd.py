@@ -1,6 +1,7 @@
 """moka's calls under autograd: the DLPack and stream helpers, moka's router and layer calls as
-forward/backward functions, and the ``torch.autograd.Function`` nodes of ``moka.torch.MoE``
-(which keep moka's forward state for their backward). Layouts and dtypes: see ``moka.torch``."""
+forward/backward functions, and the ``torch.autograd.Function`` nodes of plain eager calls of
+``moka.torch.MoE`` and ``moe_experts`` (which keep moka's forward state for their backward).
+Layouts and dtypes: see ``moka.torch``."""
 from __future__ import annotations
 
 import functools
@@ -137,6 +138,9 @@ def _take_state(ctx, name):
 
 
 class _Experts(torch.autograd.Function):
+    """The experts on the caller's routes (``MoE.apply_experts``, and ``moe_experts`` without the
+    dispatcher)."""
+
     @staticmethod
     def forward(ctx, x, topk_ids, topk_weights, w_gate, w_up, w_down, ws_gate, ws_up, ws_down, layer):
         weights = (w_gate, w_up, w_down, ws_gate, ws_up, ws_down)
@@ -164,11 +168,24 @@ def _moe_forward(x, w_router, w_gate, w_up, w_down, ws_gate, ws_up, ws_down, bia
     return state, out, weights
 
 
+def _moe_backward(state, d_out, x, w_router, expert_weights, d_topk_weights):
+    """(d_x, d_w_router, [d_w_gate, ..., d_ws_down]) of the whole layer from its forward's state;
+    d_topk_weights [T, k]: scratch for the router's part."""
+    # Written out: each helper call costs host time, every backward.
+    w_gate, w_up, w_down, ws_gate, ws_up, ws_down = expert_weights
+    d_x, d_w_router = torch.empty_like(x), torch.empty_like(w_router)
+    d_w_gate, d_w_up, d_w_down = torch.empty_like(w_gate), torch.empty_like(w_up), torch.empty_like(w_down)
+    d_ws_gate, d_ws_up, d_ws_down = _empty_like(ws_gate), _empty_like(ws_up), _empty_like(ws_down)
+    state.backward(_dlpack(d_out.contiguous()), _dlpack(d_x), _dlpack(d_topk_weights), _dlpack(d_w_router),
+                   _dlpack(d_w_gate), _dlpack(d_w_up), _dlpack(d_w_down), _dl(d_ws_gate), _dl(d_ws_up), _dl(d_ws_down))
+    return d_x, d_w_router, (d_w_gate, d_w_up, d_w_down, d_ws_gate, d_ws_up, d_ws_down)
+
+
 class _MoE(torch.autograd.Function):
     """Routing, experts and combine as one autograd node and one moka call each way (what
-    ``MoE.forward`` runs where autograd records). moka's saved state keeps the routes and the
-    weights it points into; autograd saves x (moka points into it too) and the weights, for its
-    check that nothing changed them in place and for their gradients' shapes."""
+    ``MoE.forward`` runs in a plain eager call where autograd records). moka's saved state keeps
+    the routes and the weights it points into; autograd saves x (moka points into it too) and the
+    weights, for its check that nothing changed them in place and for their gradients' shapes."""
 
     @staticmethod
     def forward(ctx, *inputs):
@@ -179,12 +196,7 @@ class _MoE(torch.autograd.Function):
     @staticmethod
     @_first_order_only
     def backward(ctx, d_out):
-        x, w_router, w_gate, w_up, w_down, ws_gate, ws_up, ws_down = ctx.saved_tensors
-        d_x, d_w_router = torch.empty_like(x), torch.empty_like(w_router)
-        d_w_gate, d_w_up, d_w_down = torch.empty_like(w_gate), torch.empty_like(w_up), torch.empty_like(w_down)
-        d_ws_gate, d_ws_up, d_ws_down = _empty_like(ws_gate), _empty_like(ws_up), _empty_like(ws_down)
-        state = _take_state(ctx, "state")
-        state.backward(_dlpack(d_out.contiguous()), _dlpack(d_x), _dlpack(torch.empty_like(ctx.topk_weights)),
-                       _dlpack(d_w_router), _dlpack(d_w_gate), _dlpack(d_w_up), _dlpack(d_w_down), _dl(d_ws_gate),
-                       _dl(d_ws_up), _dl(d_ws_down))
-        return d_x, d_w_router, d_w_gate, d_w_up, d_w_down, d_ws_gate, d_ws_up, d_ws_down, None, None, None, None
+        x, w_router, *expert_weights = ctx.saved_tensors
+        d_x, d_w_router, d_weights = _moe_backward(_take_state(ctx, "state"), d_out, x, w_router, expert_weights,
+                                                   torch.empty_like(ctx.topk_weights))
+        return d_x, d_w_router, *d_weights, None, None, None, None

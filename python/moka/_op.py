@@ -1,15 +1,26 @@
-"""The functional op ``moka::moe_experts`` (``moka.torch.moe_experts``), for models that route
-themselves: moka's layers per shape, the ``torch.library`` op with its fake and autograd
-registrations, and the eager path that skips the dispatcher. Layouts and dtypes: see ``moka.torch``."""
+"""moka's ``torch.library`` ops, what torch.compile, torch.export, modes and transforms see:
+``moka::moe_experts`` (``moka.torch.moe_experts``, for models that route themselves) and
+``moka::moe`` (``moka.torch.MoE``'s routing through combine), each with a backward op, fake and
+autograd registrations; moka's engines per op arguments; and the test for a plain eager call,
+which skips the dispatcher. Layouts and dtypes: see ``moka.torch``.
+
+A forward op returns moka's saved state for its backward op as a tensor (an op passes tensors
+only): a one-byte CPU tensor whose storage owns moka's context. Autograd keeps it like any saved
+tensor and frees it after the backward, or at once where none will come, and the context goes
+with it: nothing runs the forward again, and tracing with FakeTensors needs no moka call."""
 from __future__ import annotations
 
+import itertools
+import weakref
 from typing import Optional
 
 import torch
 from torch import Tensor, nn
 
 from . import _moka
-from ._autograd import _experts_backward, _experts_forward, _first_order_only
+from ._autograd import (_empty_like, _experts_backward, _experts_forward, _first_order_only, _moe_backward,
+                        _moe_forward, _take_state, router_weight_dtype)
+from ._distributed import group_named
 
 
 def _backend(t: Tensor) -> str:
@@ -28,18 +39,77 @@ def _backend(t: Tensor) -> str:
 
 _CPU_DTYPES = (torch.float32, torch.float64)
 
-# moka's process groups by torch.distributed group name: moka.torch.moka_group makes them, the op
-# (whose arguments can only name its group) finds them here.
-_groups: dict[str, _moka.Group] = {}
+
+# --- moka's saved state as a tensor ---
+
+class _SavedState(bytearray):
+    """The buffer of a saved-state tensor (torch.frombuffer keeps it alive with the storage),
+    holding the engine of a forward call and the context it saved."""
+
+    __slots__ = ("engine", "context", "__weakref__")
 
 
-# --- the functional op, for models that route themselves (traceable by torch.compile) ---
+# The live saved states by their buffer's address: the backward op's way from tensor to context.
+_saved_states: weakref.WeakValueDictionary[int, _SavedState] = weakref.WeakValueDictionary()
+
+
+def _saved_tensor(engine, context) -> Tensor:
+    state = _SavedState(1)
+    state.engine, state.context = engine, context
+    tensor = torch.frombuffer(state, dtype=torch.uint8)
+    _saved_states[tensor.data_ptr()] = state
+    return tensor
+
+
+def _fake_saved_tensor() -> Tensor:
+    return torch.empty(1, dtype=torch.uint8, device="cpu")
+
+
+def _saved_state(tensor: Tensor) -> _SavedState:
+    state = _saved_states.get(tensor.data_ptr())
+    if state is None:
+        raise RuntimeError("moka: a backward op was given a tensor that is not the saved state a moka forward op "
+                           "returned (or a copy of one)")
+    return state
+
+
+def _as_tensors(gradients) -> list[Tensor]:
+    """A backward op's gradients: an empty tensor for an absent (None) shared-expert weight's, as an
+    op returns tensors only."""
+    return [g if g is not None else gradients[0].new_empty(0) for g in gradients]
+
+
+def _present(gradients, tensors) -> list[Optional[Tensor]]:
+    """A backward op's gradients as autograd takes them: None for absent tensors."""
+    return [g if t is not None else None for g, t in zip(gradients, tensors)]
+
+
+# --- moka's engines for the ops: layers (moe_experts) and routers with layers (moe) ---
+
+def _make_layer(backend, group, hidden, intermediate, experts, top_k, shared, activation, clamp_limit, path,
+                tile_rows, max_tokens) -> _moka.Layer:
+    if tile_rows is None:  # the CUDA GEMMs' row tile; the CPU backend needs no padding
+        tile_rows = _moka.DEFAULT_TILE_ROWS if backend == "cuda" else 1
+    return _moka.Layer(hidden, intermediate, experts, top_k, shared, activation, clamp_limit, backend, group,
+                       torch.get_num_threads(), tile_rows, path, max_tokens)
+
+
+def _make_engines(backend, group, hidden, intermediate, experts, top_k, shared, score, selection_bias, renormalize,
+                  route_scale, activation, clamp_limit, path, tile_rows,
+                  max_tokens) -> tuple[_moka.Router, _moka.Layer, _moka.Moe]:
+    """moka's router, layer, and the two as one call each way (MoE's engines)."""
+    router = _moka.Router(hidden, experts, top_k, score, selection_bias, renormalize, route_scale, backend, group,
+                          torch.get_num_threads())
+    layer = _make_layer(backend, group, hidden, intermediate, experts, top_k, shared, activation, clamp_limit, path,
+                        tile_rows, max_tokens)
+    return router, layer, _moka.Moe(router, layer)
+
 
 _op_layers: dict[tuple, _moka.Layer] = {}
 
 
 def _op_layer(x, topk_ids, w_gate, ws_gate, activation, clamp_limit, group_name) -> _moka.Layer:
-    group = _groups[group_name] if group_name else None
+    group = group_named(group_name)
     world = group.size if group else 1
     backend = _backend(x)
     shared = 0 if ws_gate is None else ws_gate.shape[0]
@@ -50,112 +120,165 @@ def _op_layer(x, topk_ids, w_gate, ws_gate, activation, clamp_limit, group_name)
     return _op_layers[key]
 
 
-def _make_layer(backend, group, hidden, intermediate, experts, top_k, shared, activation, clamp_limit, path,
-                tile_rows, max_tokens) -> _moka.Layer:
-    if tile_rows is None:  # the CUDA GEMMs' row tile; the CPU backend needs no padding
-        tile_rows = _moka.DEFAULT_TILE_ROWS if backend == "cuda" else 1
-    return _moka.Layer(hidden, intermediate, experts, top_k, shared, activation, clamp_limit, backend, group,
-                       torch.get_num_threads(), tile_rows, path, max_tokens)
+# moe's engines by the MoE module they serve (its engine id: the CUDA megakernel and all-to-all
+# paths keep their latest forward's state in the layer, so two modules cannot share one), then
+# by what they are built from, so that an exported program runs in another process too.
+_op_engines: dict[tuple, tuple[_moka.Router, _moka.Layer, _moka.Moe]] = {}
+_engine_ids = itertools.count()
 
 
-# What the op computes, as plain functions: the op wraps them for the dispatcher (torch.compile,
-# modes, transforms), _EagerExperts calls them directly in plain eager calls.
+def new_engine_id(module: nn.Module) -> int:
+    """An id for the op's engines of ``module``; they go when it goes."""
+    engine_id = next(_engine_ids)
+    weakref.finalize(module, _drop_op_engines, engine_id)
+    return engine_id
 
-def _recomputing_experts_forward(x: Tensor, topk_ids: Tensor, topk_weights: Tensor, w_gate: Tensor, w_up: Tensor,
-                                 w_down: Tensor, ws_gate: Optional[Tensor], ws_up: Optional[Tensor],
-                                 ws_down: Optional[Tensor], activation: str, clamp_limit: float,
-                                 group_name: str) -> Tensor:
+
+def _drop_op_engines(engine_id: int) -> None:
+    for key in [key for key in _op_engines if key[0] == engine_id]:
+        del _op_engines[key]
+
+
+def op_layers_of(engine_id: int) -> list[_moka.Layer]:
+    """The layers of the op's engines of one MoE module (for its check_errors)."""
+    return [layer for key, (_, layer, _) in _op_engines.items() if key[0] == engine_id]
+
+
+def _op_moe(x, w_router, w_gate, ws_gate, selection_bias, top_k, score, renormalize, route_scale, activation,
+            clamp_limit, path, tile_rows, max_tokens, group_name, engine_id) -> _moka.Moe:
+    backend = _backend(x)
+    shared = 0 if ws_gate is None else ws_gate.shape[0]
+    key = (engine_id, backend, x.device.index, x.shape[-1], w_gate.shape[1], w_router.shape[0], top_k, shared, score,
+           selection_bias is not None, renormalize, route_scale, activation, clamp_limit, path, tile_rows, max_tokens,
+           group_name)
+    if key not in _op_engines:
+        _op_engines[key] = _make_engines(backend, group_named(group_name), *key[3:17])
+    return _op_engines[key][2]
+
+
+# --- moka::moe_experts: the routed experts (and shared expert) for tokens routed by the caller ---
+
+@torch.library.custom_op("moka::moe_experts", mutates_args=())
+def _moe_experts_op(x: Tensor, topk_ids: Tensor, topk_weights: Tensor, w_gate: Tensor, w_up: Tensor, w_down: Tensor,
+                    ws_gate: Optional[Tensor], ws_up: Optional[Tensor], ws_down: Optional[Tensor], activation: str,
+                    clamp_limit: float, group_name: str) -> tuple[Tensor, Tensor]:
+    """(out, saved state)."""
     layer = _op_layer(x, topk_ids, w_gate, ws_gate, activation, clamp_limit, group_name)
-    return _experts_forward(layer, x, topk_ids, topk_weights, (w_gate, w_up, w_down, ws_gate, ws_up, ws_down))[1]
-
-
-def _recomputing_experts_backward(d_out, x, topk_ids, topk_weights, w_gate, w_up, w_down, ws_gate, ws_up, ws_down,
-                                  activation, clamp_limit, group_name):
-    """(d_x, d_topk_weights, [d_w_gate, ..., d_ws_down], None for absent shared-expert weights).
-    Nothing is kept between forward and backward (a graph holds tensors only), so backward runs
-    moka's forward again for the state it needs, like activation checkpointing."""
-    layer = _op_layer(x, topk_ids, w_gate, ws_gate, activation, clamp_limit, group_name)
-    expert_weights = (w_gate, w_up, w_down, ws_gate, ws_up, ws_down)
-    saved, _ = _experts_forward(layer, x, topk_ids, topk_weights, expert_weights)
-    return _experts_backward(layer, saved, d_out, x, topk_weights, expert_weights)
-
-
-_moe_experts_op = torch.library.custom_op("moka::moe_experts", _recomputing_experts_forward, mutates_args=())
+    context, out = _experts_forward(layer, x, topk_ids, topk_weights, (w_gate, w_up, w_down, ws_gate, ws_up, ws_down))
+    return out, _saved_tensor(layer, context)
 
 
 @_moe_experts_op.register_fake
-def _(x, topk_ids, topk_weights, w_gate, w_up, w_down, ws_gate, ws_up, ws_down, activation, clamp_limit,
-      group_name):
-    return torch.empty_like(x)
+def _(x, *_arguments):
+    return torch.empty_like(x), _fake_saved_tensor()
 
 
 @torch.library.custom_op("moka::moe_experts_backward", mutates_args=())
-def _moe_experts_backward_op(d_out: Tensor, x: Tensor, topk_ids: Tensor, topk_weights: Tensor, w_gate: Tensor,
-                             w_up: Tensor, w_down: Tensor, ws_gate: Optional[Tensor], ws_up: Optional[Tensor],
-                             ws_down: Optional[Tensor], activation: str, clamp_limit: float,
-                             group_name: str) -> list[Tensor]:
-    d_x, d_topk_weights, d_weights = _recomputing_experts_backward(
-        d_out, x, topk_ids, topk_weights, w_gate, w_up, w_down, ws_gate, ws_up, ws_down, activation, clamp_limit,
-        group_name)
-    # Absent shared-expert weights get empty gradients (an op returns tensors only).
-    return [d_x, d_topk_weights, *(g if g is not None else x.new_empty(0) for g in d_weights)]
-
-
-def _experts_grad_buffers(x, topk_weights, w_gate, w_up, w_down, ws_gate, ws_up, ws_down) -> list[Tensor]:
-    # Absent shared-expert weights get empty gradients (an op returns tensors only, none aliased).
-    return [torch.empty_like(t) if t is not None else x.new_empty(0)
-            for t in (x, topk_weights, w_gate, w_up, w_down, ws_gate, ws_up, ws_down)]
+def _moe_experts_backward_op(d_out: Tensor, saved: Tensor, x: Tensor, topk_ids: Tensor, topk_weights: Tensor,
+                             w_gate: Tensor, w_up: Tensor, w_down: Tensor, ws_gate: Optional[Tensor],
+                             ws_up: Optional[Tensor], ws_down: Optional[Tensor]) -> list[Tensor]:
+    """[d_x, d_topk_weights, d_w_gate, ..., d_ws_down] from the forward's saved state; its inputs
+    are the tensors that state points into."""
+    state = _saved_state(saved)
+    expert_weights = (w_gate, w_up, w_down, ws_gate, ws_up, ws_down)
+    d_x, d_topk_weights, d_weights = _experts_backward(state.engine, _take_state(state, "context"), d_out, x,
+                                                       topk_weights, expert_weights)
+    return _as_tensors([d_x, d_topk_weights, *d_weights])
 
 
 @_moe_experts_backward_op.register_fake
-def _(d_out, x, topk_ids, topk_weights, w_gate, w_up, w_down, ws_gate, ws_up, ws_down, activation, clamp_limit,
-      group_name):
-    return _experts_grad_buffers(x, topk_weights, w_gate, w_up, w_down, ws_gate, ws_up, ws_down)
+def _(d_out, saved, x, topk_ids, *differentiable):
+    return _as_tensors([_empty_like(t) for t in (x, *differentiable)])
 
 
-def _setup_context(ctx, inputs, output):
-    ctx.save_for_backward(*inputs[:9])
-    ctx.attributes = inputs[9:]
+def _setup_experts_context(ctx, inputs, output):
+    ctx.save_for_backward(*inputs[:9], output[1])
 
 
-def _moe_experts_backward(ctx, d_out):
-    saved = ctx.saved_tensors
-    d_x, d_topk_weights, *d_weights = _moe_experts_backward_op(d_out.contiguous(), *saved, *ctx.attributes)
-    if saved[6] is None:
-        d_weights[3:] = [None, None, None]
-    return (d_x, None, d_topk_weights, *d_weights, None, None, None)
+def _experts_op_backward(ctx, d_out, _d_saved):
+    x, topk_ids, topk_weights, *weights, saved = ctx.saved_tensors
+    d_x, d_topk_weights, *d_weights = _moe_experts_backward_op(d_out.contiguous(), saved, x, topk_ids, topk_weights,
+                                                               *weights)
+    return (d_x, None, d_topk_weights, *_present(d_weights, weights), None, None, None)
 
 
-_moe_experts_op.register_autograd(_moe_experts_backward, setup_context=_setup_context)
+_moe_experts_op.register_autograd(_first_order_only(_experts_op_backward), setup_context=_setup_experts_context)
 
 
-class _EagerExperts(torch.autograd.Function):
-    """The op's forward and backward for a plain eager call, without torch.library's dispatch
-    (about 15 us of Python a call on top of moka's own)."""
+# --- moka::moe: MoE's routing, experts and combine ---
 
-    @staticmethod
-    def forward(ctx, *inputs):
-        _setup_context(ctx, inputs, None)
-        return _recomputing_experts_forward(*inputs)
+@torch.library.custom_op("moka::moe", mutates_args=())
+def _moe_op(x: Tensor, w_router: Tensor, w_gate: Tensor, w_up: Tensor, w_down: Tensor, ws_gate: Optional[Tensor],
+            ws_up: Optional[Tensor], ws_down: Optional[Tensor], selection_bias: Optional[Tensor], top_k: int,
+            score: str, renormalize: bool, route_scale: float, activation: str, clamp_limit: float, path: str,
+            tile_rows: Optional[int], max_tokens: int, group_name: str,
+            engine_id: int) -> tuple[Tensor, Tensor, Tensor]:
+    """(out, this call's routes per expert [E] int64, saved state). Functional, unlike moka's call,
+    which adds the routes to a running count: an op that mutates cannot have an autograd formula."""
+    moe = _op_moe(x, w_router, w_gate, ws_gate, selection_bias, top_k, score, renormalize, route_scale, activation,
+                  clamp_limit, path, tile_rows, max_tokens, group_name, engine_id)
+    routes = _routes_per_expert(x, w_router)
+    context, out, _ = _moe_forward(x, w_router, w_gate, w_up, w_down, ws_gate, ws_up, ws_down, selection_bias,
+                                   routes, moe, top_k)
+    return out, routes, _saved_tensor(moe, context)
 
-    @staticmethod
-    @_first_order_only
-    def backward(ctx, d_out):
-        d_x, d_topk_weights, d_weights = _recomputing_experts_backward(d_out.contiguous(), *ctx.saved_tensors,
-                                                                       *ctx.attributes)
-        return (d_x, None, d_topk_weights, *d_weights, None, None, None)
+
+def _routes_per_expert(x, w_router) -> Tensor:
+    return torch.zeros(w_router.shape[0], dtype=torch.int64, device=x.device)
 
 
-_PLAIN_TENSORS = (Tensor, nn.Parameter)
+@_moe_op.register_fake
+def _(x, w_router, *_arguments):
+    return torch.empty_like(x), _routes_per_expert(x, w_router), _fake_saved_tensor()
+
+
+@torch.library.custom_op("moka::moe_backward", mutates_args=())
+def _moe_backward_op(d_out: Tensor, saved: Tensor, x: Tensor, w_router: Tensor, w_gate: Tensor, w_up: Tensor,
+                     w_down: Tensor, ws_gate: Optional[Tensor], ws_up: Optional[Tensor], ws_down: Optional[Tensor],
+                     top_k: int) -> list[Tensor]:
+    """[d_x, d_w_router, d_w_gate, ..., d_ws_down] from the forward's saved state (which holds the
+    weights and routes it points into; x is the caller's)."""
+    context = _take_state(_saved_state(saved), "context")
+    d_topk_weights = torch.empty(x.shape[0], top_k, dtype=router_weight_dtype(x.dtype), device=x.device)
+    d_x, d_w_router, d_weights = _moe_backward(context, d_out, x, w_router,
+                                               (w_gate, w_up, w_down, ws_gate, ws_up, ws_down), d_topk_weights)
+    return _as_tensors([d_x, d_w_router, *d_weights])
+
+
+@_moe_backward_op.register_fake
+def _(d_out, saved, x, w_router, w_gate, w_up, w_down, ws_gate, ws_up, ws_down, top_k):
+    return _as_tensors([_empty_like(t) for t in (x, w_router, w_gate, w_up, w_down, ws_gate, ws_up, ws_down)])
+
+
+def _setup_moe_context(ctx, inputs, output):
+    ctx.save_for_backward(*inputs[:8], output[2])  # x, w_router, the expert weights, the saved state
+    ctx.top_k = inputs[9]
+
+
+def _moe_op_backward(ctx, d_out, _d_routes, _d_saved):
+    x, w_router, *weights, saved = ctx.saved_tensors
+    d_x, d_w_router, *d_weights = _moe_backward_op(d_out.contiguous(), saved, x, w_router, *weights, ctx.top_k)
+    return (d_x, d_w_router, *_present(d_weights, weights), *[None] * 12)  # selection_bias, the options
+
+
+_moe_op.register_autograd(_first_order_only(_moe_op_backward), setup_context=_setup_moe_context)
+
+
+_PLAIN_TYPES = frozenset((Tensor, nn.Parameter, type(None)))  # None: an absent optional tensor
+
+
+def _untraced_call(tensors) -> bool:
+    """Whether moka can run on the tensors directly: plain tensors (no FakeTensor, FunctionalTensor
+    or other subclass), and no compiler or tracer around."""
+    return (not torch.compiler.is_compiling() and not torch.jit.is_tracing()
+            and _PLAIN_TYPES.issuperset(map(type, tensors)))
 
 
 def _plain_eager_call(tensors) -> bool:
-    """Whether nothing needs to see the op: plain tensors, and no compiler, tracer, torch function
-    or dispatch mode, or functorch transform around."""
-    return (not torch.compiler.is_compiling() and not torch.jit.is_tracing()
-            and torch._C._len_torch_dispatch_stack() == 0 and torch._C._len_torch_function_stack() == 0
-            and not torch._C._are_functorch_transforms_active()
-            and all(t is None or type(t) in _PLAIN_TENSORS for t in tensors))
+    """Whether nothing needs to see the op: an untraced call, and no torch function or dispatch
+    mode, or functorch transform around."""
+    return (_untraced_call(tensors) and torch._C._len_torch_dispatch_stack() == 0
+            and torch._C._len_torch_function_stack() == 0 and not torch._C._are_functorch_transforms_active())
 
 
 def _int32_ids(topk_ids: Tensor) -> Tensor:

@@ -20,9 +20,6 @@ GEMMs, which capture cannot).
 from __future__ import annotations
 
 import math
-import os
-import secrets
-import socket
 from typing import NamedTuple, Optional
 
 import torch
@@ -31,7 +28,9 @@ from torch import Tensor, nn
 
 from . import _moka
 from ._autograd import _Experts, _MoE, _moe_forward, _Route, router_weight_dtype
-from ._op import _backend, _EagerExperts, _groups, _int32_ids, _make_layer, _moe_experts_op, _plain_eager_call
+from ._distributed import moka_group
+from ._op import (_backend, _int32_ids, _make_engines, _moe_experts_op, _moe_op, _op_layer, _plain_eager_call,
+                  _untraced_call, new_engine_id, op_layers_of)
 
 # Reached through moka.torch by bench/python_overhead.py, which times moka's calls one by one and
 # swaps the op's layers.
@@ -40,44 +39,6 @@ from ._autograd import (_dl, _empty_like, _experts_backward, _experts_forward, _
 from ._op import _op_layers  # noqa: F401
 
 __all__ = ["MoE", "MoEAux", "moe_experts", "moka_group", "router_weight_dtype"]
-
-
-# --- expert parallelism: moka's own process group, bootstrapped over a torch.distributed group ---
-# (kept in moka._op's _groups, where the op finds them by name)
-
-def _free_port(addr: str) -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((addr, 0))
-        return s.getsockname()[1]
-
-
-def moka_group(group: Optional[dist.ProcessGroup]) -> Optional[_moka.Group]:
-    """moka's process group over the ranks of ``group`` (None, or a group of one rank: none).
-
-    Collective on first use for a group: every rank of it must call. Its rank 0 picks a free port
-    on its address (MASTER_ADDR for the default group, else its host name's address) and a random
-    job key; both reach the others through ``group`` (torch.distributed's own channel) and moka
-    connects over TCP there, each rank proving it holds the key, so nobody else who reaches the
-    port can join; with the CUDA backend moka makes its NCCL communicator from this group. Later
-    calls return the same group.
-    """
-    if group is None or dist.get_world_size(group) == 1:
-        return None
-    name = group.group_name
-    if name not in _groups:
-        rank, size = dist.get_rank(group), dist.get_world_size(group)
-        leader = dist.get_global_rank(group, 0)
-        endpoint = [None]
-        if rank == 0:
-            addr = (os.environ.get("MASTER_ADDR", "127.0.0.1") if leader == 0
-                    else socket.gethostbyname(socket.gethostname()))
-            addr = socket.gethostbyname(addr)
-            endpoint = [(addr, _free_port(addr), secrets.token_hex(32))]
-        dist.broadcast_object_list(endpoint, src=leader, group=group)
-        addr, port, key = endpoint[0]
-        timeout = float(os.environ.get("MOKA_COMM_TIMEOUT_S", "60"))
-        _groups[name] = _moka.Group(rank, size, addr, port, timeout, key)
-    return _groups[name]
 
 
 # --- the functional op, for models that route themselves (traceable by torch.compile; moka._op
@@ -108,10 +69,10 @@ def moe_experts(x: Tensor, topk_ids: Tensor, topk_weights: Tensor, w_gate: Tenso
         TypeError, ValueError: inputs of a dtype, device or shape moka does not take.
         moka.Error: what moka finds in the inputs (an expert id out of range, mismatched shapes).
 
-    A ``torch.library``
-    op (``torch.ops.moka.moe_experts``): ``torch.compile(fullgraph=True)`` traces it as one node,
-    modes and transforms see it; a plain eager call runs the same code without the dispatcher.
-    Its backward runs the forward again (the op keeps no state); ``MoE`` keeps it instead.
+    A ``torch.library`` op (``torch.ops.moka.moe_experts``, which returns out and moka's saved
+    state for ``torch.ops.moka.moe_experts_backward``): ``torch.compile(fullgraph=True)`` and
+    ``torch.export`` trace it as one node each way, modes and transforms see it; a plain eager call
+    runs the same moka calls without the dispatcher. The backward reuses the forward's state.
     """
     group_name = ""
     if moka_group(group) is not None:
@@ -119,9 +80,9 @@ def moe_experts(x: Tensor, topk_ids: Tensor, topk_weights: Tensor, w_gate: Tenso
     inputs = (x, _int32_ids(topk_ids), topk_weights, w_gate, w_up, w_down, ws_gate, ws_up, ws_down, activation,
               clamp_limit, group_name)
     if _plain_eager_call(inputs[:9]):
-        return _EagerExperts.apply(*inputs)
+        return _Experts.apply(*inputs[:9], _op_layer(x, topk_ids, w_gate, ws_gate, activation, clamp_limit, group_name))
     try:
-        return _moe_experts_op(*inputs)
+        return _moe_experts_op(*inputs)[0]
     except RuntimeError as e:  # vmap runs (one call per row); grad, jvp, jacrev do not
         if "functorch transforms" in str(e):
             raise RuntimeError(_FUNC_TRANSFORMS) from e
@@ -276,6 +237,7 @@ class MoE(nn.Module):
         self.hidden, self.intermediate, self.experts, self.top_k = hidden, intermediate, experts, top_k
         self.shared_intermediate = shared_intermediate
         self.group, self.path = group, path
+        self._group_name = group.group_name if world > 1 else ""  # what moka's op takes for the group
         self.score, self.renormalize, self.route_scale = score, renormalize, route_scale
         self.activation, self.clamp_limit, self.tile_rows = activation, clamp_limit, tile_rows
         self.max_tokens = max_tokens
@@ -297,6 +259,7 @@ class MoE(nn.Module):
         self.register_buffer("expert_load", torch.zeros(experts, dtype=torch.int64, device=device), persistent=False)
         self.reset_parameters(init_std)
         self._engines: dict[tuple, tuple[_moka.Router, _moka.Layer, _moka.Moe]] = {}
+        self._engine_id = new_engine_id(self)  # names the engines of its calls through moka's op
 
     @torch.no_grad()
     def reset_parameters(self, std: float = 0.02):
@@ -329,19 +292,20 @@ class MoE(nn.Module):
         state["_engines"] = {}
         return state
 
+    def __setstate__(self, state):
+        super().__setstate__(state)
+        self._engine_id = new_engine_id(self)  # not the original's: engines are not shared
+
     def _engine(self, x: Tensor) -> tuple[_moka.Router, _moka.Layer, _moka.Moe]:
         """moka's router, layer, and the two as one call each way, for x's device."""
         backend = _backend(x)
         key = (backend, x.device.index)
         engines = self._engines.get(key)
         if engines is None:
-            group = moka_group(self.group)
-            router = _moka.Router(self.hidden, self.experts, self.top_k, self.score, self.selection_bias is not None,
-                                  self.renormalize, self.route_scale, backend, group, torch.get_num_threads())
-            layer = _make_layer(backend, group, self.hidden, self.intermediate, self.experts, self.top_k,
-                                self.shared_intermediate, self.activation, self.clamp_limit, self.path,
-                                self.tile_rows, self.max_tokens)
-            engines = self._engines[key] = (router, layer, _moka.Moe(router, layer))
+            engines = self._engines[key] = _make_engines(
+                backend, moka_group(self.group), self.hidden, self.intermediate, self.experts, self.top_k,
+                self.shared_intermediate, self.score, self.selection_bias is not None, self.renormalize,
+                self.route_scale, self.activation, self.clamp_limit, self.path, self.tile_rows, self.max_tokens)
         return engines
 
     def _tensors(self) -> tuple:
@@ -375,8 +339,7 @@ class MoE(nn.Module):
 
     def apply_experts(self, x: Tensor, topk_ids: Tensor, topk_weights: Tensor) -> Tensor:
         """The routed experts and the shared expert for tokens routed by the caller (``route`` or
-        your own router). Unlike ``moe_experts``, the backward reuses this forward's state instead
-        of recomputing it.
+        your own router), on this layer's engines (``moe_experts`` shares one per shape).
 
         Args:
             x (Tensor): [T, H], contiguous, in the weights' dtype.
@@ -412,16 +375,26 @@ class MoE(nn.Module):
             raise ValueError(f"moka: MoE(hidden={self.hidden}) takes x [..., {self.hidden}], got {list(x.shape)}")
         # [T, H] input goes in as it is: a reshape would add a view and its autograd node each way.
         tokens = (x if x.dim() == 2 else x.reshape(-1, self.hidden)).contiguous()
-        moe = self._engine(tokens)[2]
         (w_router, bias, load), experts = self._tensors()
-        inputs = (tokens, w_router, *experts, _selection_bias(bias, tokens), load, moe, self.top_k)
-        load_before = load.clone() if return_aux else None  # this call's routes: what it adds
-        # With autograd off (evaluation, inference mode) the call skips Function.apply.
-        out = _MoE.apply(*inputs) if torch.is_grad_enabled() else _moe_forward(*inputs)[1]
+        inputs = (tokens, w_router, *experts, _selection_bias(bias, tokens), load)
+        if _untraced_call(inputs):  # moka's call directly (a mode sees its allocations, as in any eager call)
+            load_before = load.clone() if return_aux else None  # this call's routes: what moka adds to load
+            inputs += (self._engine(tokens)[2], self.top_k)
+            # With autograd off (evaluation, inference mode) the call skips Function.apply.
+            out = _MoE.apply(*inputs) if torch.is_grad_enabled() else _moe_forward(*inputs)[1]
+            routes = load - load_before if return_aux else None
+        else:  # a compiler or an exporter traces moka's op, which returns the routes
+            out, routes, _ = _moe_op(*inputs[:-1], *self._op_options())
+            load.add_(routes)
         out = out if x.dim() == 2 else out.reshape(x.shape)
         if not return_aux:
             return out
-        return out, self._aux(tokens, w_router, load - load_before)
+        return out, self._aux(tokens, w_router, routes)
+
+    def _op_options(self) -> tuple:
+        """moka::moe's arguments after the tensors: what its engines are built from, and their id."""
+        return (self.top_k, self.score, self.renormalize, self.route_scale, self.activation, self.clamp_limit,
+                self.path, self.tile_rows, self.max_tokens, self._group_name, self._engine_id)
 
     def _aux(self, tokens: Tensor, w_router: Tensor, tokens_per_expert: Tensor) -> MoEAux:
         dtype = tokens.dtype if tokens.dtype in (torch.float32, torch.float64) else torch.float32
@@ -439,7 +412,7 @@ class MoE(nn.Module):
 
     def check_errors(self):
         """Raises (as moka.Error) what the GPU kernels of finished calls found; synchronize first."""
-        for _, layer, _ in self._engines.values():
+        for layer in [layer for _, layer, _ in self._engines.values()] + op_layers_of(self._engine_id):
             layer.check_errors()
 
     @torch.no_grad()

@@ -5,8 +5,9 @@ the GPU reports a bad expert id from its kernels).
 Checks, on every rank: the expert-parallel MoE (group=WORLD) against a one-rank MoE with the same
 seed on this rank's tokens (outputs, input, router and shared gradients equal; each local
 expert's gradient equals the one-rank gradient summed over the ranks), the same for the op, the
-aux-loss-free bias update over the group, from_hf reading only the local experts, and that a bad
-input on rank 1 raises moka.Error naming rank 1 on both ranks.
+module compiled on a new group (as the eager one), the aux-loss-free bias update over the group,
+from_hf reading only the local experts, and that a bad input on rank 1 raises moka.Error naming
+rank 1 on both ranks.
 """
 import os
 import sys
@@ -87,6 +88,17 @@ check(xo.grad, xr.grad, "op d_x")
 check(weights.grad, weights_r.grad, "op d_topk_weights")
 for p, q, name in zip(w, wo, ("w_gate", "w_up", "w_down")):
     check(p.grad, summed(q.grad)[local], f"op {name}")
+
+# The module compiled (fullgraph) over a group no eager call has used: moka's op bootstraps moka's
+# group over it at the first compiled call, and computes what the eager module computes.
+pair = dist.new_group([0, 1])
+torch.manual_seed(0)
+compiled = MoE(H, I, E, 2, group=pair, **kwargs)
+c_out, c_dx, _ = run(torch.compile(compiled, fullgraph=True, backend="eager"), x)
+check(c_out, out, "compiled out")
+check(c_dx, dx, "compiled d_x")
+for name, p in compiled.named_parameters():
+    check(p.grad, g[name], f"compiled {name}")
 
 # The selection bias moves by the load of both ranks together.
 load = ep.update_selection_bias(rate=0.25)
