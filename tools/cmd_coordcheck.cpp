@@ -4,6 +4,7 @@
 #include <cstdio>
 #include <fstream>
 #include <iostream>
+#include <limits>
 
 #include "commands.hpp"
 #include "train/mup_experiments.hpp"
@@ -66,7 +67,10 @@ void register_coordcheck(CLI::App& app) {
   c->options.schedule = "constant";
   add_train_options(cmd, c->options, SharedOptions{.steps = false, .lr = true});
   cmd->add_option("--mults", c->multipliers, "width multipliers of the base model")->capture_default_str();
-  cmd->add_option("--check-steps", c->steps, "record after 0..N updates")->capture_default_str()->check(at_least(0));
+  // N + 1 optimizer steps run: N stays below the int range's end.
+  cmd->add_option("--check-steps", c->steps, "record after 0..N updates")
+      ->capture_default_str()
+      ->check(CLI::Range(0, std::numeric_limits<int>::max() - 1));
   cmd->add_option("--csv", c->csv, "CSV output")->capture_default_str();
   cmd->add_option("--plot", c->plot, "plot image ('' = none; needs python3 with matplotlib)")->capture_default_str();
   cmd->callback([c] { run(*c); });

@@ -64,6 +64,39 @@ int run_program(const std::vector<std::string>& argv) {
   return WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
 }
 
+// Refuses, naming the flags, a run whose sizes overflow the trainer's 64-bit counts or whose
+// memory exceeds this machine's, before anything is allocated (counted in floating point, which
+// no flag values overflow).
+void check_training_sizes(const train::TrainConfig& t, int64_t multiplier) {
+  const auto& b = t.base;
+  const auto text = [](int64_t v) { return std::to_string(v); };
+  std::string model_flags = "--layers " + text(b.num_layers) + " --d-model " + text(b.d_model);
+  if (multiplier > 1) model_flags += " --width-mult " + text(multiplier);
+  model_flags += " --heads " + text(b.num_heads) + " --head-dim " + text(b.head_dim);
+  if (b.attention == train::AttentionKind::mla)
+    model_flags += " --q-rank " + text(b.q_rank) + " --kv-rank " + text(b.kv_rank);
+  model_flags += " --experts " + text(b.num_experts) + " --expert-intermediate " + text(b.expert_intermediate) +
+                 " --dense-intermediate " + text(b.dense_intermediate);
+  if (b.shared_intermediate > 0) model_flags += " --shared " + text(b.shared_intermediate);
+  const std::string step_flags = "--batch " + text(t.batch) + " --seq " + text(t.seq);
+  const auto values = train::training_values(t.model, t.batch, t.seq);
+  const double tokens = double(t.batch) * double(t.seq);
+  // fp32 weights, gradients and AdamW's two moments.
+  const double model_bytes = 16 * values.parameters;
+  // A step's token ids and targets (int32), and on the CPU the activations kept for backward
+  // (fp32; a GPU keeps them in its own memory).
+  const double step_bytes = 8 * tokens + (t.backend == Backend::cpu ? 4 * values.activations : 0);
+  // Below 2^62 bytes every element count and byte offset derived from these sizes fits int64.
+  constexpr double kMaxBytes = 0x1p62;
+  require(model_bytes + 8 * tokens + 4 * values.activations < kMaxBytes, ErrorCode::invalid_argument,
+          model_flags + " " + step_flags + ": the sizes these multiply into overflow 64-bit integers");
+  require(double(t.schedule.total_steps) * tokens < kMaxBytes, ErrorCode::invalid_argument,
+          "--steps " + text(t.schedule.total_steps) + " x " + step_flags +
+              ": the run's token count overflows 64-bit integers");
+  require_host_memory(model_bytes, model_flags, "the model's weights, gradients and AdamW moments");
+  require_host_memory(model_bytes + step_bytes, step_flags, "a training step of this model");
+}
+
 }  // namespace
 
 CLI::Validator at_least(double min) {
@@ -187,6 +220,7 @@ train::TrainConfig TrainCliOptions::resolve(int64_t multiplier) {
   t.schedule.kind = train::parse_schedule(schedule);
   t.schedule.total_steps = steps;
   t.schedule.warmup_steps = warmup;
+  check_training_sizes(t, multiplier);
   return t;
 }
 

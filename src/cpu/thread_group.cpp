@@ -6,6 +6,7 @@
 #include <cstring>
 #include <exception>
 #include <mutex>
+#include <system_error>
 #include <thread>
 #include <vector>
 
@@ -33,6 +34,17 @@ struct SharedState {
   uint64_t generation = 0;
   bool aborted = false;
   std::string abort_reason;
+
+  // Makes every rank's collectives, waiting or to come, throw peer_failure with `reason` (the
+  // first reason given stays).
+  void abort(const std::string& reason) {
+    std::lock_guard lock(mutex);
+    if (!aborted) {
+      aborted = true;
+      abort_reason = reason;
+    }
+    cv.notify_all();
+  }
 };
 
 class ThreadGroup final : public ProcessGroup {
@@ -95,12 +107,7 @@ class ThreadGroup final : public ProcessGroup {
   }
 
   void abort(const std::string& reason) override {
-    std::lock_guard lock(state_.mutex);
-    if (!state_.aborted) {
-      state_.aborted = true;
-      state_.abort_reason = "rank " + std::to_string(rank_) + " failed: " + reason;
-    }
-    state_.cv.notify_all();
+    state_.abort("rank " + std::to_string(rank_) + " failed: " + reason);
   }
 
  private:
@@ -125,8 +132,10 @@ void run_emulated_ranks(int world_size, const std::function<void(ProcessGroup&)>
   std::vector<std::exception_ptr> errors(world_size);
   std::vector<char> is_peer_failure(world_size, 0);  // not vector<bool>: ranks write their own entry concurrently
   std::vector<std::thread> threads;
+  threads.reserve(world_size);  // so that emplace_back can fail only at starting a thread
+  std::string start_failure;
   for (int r = 0; r < world_size; ++r) {
-    threads.emplace_back([&, r] {
+    const auto run_rank = [&, r] {
       ThreadGroup group(r, state);
       try {
         body(group);
@@ -138,9 +147,23 @@ void run_emulated_ranks(int world_size, const std::function<void(ProcessGroup&)>
         errors[r] = std::current_exception();
         group.abort(e.what());
       }
-    });
+    };
+    try {
+      threads.emplace_back(run_rank);
+    } catch (const std::system_error& e) {
+      // The limit on processes and threads (ulimit -u, a container's pids.max) or the memory for
+      // thread stacks is reached. The ranks started wait for this one in their collectives:
+      // abort the group so that they stop, then join them (a joinable std::thread destroyed
+      // would end the process in std::terminate).
+      start_failure = "cannot start the thread of emulated rank " + std::to_string(r) + " of " +
+                      std::to_string(world_size) + ": " + e.what() +
+                      " (the limit on processes and threads, ulimit -u, or memory for thread stacks)";
+      state.abort(start_failure);
+      break;
+    }
   }
   for (auto& t : threads) t.join();
+  require(start_failure.empty(), ErrorCode::capacity_exceeded, start_failure);
   // Report the root cause: the first rank that failed on its own, not through a peer.
   for (int r = 0; r < world_size; ++r)
     if (errors[r] && !is_peer_failure[r]) std::rethrow_exception(errors[r]);

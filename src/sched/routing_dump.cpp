@@ -1,5 +1,6 @@
 #include "sched/routing_dump.hpp"
 
+#include <filesystem>
 #include <fstream>
 #include <limits>
 #include <nlohmann/json.hpp>
@@ -28,7 +29,7 @@ constexpr size_t kMaxExcerpt = 40;
 // Errors of one line of the dump carry "routing dump PATH line N: ".
 struct LineContext {
   const std::string& path;
-  int line;
+  int64_t line;  // a file of 2^31 empty lines must not overflow it
   [[noreturn]] void fail(const std::string& what) const {
     throw Error(ErrorCode::invalid_argument, "routing dump " + path + " line " + std::to_string(line) + ": " + what);
   }
@@ -93,12 +94,16 @@ RoutingEpoch parse_epoch(const LineContext& at, const std::string& text) {
         at.fail("nested deeper than " + std::to_string(kMaxDepth) + " arrays or objects");
       return true;
     });
-  } catch (const json::parse_error& e) {
-    // nlohmann's message ends with the token last read, which may be a whole (huge) string.
+  } catch (const json::exception& e) {
+    // A syntax error (parse_error), or a number beyond double's range such as 1e999
+    // (out_of_range). nlohmann's message ends with the token read, which may be a whole (huge)
+    // string or number: "...; last read: TOKEN" or "number overflow parsing 'TOKEN'".
     std::string what = e.what();
-    const std::string last_read = "last read: ";
-    if (const size_t token = what.find(last_read); token != std::string::npos)
-      what = what.substr(0, token + last_read.size()) + shortened(what.substr(token + last_read.size()));
+    for (const std::string token_start : {"last read: ", "overflow parsing "})
+      if (const size_t token = what.find(token_start); token != std::string::npos) {
+        what = what.substr(0, token + token_start.size()) + shortened(what.substr(token + token_start.size()));
+        break;
+      }
     at.fail("not valid JSON (truncated or corrupted?): " + what);
   }
   at.check(j.is_object(), "expected a JSON object, got " + std::string(j.type_name()));
@@ -140,10 +145,13 @@ RoutingEpoch parse_epoch(const LineContext& at, const std::string& text) {
 }  // namespace
 
 std::vector<RoutingEpoch> read_routing_dump(const std::string& path) {
+  // A directory opens as a stream on Linux and fails only at the first read, with a vaguer message.
+  std::error_code ec;
+  require(!std::filesystem::is_directory(path, ec), ErrorCode::io, "routing dump " + path + " is a directory");
   std::ifstream in(path);
   require(in.good(), ErrorCode::io, "cannot read routing dump " + path);
   std::vector<RoutingEpoch> out;
-  int line_number = 0;
+  int64_t line_number = 0;
   for (std::string line; std::getline(in, line);) {
     ++line_number;
     if (line.find_first_not_of(" \t\r") == std::string::npos) continue;

@@ -15,6 +15,7 @@
 #include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <limits>
 #include <nlohmann/json.hpp>
 #include <optional>
 #include <utility>
@@ -211,28 +212,52 @@ struct TensorEntry {
   uint64_t begin = 0, end = 0;  // within the data section
 };
 
+// `value` as a dimension or byte offset: a JSON integer in [0, 2^63). Not a fraction, a float
+// such as 1e3, or a boolean: nlohmann's get<int64_t>() would truncate those silently (a shape
+// [2.5, 3] read as [2, 3]) or, beyond int64's range, convert them with undefined behaviour.
+std::optional<int64_t> non_negative_integer(const nlohmann::json& value) {
+  if (value.is_number_unsigned() && value.get<uint64_t>() <= uint64_t(std::numeric_limits<int64_t>::max()))
+    return int64_t(value.get<uint64_t>());
+  if (value.is_number_integer() && value.get<int64_t>() >= 0) return value.get<int64_t>();
+  return std::nullopt;
+}
+
 TensorEntry parse_entry(const std::string& path, const std::string& name, const nlohmann::json& entry,
                         uint64_t data_size) {
   const std::string what = "tensor '" + name + "'";
+  const auto malformed = [&](const std::string& problem) {
+    return corrupt(path, what + " needs dtype, shape and data_offsets (" + problem + ")");
+  };
+  // Fields by reference: copying a value nested 100k deep would recurse as deep.
+  const auto field = [&](const char* key) -> const nlohmann::json& {
+    if (!entry.is_object()) throw malformed(std::string("its entry is ") + entry.type_name() + ", not an object");
+    if (!entry.contains(key)) throw malformed(std::string("it has no ") + key);
+    return entry.at(key);
+  };
   TensorEntry e{name, {}, 0, 0};
-  std::string dtype;
-  std::vector<uint64_t> offsets;
-  try {
-    dtype = entry.at("dtype").get<std::string>();
-    e.tensor.shape = entry.at("shape").get<std::vector<int64_t>>();
-    offsets = entry.at("data_offsets").get<std::vector<uint64_t>>();
-  } catch (const nlohmann::json::exception& ex) {
-    throw corrupt(path, what + " needs dtype, shape and data_offsets (" + ex.what() + ")");
+  const auto& dtype_field = field("dtype");
+  if (!dtype_field.is_string()) throw malformed("its dtype must be a string");
+  const auto& shape = field("shape");
+  const std::string shape_rule = "its shape must be a list of non-negative integers";
+  if (!shape.is_array()) throw malformed(shape_rule);
+  for (const auto& dimension : shape) {
+    const auto d = non_negative_integer(dimension);
+    if (!d) throw malformed(shape_rule);
+    e.tensor.shape.push_back(*d);
   }
+  const auto& offsets = field("data_offsets");
+  if (!offsets.is_array() || offsets.size() != 2 || !offsets[0].is_number_integer() || !offsets[1].is_number_integer())
+    throw corrupt(path, what + ": data_offsets must be [begin, end], two integers");
+  const std::string dtype = dtype_field.get<std::string>();
   const auto parsed = parse_safetensors_dtype(dtype);
   if (!parsed) throw corrupt(path, what + " has dtype " + dtype + ", which moka does not read");
   e.tensor.dtype = *parsed;
-  if (offsets.size() != 2) throw corrupt(path, what + ": data_offsets must be [begin, end]");
-  e.begin = offsets[0];
-  e.end = offsets[1];
-  if (e.begin > e.end || e.end > data_size)
-    throw corrupt(path, what + " at bytes [" + std::to_string(e.begin) + ", " + std::to_string(e.end) +
-                            ") lies outside the " + std::to_string(data_size) + "-byte data section");
+  const auto begin = non_negative_integer(offsets[0]), end = non_negative_integer(offsets[1]);
+  if (!begin || !end || *begin > *end || uint64_t(*end) > data_size)
+    throw corrupt(path, what + " at bytes [" + offsets[0].dump() + ", " + offsets[1].dump() + ") lies outside the " +
+                            std::to_string(data_size) + "-byte data section");
+  e.begin = uint64_t(*begin);
+  e.end = uint64_t(*end);
   const auto expected = byte_count(e.tensor.shape, dtype_size(e.tensor.dtype));
   if (expected != e.end - e.begin)
     throw corrupt(path, what + " holds " + std::to_string(e.end - e.begin) + " bytes, but " + dtype + " " +
@@ -292,7 +317,8 @@ std::vector<T> StoredTensor::as() const {
   require(byte_count(shape, sizeof(T)) == bytes.size(), ErrorCode::shape_mismatch,
           "checkpoint tensor of shape " + shape_text(shape) + " holds " + std::to_string(bytes.size()) + " bytes");
   std::vector<T> out(bytes.size() / sizeof(T));
-  std::memcpy(out.data(), bytes.data(), out.size() * sizeof(T));
+  // An empty vector's data() may be null, which memcpy may not be given even for 0 bytes.
+  if (!out.empty()) std::memcpy(out.data(), bytes.data(), out.size() * sizeof(T));
   return out;
 }
 template std::vector<float> StoredTensor::as<float>() const;
@@ -303,7 +329,7 @@ void SafetensorsFile::put(const std::string& name, const std::vector<T>& values,
   require(byte_count(shape, 1) == values.size(), ErrorCode::shape_mismatch,
           "tensor '" + name + "' has " + std::to_string(values.size()) + " values, not shape " + shape_text(shape));
   StoredTensor t{dtype_of<T>(), std::move(shape), std::vector<uint8_t>(values.size() * sizeof(T))};
-  std::memcpy(t.bytes.data(), values.data(), t.bytes.size());
+  if (!values.empty()) std::memcpy(t.bytes.data(), values.data(), t.bytes.size());  // data() may be null when empty
   tensors[name] = std::move(t);
 }
 template void SafetensorsFile::put<float>(const std::string&, const std::vector<float>&, std::vector<int64_t>);
@@ -342,6 +368,9 @@ void write_safetensors(const std::string& path, const SafetensorsFile& file) {
 }
 
 SafetensorsFile read_safetensors(const std::string& path) {
+  // A directory opens as a stream on Linux, with a size of 2^63 - 1 bytes.
+  std::error_code ec;
+  require(!std::filesystem::is_directory(path, ec), ErrorCode::io, path + " is a directory, not a safetensors file");
   std::ifstream in(path, std::ios::binary | std::ios::ate);
   require(bool(in), ErrorCode::io, with_errno("cannot open " + path));
   const uint64_t file_size = uint64_t(in.tellg());

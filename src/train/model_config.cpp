@@ -1,5 +1,8 @@
 #include "train/model_config.hpp"
 
+#include <algorithm>
+#include <utility>
+
 #include "moka/error.hpp"
 
 namespace moka::train {
@@ -23,15 +26,51 @@ void ModelConfig::validate() const {
   }
   require(top_k <= num_experts, ErrorCode::invalid_argument, "top_k exceeds num_experts");
   require(shared_intermediate >= 0, ErrorCode::invalid_argument, "shared_intermediate must be >= 0");
+  int64_t width = 0;
+  require(!__builtin_mul_overflow(num_heads, head_dim, &width), ErrorCode::invalid_argument,
+          std::to_string(num_heads) + " heads x head_dim " + std::to_string(head_dim) + " overflow 64 bits");
 }
 
 ModelConfig scale_width(const ModelConfig& base, int64_t multiplier) {
   require(multiplier >= 1, ErrorCode::invalid_argument, "width multiplier must be >= 1");
   ModelConfig c = base;
-  c.d_model *= multiplier;
-  c.num_heads *= multiplier;
-  c.num_experts *= multiplier;
+  for (auto [size, name] : {std::pair{&c.d_model, "d_model"}, {&c.num_heads, "heads"}, {&c.num_experts, "experts"}}) {
+    const int64_t base_size = *size;
+    require(!__builtin_mul_overflow(base_size, multiplier, size), ErrorCode::invalid_argument,
+            std::string(name) + " " + std::to_string(base_size) + " x width multiplier " + std::to_string(multiplier) +
+                " overflows 64 bits");
+  }
   return c;
+}
+
+TrainingValues training_values(const ModelConfig& c, int64_t batch, int64_t seq) {
+  // The parameters of layer 0 (dense FFN) and layer 1 (MoE) from the layout; every later layer
+  // repeats layer 1.
+  ModelConfig first_layers = c;
+  first_layers.num_layers = std::min<int64_t>(c.num_layers, 2);
+  TrainingValues v;
+  double moe_layer = 0;
+  for (const auto& t : tensor_layout(first_layers)) {
+    double elements = 1;
+    for (int64_t d : t.shape) elements *= double(d);
+    v.parameters += elements;
+    if (t.name.starts_with("layers.1.")) moe_layer += elements;
+  }
+  v.parameters += double(c.num_layers - first_layers.num_layers) * moe_layer;
+  // A layer keeps its inputs and normed inputs (4 x d_model a token), the attention's latents,
+  // q, k, v and context, its seq x seq probabilities per head, its FFN's routed rows (the input
+  // and the gate, up and hidden activations) and the shared expert's gate, up and hidden; the
+  // head keeps the final residual and normed residual, the logits and their gradient.
+  const double tokens = double(batch) * double(seq), d = double(c.d_model);
+  const double latents = c.attention == AttentionKind::mla ? double(c.q_rank) + double(c.kv_rank) : 0;
+  const double attention = tokens * (4 * d + latents + 4 * double(c.num_heads) * double(c.head_dim)) +
+                           double(batch) * double(c.num_heads) * double(seq) * double(seq);
+  const auto ffn_rows = [&](double routes, double intermediate) { return tokens * routes * (d + 3 * intermediate); };
+  const double moe =
+      ffn_rows(double(c.top_k), double(c.expert_intermediate)) + 3 * tokens * double(c.shared_intermediate);
+  v.activations = double(c.num_layers) * attention + ffn_rows(1, double(c.dense_intermediate)) +
+                  double(c.num_layers - 1) * moe + 2 * tokens * (d + double(c.vocab));
+  return v;
 }
 
 const char* to_string(TensorClass c) {

@@ -25,13 +25,23 @@ struct ModelConfig {
   double z_loss_coef = 0.0;
   double norm_eps = 1e-6;
 
-  int64_t attention_width() const { return num_heads * head_dim; }
+  int64_t attention_width() const { return num_heads * head_dim; }  // validate() checks that it fits
   void validate() const;
 };
 
 // The model `multiplier` times as wide as `base`: d_model, heads and experts grow; depth, top-k,
-// head_dim, expert and dense FFN sizes and the MLA latent ranks stay.
+// head_dim, expert and dense FFN sizes and the MLA latent ranks stay. Throws invalid_argument
+// when a widened size overflows 64 bits.
 ModelConfig scale_width(const ModelConfig& base, int64_t multiplier);
+
+// The values training `c` holds, counted in floating point so that no sizes overflow the count:
+// the parameters, and the activations one step of `batch` sequences of `seq` tokens keeps for
+// backward on the CPU (what Model and the MoE layers save; scratch buffers not counted).
+struct TrainingValues {
+  double parameters = 0;
+  double activations = 0;
+};
+TrainingValues training_values(const ModelConfig& c, int64_t batch, int64_t seq);
 
 // What a tensor is, for the parameterization rules.
 enum class TensorClass : uint8_t {

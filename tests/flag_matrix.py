@@ -1,0 +1,91 @@
+#!/usr/bin/env python3
+"""Every numeric option of every `moka` command, given each hostile value of issue 32's matrix
+(0, -1, 2^31, 2^63-1, 1e30, nan, inf, text) on top of arguments that keep a valid run tiny:
+each run must end within its time bound with a clear exit (0, or an error message and a
+non-zero code), never by a signal, an uncaught exception, or a sanitizer report (in the ASan /
+UBSan build every report is fatal, and its text is checked here too).
+
+The numeric options are read from each command's --help, so a new option is covered without
+editing this file. Runs happen in a scratch directory (the commands' default output files land
+there). Usage: flag_matrix.py MOKA [--jobs N] [--timeout S]
+"""
+
+import argparse
+import concurrent.futures
+import os
+import re
+import subprocess
+import sys
+import tempfile
+
+VALUES = ["0", "-1", "2147483648", "9223372036854775807", "1e30", "nan", "inf", "text"]
+
+# Arguments under which a run with valid values stays small; the option under test comes last
+# and overrides any of them (CLI11 keeps the last value).
+TINY_MODEL = ["--d-model", "16", "--layers", "1", "--experts", "2", "--top-k", "1", "--batch", "1", "--seq", "8",
+              "--max-bytes", "20000"]
+BASE = {
+    "bench": ["--backend", "cpu", "--shape", "tiny", "--tokens", "8", "--iters", "1", "--warmup", "0"],
+    "train": TINY_MODEL + ["--steps", "1", "--eval-batches", "1"],
+    "simulate": ["--tokens", "64", "--series-points", "4"],
+    "coordcheck": TINY_MODEL + ["--check-steps", "1", "--mults", "1,2", "--plot", ""],
+    "lr-sweep": TINY_MODEL + ["--steps", "1", "--lr-points", "2", "--seeds", "1", "--eval-batches", "1",
+                              "--mults", "1,2", "--plot", ""],
+    "lr-horizon": TINY_MODEL + ["--steps", "16", "--lr-points", "3", "--seeds", "1", "--eval-batches", "1",
+                                "--eval-every", "4", "--holdout", "0", "--ema", "0.5", "--plot", "", "--json", ""],
+    "tune": ["--tokens", "64"],
+    "incast": [],
+    "launch": ["-n", "1"],
+}
+# What follows the options (launch runs a command after --).
+TAIL = {"launch": ["--", "help"]}
+
+FAILURE_TEXT = re.compile(r"runtime error:|AddressSanitizer|LeakSanitizer|terminate called|Segmentation fault|"
+                          r"core dumped|std::bad_alloc")
+
+
+def numeric_options(moka, command):
+    """The options of `command` whose --help type is INT, UINT or FLOAT."""
+    text = subprocess.run([moka, command, "--help"], capture_output=True, text=True, timeout=30).stdout
+    return re.findall(r"^\s+(?:-\w,)?(--[a-z0-9-]+) (?:INT|UINT|FLOAT)\b", text, re.M)
+
+
+def run_case(moka, command, option, value, timeout, scratch):
+    argv = [moka, command] + BASE[command] + [option, value] + TAIL.get(command, [])
+    try:
+        done = subprocess.run(argv, capture_output=True, text=True, timeout=timeout, cwd=scratch,
+                              stdin=subprocess.DEVNULL)
+    except subprocess.TimeoutExpired:
+        return f"{' '.join(argv[1:])}: still running after {timeout} s"
+    output = done.stdout + done.stderr
+    if done.returncode < 0:
+        return f"{' '.join(argv[1:])}: killed by signal {-done.returncode}\n{output[-600:]}"
+    found = FAILURE_TEXT.search(output)
+    if found:
+        return f"{' '.join(argv[1:])}: '{found.group(0)}' in its output\n{output[-1200:]}"
+    if done.returncode != 0 and not done.stderr.strip():
+        return f"{' '.join(argv[1:])}: exit {done.returncode} with no message"
+    return None
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("moka")
+    parser.add_argument("--jobs", type=int, default=os.cpu_count() or 2)
+    parser.add_argument("--timeout", type=float, default=60)
+    args = parser.parse_args()
+    args.moka = os.path.abspath(args.moka)
+    cases = [(c, o, v) for c in BASE for o in numeric_options(args.moka, c) for v in VALUES]
+    if len(cases) < 100:
+        sys.exit(f"flag_matrix: only {len(cases)} cases: the --help format changed?")
+    with tempfile.TemporaryDirectory(prefix="moka_flags_") as scratch:
+        with concurrent.futures.ThreadPoolExecutor(args.jobs) as pool:
+            failures = [f for f in pool.map(lambda c: run_case(args.moka, *c, args.timeout, scratch), cases) if f]
+    for f in failures:
+        print("FAIL", f)
+    print(f"flag_matrix: {len(cases)} runs over {len(BASE)} commands, {len(failures)} failed")
+    sys.exit(1 if failures else 0)
+
+
+if __name__ == "__main__":
+    main()
