@@ -231,6 +231,14 @@ inline void route(GpuCase& c, core::RoutingKind kind, uint64_t seed) {
   c.ref.topk_ids = core::sample_topk_ids({kind, 0.5, seed}, c.ref.tokens, s.top_k, s.num_experts);
 }
 
+// A case of `tokens` random tokens from `seed` with skewed (Zipf) routing, uploaded.
+inline GpuCase routed_case(const MoeShape& s, int64_t tokens, uint64_t seed) {
+  GpuCase c(s, tokens, seed);
+  route(c, core::RoutingKind::zipf, seed + 1);
+  c.upload();
+  return c;
+}
+
 // One forward and backward on `stream`, waited for.
 inline void run_gpu(MoeLayer& layer, GpuCase& c, cudaStream_t stream = nullptr) {
   auto ctx = layer.forward(c.inputs(), c.weights(), c.out_view(), Stream{stream});

@@ -18,11 +18,9 @@ namespace {
 using gpu_test::expect_close;
 using gpu_test::fresh_seed;
 using gpu_test::reference;
-using gpu_test::route;
+using gpu_test::routed_case;
 using gpu_test::run_gpu;
 using gpu_test::shape;
-
-const auto Z = core::RoutingKind::zipf;
 
 // A stream-ordered allocator that counts what is out: bytes in use now, at most, and the
 // requests, each checked against its own release (size and a known pointer).
@@ -68,13 +66,6 @@ class CountingAllocator final : public DeviceAllocator {
   std::unordered_map<void*, size_t> sizes_;
   int64_t in_use_ = 0, peak_ = 0, allocations_ = 0;
 };
-
-GpuCase routed_case(const MoeShape& s, int64_t tokens, uint64_t seed) {
-  GpuCase c(s, tokens, seed);
-  route(c, Z, seed + 1);
-  c.upload();
-  return c;
-}
 
 std::unique_ptr<MoeLayer> cuda_layer(const MoeShape& s, SaveMode save, DeviceAllocator* allocator = nullptr,
                                      bool fused_swiglu = false) {

@@ -15,6 +15,7 @@ using gpu_test::GpuCase;
 
 namespace {
 
+using gpu_test::routed_case;
 using gpu_test::shape;
 
 // One direction's stage names and the sum of their times.
@@ -60,13 +61,6 @@ void expect_covers(const Direction& d, double call_ms, const char* what) {
   EXPECT_GE(d.ms, 0.8 * call_ms - 0.1) << what;
 }
 
-GpuCase routed_case(const MoeShape& s, int64_t tokens) {
-  GpuCase c(s, tokens, gpu_test::fresh_seed());
-  gpu_test::route(c, core::RoutingKind::zipf, gpu_test::fresh_seed());
-  c.upload();
-  return c;
-}
-
 // Times one step with the clock on and checks names and sums; the outputs are the bits of a
 // step with the clock off.
 void check_path(MoeLayer& layer, GpuCase& c, const std::vector<std::string>& forward,
@@ -103,7 +97,7 @@ void check_path(MoeLayer& layer, GpuCase& c, const std::vector<std::string>& for
 
 TEST(StageTimes, SingleGpuPathNamesEveryStage) {
   const MoeShape s = shape(512, 256, 16, 4, 128);
-  GpuCase c = routed_case(s, 300);
+  GpuCase c = routed_case(s, 300, gpu_test::fresh_seed());
   for (SaveMode save : {SaveMode::gate_up, SaveMode::none}) {
     SCOPED_TRACE(to_string(save));
     LayerOptions o;
@@ -120,7 +114,7 @@ TEST(StageTimes, SingleGpuPathNamesEveryStage) {
 TEST(StageTimes, MegakernelPathNamesEveryStage) {
   const MoeShape s = shape(1024, 512, 32, 4, 256);
   const int64_t T = 200;
-  GpuCase c = routed_case(s, T);
+  GpuCase c = routed_case(s, T, gpu_test::fresh_seed());
   auto layer = make_moe_layer(s, nullptr, gpu_test::megakernel_options(gpu_test::megakernel_config(8, 1024, 4096), T));
   ASSERT_NE(layer->megakernel(), nullptr);
   check_path(*layer, c, {"inputs", "schedule", "megakernel", "combine", "status"}, {"setup", "megakernel", "epilogue", "status"});
