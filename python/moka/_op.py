@@ -86,22 +86,46 @@ def _present(gradients, tensors) -> list[Optional[Tensor]]:
 
 # --- moka's engines for the ops: layers (moe_experts) and routers with layers (moe) ---
 
-def _make_layer(backend, group, hidden, intermediate, experts, top_k, shared, activation, clamp_limit, path,
-                tile_rows, max_tokens) -> _moka.Layer:
-    if tile_rows is None:  # the CUDA GEMMs' row tile; the CPU backend needs no padding
-        tile_rows = _moka.DEFAULT_TILE_ROWS if backend == "cuda" else 1
-    return _moka.Layer(hidden, intermediate, experts, top_k, shared, activation, clamp_limit, backend, group,
-                       torch.get_num_threads(), tile_rows, path, max_tokens)
+def _named(enum, kind: str, name: str):
+    """The member of one of the extension's enums named ``name``: ValueError naming the choices else."""
+    try:
+        return enum[name]
+    except KeyError:
+        raise ValueError(f"moka: unknown {kind} '{name}' ({', '.join(enum.__members__)})") from None
 
 
-def _make_engines(backend, group, hidden, intermediate, experts, top_k, shared, score, selection_bias, renormalize,
-                  route_scale, activation, clamp_limit, path, tile_rows,
-                  max_tokens) -> tuple[_moka.Router, _moka.Layer, _moka.Moe]:
+def _layer_options(backend: str, path: str = "automatic", tile_rows: Optional[int] = None,
+                   max_tokens: int = 0) -> _moka.LayerOptions:
+    """The options of a layer and its router: torch's CPU threads, and the row tile of the CUDA
+    GEMMs unless given (the CPU backend needs no padding)."""
+    if tile_rows is None:
+        tile_rows = _moka.LayerOptions().tile_rows if backend == "cuda" else 1
+    return _moka.LayerOptions(num_threads=torch.get_num_threads(), tile_rows=tile_rows,
+                              path=_named(_moka.LayerPath, "path", path), max_tokens=max_tokens)
+
+
+def _make_layer(backend: str, group: Optional[_moka.Group], *, hidden: int, intermediate: int, experts: int,
+                top_k: int, shared_intermediate: int, activation: str, clamp_limit: float,
+                options: _moka.LayerOptions) -> _moka.Layer:
+    shape = _moka.MoeShape(hidden=hidden, intermediate=intermediate, num_experts=experts, top_k=top_k,
+                           shared_intermediate=shared_intermediate,
+                           activation=_named(_moka.Activation, "activation", activation), clamp_limit=clamp_limit)
+    return _moka.Layer(shape, backend, group, options)
+
+
+def _make_engines(backend: str, group: Optional[_moka.Group], *, hidden: int, intermediate: int, experts: int,
+                  top_k: int, shared_intermediate: int, score: str, selection_bias: bool, renormalize: bool,
+                  route_scale: float, activation: str, clamp_limit: float, path: str, tile_rows: Optional[int],
+                  max_tokens: int) -> tuple[_moka.Router, _moka.Layer, _moka.Moe]:
     """moka's router, layer, and the two as one call each way (MoE's engines)."""
-    router = _moka.Router(hidden, experts, top_k, score, selection_bias, renormalize, route_scale, backend, group,
-                          torch.get_num_threads())
-    layer = _make_layer(backend, group, hidden, intermediate, experts, top_k, shared, activation, clamp_limit, path,
-                        tile_rows, max_tokens)
+    options = _layer_options(backend, path, tile_rows, max_tokens)
+    config = _moka.RouterConfig(hidden=hidden, num_experts=experts, top_k=top_k,
+                                score=_named(_moka.ScoreFunction, "score function", score),
+                                use_selection_bias=selection_bias, renormalize=renormalize, route_scale=route_scale)
+    router = _moka.Router(config, backend, group, options)
+    layer = _make_layer(backend, group, hidden=hidden, intermediate=intermediate, experts=experts, top_k=top_k,
+                        shared_intermediate=shared_intermediate, activation=activation, clamp_limit=clamp_limit,
+                        options=options)
     return router, layer, _moka.Moe(router, layer)
 
 
@@ -116,7 +140,10 @@ def _op_layer(x, topk_ids, w_gate, ws_gate, activation, clamp_limit, group_name)
     key = (backend, x.device.index, x.shape[-1], w_gate.shape[1], w_gate.shape[0] * world, topk_ids.shape[-1],
            shared, activation, clamp_limit, group_name)
     if key not in _op_layers:
-        _op_layers[key] = _make_layer(backend, group, *key[2:8], clamp_limit, "automatic", None, 0)
+        _op_layers[key] = _make_layer(backend, group, hidden=x.shape[-1], intermediate=w_gate.shape[1],
+                                      experts=w_gate.shape[0] * world, top_k=topk_ids.shape[-1],
+                                      shared_intermediate=shared, activation=activation, clamp_limit=clamp_limit,
+                                      options=_layer_options(backend))
     return _op_layers[key]
 
 
@@ -148,11 +175,13 @@ def _op_moe(x, w_router, w_gate, ws_gate, selection_bias, top_k, score, renormal
             clamp_limit, path, tile_rows, max_tokens, group_name, engine_id) -> _moka.Moe:
     backend = _backend(x)
     shared = 0 if ws_gate is None else ws_gate.shape[0]
-    key = (engine_id, backend, x.device.index, x.shape[-1], w_gate.shape[1], w_router.shape[0], top_k, shared, score,
-           selection_bias is not None, renormalize, route_scale, activation, clamp_limit, path, tile_rows, max_tokens,
-           group_name)
+    engine = dict(hidden=x.shape[-1], intermediate=w_gate.shape[1], experts=w_router.shape[0], top_k=top_k,
+                  shared_intermediate=shared, score=score, selection_bias=selection_bias is not None,
+                  renormalize=renormalize, route_scale=route_scale, activation=activation, clamp_limit=clamp_limit,
+                  path=path, tile_rows=tile_rows, max_tokens=max_tokens)
+    key = (engine_id, backend, x.device.index, *engine.values(), group_name)
     if key not in _op_engines:
-        _op_engines[key] = _make_engines(backend, group_named(group_name), *key[3:17])
+        _op_engines[key] = _make_engines(backend, group_named(group_name), **engine)
     return _op_engines[key][2]
 
 

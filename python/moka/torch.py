@@ -91,7 +91,6 @@ def moe_experts(x: Tensor, topk_ids: Tensor, topk_weights: Tensor, w_gate: Tenso
 
 # --- the layer ---
 
-_SCORES = ("softmax", "sigmoid")
 _FUNC_TRANSFORMS = ("moka: torch.func's differentiating transforms (grad, jvp, jacrev, ...) do not run through moka's "
                     "MoE layer: use torch.autograd (loss.backward(), torch.autograd.grad); moe_experts runs under vmap")
 
@@ -121,7 +120,6 @@ class MoEAux(NamedTuple):
     tokens_per_expert: Tensor
     load_balancing_loss: Tensor
     z_loss: Tensor
-_ACTIVATIONS = ("swiglu", "swiglu_clamped")
 
 
 def _int_arg(name: str, value, least: int) -> int:
@@ -225,9 +223,10 @@ class MoE(nn.Module):
             tile_rows = _int_arg("tile_rows", tile_rows, 1)
         if top_k > experts:
             raise ValueError(f"moka: top_k = {top_k} exceeds experts = {experts}")
-        _choice_arg("path", path, _moka.LAYER_PATHS)
-        _choice_arg("score", score, _SCORES)
-        _choice_arg("activation", activation, _ACTIVATIONS)
+        # The names of the extension's enums (moka._moka.LayerPath, ...), which the engines are built with.
+        _choice_arg("path", path, _moka.LayerPath.__members__)
+        _choice_arg("score", score, _moka.ScoreFunction.__members__)
+        _choice_arg("activation", activation, _moka.Activation.__members__)
         clamp_limit = _float_arg("clamp_limit", clamp_limit, positive=True)
         route_scale = _float_arg("route_scale", route_scale, positive=False)
         world = dist.get_world_size(group) if group is not None else 1
@@ -303,9 +302,11 @@ class MoE(nn.Module):
         engines = self._engines.get(key)
         if engines is None:
             engines = self._engines[key] = _make_engines(
-                backend, moka_group(self.group), self.hidden, self.intermediate, self.experts, self.top_k,
-                self.shared_intermediate, self.score, self.selection_bias is not None, self.renormalize,
-                self.route_scale, self.activation, self.clamp_limit, self.path, self.tile_rows, self.max_tokens)
+                backend, moka_group(self.group), hidden=self.hidden, intermediate=self.intermediate,
+                experts=self.experts, top_k=self.top_k, shared_intermediate=self.shared_intermediate,
+                score=self.score, selection_bias=self.selection_bias is not None, renormalize=self.renormalize,
+                route_scale=self.route_scale, activation=self.activation, clamp_limit=self.clamp_limit,
+                path=self.path, tile_rows=self.tile_rows, max_tokens=self.max_tokens)
         return engines
 
     def _tensors(self) -> tuple:

@@ -78,18 +78,6 @@ moka::TensorView view_of(const OptionalArray& a, const char* name, bool takes_in
 
 moka::Stream stream_of(uintptr_t handle) { return moka::Stream{reinterpret_cast<void*>(handle)}; }
 
-constexpr moka::LayerPath kLayerPaths[] = {moka::LayerPath::automatic, moka::LayerPath::single_gpu,
-                                           moka::LayerPath::all_to_all, moka::LayerPath::megakernel};
-
-moka::LayerPath path_of(const std::string& name) {
-  std::string known;
-  for (moka::LayerPath p : kLayerPaths) {
-    if (name == moka::to_string(p)) return p;
-    known += std::string(known.empty() ? "" : ", ") + moka::to_string(p);
-  }
-  throw nb::value_error(("unknown path '" + name + "' (" + known + ")").c_str());
-}
-
 // Runs `body`, turning a moka::Error into a RankedError that names this rank. With a group,
 // a failure before moka's own (collective) validation aborts the group, so the peers stop with
 // an error naming this rank instead of waiting for a collective it will never join.
@@ -153,17 +141,8 @@ struct Weights {
 class Layer {
  public:
   friend class Moe;
-  Layer(int64_t hidden, int64_t intermediate, int64_t experts, int64_t top_k, int64_t shared_intermediate,
-        const std::string& activation, double clamp_limit, const std::string& backend, Group* group,
-        int num_threads, int64_t tile_rows, const std::string& path, int64_t max_tokens)
+  Layer(const moka::MoeShape& shape, const std::string& backend, Group* group, const moka::LayerOptions& options)
       : on_rank_{group ? group->get() : nullptr} {
-    moka::MoeShape shape{hidden, intermediate, experts, top_k, shared_intermediate, activation_of(activation),
-                         float(clamp_limit)};
-    moka::LayerOptions options;
-    options.num_threads = num_threads;
-    options.tile_rows = tile_rows;
-    options.path = path_of(path);
-    options.max_tokens = max_tokens;
     layer_ = on_rank_.run([&] {
       return moka::make_moe_layer(shape, moka::parse_backend(backend), on_rank_.group, options);
     });
@@ -200,12 +179,6 @@ class Layer {
   int64_t first_local_expert() const { return layer_->first_local_expert(); }
 
  private:
-  static moka::Activation activation_of(const std::string& name) {
-    if (name == "swiglu") return moka::Activation::swiglu;
-    if (name == "swiglu_clamped") return moka::Activation::swiglu_clamped;
-    throw nb::value_error(("unknown activation '" + name + "' (swiglu, swiglu_clamped)").c_str());
-  }
-
   RankScope on_rank_;
   std::unique_ptr<moka::MoeLayer> layer_;
 };
@@ -217,22 +190,9 @@ struct RouterContext {
 class Router {
  public:
   friend class Moe;
-  Router(int64_t hidden, int64_t experts, int64_t top_k, const std::string& score, bool selection_bias,
-         bool renormalize, double route_scale, const std::string& backend, Group* group, int num_threads)
+  Router(const moka::RouterConfig& config, const std::string& backend, Group* group, const moka::LayerOptions& options)
       : on_rank_{group ? group->get() : nullptr} {
-    moka::RouterConfig c;
-    c.hidden = hidden;
-    c.num_experts = experts;
-    c.top_k = top_k;
-    if (score != "softmax" && score != "sigmoid")
-      throw nb::value_error(("unknown score function '" + score + "' (softmax, sigmoid)").c_str());
-    c.score = score == "softmax" ? moka::ScoreFunction::softmax : moka::ScoreFunction::sigmoid;
-    c.use_selection_bias = selection_bias;
-    c.renormalize = renormalize;
-    c.route_scale = route_scale;
-    moka::LayerOptions options;
-    options.num_threads = num_threads;
-    router_ = on_rank_.run([&] { return moka::make_router(c, moka::parse_backend(backend), options); });
+    router_ = on_rank_.run([&] { return moka::make_router(config, moka::parse_backend(backend), options); });
   }
 
   std::unique_ptr<RouterContext> forward(const Array& x, const Array& w_router, const OptionalArray& bias,
@@ -349,6 +309,103 @@ void MoeForward::backward(const Array& d_out, const Array& d_x, const Array& d_t
                 Weights{d_w_gate, d_w_up, d_w_down, d_ws_gate, d_ws_up, d_ws_down});
 }
 
+// The constructor of a bound options struct: the C++ defaults, then each keyword argument set
+// as the attribute of that name (on a scratch instance: the one being built is not usable from
+// Python until its __init__ returns), so every field is listed once (its def_rw) and Python code
+// names what it sets. An unknown name or a value of the wrong type is a TypeError naming the field.
+template <typename Options>
+void keyword_init(Options* options, const nb::kwargs& fields) {
+  nb::object scratch = nb::cast(Options{});
+  for (auto [name, value] : fields) {
+    if (!nb::hasattr(scratch.type(), name))
+      throw nb::type_error((std::string(nb::type_name(scratch.type()).c_str()) +
+                            "() got an unexpected keyword argument '" + nb::str(name).c_str() + "'").c_str());
+    try {
+      nb::setattr(scratch, name, value);
+    } catch (const nb::python_error& e) {
+      if (!e.matches(PyExc_TypeError)) throw;
+      throw nb::type_error((std::string(nb::type_name(scratch.type()).c_str()) + "(): " + nb::str(name).c_str() +
+                            "=" + nb::repr(value).c_str() + " is not a " +
+                            nb::type_name(scratch.attr(name).type()).c_str()).c_str());
+    }
+  }
+  new (options) Options(nb::cast<const Options&>(scratch));
+}
+
+// moka's configuration types (include/moka/config.hpp, layer.hpp, megakernel.hpp) as Python
+// classes built with keyword arguments, e.g. LayerOptions(path=LayerPath.megakernel, max_tokens=4096);
+// every field not given keeps its C++ default. Enums are Python enums named as in C++.
+void bind_configuration(nb::module_& m) {
+  nb::enum_<moka::Activation>(m, "Activation", "The experts' activation (MoeShape.activation).")
+      .value("swiglu", moka::Activation::swiglu)
+      .value("swiglu_clamped", moka::Activation::swiglu_clamped);
+  nb::enum_<moka::ScoreFunction>(m, "ScoreFunction", "The router's score of a logit (RouterConfig.score).")
+      .value("softmax", moka::ScoreFunction::softmax)
+      .value("sigmoid", moka::ScoreFunction::sigmoid);
+  nb::enum_<moka::LayerPath>(m, "LayerPath", "Which CUDA path a layer runs on (LayerOptions.path).")
+      .value("automatic", moka::LayerPath::automatic)
+      .value("single_gpu", moka::LayerPath::single_gpu)
+      .value("all_to_all", moka::LayerPath::all_to_all)
+      .value("megakernel", moka::LayerPath::megakernel);
+  nb::enum_<moka::RowOrder>(m, "RowOrder", "The order of the sources' rows in an expert's segment.")
+      .value("round_robin", moka::RowOrder::round_robin)
+      .value("rate_based", moka::RowOrder::rate_based);
+  nb::enum_<moka::SaveMode>(m, "SaveMode", "What a forward keeps for its backward (LayerOptions.save).")
+      .value("gate_up", moka::SaveMode::gate_up)
+      .value("none", moka::SaveMode::none);
+
+  using moka::MoeShape;
+  nb::class_<MoeShape>(m, "MoeShape", "An MoE layer's sizes and activation (moka::MoeShape).")
+      .def("__init__", &keyword_init<MoeShape>)
+      .def_rw("hidden", &MoeShape::hidden, "H")
+      .def_rw("intermediate", &MoeShape::intermediate, "I, per routed expert")
+      .def_rw("num_experts", &MoeShape::num_experts, "E, over all ranks")
+      .def_rw("top_k", &MoeShape::top_k, "k, experts per token")
+      .def_rw("shared_intermediate", &MoeShape::shared_intermediate, "Is; 0: no shared expert")
+      .def_rw("activation", &MoeShape::activation)
+      .def_rw("clamp_limit", &MoeShape::clamp_limit, "the clamp of swiglu_clamped");
+
+  using moka::RouterConfig;
+  nb::class_<RouterConfig>(m, "RouterConfig", "The router's sizes and routing rule (moka::RouterConfig).")
+      .def("__init__", &keyword_init<RouterConfig>)
+      .def_rw("hidden", &RouterConfig::hidden)
+      .def_rw("num_experts", &RouterConfig::num_experts)
+      .def_rw("top_k", &RouterConfig::top_k)
+      .def_rw("score", &RouterConfig::score)
+      .def_rw("use_selection_bias", &RouterConfig::use_selection_bias,
+              "a per-expert bias added to the scores for the top-k selection only")
+      .def_rw("renormalize", &RouterConfig::renormalize, "divide the k selected scores by their sum")
+      .def_rw("route_scale", &RouterConfig::route_scale, "multiplies the route weights");
+
+  // tile_rows and row_order are not bound: a layer takes them from LayerOptions.
+  using moka::MegakernelConfig;
+  nb::class_<MegakernelConfig>(m, "MegakernelConfig", "The megakernel path's knobs (moka::MegakernelConfig).")
+      .def("__init__", &keyword_init<MegakernelConfig>)
+      .def_rw("num_comm_sms", &MegakernelConfig::num_comm_sms, "CTAs doing dispatch and combine")
+      .def_rw("minibatch_size", &MegakernelConfig::minibatch_size, "rows, the unit of overlap")
+      .def_rw("macrobatch_size", &MegakernelConfig::macrobatch_size, "rows of the ring buffer")
+      .def_rw("capacity_multiplier", &MegakernelConfig::capacity_multiplier,
+              "the worst-case share of all routes landing on one rank")
+      .def_rw("tile_n", &MegakernelConfig::tile_n, "gate|up GEMM N tile")
+      .def_rw("down_tile_n", &MegakernelConfig::down_tile_n, "down GEMM N tile")
+      .def_rw("band_row_tiles", &MegakernelConfig::band_row_tiles, "row tiles per band of a GEMM's tile order")
+      .def_rw("spin_timeout_seconds", &MegakernelConfig::spin_timeout_seconds,
+              "the bound of every in-kernel wait before it is reported as a timeout");
+
+  // allocator is not bound: per-call memory comes from moka's pool.
+  using moka::LayerOptions;
+  nb::class_<LayerOptions>(m, "LayerOptions", "How a layer runs (moka::LayerOptions).")
+      .def("__init__", &keyword_init<LayerOptions>)
+      .def_rw("tile_rows", &LayerOptions::tile_rows, "each expert's rows are padded to a multiple")
+      .def_rw("num_threads", &LayerOptions::num_threads, "CPU backend threads per rank; 0: all cores")
+      .def_rw("row_order", &LayerOptions::row_order)
+      .def_rw("fused_swiglu", &LayerOptions::fused_swiglu, "CUDA: SwiGLU in the gate GEMM's epilogue")
+      .def_rw("path", &LayerOptions::path)
+      .def_rw("save", &LayerOptions::save)
+      .def_rw("max_tokens", &LayerOptions::max_tokens, "tokens per rank the megakernel path's buffers hold")
+      .def_rw("megakernel", &LayerOptions::megakernel);
+}
+
 }  // namespace
 
 NB_MODULE(_moka, m) {
@@ -358,10 +415,7 @@ NB_MODULE(_moka, m) {
   // before the extension: nanobind's leak report would print on every script's exit.
   nb::set_leak_warnings(false);
   m.attr("__commit__") = moka::build_commit();
-  m.attr("DEFAULT_TILE_ROWS") = moka::LayerOptions{}.tile_rows;
-  nb::list paths;
-  for (moka::LayerPath p : kLayerPaths) paths.append(moka::to_string(p));
-  m.attr("LAYER_PATHS") = paths;
+  bind_configuration(m);
   m.def("cuda_available", &moka::cuda_backend_available, "Built with CUDA and a GPU is visible.");
 
   nb::enum_<moka::ErrorCode>(m, "ErrorCode", "What a moka.Error is about (moka.Error.code).")
@@ -404,12 +458,9 @@ NB_MODULE(_moka, m) {
            "ws_up"_a.noconvert() = nb::none(), "ws_down"_a.noconvert() = nb::none());
 
   nb::class_<LayerContext>(m, "LayerContext").def("local_expert_rows", &LayerContext::local_expert_rows);
-  nb::class_<Layer>(m, "Layer")
-      .def(nb::init<int64_t, int64_t, int64_t, int64_t, int64_t, const std::string&, double, const std::string&,
-                    Group*, int, int64_t, const std::string&, int64_t>(),
-           "hidden"_a, "intermediate"_a, "experts"_a, "top_k"_a, "shared_intermediate"_a, "activation"_a,
-           "clamp_limit"_a, "backend"_a, "group"_a.none(), "num_threads"_a, "tile_rows"_a, "path"_a, "max_tokens"_a,
-           nb::keep_alive<1, 10>())
+  nb::class_<Layer>(m, "Layer", "moka's MoE layer (moka::MoeLayer): the experts for routed tokens.")
+      .def(nb::init<const moka::MoeShape&, const std::string&, Group*, const moka::LayerOptions&>(), "shape"_a,
+           "backend"_a, "group"_a.none(), "options"_a = moka::LayerOptions{}, nb::keep_alive<1, 4>())
       .def("forward", &Layer::forward, "x"_a.noconvert(), "topk_ids"_a.noconvert(), "topk_weights"_a.noconvert(),
            "weights"_a, "out"_a.noconvert(), "stream"_a, nb::keep_alive<0, 1>(),
            nb::call_guard<nb::gil_scoped_release>())
@@ -424,11 +475,9 @@ NB_MODULE(_moka, m) {
       .def_prop_ro("first_local_expert", &Layer::first_local_expert);
 
   nb::class_<RouterContext>(m, "RouterContext");
-  nb::class_<Router>(m, "Router")
-      .def(nb::init<int64_t, int64_t, int64_t, const std::string&, bool, bool, double, const std::string&, Group*,
-                    int>(),
-           "hidden"_a, "experts"_a, "top_k"_a, "score"_a, "selection_bias"_a, "renormalize"_a, "route_scale"_a,
-           "backend"_a, "group"_a.none(), "num_threads"_a, nb::keep_alive<1, 10>())
+  nb::class_<Router>(m, "Router", "moka's router (moka::Router): top-k routes from x.")
+      .def(nb::init<const moka::RouterConfig&, const std::string&, Group*, const moka::LayerOptions&>(), "config"_a,
+           "backend"_a, "group"_a.none(), "options"_a = moka::LayerOptions{}, nb::keep_alive<1, 4>())
       .def("forward", &Router::forward, "x"_a.noconvert(), "w_router"_a.noconvert(), "selection_bias"_a.noconvert().none(),
            "topk_ids"_a.noconvert(), "topk_weights"_a.noconvert(), "expert_counts"_a.noconvert().none(),
            "expert_load"_a.noconvert().none(), "stream"_a,
