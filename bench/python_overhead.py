@@ -30,8 +30,19 @@
    Python alone and an autograd node with the module's gradients doing nothing else.
 4. ``--timeline-depth N``: one profiled step of N layers, each thread's events in order (torch
    ops, autograd nodes, CUDA API calls), and its Chrome trace with ``--trace``.
+5. ``--measure stack`` (per shape of --shapes, at --tokens): a stack of --stack-depth (4) MoE layers,
+   forward through all, then backward through all, against depth x the first layer's fwd+bwd
+   alone, and with --moka (GPU) against depth x ``moka bench``'s fwd+bwd, paired run by run
+   (target: at most 1.05); each layer's routing skew beside it (bench/overhead/model.py).
+6. ``--measure compile`` (per shape): MoE's fwd+bwd compiled with torch.compile(fullgraph=True),
+   which runs moka's ops, against the module eager (target: at most 1.03), the same for
+   ``moe_experts``, and training steps of examples/train_tiny_moe.py's block (attention + MoE,
+   --block-seq tokens a sequence, AdamW) compiled against eager (target: at most 1).
+--measure picks them (default host,device; 1 to 4 are "host" and "device"); ``--smoke`` runs
+host, stack and compile on the CPU backend at tiny sizes in seconds (tests/python/test_bench_smoke.py).
 One JSON line per measurement on stdout (and appended to --out). The measurements live in
-bench/overhead/ (host.py: 2 to 4); this file holds the device comparison and the command line.
+bench/overhead/ (host.py: 2 to 4, model.py: 5 and 6); this file holds the device comparison and
+the command line.
 """
 import argparse
 import json
@@ -46,6 +57,7 @@ from torch_baseline import SHAPES, paired_runs  # noqa: E402
 
 from overhead.common import HOST_SHAPES, make_layer  # noqa: E402
 from overhead.host import host_overhead, host_per_layer, timeline  # noqa: E402
+from overhead.model import compiled_block, compiled_op, stack  # noqa: E402
 
 
 def device_overhead(moka, name, tokens, iters, warmup, seed):
@@ -67,34 +79,66 @@ def device_overhead(moka, name, tokens, iters, warmup, seed):
             "cpp_runs_ms": paired["moka_fwdbwd_ms"]}
 
 
+MEASUREMENTS = ("host", "device", "stack", "compile")
+# --smoke: every measurement that runs without a GPU, on the CPU backend at sizes that take
+# seconds (the Python test suite runs it); options given beside it still apply.
+SMOKE = {"device": "cpu", "measure": "host,stack,compile", "shapes": "tiny", "tokens": 64, "iters": 2, "warmup": 1,
+         "host_tokens": 16, "host_calls": 3, "depth": 3, "block_seq": 8, "compile_backend": "aot_eager"}
 
-def main():
+
+def parser(smoke: bool) -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--moka", help="the moka binary whose C++ layer is the reference (device time)")
-    p.add_argument("--shapes", default=",".join(SHAPES))
-    p.add_argument("--tokens", type=int, default=16384)
-    p.add_argument("--iters", type=int, default=7, help="paired runs per shape")
+    p.add_argument("--smoke", action="store_true", help="a quick run on the CPU: " + ", ".join(
+        f"--{key.replace('_', '-')} {value}" for key, value in SMOKE.items()))
+    p.add_argument("--measure", default="host,device",
+                   help=f"comma-separated, of {', '.join(MEASUREMENTS)} (host: also --depth and --timeline-depth)")
+    p.add_argument("--moka", help="the moka binary whose C++ layer is the reference (device; stack on the GPU)")
+    p.add_argument("--shapes", default=",".join(SHAPES), help="the shapes of device, stack and compile")
+    p.add_argument("--tokens", type=int, default=16384, help="tokens of device, stack and compile")
+    p.add_argument("--iters", type=int, default=7, help="timed (paired or alternated) runs per shape")
     p.add_argument("--warmup", type=int, default=2)
-    p.add_argument("--device", choices=("cuda", "cpu"), default="cuda", help="cpu: the host part only")
-    p.add_argument("--host-only", action="store_true", help="only the host time per call (no --moka needed)")
+    p.add_argument("--device", choices=("cuda", "cpu"), default="cuda", help="cpu: all but the device measurement")
+    p.add_argument("--host-only", action="store_true", help="the same as --measure host (no --moka needed)")
     p.add_argument("--host-shape", default="", help="default: qwen3-30b-a3b on the GPU, tiny on the CPU")
     p.add_argument("--host-tokens", type=int, default=256)
     p.add_argument("--host-calls", type=int, default=20)
     p.add_argument("--depth", type=int, default=8, help="layers of the per-layer host time's stack (0: not measured)")
     p.add_argument("--timeline-depth", type=int, default=0, help="a profiled step of this many layers (0: none)")
     p.add_argument("--trace", default="", help="the profiled step's Chrome trace (with --timeline-depth)")
+    p.add_argument("--stack-depth", type=int, default=4, help="MoE layers of the stack measurement")
+    p.add_argument("--block-seq", type=int, default=2048, help="sequence length of the compile measurement's block")
+    p.add_argument("--compile-backend", default="inductor", help="torch.compile's backend (inductor, aot_eager, ...)")
     p.add_argument("--seed", type=int, default=1)
     p.add_argument("--out", default="")
+    if smoke:
+        p.set_defaults(**SMOKE)
+    return p
+
+
+def main():
+    smoke = argparse.ArgumentParser(add_help=False)
+    smoke.add_argument("--smoke", action="store_true")
+    p = parser(smoke.parse_known_args()[0].smoke)
     a = p.parse_args()
-    if a.device == "cpu" and not a.host_only:
-        p.error("--device cpu measures the host time only: add --host-only")
-    if not a.host_only and not a.moka:
-        p.error("--moka is needed for the device-time comparison (or pass --host-only)")
+    measure = set(["host"] if a.host_only else a.measure.split(","))
+    unknown = measure - set(MEASUREMENTS)
+    if unknown:
+        p.error(f"--measure: unknown {', '.join(sorted(unknown))} (known: {', '.join(MEASUREMENTS)})")
+    if "device" in measure and (a.device == "cpu" or not a.moka):
+        p.error("the device measurement needs --device cuda and --moka (or leave it out of --measure)")
     if a.device == "cuda" and not torch.cuda.is_available():
-        p.error("needs a GPU (or --device cpu --host-only)")
+        p.error("needs a GPU (or --device cpu, without the device measurement)")
     host_shape = a.host_shape or ("qwen3-30b-a3b" if a.device == "cuda" else "tiny")
     if host_shape not in HOST_SHAPES:
         p.error(f"--host-shape: unknown shape '{host_shape}' (known: {', '.join(HOST_SHAPES)})")
+    # The C++ comparison takes the shapes moka bench and torch_baseline know; the others, tiny too.
+    known = SHAPES if "device" in measure else HOST_SHAPES
+    shapes = a.shapes.split(",")
+    for name in shapes:
+        if name not in known:
+            p.error(f"--shapes: unknown shape '{name}' (known: {', '.join(known)})")
+    if "host" in measure and 0 < a.depth < 3:
+        p.error("--depth: at least 3 layers (the first and the last are left out of the per-layer time)")
     device = torch.cuda.get_device_name() if a.device == "cuda" else "cpu"
 
     def emit(row):
@@ -104,24 +148,30 @@ def main():
             with open(a.out, "a") as f:
                 f.write(line + "\n")
 
-    for name in a.shapes.split(","):
-        if name not in SHAPES:
-            p.error(f"--shapes: unknown shape '{name}' (known: {', '.join(SHAPES)})")
-    emit(host_overhead(host_shape, a.host_tokens, a.host_calls, a.seed, a.device))
-    if a.depth:
-        if a.depth < 3:
-            p.error("--depth: at least 3 layers (the first and the last are left out of the per-layer time)")
-        emit(host_per_layer(host_shape, a.host_tokens, a.host_calls, a.seed, a.device, a.depth))
-    if a.timeline_depth:
-        emit(timeline(host_shape, a.host_tokens, a.timeline_depth, a.seed, a.device, a.trace))
-    if a.host_only:
-        return
-    for name in a.shapes.split(","):
-        torch.cuda.empty_cache()
-        try:
-            emit(device_overhead(a.moka, name, a.tokens, a.iters, a.warmup, a.seed))
-        except Exception as e:  # report and continue: one shape's failure must not hide the rest
-            emit({"measure": "device", "shape": name, "tokens_per_rank": a.tokens, "error": repr(e)[:300]})
+    if "host" in measure:
+        emit(host_overhead(host_shape, a.host_tokens, a.host_calls, a.seed, a.device))
+        if a.depth:
+            emit(host_per_layer(host_shape, a.host_tokens, a.host_calls, a.seed, a.device, a.depth))
+        if a.timeline_depth:
+            emit(timeline(host_shape, a.host_tokens, a.timeline_depth, a.seed, a.device, a.trace))
+    per_shape = {
+        "device": lambda name: device_overhead(a.moka, name, a.tokens, a.iters, a.warmup, a.seed),
+        "stack": lambda name: stack(name, a.tokens, a.stack_depth, a.iters, a.warmup, a.seed, a.device,
+                                    a.moka if a.device == "cuda" else ""),
+        "compile": lambda name: [
+            compiled_op(name, a.tokens, a.iters, a.warmup, a.seed, a.device, a.compile_backend),
+            compiled_block(name, a.tokens, a.block_seq, a.iters, a.warmup, a.seed, a.device, a.compile_backend)],
+    }
+    for kind in (kind for kind in per_shape if kind in measure):
+        for name in shapes:
+            if a.device == "cuda":
+                torch.cuda.empty_cache()
+            try:
+                rows = per_shape[kind](name)
+            except Exception as e:  # report and continue: one shape's failure must not hide the rest
+                rows = {"measure": kind, "shape": name, "tokens_per_rank": a.tokens, "error": repr(e)[:300]}
+            for row in rows if isinstance(rows, list) else [rows]:
+                emit(row)
 
 
 if __name__ == "__main__":
