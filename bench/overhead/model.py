@@ -143,7 +143,8 @@ def compiled_op(name: str, tokens: int, iters: int, warmup: int, seed: int, devi
 def compiled_block(name: str, tokens: int, seq: int, iters: int, warmup: int, seed: int, device: str,
                    backend: str) -> dict:
     """Training steps (zero_grad, forward, backward, AdamW step) of one block of
-    examples/train_tiny_moe.py (causal attention with 128-wide heads, then moka's MoE of the named
+    examples/train_tiny_moe.py (causal attention with heads 128 wide, or 64 where H is no multiple
+    of 128, then moka's MoE of the named
     shape, SwiGLU) on [tokens // seq, seq, H] inputs: the block compiled with
     ``torch.compile(fullgraph=True)`` against the same block eager, the two alternating on one
     model and optimizer (``compiled_over_eager``; target: at most 1). ``compile_s`` is the first
@@ -151,7 +152,8 @@ def compiled_block(name: str, tokens: int, seq: int, iters: int, warmup: int, se
     hidden, intermediate, experts, top_k, shared, _clamped = HOST_SHAPES[name]
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
     torch.manual_seed(seed)
-    sizes = SimpleNamespace(dim=hidden, heads=max(1, hidden // 128), intermediate=intermediate, experts=experts,
+    head_dim = next(width for width in (128, 64, 32, 16, 8, hidden) if hidden % width == 0)  # gpt-oss: 2880 = 45 x 64
+    sizes = SimpleNamespace(dim=hidden, heads=hidden // head_dim, intermediate=intermediate, experts=experts,
                             top_k=top_k, shared=shared)
     block = Block(sizes, None, MoE, {"device": device, "dtype": dtype})
     compiled = torch.compile(block, fullgraph=True, backend=backend)
