@@ -8,6 +8,7 @@
 #include <unistd.h>
 
 #include <chrono>
+#include <cstdio>
 #include <cstring>
 #include <filesystem>
 #include <fstream>
@@ -15,6 +16,8 @@
 #include <string>
 #include <thread>
 #include <vector>
+
+#include <nlohmann/json.hpp>
 
 #include "train/checkpoint.hpp"
 #include "train_fixtures.hpp"
@@ -168,16 +171,20 @@ uint64_t data_start(const std::string& bytes) {
   return sizeof(header_length) + header_length;
 }
 
-// `bytes` with one bit flipped at each of 20 positions spread over its data section, one copy per position.
-std::vector<std::string> data_bit_flips(const std::string& bytes) {
-  const uint64_t start = data_start(bytes), size = bytes.size() - start;
+// `bytes` with one bit flipped at each of `count` positions spread over [begin, end), the last
+// byte included, one copy per position.
+std::vector<std::string> bit_flips(const std::string& bytes, uint64_t begin, uint64_t end, uint64_t count) {
   std::vector<std::string> out;
-  for (uint64_t i = 0; i < 20; ++i) {
+  for (uint64_t i = 0; i < count; ++i) {
     std::string copy = bytes;
-    copy[start + i * size / 20 + (i * 7) % (size / 20)] ^= char(1 << (i % 8));
+    copy[begin + i * (end - 1 - begin) / (count - 1)] ^= char(1 << (i % 8));
     out.push_back(copy);
   }
   return out;
+}
+
+std::vector<std::string> data_bit_flips(const std::string& bytes) {
+  return bit_flips(bytes, data_start(bytes), bytes.size(), 20);
 }
 
 }  // namespace
@@ -195,15 +202,35 @@ TEST_F(Checkpoint, EveryDataBitFlipIsRefusedAsAChecksumMismatch) {
   }
 }
 
-TEST_F(Checkpoint, MetadataIsChecksummedToo) {
+// Edits of the header that keep it well-formed and the byte counts right: before the header had
+// a checksum, a shape [3,2] for [2,3] or I32 for F32 read back as written.
+TEST_F(Checkpoint, HeaderIsChecksummedToo) {
+  const auto file = path("ckpt.safetensors");
+  write_safetensors(file, sample());
+  const std::string bytes = read_bytes(file);
+  for (const auto& [from, to] : std::vector<std::pair<std::string, std::string>>{
+           {R"("step":"7")", R"("step":"6")"}, {R"("shape":[2,3])", R"("shape":[3,2])"}, {R"("F32")", R"("I32")"}}) {
+    std::string edited = bytes;
+    const auto at = edited.find(from);
+    ASSERT_NE(at, std::string::npos) << from;
+    std::ofstream(file, std::ios::binary | std::ios::trunc) << edited.replace(at, from.size(), to);
+    expect_refused(file, "checksum mismatch in the header");
+  }
+}
+
+// A well-formed header in other bytes than the writer's (here a space after its opening brace) is
+// refused: every byte of the header is checked, not only what it means.
+TEST_F(Checkpoint, HeaderMustBeTheWritersText) {
   const auto file = path("ckpt.safetensors");
   write_safetensors(file, sample());
   std::string bytes = read_bytes(file);
-  const auto step = bytes.find(R"("step":"7")");
-  ASSERT_NE(step, std::string::npos);
-  bytes[step + 8] = '6';
+  uint64_t header_length = 0;
+  std::memcpy(&header_length, bytes.data(), sizeof(header_length));
+  ++header_length;
+  std::memcpy(bytes.data(), &header_length, sizeof(header_length));
+  bytes.insert(sizeof(header_length) + 1, " ");
   std::ofstream(file, std::ios::binary | std::ios::trunc) << bytes;
-  expect_refused(file, "checksum mismatch in __metadata__");
+  expect_refused(file, "its header is not byte for byte as moka writes it");
 }
 
 TEST_F(Checkpoint, RoundTripIsBitForBit) {
@@ -238,23 +265,63 @@ TEST_F(Checkpoint, ChecksumsAreCrc32c) {
   for (const char* crc : {R"(\"zeros\":\"8a9136aa\")", R"(\"ones\":\"62a8ab43\")",
                           R"(\"ascending\":\"46dd794e\")"})
     EXPECT_NE(bytes.find(crc), std::string::npos) << crc << " in " << bytes.substr(0, data_start(bytes));
+  EXPECT_EQ(crc32c("123456789", 9), 0xE3069283u);
 }
 
 TEST_F(Checkpoint, FilesWithoutChecksumsAreRefused) {
   expect_refused(write_raw(R"({"w":{"dtype":"F32","shape":[1],"data_offsets":[0,4]}})", "1234"),
                  "its metadata has no moka.crc32c checksums");
-  expect_refused(write_raw(R"({"__metadata__":{"moka.crc32c":"[]"}})", ""), "checksums are not a JSON object");
-  expect_refused(write_raw(R"({"w":{"dtype":"F32","shape":[1],"data_offsets":[0,4]},)"
-                           R"("__metadata__":{"moka.crc32c":"{\"__metadata__\":\"00000000\"}"}})",
-                           "1234"),
-                 "tensor 'w' has no checksum");
-  expect_refused(write_raw(R"({"__metadata__":{"moka.crc32c":"{\"__metadata__\":\"0000000g\"}"}})", ""),
-                 "checksum of '__metadata__' is not eight hex digits");
-  expect_refused(write_raw(R"({"__metadata__":{"moka.crc32c":"{\"w\":\"00000000\"}"}})", ""),
-                 "its __metadata__ has no checksum");
+  const auto with_metadata = [&](const std::string& metadata) {
+    return write_raw(R"({"__metadata__":{"moka.checksum_format":"2",)" + metadata + "}}", "");
+  };
+  expect_refused(with_metadata(R"("moka.crc32c":"{}")"), "its metadata has no moka.header_crc32c");
+  expect_refused(with_metadata(R"("moka.crc32c":"{}","moka.header_crc32c":"0000000g")"),
+                 "checksum of the header is not eight lowercase hex digits");
   SafetensorsFile f = sample();
   f.metadata["moka.crc32c"] = "mine";
   EXPECT_THROW(write_safetensors(path("reserved.safetensors"), f), moka::Error);
+}
+
+namespace {
+
+std::string crc_hex(const std::string& bytes) {
+  char text[9];
+  std::snprintf(text, sizeof text, "%08x", crc32c(bytes.data(), bytes.size()));
+  return text;
+}
+
+// A file of one F32 tensor 'w' whose metadata holds `tensor_checksums` and a header checksum as
+// the writer computes it: the header check passes, whatever the tensors' checksums say.
+std::string header_checksummed(const std::string& tensor_checksums) {
+  nlohmann::ordered_json header = {{"w", {{"dtype", "F32"}, {"shape", {1}}, {"data_offsets", {0, 4}}}}};
+  header["__metadata__"] = {{"moka.checksum_format", "2"}, {"moka.crc32c", tensor_checksums}};
+  header["__metadata__"]["moka.header_crc32c"] = crc_hex(header.dump());
+  std::string text = header.dump();
+  return text.append((8 - text.size() % 8) % 8, ' ');
+}
+
+}  // namespace
+
+TEST_F(Checkpoint, TensorChecksumsMustCoverEveryTensor) {
+  const std::string data = "1234";
+  const std::string good = R"({"w":")" + crc_hex(data) + R"("})";
+  read_safetensors(write_raw(header_checksummed(good), data));  // the helper writes a valid file
+  expect_refused(write_raw(header_checksummed("[]"), data), "its moka.crc32c checksums are not a JSON object");
+  expect_refused(write_raw(header_checksummed(R"({"w":"0000000g"})"), data),
+                 "checksum of 'w' is not eight lowercase hex digits");
+  expect_refused(write_raw(header_checksummed("{}"), data), "tensor 'w' has no checksum");
+  expect_refused(write_raw(header_checksummed(R"({"w":"00000000","v":"00000000"})"), data),
+                 "it has checksums of tensors it does not hold");
+  expect_refused(write_raw(header_checksummed(R"({"w":"00000000"})"), data), "checksum mismatch in tensor 'w'");
+}
+
+// Files of checksum format 1 (before the header had a checksum) are refused naming the format.
+TEST_F(Checkpoint, OlderChecksumFormatIsRefusedNamingIt) {
+  expect_refused(write_raw(R"({"__metadata__":{"moka.crc32c":"{\"__metadata__\":\"00000000\"}"}})", ""),
+                 "its checksums are in moka's checksum format 1, which left the header unchecked; this moka reads "
+                 "format 2 only");
+  expect_refused(write_raw(R"({"__metadata__":{"moka.checksum_format":"3","moka.crc32c":"{}"}})", ""),
+                 "its checksums are in moka's checksum format '3'; this moka reads format 2 only");
 }
 
 TEST_F(Checkpoint, TensorsHoldExactlyTheirShape) {
@@ -386,22 +453,27 @@ TEST(CheckpointResume, RefusesACheckpointOfAnotherRun) {
   fs::remove(file);
 }
 
-// Every one of 20 single-bit flips over a training checkpoint's data section fails the resume.
-TEST(CheckpointResume, RefusesACheckpointWithAFlippedDataBit) {
+// Single-bit flips in every region of a training checkpoint fail the resume: each byte of the
+// header length, 40 places over the header text and its padding, 20 over the data section.
+TEST(CheckpointResume, RefusesACheckpointWithAFlippedBitAnywhere) {
   MOKA_REQUIRE_CORPUS(text);
   const auto file = (fs::temp_directory_path() / "moka_resume_bitflip.safetensors").string();
   const auto config = tiny_train_config(Parameterization::mup, 1e-2);
   Trainer(config, *text).save(file);
   const std::string bytes = read_bytes(file);
-  for (const auto& copy : data_bit_flips(bytes)) {
-    std::ofstream(file, std::ios::binary | std::ios::trunc) << copy;
+  const uint64_t header_start = sizeof(uint64_t), data = data_start(bytes);
+  std::vector<std::string> copies = bit_flips(bytes, 0, header_start, header_start);
+  for (auto&& region : {bit_flips(bytes, header_start, data, 40), data_bit_flips(bytes)})
+    copies.insert(copies.end(), region.begin(), region.end());
+  for (size_t i = 0; i < copies.size(); ++i) {
+    std::ofstream(file, std::ios::binary | std::ios::trunc) << copies[i];
     Trainer trainer(config, *text);
     try {
       trainer.load(file);
-      ADD_FAILURE() << "resumed from a checkpoint with a flipped bit";
+      ADD_FAILURE() << "resumed from a checkpoint with a flipped bit (copy " << i << ")";
     } catch (const moka::Error& e) {
-      EXPECT_NE(std::string(e.what()).find(file), std::string::npos) << e.what();
-      EXPECT_NE(std::string(e.what()).find("checksum mismatch in tensor '"), std::string::npos) << e.what();
+      EXPECT_EQ(e.code(), moka::ErrorCode::io) << e.what();
+      EXPECT_NE(std::string(e.what()).find(file + " is not a valid safetensors file"), std::string::npos) << e.what();
     }
   }
   std::ofstream(file, std::ios::binary | std::ios::trunc) << bytes;

@@ -167,7 +167,10 @@ constexpr auto kCrc32cTables = [] {
   return t;
 }();
 
-uint32_t crc32c(const uint8_t* p, size_t n) {
+}  // namespace
+
+uint32_t crc32c(const void* data, size_t n) {
+  const auto* p = static_cast<const uint8_t*>(data);
   const auto& t = kCrc32cTables;
   uint32_t c = ~0u;
   for (; n >= 8; p += 8, n -= 8) {
@@ -180,16 +183,24 @@ uint32_t crc32c(const uint8_t* p, size_t n) {
   for (; n > 0; ++p, --n) c = (c >> 8) ^ t[0][(c ^ *p) & 0xFF];
   return ~c;
 }
-uint32_t crc32c(const std::string& s) { return crc32c(reinterpret_cast<const uint8_t*>(s.data()), s.size()); }
+
+namespace {
+
+uint32_t text_crc32c(const std::string& s) { return crc32c(s.data(), s.size()); }
 
 // The checksums travel in the one place safetensors leaves to the writer, __metadata__ (string
-// values only, so other safetensors readers still load the file): under kChecksumsKey, a JSON
-// object mapping each tensor's name to the CRC-32C of its bytes, and kMetadataChecksum to the
-// CRC-32C of the rest of the metadata (a flipped step count would resume at the wrong step).
-// The safetensors format has no version field, so a file without checksums cannot be told from
-// a damaged one whose checksum entry was lost: the reader refuses it.
+// values only, so other safetensors readers still load the file): under kChecksumsKey a JSON
+// object mapping each tensor's name to the CRC-32C of its bytes, and under kHeaderChecksumKey,
+// written last, the CRC-32C of the header without that entry: every tensor's name, dtype, shape
+// and offsets, the metadata and the tensors' checksums (a flipped shape or step count would resume
+// wrong). The reader also requires the header to be byte for byte the text the writer makes of
+// what it holds, so a flip that leaves its meaning alone (a padding byte, an escape) is refused
+// too: no bit of a file goes unchecked. kFormatKey names this layout; safetensors has no version.
 constexpr const char* kChecksumsKey = "moka.crc32c";
-constexpr const char* kMetadataChecksum = "__metadata__";  // no tensor can have this name
+constexpr const char* kHeaderChecksumKey = "moka.header_crc32c";
+constexpr const char* kFormatKey = "moka.checksum_format";
+constexpr const char* kFormat = "2";  // format 1 (no kFormatKey) checksummed the metadata, not the header
+constexpr const char* kReservedPrefix = "moka.";  // the writer's metadata keys
 
 std::string crc_text(uint32_t crc) {
   char text[9];
@@ -197,9 +208,12 @@ std::string crc_text(uint32_t crc) {
   return text;
 }
 
-// The metadata as the writer checksums it: the std::map's order makes it canonical.
-uint32_t metadata_crc(const std::map<std::string, std::string>& metadata) {
-  return crc32c(nlohmann::json(metadata).dump());
+// The header text as the writer writes it: compact JSON in the header's own key order, padded
+// with spaces to a multiple of 8 bytes (the format's alignment).
+std::string header_text(const nlohmann::ordered_json& header) {
+  std::string text = header.dump();
+  text.append((8 - text.size() % 8) % 8, ' ');
+  return text;
 }
 
 Error corrupt(const std::string& path, const std::string& what) {
@@ -215,21 +229,21 @@ struct TensorEntry {
 // `value` as a dimension or byte offset: a JSON integer in [0, 2^63). Not a fraction, a float
 // such as 1e3, or a boolean: nlohmann's get<int64_t>() would truncate those silently (a shape
 // [2.5, 3] read as [2, 3]) or, beyond int64's range, convert them with undefined behaviour.
-std::optional<int64_t> non_negative_integer(const nlohmann::json& value) {
+std::optional<int64_t> non_negative_integer(const nlohmann::ordered_json& value) {
   if (value.is_number_unsigned() && value.get<uint64_t>() <= uint64_t(std::numeric_limits<int64_t>::max()))
     return int64_t(value.get<uint64_t>());
   if (value.is_number_integer() && value.get<int64_t>() >= 0) return value.get<int64_t>();
   return std::nullopt;
 }
 
-TensorEntry parse_entry(const std::string& path, const std::string& name, const nlohmann::json& entry,
+TensorEntry parse_entry(const std::string& path, const std::string& name, const nlohmann::ordered_json& entry,
                         uint64_t data_size) {
   const std::string what = "tensor '" + name + "'";
   const auto malformed = [&](const std::string& problem) {
     return corrupt(path, what + " needs dtype, shape and data_offsets (" + problem + ")");
   };
   // Fields by reference: copying a value nested 100k deep would recurse as deep.
-  const auto field = [&](const char* key) -> const nlohmann::json& {
+  const auto field = [&](const char* key) -> const nlohmann::ordered_json& {
     if (!entry.is_object()) throw malformed(std::string("its entry is ") + entry.type_name() + ", not an object");
     if (!entry.contains(key)) throw malformed(std::string("it has no ") + key);
     return entry.at(key);
@@ -248,6 +262,8 @@ TensorEntry parse_entry(const std::string& path, const std::string& name, const 
   const auto& offsets = field("data_offsets");
   if (!offsets.is_array() || offsets.size() != 2 || !offsets[0].is_number_integer() || !offsets[1].is_number_integer())
     throw corrupt(path, what + ": data_offsets must be [begin, end], two integers");
+  // Nothing else: the header check serializes the entry, which must not recurse deep.
+  if (entry.size() != 3) throw corrupt(path, what + " has fields besides dtype, shape and data_offsets");
   const std::string dtype = dtype_field.get<std::string>();
   const auto parsed = parse_safetensors_dtype(dtype);
   if (!parsed) throw corrupt(path, what + " has dtype " + dtype + ", which moka does not read");
@@ -266,7 +282,7 @@ TensorEntry parse_entry(const std::string& path, const std::string& name, const 
   return e;
 }
 
-std::map<std::string, std::string> parse_metadata(const std::string& path, const nlohmann::json& metadata) {
+std::map<std::string, std::string> parse_metadata(const std::string& path, const nlohmann::ordered_json& metadata) {
   if (!metadata.is_object()) throw corrupt(path, "__metadata__ is not an object");
   std::map<std::string, std::string> out;
   for (const auto& [key, value] : metadata.items()) {
@@ -276,16 +292,39 @@ std::map<std::string, std::string> parse_metadata(const std::string& path, const
   return out;
 }
 
-// Takes the checksums out of `metadata`: one per tensor of `entries` plus the metadata's, each
-// eight hex digits, no more and no fewer.
-std::map<std::string, uint32_t> parse_checksums(const std::string& path, std::map<std::string, std::string>& metadata,
-                                                const std::vector<TensorEntry>& entries) {
-  const auto it = metadata.find(kChecksumsKey);
-  if (it == metadata.end())
+// `hex` as the CRC-32C it spells: exactly eight lowercase hex digits, as crc_text writes them
+// (from_chars alone would take "D6FACF06" for "d6facf06", a flipped bit read back unnoticed).
+uint32_t parse_crc(const std::string& path, const std::string& what, const std::string& hex) {
+  if (hex.size() != 8 || hex.find_first_not_of("0123456789abcdef") != std::string::npos)
+    throw corrupt(path, "checksum of " + what + " is not eight lowercase hex digits");
+  uint32_t crc = 0;
+  std::from_chars(hex.data(), hex.data() + hex.size(), crc, 16);
+  return crc;
+}
+
+// Checks the checksum format and takes it and the header's checksum out of `metadata`.
+uint32_t take_header_checksum(const std::string& path, std::map<std::string, std::string>& metadata) {
+  if (!metadata.count(kChecksumsKey))
     throw corrupt(path, std::string("its metadata has no ") + kChecksumsKey +
                             " checksums (written before moka checksummed checkpoints, or not by moka)");
-  const std::string text = it->second;
-  metadata.erase(it);
+  const auto format = metadata.extract(kFormatKey);
+  if (!format)
+    throw corrupt(path, std::string("its checksums are in moka's checksum format 1, which left the header "
+                                    "unchecked; this moka reads format ") + kFormat + " only");
+  if (format.mapped() != kFormat)
+    throw corrupt(path, "its checksums are in moka's checksum format '" + format.mapped() +
+                            "'; this moka reads format " + kFormat + " only");
+  const auto crc = metadata.extract(kHeaderChecksumKey);
+  if (!crc) throw corrupt(path, std::string("its metadata has no ") + kHeaderChecksumKey + " (the header's checksum)");
+  return parse_crc(path, "the header", crc.mapped());
+}
+
+// Takes the tensors' checksums out of `metadata` (take_header_checksum found them there): one per
+// tensor of `entries`, no more, no fewer.
+std::map<std::string, uint32_t> take_tensor_checksums(const std::string& path,
+                                                      std::map<std::string, std::string>& metadata,
+                                                      const std::vector<TensorEntry>& entries) {
+  const std::string text = metadata.extract(kChecksumsKey).mapped();
   nlohmann::json json;
   try {
     json = nlohmann::json::parse(text);
@@ -293,19 +332,26 @@ std::map<std::string, uint32_t> parse_checksums(const std::string& path, std::ma
   }
   if (!json.is_object()) throw corrupt(path, std::string("its ") + kChecksumsKey + " checksums are not a JSON object");
   std::map<std::string, uint32_t> out;
-  for (const auto& [name, value] : json.items()) {
-    const std::string hex = value.is_string() ? value.get<std::string>() : "";
-    uint32_t crc = 0;
-    const auto [end, err] = std::from_chars(hex.data(), hex.data() + hex.size(), crc, 16);
-    if (hex.size() != 8 || err != std::errc() || end != hex.data() + hex.size())
-      throw corrupt(path, "checksum of '" + name + "' is not eight hex digits");
-    out[name] = crc;
-  }
+  for (const auto& [name, value] : json.items())
+    out[name] = parse_crc(path, "'" + name + "'", value.is_string() ? value.get<std::string>() : "");
   for (const auto& e : entries)
     if (!out.count(e.name)) throw corrupt(path, "tensor '" + e.name + "' has no checksum");
-  if (!out.count(kMetadataChecksum)) throw corrupt(path, "its __metadata__ has no checksum");
-  if (out.size() != entries.size() + 1) throw corrupt(path, "it has checksums of tensors it does not hold");
+  if (out.size() != entries.size()) throw corrupt(path, "it has checksums of tensors it does not hold");
   return out;
+}
+
+// Refuses a header whose text is not the writer's text of what it holds, or whose content
+// (everything but the header checksum's entry, which `header` loses) fails that checksum.
+void verify_header(const std::string& path, const std::string& text, nlohmann::ordered_json& header,
+                   uint32_t recorded_crc) {
+  if (header_text(header) != text)
+    throw corrupt(path, "its header is not byte for byte as moka writes it (the file is damaged)");
+  header["__metadata__"].erase(kHeaderChecksumKey);
+  const uint32_t crc = text_crc32c(header.dump());
+  if (crc != recorded_crc)
+    throw corrupt(path, "checksum mismatch in the header (tensor names, dtypes, shapes, offsets or metadata): it has "
+                        "CRC-32C " + crc_text(crc) + ", the file records " + crc_text(recorded_crc) +
+                        " (the file is damaged)");
 }
 
 }  // namespace
@@ -342,6 +388,10 @@ const StoredTensor& SafetensorsFile::get(const std::string& name) const {
 }
 
 void write_safetensors(const std::string& path, const SafetensorsFile& file) {
+  for (const auto& [key, value] : file.metadata)
+    require(key.rfind(kReservedPrefix, 0) != 0, ErrorCode::invalid_argument,
+            "metadata key " + key + ": keys starting with " + kReservedPrefix + " are reserved for the checksums of " +
+                path);
   nlohmann::ordered_json header;
   uint64_t offset = 0;
   for (const auto& [name, t] : file.tensors) {
@@ -350,15 +400,13 @@ void write_safetensors(const std::string& path, const SafetensorsFile& file) {
                     {"data_offsets", {offset, offset + t.bytes.size()}}};
     offset += t.bytes.size();
   }
-  require(!file.metadata.count(kChecksumsKey), ErrorCode::invalid_argument,
-          std::string("metadata key ") + kChecksumsKey + " is reserved for the checksums of " + path);
-  nlohmann::json checksums = {{kMetadataChecksum, crc_text(metadata_crc(file.metadata))}};
+  nlohmann::json checksums = nlohmann::json::object();
   for (const auto& [name, t] : file.tensors) checksums[name] = crc_text(crc32c(t.bytes.data(), t.bytes.size()));
-  auto metadata = file.metadata;
+  auto& metadata = header["__metadata__"] = file.metadata;
+  metadata[kFormatKey] = kFormat;
   metadata[kChecksumsKey] = checksums.dump();
-  header["__metadata__"] = metadata;
-  std::string text = header.dump();
-  text.append((8 - text.size() % 8) % 8, ' ');  // the format pads the header to 8 bytes
+  metadata[kHeaderChecksumKey] = crc_text(text_crc32c(header.dump()));  // of everything before it
+  const std::string text = header_text(header);
   const uint64_t length = text.size();
   AtomicFile out(path);
   out.write(&length, sizeof(length));
@@ -385,9 +433,9 @@ SafetensorsFile read_safetensors(const std::string& path) {
   require(bool(in.read(text.data(), std::streamsize(header_size))), ErrorCode::io, "reading " + path + " failed");
   const uint64_t data_start = sizeof(header_size) + header_size, data_size = file_size - data_start;
 
-  nlohmann::json header;
+  nlohmann::ordered_json header;
   try {
-    header = nlohmann::json::parse(text);
+    header = nlohmann::ordered_json::parse(text);
   } catch (const nlohmann::json::exception& e) {
     throw corrupt(path, std::string("its header is not JSON (") + e.what() + ")");
   }
@@ -405,9 +453,8 @@ SafetensorsFile read_safetensors(const std::string& path) {
   for (size_t i = 1; i < entries.size(); ++i)
     if (entries[i].begin < entries[i - 1].end)
       throw corrupt(path, "tensors '" + entries[i - 1].name + "' and '" + entries[i].name + "' overlap");
-  const auto checksums = parse_checksums(path, file.metadata, entries);
-  if (checksums.at(kMetadataChecksum) != metadata_crc(file.metadata))
-    throw corrupt(path, "checksum mismatch in __metadata__ (the file is damaged)");
+  verify_header(path, text, header, take_header_checksum(path, file.metadata));
+  const auto checksums = take_tensor_checksums(path, file.metadata, entries);
   for (auto& e : entries) {
     e.tensor.bytes.resize(e.end - e.begin);
     in.seekg(std::streamoff(data_start + e.begin));

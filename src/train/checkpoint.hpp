@@ -34,13 +34,18 @@ struct SafetensorsFile {
 // crash or kill at any moment leaves either the previous file or the new one, never a torn one.
 // The temporaries of `path` that killed writers left are removed once the new file is in place.
 void write_safetensors(const std::string& path, const SafetensorsFile& file);
-// The writer records a CRC-32C of every tensor's bytes and of the metadata in __metadata__
-// under "moka.crc32c" (a key callers may not use); the reader verifies them and removes the key.
+// The writer records in __metadata__ a CRC-32C of every tensor's bytes and one of the whole
+// header (names, dtypes, shapes, offsets, metadata), under keys starting with "moka." (which
+// callers may not use); the reader verifies them, and that the header is byte for byte as the
+// writer writes it, so a flipped bit anywhere in the file is refused. It removes those keys.
 //
 // Throws io, naming the file, on anything that is not a well-formed safetensors file: short
 // reads, lengths or offsets past the end, byte counts that disagree with dtype x shape,
-// overlapping tensors, malformed JSON; and on missing checksums or a checksum mismatch, naming
-// the tensor. Allocates no more than the file's size.
+// overlapping tensors, malformed JSON; on missing checksums, an older checksum format (named)
+// or a checksum mismatch, naming the tensor or the header. Allocates no more than the file's size.
 SafetensorsFile read_safetensors(const std::string& path);
+
+// CRC-32C (Castagnoli, as iSCSI and ext4 use it) of `size` bytes: the checkpoints' checksum.
+uint32_t crc32c(const void* data, size_t size);
 
 }  // namespace moka::train
