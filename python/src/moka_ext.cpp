@@ -317,7 +317,9 @@ template <typename Options>
 void keyword_init(Options* options, const nb::kwargs& fields) {
   nb::object scratch = nb::cast(Options{});
   for (auto [name, value] : fields) {
-    if (!nb::hasattr(scratch.type(), name))
+    const bool field = nb::hasattr(scratch.type(), name) &&
+                       PyObject_TypeCheck(scratch.type().attr(name).ptr(), &PyProperty_Type);
+    if (!field)
       throw nb::type_error((std::string(nb::type_name(scratch.type()).c_str()) +
                             "() got an unexpected keyword argument '" + nb::str(name).c_str() + "'").c_str());
     try {

@@ -32,6 +32,7 @@ def test_a_nested_config_is_edited_in_place():
 
 @pytest.mark.parametrize("arguments, message", [
     ({"pth": _moka.LayerPath.megakernel}, "unexpected keyword argument 'pth'"),
+    ({"__init__": None}, "unexpected keyword argument '__init__'"),  # attributes that are no fields
     ({"path": "megakernel"}, "path='megakernel' is not a moka._moka.LayerPath"),
     ({"max_tokens": 1.5}, "max_tokens=1.5 is not a int"),
 ])
