@@ -47,7 +47,7 @@ void run(CoordCheckCommand& c) {
   check_output_path("--csv", c.csv);
   if (!c.plot.empty()) check_plotter(c.plot);
   c.options.steps = c.steps + 1;
-  config.train = c.options.resolve(1);
+  config.train = c.options.resolve_widths(config.multipliers, 1);  // one width after the other
   config.steps = c.steps;
   const auto text = c.options.load_text();
   const auto result = train::coord_check(config, text);

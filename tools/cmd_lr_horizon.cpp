@@ -4,6 +4,7 @@
 // log eta* = beta log B + gamma over the budgets, checks the fit on held-out budgets,
 // extrapolates, and optionally re-runs some budgets as real WSD runs with decay to check the
 // stand-in. Writes JSON and draws loss vs LR per budget and eta* vs budget with the fit.
+#include <algorithm>
 #include <cmath>
 #include <cstdio>
 #include <iostream>
@@ -142,13 +143,14 @@ void run(LrHorizonCommand& c) {
   if (!c.json.empty()) check_output_path("--json", c.json);
   require(c.plot.empty() || !c.json.empty(), ErrorCode::invalid_argument, "--plot draws from --json: give both");
   if (!c.plot.empty()) check_plotter(c.plot);
-  config.train = c.options.resolve(1);
+  config.workers = c.sweep.resolved_workers(parse_backend(c.options.backend));
+  const int64_t runs = int64_t(config.lrs.size()) * c.sweep.seeds;  // the constant-LR runs, at least
+  config.train = c.options.resolve_widths({1}, std::min<int64_t>(config.workers, runs));
   config.seeds = c.sweep.seeds;
   config.eval_every = c.eval_every;
   config.eval_batches = c.sweep.eval_batches;
   config.holdout = c.holdout;
   config.fit_from = c.fit_from;
-  config.workers = c.sweep.resolved_workers(config.train.backend);
   const auto budgets = train::check_horizon_config(config);  // before any work
   if (config.predict_tokens.empty())
     config.predict_tokens.push_back(10.0 * double(budgets.back() * config.train.batch * config.train.seq));

@@ -2,6 +2,7 @@
 // L = a (log eta)^2 + b log eta + c per width for eta*, prints the drift
 // log2(eta*_widest / eta*_base) with its spread over seeds, and draws loss against LR per width
 // with the optima marked (error bars over seeds).
+#include <algorithm>
 #include <cmath>
 #include <cstdio>
 #include <fstream>
@@ -65,10 +66,12 @@ void run(LrSweepCommand& c) {
   check_output_path("--csv", c.csv);
   if (!c.json.empty()) check_output_path("--json", c.json);
   if (!c.plot.empty()) check_plotter(c.plot);
-  config.train = c.options.resolve(1);
+  config.workers = c.sweep.resolved_workers(parse_backend(c.options.backend));
+  // The widest width's runs start first, all at once where the workers allow.
+  const int64_t widest_runs = int64_t(config.lrs.size()) * c.sweep.seeds;
+  config.train = c.options.resolve_widths(config.multipliers, std::min<int64_t>(config.workers, widest_runs));
   config.eval_batches = c.sweep.eval_batches;
   config.seeds = c.sweep.seeds;
-  config.workers = c.sweep.resolved_workers(config.train.backend);
   const auto text = c.options.load_text();
   const auto result = train::lr_sweep(config, text, [](const train::SweepPoint& p, int done, int total) {
     std::fprintf(stderr, "[%d/%d] width %lld lr %.3e seed %llu: validation loss %.4f\n", done, total,

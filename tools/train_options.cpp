@@ -5,6 +5,7 @@
 #include <unistd.h>
 
 #include <cerrno>
+#include <algorithm>
 #include <charconv>
 #include <cmath>
 #include <cstdlib>
@@ -20,11 +21,14 @@ extern char** environ;
 namespace moka::cli {
 namespace {
 
+// A finite number for which `holds`: infinity passes a one-sided bound, and an infinite LR, clip
+// or decay gives a run of NaNs (integer options never parse "inf" anyway).
 CLI::Validator number_check(const std::string& rule, std::function<bool(double)> holds) {
   return CLI::Validator(
       [rule, holds](std::string& input) -> std::string {
         double value = 0;
         if (!CLI::detail::lexical_cast(input, value)) return "'" + input + "' is not a number";
+        if (!std::isfinite(value)) return "must be a finite number, got " + input;
         return holds(value) ? std::string() : "must be " + rule + ", got " + input;
       },
       rule);
@@ -64,14 +68,15 @@ int run_program(const std::vector<std::string>& argv) {
   return WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
 }
 
-// Refuses, naming the flags, a run whose sizes overflow the trainer's 64-bit counts or whose
-// memory exceeds this machine's, before anything is allocated (counted in floating point, which
-// no flag values overflow).
-void check_training_sizes(const train::TrainConfig& t, int64_t multiplier) {
+// Refuses, naming the flags, a run whose sizes overflow the trainer's 64-bit counts, or
+// `runs_at_once` runs whose memory exceeds this machine's, before anything is allocated (counted
+// in floating point, which no flag values overflow). `width_flags` names the flag that set the
+// width multiplier ("" at x1).
+void check_training_sizes(const train::TrainConfig& t, const std::string& width_flags, int64_t runs_at_once) {
   const auto& b = t.base;
   const auto text = [](int64_t v) { return std::to_string(v); };
   std::string model_flags = "--layers " + text(b.num_layers) + " --d-model " + text(b.d_model);
-  if (multiplier > 1) model_flags += " --width-mult " + text(multiplier);
+  if (!width_flags.empty()) model_flags += " " + width_flags;
   model_flags += " --heads " + text(b.num_heads) + " --head-dim " + text(b.head_dim);
   if (b.attention == train::AttentionKind::mla)
     model_flags += " --q-rank " + text(b.q_rank) + " --kv-rank " + text(b.kv_rank);
@@ -93,8 +98,10 @@ void check_training_sizes(const train::TrainConfig& t, int64_t multiplier) {
   require(double(t.schedule.total_steps) * tokens < kMaxBytes, ErrorCode::invalid_argument,
           "--steps " + text(t.schedule.total_steps) + " x " + step_flags +
               ": the run's token count overflows 64-bit integers");
-  require_host_memory(model_bytes, model_flags, "the model's weights, gradients and AdamW moments");
-  require_host_memory(model_bytes + step_bytes, step_flags, "a training step of this model");
+  const double runs = double(runs_at_once);
+  const std::string of_runs = runs_at_once > 1 ? " of " + text(runs_at_once) + " runs at once (see --workers)" : "";
+  require_host_memory(runs * model_bytes, model_flags, "the model's weights, gradients and AdamW moments" + of_runs);
+  require_host_memory(runs * (model_bytes + step_bytes), step_flags, "a training step of this model" + of_runs);
 }
 
 }  // namespace
@@ -206,6 +213,19 @@ void add_train_options(CLI::App* cmd, TrainCliOptions& o, SharedOptions which) {
 }
 
 train::TrainConfig TrainCliOptions::resolve(int64_t multiplier) {
+  auto t = resolve_unchecked(multiplier);
+  check_training_sizes(t, multiplier > 1 ? "--width-mult " + std::to_string(multiplier) : "", 1);
+  return t;
+}
+
+train::TrainConfig TrainCliOptions::resolve_widths(const std::vector<int64_t>& multipliers, int64_t runs_at_once) {
+  const int64_t widest = *std::max_element(multipliers.begin(), multipliers.end());
+  const std::string width_flags = widest > 1 ? "--mults x" + std::to_string(widest) : "";
+  check_training_sizes(resolve_unchecked(widest), width_flags, runs_at_once);
+  return resolve_unchecked(1);
+}
+
+train::TrainConfig TrainCliOptions::resolve_unchecked(int64_t multiplier) {
   require(base.top_k <= base.num_experts, ErrorCode::invalid_argument,
           "--top-k " + std::to_string(base.top_k) + " exceeds --experts " + std::to_string(base.num_experts));
   train::TrainConfig t = train;
@@ -220,7 +240,6 @@ train::TrainConfig TrainCliOptions::resolve(int64_t multiplier) {
   t.schedule.kind = train::parse_schedule(schedule);
   t.schedule.total_steps = steps;
   t.schedule.warmup_steps = warmup;
-  check_training_sizes(t, multiplier);
   return t;
 }
 

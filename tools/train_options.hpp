@@ -32,10 +32,17 @@ struct TrainCliOptions {
   int64_t warmup = 0;
   train::TrainConfig train;
 
-  // The TrainConfig these options describe, with the model `multiplier` times the base width.
+  // The TrainConfig these options describe, with the model `multiplier` times the base width;
+  // refused, naming the flags, when its sizes overflow or exceed this machine's memory.
   train::TrainConfig resolve(int64_t multiplier);
+  // The x1 TrainConfig of a command that trains every width of `multipliers` (--mults), up to
+  // `runs_at_once` runs at a time: refused unless that many runs of the widest model fit.
+  train::TrainConfig resolve_widths(const std::vector<int64_t>& multipliers, int64_t runs_at_once);
   // The text, refused when it holds no full --seq window for training or validation.
   train::TextSplit load_text() const;
+
+ private:
+  train::TrainConfig resolve_unchecked(int64_t multiplier);
 };
 
 // The shared options a command takes besides the model, data and optimizer ones: coordcheck
