@@ -42,6 +42,25 @@ TEST(TrainLoop, DivergedRunNamesTheStep) {
   EXPECT_EQ(message.find("check x and w_router"), std::string::npos) << message;
 }
 
+// A step whose loss was still finite but whose update left non-finite weights: the validation
+// after it names that step too.
+TEST(TrainLoop, ValidationAfterADivergedStepNamesTheStep) {
+  MOKA_REQUIRE_CORPUS(text);
+  // An LR the CLI refuses, which makes every weight non-finite at the first update.
+  Trainer trainer(tiny_train_config(Parameterization::mup, INFINITY), *text);
+  ASSERT_TRUE(std::isfinite(trainer.step().loss));
+  try {
+    trainer.evaluate(1);
+    ADD_FAILURE() << "evaluated a diverged model without an error";
+  } catch (const moka::Error& e) {
+    EXPECT_EQ(e.code(), moka::ErrorCode::non_finite);
+    EXPECT_NE(std::string(e.what()).find("training diverged at step 1: the router logits became non-finite in "
+                                         "validation"),
+              std::string::npos)
+        << e.what();
+  }
+}
+
 // The CPU engine's profile: each stage of a step on the host clock, the stage times summing to
 // the step, every step's report filled whether or not it is asked to read (nothing to wait for).
 TEST(TrainLoop, CpuProfileTimesEveryStage) {

@@ -128,9 +128,11 @@ void run(TrainCommand& c) {
     if (evaluating) {
       progress.finish();
       const auto eval_start = clock::now();
-      std::cout << "step " << r.step + 1 << ": train loss " << r.cross_entropy << ", validation loss "
-                << trainer.evaluate(c.eval_batches);
-      if (config.ema_decay > 0) std::cout << ", EMA validation loss " << trainer.evaluate(c.eval_batches, true);
+      // Evaluated before printing: a diverged run's error does not cut into a half-printed line.
+      const double validation = trainer.evaluate(c.eval_batches);
+      const double ema_validation = config.ema_decay > 0 ? trainer.evaluate(c.eval_batches, true) : NAN;
+      std::cout << "step " << r.step + 1 << ": train loss " << r.cross_entropy << ", validation loss " << validation;
+      if (config.ema_decay > 0) std::cout << ", EMA validation loss " << ema_validation;
       std::cout << std::endl;
       if (r.step + 1 > kWarmupSteps) eval_seconds += std::chrono::duration<double>(clock::now() - eval_start).count();
     }

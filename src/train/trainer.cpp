@@ -149,6 +149,16 @@ Trainer::Trainer(const TrainConfig& config, const TextSplit& text)
 
 Trainer::~Trainer() = default;
 
+namespace {
+
+// Too high an LR shows first as a non-finite loss or as the router refusing its logits; either
+// way the run diverged, which the router's own message (about its inputs) would hide.
+Error diverged_at(int64_t step, const std::string& what) {
+  return Error(ErrorCode::non_finite, "training diverged at step " + std::to_string(step) + ": " + what);
+}
+
+}  // namespace
+
 StepReport Trainer::step(ActivationStats* stats, bool read_metrics) {
   StepReport r;
   r.loss = r.cross_entropy = r.grad_norm = r.load_max_over_mean = NAN;
@@ -157,19 +167,14 @@ StepReport Trainer::step(ActivationStats* stats, bool read_metrics) {
   r.tokens = batch.tokens();
   const double factor = config_.schedule.factor(r.step);
   r.lr = config_.adam.lr * factor;
-  // Too high an LR shows first as a non-finite loss or as the CPU router refusing its logits;
-  // either way the run diverged, which the router's own message (about its inputs) would hide.
-  const auto diverged = [&](const std::string& what) {
-    return Error(ErrorCode::non_finite, "training diverged at step " + std::to_string(r.step + 1) + ": " + what);
-  };
   try {
     engine_->step(batch, factor, stats, read_metrics, r);
   } catch (const Error& e) {
     if (e.code() != ErrorCode::non_finite) throw;
-    throw diverged("the router logits became non-finite");
+    throw diverged_at(r.step + 1, "the router logits became non-finite");
   }
   ++steps_;  // the step was taken, diverged or not
-  if (read_metrics && !std::isfinite(r.loss)) throw diverged("the loss is " + std::to_string(r.loss));
+  if (read_metrics && !std::isfinite(r.loss)) throw diverged_at(steps_, "the loss is " + std::to_string(r.loss));
   return r;
 }
 
@@ -181,7 +186,13 @@ double Trainer::evaluate(int batches, bool use_ema) {
   for (int i = 0; i < batches; ++i)
     data.push_back(
         sample_batch(text_.validation, config_.batch, config_.seq, config_.validation_seed.value_or(config_.seed) + 0x5EED, i));
-  return engine_->evaluate(data, use_ema);
+  try {
+    return engine_->evaluate(data, use_ema);
+  } catch (const Error& e) {
+    // The last step's update left non-finite weights, which its own (earlier) loss did not show.
+    if (e.code() != ErrorCode::non_finite) throw;
+    throw diverged_at(steps_, "the router logits became non-finite in validation");
+  }
 }
 
 namespace {
