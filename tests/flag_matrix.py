@@ -3,7 +3,8 @@
 (0, -1, 2^31, 2^63-1, 1e30, nan, inf, text) on top of arguments that keep a valid run tiny:
 each run must end within its time bound with a clear exit (0, or an error message and a
 non-zero code), never by a signal, an uncaught exception, or a sanitizer report (in the ASan /
-UBSan build every report is fatal, and its text is checked here too).
+UBSan build every report is fatal, and its text is checked here too); a floating-point option
+must refuse nan and inf with a message naming it.
 
 The numeric options are read from each command's --help, so a new option is covered without
 editing this file. Runs happen in a scratch directory (the commands' default output files land
@@ -19,6 +20,7 @@ import sys
 import tempfile
 
 VALUES = ["0", "-1", "2147483648", "9223372036854775807", "1e30", "nan", "inf", "text"]
+NON_FINITE = ("nan", "inf")
 
 # Arguments under which a run with valid values stays small; the option under test comes last
 # and overrides any of them (CLI11 keeps the last value).
@@ -45,12 +47,12 @@ FAILURE_TEXT = re.compile(r"runtime error:|AddressSanitizer|LeakSanitizer|termin
 
 
 def numeric_options(moka, command):
-    """The options of `command` whose --help type is INT, UINT or FLOAT."""
+    """The (option, type) pairs of `command` whose --help type is INT, UINT or FLOAT."""
     text = subprocess.run([moka, command, "--help"], capture_output=True, text=True, timeout=30).stdout
-    return re.findall(r"^\s+(?:-\w,)?(--[a-z0-9-]+) (?:INT|UINT|FLOAT)\b", text, re.M)
+    return re.findall(r"^\s+(?:-\w,)?(--[a-z0-9-]+) (INT|UINT|FLOAT)\b", text, re.M)
 
 
-def run_case(moka, command, option, value, timeout, scratch):
+def run_case(moka, command, option, kind, value, timeout, scratch):
     argv = [moka, command] + BASE[command] + [option, value] + TAIL.get(command, [])
     try:
         done = subprocess.run(argv, capture_output=True, text=True, timeout=timeout, cwd=scratch,
@@ -65,6 +67,10 @@ def run_case(moka, command, option, value, timeout, scratch):
         return f"{' '.join(argv[1:])}: '{found.group(0)}' in its output\n{output[-1200:]}"
     if done.returncode != 0 and not done.stderr.strip():
         return f"{' '.join(argv[1:])}: exit {done.returncode} with no message"
+    # A floating-point option refuses NaN and infinity by name (a comparison-based range check
+    # lets NaN through, a one-sided one infinity; either then runs on NaNs).
+    if kind == "FLOAT" and value in NON_FINITE and (done.returncode == 0 or option not in done.stderr):
+        return f"{' '.join(argv[1:])}: not refused by name (exit {done.returncode})\n{output[-600:]}"
     return None
 
 
@@ -75,7 +81,7 @@ def main():
     parser.add_argument("--timeout", type=float, default=60)
     args = parser.parse_args()
     args.moka = os.path.abspath(args.moka)
-    cases = [(c, o, v) for c in BASE for o in numeric_options(args.moka, c) for v in VALUES]
+    cases = [(c, o, k, v) for c in BASE for o, k in numeric_options(args.moka, c) for v in VALUES]
     if len(cases) < 100:
         sys.exit(f"flag_matrix: only {len(cases)} cases: the --help format changed?")
     with tempfile.TemporaryDirectory(prefix="moka_flags_") as scratch:

@@ -79,6 +79,30 @@ case $2 in
     echo "ok: $2"
     exit 0
     ;;
+  launch-failed-fork-stops-the-started-workers)
+    # Under a limit of 3 processes (as nobody where root is exempt from it) the third worker's
+    # fork fails: the launcher stops the workers it started instead of leaving them unsupervised.
+    command -v prlimit >/dev/null || exit 77
+    as_limited_user=""
+    if [ "$(id -u)" = 0 ]; then
+      command -v setpriv >/dev/null || exit 77
+      as_limited_user="setpriv --reuid=65534 --regid=65534 --clear-groups"
+      $as_limited_user test -x "$moka" || exit 77
+    fi
+    child="sleep 1000.$$"  # a command line no other process has
+    rc=0
+    (cd / && $as_limited_user prlimit --nproc=3 "$moka" launch -n 3 -- sh -c "exec $child") >out.txt 2>&1 || rc=$?
+    [ $rc != 0 ] && grep -q "moka launch: cannot start worker [0-2] of 3 (fork: .*); stopped the [0-2] started" out.txt ||
+      fail "no clear error for the failed fork (exit $rc)"
+    sleep 0.2
+    leftover=$(pgrep -f "$child" || true)
+    if [ -n "$leftover" ]; then
+      kill $leftover
+      fail "a started worker outlived the failed launch"
+    fi
+    echo "ok: $2"
+    exit 0
+    ;;
   launch-n-beyond-the-limit)
     rc=0
     "$moka" launch -n 5000 -- true >out.txt 2>&1 || rc=$?

@@ -132,10 +132,10 @@ Failure first_failure(const std::vector<Worker>& workers, const StatusChange& ch
 // Sends `signal` to the process group a worker leads (the worker and whatever it started).
 void signal_worker(const Worker& w, int signal) { ::kill(-w.pid, signal); }
 
-// The workers fork could start, each a process group; when one fork fails the ones started are
-// killed and reaped before the error is raised, so none runs on unsupervised.
-// The job key the workers prove themselves with: a fresh random one, unless the caller gave one
-// (MOKA_JOB_KEY or MOKA_JOB_KEY_FILE, which the workers then read themselves).
+// Starts `count` workers, each a process group; when a fork fails the ones started are killed
+// and reaped before the error is raised, so none runs on unsupervised. They prove themselves to
+// each other with a fresh random job key, unless the caller gave one (MOKA_JOB_KEY or
+// MOKA_JOB_KEY_FILE, which the workers then read themselves).
 std::vector<Worker> spawn_workers(const std::vector<std::string>& args, int count, int port, const sigset_t& mask) {
   const bool caller_key = std::getenv("MOKA_JOB_KEY") || std::getenv("MOKA_JOB_KEY_FILE");
   const std::string job_key = caller_key ? std::string() : comm::random_key();
