@@ -6,6 +6,7 @@
 #include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <limits>
 #include <numeric>
 
 #include "train/checkpoint.hpp"
@@ -154,6 +155,27 @@ TEST(TextData, SplitIsDeterministicAndBatchesShiftByOne) {
     for (int64_t t = 0; t + 1 < 16; ++t) EXPECT_EQ(b.targets[s * 16 + t], b.inputs[s * 16 + t + 1]);
   EXPECT_EQ(sample_batch(text->train, 3, 16, 1, 5).inputs, b.inputs);
   EXPECT_NE(sample_batch(text->train, 3, 16, 1, 6).inputs, b.inputs);
+}
+
+// Sizes no CLI flag reaches (it checks them first), given to the library: clear errors, never an
+// overflowed seq + 1 or batch x seq (UBSan) or a huge allocation.
+TEST(TextData, SampleBatchRefusesSizesThatOverflow) {
+  const std::vector<uint8_t> text(100, 'a');
+  const auto error_of = [&](int64_t batch, int64_t seq) {
+    try {
+      sample_batch(text, batch, seq, 1, 0);
+    } catch (const moka::Error& e) {
+      EXPECT_EQ(e.code(), moka::ErrorCode::invalid_argument);
+      return std::string(e.what());
+    }
+    return std::string("no error");
+  };
+  constexpr int64_t kMax = std::numeric_limits<int64_t>::max();
+  EXPECT_NE(error_of(2, kMax).find("shorter than a sequence of 9223372036854775807"), std::string::npos);
+  EXPECT_NE(error_of(kMax, 16).find("a batch of 9223372036854775807 x 16 tokens overflows 64 bits"), std::string::npos);
+  EXPECT_NE(error_of(0, 16).find("both must be positive"), std::string::npos);
+  EXPECT_NE(error_of(3, 0).find("both must be positive"), std::string::npos);
+  EXPECT_EQ(error_of(3, 98), "no error");  // the longest sequence 100 bytes hold with its target
 }
 
 // Bytes this process has read through read(2) so far (Linux's /proc/self/io "rchar").

@@ -81,9 +81,14 @@ TextSplit load_fortune_corpus(const std::string& dir, int64_t max_bytes, int val
 }
 
 Batch sample_batch(const std::vector<uint8_t>& text, int64_t batch, int64_t seq, uint64_t seed, int64_t step) {
-  require(int64_t(text.size()) > seq + 1, ErrorCode::invalid_argument,
-          "text of " + std::to_string(text.size()) + " bytes is shorter than a sequence");
-  Batch b{batch, seq, std::vector<int32_t>(batch * seq), std::vector<int32_t>(batch * seq)};
+  // Written so that no value of batch or seq overflows (seq + 1 or batch * seq would).
+  const std::string sizes = "a batch of " + std::to_string(batch) + " x " + std::to_string(seq) + " tokens";
+  require(batch >= 1 && seq >= 1, ErrorCode::invalid_argument, sizes + ": both must be positive");
+  require(int64_t(text.size()) - 1 > seq, ErrorCode::invalid_argument,
+          "text of " + std::to_string(text.size()) + " bytes is shorter than a sequence of " + std::to_string(seq));
+  int64_t tokens = 0;
+  require(!__builtin_mul_overflow(batch, seq, &tokens), ErrorCode::invalid_argument, sizes + " overflows 64 bits");
+  Batch b{batch, seq, std::vector<int32_t>(size_t(tokens)), std::vector<int32_t>(size_t(tokens))};
   std::mt19937_64 rng(seed * 0x9E3779B97F4A7C15ull + uint64_t(step));
   std::uniform_int_distribution<int64_t> offset(0, int64_t(text.size()) - seq - 1);
   for (int64_t s = 0; s < batch; ++s) {
