@@ -42,6 +42,20 @@ signal_run() {
   wait $pid || rc=$?
 }
 
+# Sets as_limited_user to what runs a command as a user the kernel holds to RLIMIT_NPROC (root
+# is exempt: then nobody, in a folder of the work directory it may write), or exits 77 (skipped).
+limited_user() {
+  command -v prlimit >/dev/null || exit 77
+  as_limited_user=""
+  [ "$(id -u)" = 0 ] || return 0
+  command -v setpriv >/dev/null || exit 77
+  as_limited_user="setpriv --reuid=65534 --regid=65534 --clear-groups"
+  $as_limited_user test -x "$moka" || exit 77
+  chmod 755 "$work"
+  mkdir -m 777 nobody
+  cd nobody
+}
+
 # launch-sigint-exits-130, launch-sigterm-exits-143: the launcher passes the signal on to its
 # workers and exits 128 + the signal, as a shell reports a process the signal ended.
 case $2 in
@@ -80,18 +94,12 @@ case $2 in
     exit 0
     ;;
   launch-failed-fork-stops-the-started-workers)
-    # Under a limit of 3 processes (as nobody where root is exempt from it) the third worker's
-    # fork fails: the launcher stops the workers it started instead of leaving them unsupervised.
-    command -v prlimit >/dev/null || exit 77
-    as_limited_user=""
-    if [ "$(id -u)" = 0 ]; then
-      command -v setpriv >/dev/null || exit 77
-      as_limited_user="setpriv --reuid=65534 --regid=65534 --clear-groups"
-      $as_limited_user test -x "$moka" || exit 77
-    fi
+    # Under a limit of 3 processes the third worker's fork fails: the launcher stops the workers
+    # it started instead of leaving them unsupervised.
+    limited_user
     child="sleep 1000.$$"  # a command line no other process has
     rc=0
-    (cd / && $as_limited_user prlimit --nproc=3 "$moka" launch -n 3 -- sh -c "exec $child") >out.txt 2>&1 || rc=$?
+    $as_limited_user prlimit --nproc=3 "$moka" launch -n 3 -- sh -c "exec $child" >out.txt 2>&1 || rc=$?
     [ $rc != 0 ] && grep -q "moka launch: cannot start worker [0-2] of 3 (fork: .*); stopped the [0-2] started" out.txt ||
       fail "no clear error for the failed fork (exit $rc)"
     sleep 0.2
@@ -178,6 +186,18 @@ case $2 in
     # shellcheck disable=SC2086
     "$moka" train --resume ck.safetensors --steps $((step + 2)) --eval-every 0 $small >out.txt 2>&1 ||
       fail "resuming the checkpoint failed"
+    ;;
+  lr-sweep-beyond-the-thread-limit)
+    # Under a limit of 4 processes and threads, 16 workers cannot all start: a clear error, and
+    # the workers started stopped and joined (never "terminate called").
+    limited_user
+    rc=0
+    # shellcheck disable=SC2086
+    $as_limited_user prlimit --nproc=4 "$moka" lr-sweep --mults 1 --lr-points 16 --workers 16 --steps 1 \
+      --eval-batches 1 --plot '' --json '' $small >out.txt 2>&1 || rc=$?
+    [ $rc = 2 ] && ! grep -q "terminate called" out.txt &&
+      grep -q "training runs: cannot start worker thread [0-9]* of 16: .*ulimit -u" out.txt ||
+      fail "exit code $rc, expected 2 and a clear error"
     ;;
   train-profile-prints-stages)
     # The CPU path of --profile: the table with every stage, and a JSON line a script can read.

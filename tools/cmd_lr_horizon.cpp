@@ -144,8 +144,13 @@ void run(LrHorizonCommand& c) {
   require(c.plot.empty() || !c.json.empty(), ErrorCode::invalid_argument, "--plot draws from --json: give both");
   if (!c.plot.empty()) check_plotter(c.plot);
   config.workers = c.sweep.resolved_workers(parse_backend(c.options.backend));
-  const int64_t runs = int64_t(config.lrs.size()) * c.sweep.seeds;  // the constant-LR runs, at least
-  config.train = c.options.resolve_widths({1}, std::min<int64_t>(config.workers, runs));
+  const int64_t constant_lr_runs = int64_t(config.lrs.size()) * c.sweep.seeds;
+  check_run_count(constant_lr_runs * int64_t(1 + config.wsd_check_steps.size()),
+                  "--lr-points " + std::to_string(c.sweep.lr_points) + " x --seeds " + std::to_string(c.sweep.seeds) +
+                      " x (1 + " + std::to_string(config.wsd_check_steps.size()) + " --wsd-check budgets)");
+  const int64_t runs_at_once = std::min<int64_t>(config.workers, constant_lr_runs);
+  config.train = c.options.resolve_widths({1}, runs_at_once);
+  check_validation_memory(config.train, c.sweep.eval_batches, runs_at_once);
   config.seeds = c.sweep.seeds;
   config.eval_every = c.eval_every;
   config.eval_batches = c.sweep.eval_batches;

@@ -69,7 +69,12 @@ void run(LrSweepCommand& c) {
   config.workers = c.sweep.resolved_workers(parse_backend(c.options.backend));
   // The widest width's runs start first, all at once where the workers allow.
   const int64_t widest_runs = int64_t(config.lrs.size()) * c.sweep.seeds;
-  config.train = c.options.resolve_widths(config.multipliers, std::min<int64_t>(config.workers, widest_runs));
+  check_run_count(int64_t(config.multipliers.size()) * widest_runs,
+                  "--mults (" + std::to_string(config.multipliers.size()) + " widths) x --lr-points " +
+                      std::to_string(c.sweep.lr_points) + " x --seeds " + std::to_string(c.sweep.seeds));
+  const int64_t runs_at_once = std::min<int64_t>(config.workers, widest_runs);
+  config.train = c.options.resolve_widths(config.multipliers, runs_at_once);
+  check_validation_memory(config.train, c.sweep.eval_batches, runs_at_once);
   config.eval_batches = c.sweep.eval_batches;
   config.seeds = c.sweep.seeds;
   const auto text = c.options.load_text();

@@ -74,6 +74,7 @@ void run(TrainCommand& c) {
   require(c.resume.empty() || std::filesystem::is_regular_file(c.resume), ErrorCode::invalid_argument,
           "--resume " + c.resume + ": no such file");
   auto config = c.options.resolve(c.width_mult);
+  check_validation_memory(config, c.eval_batches, 1);
   config.profile = c.profile;
   const auto text = c.options.load_text();
   train::Trainer trainer(config, text);

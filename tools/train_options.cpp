@@ -212,6 +212,23 @@ void add_train_options(CLI::App* cmd, TrainCliOptions& o, SharedOptions which) {
       ->check(at_least(0));
 }
 
+void check_validation_memory(const train::TrainConfig& t, int64_t eval_batches, int64_t runs_at_once) {
+  // Token ids and targets, int32 each.
+  const double bytes = double(runs_at_once) * double(eval_batches) * double(t.batch) * double(t.seq) * 8;
+  const std::string of_runs =
+      runs_at_once > 1 ? " of " + std::to_string(runs_at_once) + " runs at once (see --workers)" : "";
+  require_host_memory(bytes,
+                      "--eval-batches " + std::to_string(eval_batches) + " --batch " + std::to_string(t.batch) +
+                          " --seq " + std::to_string(t.seq),
+                      "the validation batches" + of_runs);
+}
+
+void check_run_count(int64_t runs, const std::string& product) {
+  require(runs <= kMaxRuns, ErrorCode::invalid_argument,
+          product + " = " + std::to_string(runs) + " training runs, more than the " + std::to_string(kMaxRuns) +
+              " a sweep takes");
+}
+
 train::TrainConfig TrainCliOptions::resolve(int64_t multiplier) {
   auto t = resolve_unchecked(multiplier);
   check_training_sizes(t, multiplier > 1 ? "--width-mult " + std::to_string(multiplier) : "", 1);
@@ -303,10 +320,14 @@ int SweepCliOptions::resolved_workers(Backend backend) const {
 void add_sweep_options(CLI::App* cmd, SweepCliOptions& o) {
   cmd->add_option("--lr-min", o.lr_min, "smallest LR of the log grid")->capture_default_str()->check(greater_than(0));
   cmd->add_option("--lr-max", o.lr_max, "largest LR of the log grid")->capture_default_str()->check(greater_than(0));
-  cmd->add_option("--lr-points", o.lr_points, "LRs in the grid")->capture_default_str()->check(at_least(2));
+  cmd->add_option("--lr-points", o.lr_points, "LRs in the grid")
+      ->capture_default_str()
+      ->check(at_least(2))
+      ->check(at_most(double(SweepCliOptions::kMaxGridAxis)));
   cmd->add_option("--seeds", o.seeds, "runs per grid point (seeds --seed, --seed + 1, ...); spreads over seeds are reported")
       ->capture_default_str()
-      ->check(at_least(1));
+      ->check(at_least(1))
+      ->check(at_most(double(SweepCliOptions::kMaxGridAxis)));
   cmd->add_option("--workers", o.workers,
                   "runs at once: CPU threads, or GPU processes with --backend cuda (0 = one per hardware thread on "
                   "the CPU, 4 on the GPU)")

@@ -72,9 +72,21 @@ std::vector<int64_t> parse_multipliers(const std::string& list);  // --mults "1,
 // A comma-separated list of positive integers given to `option` ("" = empty).
 std::vector<int64_t> parse_positive_list(const std::string& option, const std::string& list);
 
+// Refuses, naming the flags, `runs_at_once` runs whose `eval_batches` validation batches (one
+// evaluation holds them all) exceed this machine's memory.
+void check_validation_memory(const train::TrainConfig& t, int64_t eval_batches, int64_t runs_at_once);
+
+// The most training runs a sweep takes: it keeps every run's configuration, and its progress
+// line counts them in int.
+constexpr int64_t kMaxRuns = 1'000'000;
+// Refuses `runs` above kMaxRuns; `product` names the flags that multiply into it.
+void check_run_count(int64_t runs, const std::string& product);
+
 // The options of the commands that train many runs (lr-sweep, lr-horizon): the LR grid, seeds,
 // parallel runs and validation size.
 struct SweepCliOptions {
+  static constexpr int kMaxGridAxis = 1000;  // the most --lr-points and --seeds
+
   double lr_min = 0x1p-10, lr_max = 0x1p-4;
   int lr_points = 7;
   int seeds = 1;

@@ -2,13 +2,17 @@
 
 #include <algorithm>
 #include <atomic>
+#include <cerrno>
 #include <cmath>
+#include <csignal>
+#include <cstring>
 #include <exception>
 #include <limits>
 #include <map>
 #include <mutex>
 #include <sstream>
 #include <string>
+#include <system_error>
 #include <thread>
 
 #include <poll.h>
@@ -227,11 +231,29 @@ void run_in_processes(size_t count, int workers, const std::function<std::vector
     size_t current = SIZE_MAX;  // the run it started and has not reported
   };
   std::vector<Worker> live;
+  // A pipe or fork that fails stops the workers started (none runs on unsupervised) and says why.
+  const auto fail_to_start = [&](const std::string& what, int err) {
+    const std::string why = std::strerror(err);
+    for (const auto& w : live) kill(w.pid, SIGKILL);
+    for (const auto& w : live) {
+      close(w.fd);
+      waitpid(w.pid, nullptr, 0);
+    }
+    munmap(shared, sizeof(std::atomic<size_t>));
+    return Error(ErrorCode::capacity_exceeded, "training runs: cannot start a worker process (" + what + ": " + why +
+                                                   "); stopped the " + std::to_string(live.size()) +
+                                                   " started (--workers sets how many)");
+  };
   auto spawn = [&] {
     int p[2];
-    require(pipe(p) == 0, ErrorCode::io, "training runs: pipe failed");
+    if (pipe(p) != 0) throw fail_to_start("pipe", errno);
     const pid_t pid = fork();
-    require(pid >= 0, ErrorCode::io, "training runs: fork failed");
+    if (pid < 0) {
+      const int err = errno;
+      close(p[0]);
+      close(p[1]);
+      throw fail_to_start("fork", err);
+    }
     if (pid == 0) {
       close(p[0]);
       auto say = [&](const std::string& line) { (void)!write(p[1], line.data(), line.size()); };
@@ -335,8 +357,23 @@ void run_in_threads(size_t count, int workers, const std::function<std::vector<d
     }
   };
   std::vector<std::thread> pool;
-  for (int w = 0; w < std::max(1, workers); ++w) pool.emplace_back(worker);
+  std::string start_failure;
+  for (int w = 0; w < workers; ++w) {
+    try {
+      pool.emplace_back(worker);
+    } catch (const std::system_error& e) {
+      // The limit on processes and threads or the memory for stacks is reached: stop the workers
+      // started and join them (a joinable std::thread destroyed ends the process in terminate).
+      start_failure = "training runs: cannot start worker thread " + std::to_string(w) + " of " +
+                      std::to_string(workers) + ": " + e.what() +
+                      " (the limit on processes and threads, ulimit -u, or memory for thread stacks; --workers "
+                      "sets how many)";
+      next = count;
+      break;
+    }
+  }
   for (auto& t : pool) t.join();
+  require(start_failure.empty(), ErrorCode::capacity_exceeded, start_failure);
   if (error) std::rethrow_exception(error);
 }
 
@@ -344,6 +381,7 @@ void run_in_threads(size_t count, int workers, const std::function<std::vector<d
 
 void run_jobs(size_t count, int workers, bool in_processes, const std::function<std::vector<double>(size_t)>& job,
               const std::function<void(size_t, std::vector<double>)>& on_result) {
+  workers = int(std::clamp<size_t>(count, 1, size_t(std::max(1, workers))));  // no more workers than runs
   if (in_processes)
     run_in_processes(count, workers, job, on_result);
   else
