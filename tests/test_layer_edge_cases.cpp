@@ -102,3 +102,29 @@ TEST(EdgeCases, EmptyRankInEmulatedGroup) {
 }
 
 }  // namespace
+
+namespace {
+
+// A training step's form of the backward: the context handed over and destroyed.
+TEST(EdgeCases, ConsumeBackwardGivesTheResultsOfBackward) {
+  const MoeShape s = small_shape();
+  auto kept = random_buffers<double>(s, 1, 13, 3);
+  auto consumed = kept;
+  run_single(s, kept);
+  auto layer = make_moe_layer(s, Backend::cpu, nullptr, LayerOptions{4, 2});
+  layer->consume_backward(layer->forward(consumed.inputs(), consumed.weights(), consumed.out_view(), Stream{}),
+                          consumed.d_out_view(), consumed.weights(), consumed.gradients(), Stream{});
+  EXPECT_EQ(consumed.out, kept.out);
+  EXPECT_EQ(consumed.d_x, kept.d_x);
+  EXPECT_EQ(consumed.d_topk_weights, kept.d_topk_weights);
+  EXPECT_EQ(consumed.d_w_gate, kept.d_w_gate);
+  EXPECT_EQ(consumed.d_ws_down, kept.d_ws_down);
+  try {
+    layer->consume_backward(nullptr, consumed.d_out_view(), consumed.weights(), consumed.gradients(), Stream{});
+    FAIL() << "a missing context was accepted";
+  } catch (const Error& e) {
+    EXPECT_EQ(e.code(), ErrorCode::invalid_argument);
+  }
+}
+
+}  // namespace

@@ -8,6 +8,7 @@
 
 #include "moka/allocator.hpp"
 #include "moka/config.hpp"
+#include "moka/error.hpp"
 #include "moka/megakernel.hpp"
 #include "moka/process_group.hpp"
 #include "moka/stream.hpp"
@@ -61,7 +62,10 @@ const char* to_string(SaveMode save);
 SaveMode parse_save_mode(const std::string& name);  // "gate_up" | "none"
 
 struct LayerOptions {
-  int64_t tile_rows = 128;  // each expert's rows are padded to a multiple (the GEMM M tile)
+  // The GEMM M tile: each expert's rows are padded to a multiple of it on the CPU backend, the
+  // megakernel path (which needs 128) and the all-to-all path's row blocks; the single-GPU path
+  // packs the experts' rows back to back (its grouped GEMMs bound every tile by its expert's rows).
+  int64_t tile_rows = 128;
   int num_threads = 0;      // CPU backend worker threads per rank; 0 = hardware concurrency
   RowOrder row_order = RowOrder::rate_based;  // order of the rows from different sources
   // CUDA backend: SwiGLU in the gate GEMM's epilogue (an up launch, then a gate launch whose
@@ -121,6 +125,15 @@ class MoeLayer {
                                               const TensorView& out, Stream stream) = 0;
   virtual void backward(const MoeContext& saved, const TensorView& d_out,
                         const MoeWeights& weights, const MoeGradients& grads, Stream stream) = 0;
+  // The same backward, the same bits, consuming its context: it may write its own scratch over
+  // what the context saved (on the CUDA staged paths the saved gate and up products become dU and
+  // w·h: two rows x I buffers fewer at the backward's peak). What a training step wants, with
+  // one backward per forward; the context is destroyed before it returns.
+  void consume_backward(std::unique_ptr<MoeContext> saved, const TensorView& d_out, const MoeWeights& weights,
+                        const MoeGradients& grads, Stream stream) {
+    if (!saved) throw Error(ErrorCode::invalid_argument, "consume_backward got no context");
+    backward_overwriting(*saved, d_out, weights, grads, stream);
+  }
 
   // Errors the device found in calls that have finished (a bad routing, a megakernel wait that
   // timed out, token counts that disagree across ranks), on every rank, naming the rank and the
@@ -136,6 +149,13 @@ class MoeLayer {
   virtual std::vector<StageTime> stage_times() const { return {}; }
   // The megakernel path's extension (config, timeline); null on every other path.
   virtual MegakernelExtension* megakernel() { return nullptr; }
+
+ protected:
+  // consume_backward's work: a path that can reuse the saved memory overrides it.
+  virtual void backward_overwriting(MoeContext& saved, const TensorView& d_out, const MoeWeights& weights,
+                                    const MoeGradients& grads, Stream stream) {
+    backward(saved, d_out, weights, grads, stream);
+  }
 };
 
 // `group` may be null for a single rank. The layer keeps a reference to it.

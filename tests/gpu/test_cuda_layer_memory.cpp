@@ -1,6 +1,7 @@
 // The CUDA layer's memory (issue 29): what a context holds, the caller's allocator getting every
 // byte back, several forwards in flight per layer with their backwards in any order, SaveMode::none
-// recomputing gate|up to the same bits, and threads and streams sharing one layer.
+// recomputing gate|up to the same bits, threads and streams sharing one layer, consume_backward,
+// and the megakernel layer taking its per-call scratch from the caller.
 #include <gtest/gtest.h>
 
 #include <mutex>
@@ -83,7 +84,7 @@ int64_t array_bytes(int64_t elements, int64_t element_bytes) { return std::max<i
 TEST(CudaLayerMemory, ContextHoldsTheRoutesAndGateUpAndEveryByteComesBack) {
   const MoeShape s = shape(256, 128, 16, 4, 96);
   const int64_t T = 77, k = s.top_k, E = s.num_experts, I = s.intermediate, Is = s.shared_intermediate;
-  const int64_t rows = T * k + E * (128 - 1);  // the default tile's worst case
+  const int64_t rows = T * k;  // one rank's expert segments are not padded
   const int64_t routes = array_bytes(E, 4) + array_bytes(E + 1, 4) + array_bytes(T * k, 4);
   for (SaveMode save : {SaveMode::gate_up, SaveMode::none}) {
     SCOPED_TRACE(to_string(save));
@@ -116,16 +117,21 @@ TEST(CudaLayerMemory, ContextHoldsTheRoutesAndGateUpAndEveryByteComesBack) {
   }
 }
 
+// Shapes whose bits two ways of running a layer must agree on: a shared expert, the clamped
+// activation with ragged widths, and 64 experts for 5 tokens (most of them empty).
+struct BitCase {
+  const char* name;
+  MoeShape shape;
+  int64_t tokens;
+};
+const BitCase kBitCases[] = {{"shared", shape(256, 128, 16, 4, 128), 37},
+                             {"clamped", shape(512, 1408, 8, 2, 520, true), 100},
+                             {"sparse", shape(2048, 768, 64, 8), 5}};
+
 // SaveMode::none recomputes gate|up from x in the backward: every output and gradient the same
 // bits as the default's, unfused and fused SwiGLU, with a shared expert and empty experts.
 TEST(CudaLayerMemory, SaveNoneGivesTheBitsOfSaveGateUp) {
-  const struct {
-    const char* name;
-    MoeShape shape;
-    int64_t tokens;
-  } cases[] = {{"shared", shape(256, 128, 16, 4, 128), 37}, {"clamped", shape(512, 1408, 8, 2, 520, true), 100},
-               {"sparse", shape(2048, 768, 64, 8), 5}};
-  for (const auto& p : cases) {
+  for (const auto& p : kBitCases) {
     for (bool fused : {false, true}) {
       SCOPED_TRACE(std::string(p.name) + (fused ? " fused" : " unfused"));
       GpuCase c = routed_case(p.shape, p.tokens, fresh_seed());
@@ -134,6 +140,33 @@ TEST(CudaLayerMemory, SaveNoneGivesTheBitsOfSaveGateUp) {
       c.poison();
       run_gpu(*cuda_layer(p.shape, SaveMode::none, nullptr, fused), c);
       EXPECT_TRUE(c.output_bytes() == saved_bits) << "outputs or gradients differ from save=gate_up's";
+    }
+  }
+}
+
+// consume_backward writes dU and w·h over the context's gate and up: the bits of backward, two
+// rows x I buffers (and the shared expert's two T x Is) fewer at the backward's peak, and every
+// byte back once it returns.
+TEST(CudaLayerMemory, ConsumeBackwardGivesTheBitsOfBackwardInLessMemory) {
+  for (const auto& p : kBitCases) {
+    for (bool fused : {false, true}) {
+      SCOPED_TRACE(std::string(p.name) + (fused ? " fused" : " unfused"));
+      GpuCase c = routed_case(p.shape, p.tokens, fresh_seed());
+      CountingAllocator keeping, consuming;
+      run_gpu(*cuda_layer(p.shape, SaveMode::gate_up, &keeping, fused), c);
+      const auto kept_bits = c.output_bytes();
+      c.poison();
+      auto layer = cuda_layer(p.shape, SaveMode::gate_up, &consuming, fused);
+      layer->consume_backward(layer->forward(c.inputs(), c.weights(), c.out_view(), Stream{}), c.d_out_view(),
+                              c.weights(), c.gradients(), Stream{});
+      MOKA_CUDA_CHECK(cudaDeviceSynchronize());
+      layer->check_errors();
+      EXPECT_TRUE(c.output_bytes() == kept_bits) << "outputs or gradients differ from backward's";
+      EXPECT_EQ(consuming.in_use(), 0) << "the consumed context's memory went back";
+      const int64_t rows = p.tokens * p.shape.top_k, I = p.shape.intermediate;
+      const int64_t overwritten = 2 * rows * I * 2 + 2 * p.tokens * p.shape.shared_intermediate * 2;
+      EXPECT_GE(keeping.peak() - consuming.peak(), overwritten);
+      EXPECT_EQ(keeping.allocations() - consuming.allocations(), p.shape.has_shared() ? 4 : 2);
     }
   }
 }
@@ -177,6 +210,40 @@ TEST(CudaLayerMemory, EveryValueACallReadsItWrote) {
         EXPECT_TRUE(c.output_bytes() == pool_bits) << "a call read memory it had not written";
       }
     }
+  }
+}
+
+// The megakernel layer takes each call's scratch (the ring's hidden and y rows, the shared
+// expert's, the combine and d_x slots, the backward's ring) from the caller's allocator, gives it
+// all back, and reads none of it before writing it: with memory that starts as NaN, the bits of
+// a run on the default pool, for a resident context and a replayed one (a ring of 512 rows).
+TEST(CudaLayerMemory, MegakernelScratchComesFromTheCallersAllocatorAndIsWrittenBeforeRead) {
+  const struct {
+    const char* name;
+    MoeShape shape;
+    int64_t tokens;
+    MegakernelConfig config;
+  } cases[] = {{"resident_shared", shape(256, 128, 16, 4, 128), 37, gpu_test::megakernel_config(32, 4096, 131072)},
+               {"replay_ring_reuse", shape(256, 192, 16, 8), 129, gpu_test::megakernel_config(4, 256, 512)},
+               {"resident_ragged", shape(264, 136, 8, 2, 72), 45, gpu_test::megakernel_config(32, 4096, 131072)}};
+  for (const auto& p : cases) {
+    SCOPED_TRACE(p.name);
+    GpuCase c = routed_case(p.shape, p.tokens, fresh_seed());
+    LayerOptions o = gpu_test::megakernel_options(p.config, p.tokens);
+    run_gpu(*make_moe_layer(p.shape, Backend::cuda, nullptr, o), c);
+    const auto pool_bits = c.output_bytes();
+    PoisoningAllocator poisoning;
+    CountingAllocator counting;
+    for (DeviceAllocator* allocator : {static_cast<DeviceAllocator*>(&poisoning), static_cast<DeviceAllocator*>(&counting)}) {
+      c.poison();
+      o.allocator = allocator;
+      auto layer = make_moe_layer(p.shape, Backend::cuda, nullptr, o);
+      run_gpu(*layer, c);
+      layer->check_errors();
+      EXPECT_TRUE(c.output_bytes() == pool_bits) << "a call read memory it had not written";
+    }
+    EXPECT_EQ(counting.in_use(), 0) << "every byte of the calls' scratch went back";
+    EXPECT_GE(counting.peak(), p.tokens * p.shape.top_k * p.shape.hidden * 2) << "the combine slots came from it";
   }
 }
 

@@ -1,6 +1,11 @@
 // The device routing schedule equals core::build_receive_schedule: counts, padded offsets and
-// the row of every slot, for uniform, skewed and single-expert routing and several tile sizes.
+// the row of every slot, for uniform, skewed and single-expert routing and several tile sizes;
+// and the gather that follows it moves every routed row.
 #include <gtest/gtest.h>
+
+#include <algorithm>
+#include <numeric>
+#include <random>
 
 #include "core/routing_gen.hpp"
 #include "core/schedule.hpp"
@@ -112,3 +117,40 @@ INSTANTIATE_TEST_SUITE_P(Ranks, DeviceScheduleAcrossRanks,
                          ::testing::Combine(::testing::Values(2, 4, 8), ::testing::Values<int64_t>(37, 300),
                                             ::testing::Values(core::RoutingKind::uniform, core::RoutingKind::zipf),
                                             ::testing::Values(RowOrder::round_robin, RowOrder::rate_based)));
+
+// gather_rows copies every routed slot's token row to its grouped row, bit for bit, and leaves
+// the rows of unrouted slots (-1) alone: row widths around the kernel's 32-lane and 8-load steps,
+// slot counts around its 8 slots per block.
+TEST(GatherRows, CopiesEveryRoutedRowAndNothingElse) {
+  const uint64_t seed = gpu_test::fresh_seed();
+  std::mt19937_64 rng(seed);
+  for (int64_t width : {8, 248, 256, 264, 2048, 2056, 7168}) {
+    for (int64_t slots : {1, 7, 9, 1000}) {
+      SCOPED_TRACE("width " + std::to_string(width) + ", slots " + std::to_string(slots));
+      const int64_t k = 3, tokens = (slots + k - 1) / k;
+      std::vector<uint16_t> src(tokens * width);
+      for (auto& v : src) v = static_cast<uint16_t>(rng());
+      // A permutation of the grouped rows; every fifth slot unrouted.
+      std::vector<int32_t> row_of_slot(slots);
+      std::iota(row_of_slot.begin(), row_of_slot.end(), 0);
+      std::shuffle(row_of_slot.begin(), row_of_slot.end(), rng);
+      for (int64_t s = 0; s < slots; s += 5) row_of_slot[s] = -1;
+      constexpr uint16_t kPoison = 0x7FC1;
+      std::vector<uint16_t> expect(slots * width, kPoison);
+      for (int64_t s = 0; s < slots; ++s)
+        if (row_of_slot[s] >= 0)
+          std::copy_n(&src[(s / k) * width], width, &expect[int64_t(row_of_slot[s]) * width]);
+
+      gpu_test::DeviceTensor d_src(src.size() * 2), d_dst(expect.size() * 2), d_rows(slots * 4);
+      MOKA_CUDA_CHECK(cudaMemcpy(d_src.data(), src.data(), src.size() * 2, cudaMemcpyHostToDevice));
+      MOKA_CUDA_CHECK(cudaMemcpy(d_rows.data(), row_of_slot.data(), slots * 4, cudaMemcpyHostToDevice));
+      const std::vector<uint16_t> poison(expect.size(), kPoison);
+      MOKA_CUDA_CHECK(cudaMemcpy(d_dst.data(), poison.data(), poison.size() * 2, cudaMemcpyHostToDevice));
+      cuda::gather_rows(d_src.as<cuda::bf16>(), d_dst.as<cuda::bf16>(), d_rows.as<int32_t>(), slots, k, width, nullptr);
+      MOKA_CUDA_CHECK(cudaDeviceSynchronize());
+      std::vector<uint16_t> got(expect.size());
+      MOKA_CUDA_CHECK(cudaMemcpy(got.data(), d_dst.data(), got.size() * 2, cudaMemcpyDeviceToHost));
+      ASSERT_EQ(got, expect);
+    }
+  }
+}

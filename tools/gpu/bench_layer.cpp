@@ -76,8 +76,9 @@ Timing time_layer(MoeLayer& layer, const LayerTensors& t, const CudaBenchOptions
   r.bwd = time_ms([&] { layer.backward(*ctx, t.d_out_view(), t.weights(), t.gradients(), Stream{s}); }, o.warmup, o.iters, s);
   r.total = time_ms(
       [&] {
-        auto c = layer.forward(t.inputs(), t.weights(), t.out_view(), Stream{s});
-        layer.backward(*c, t.d_out_view(), t.weights(), t.gradients(), Stream{s});
+        // A training step consumes its context (r.bwd reruns one context's backward).
+        layer.consume_backward(layer.forward(t.inputs(), t.weights(), t.out_view(), Stream{s}), t.d_out_view(),
+                               t.weights(), t.gradients(), Stream{s});
       },
       o.warmup, o.iters, s);
   return r;
@@ -127,7 +128,7 @@ StepTime time_step(MoeLayer& layer, const LayerTensors& t, cudaStream_t s) {
   MOKA_CUDA_CHECK(cudaEventRecord(ev.e[0], s));
   auto ctx = layer.forward(t.inputs(), t.weights(), t.out_view(), Stream{s});
   MOKA_CUDA_CHECK(cudaEventRecord(ev.e[1], s));
-  layer.backward(*ctx, t.d_out_view(), t.weights(), t.gradients(), Stream{s});
+  layer.consume_backward(std::move(ctx), t.d_out_view(), t.weights(), t.gradients(), Stream{s});
   MOKA_CUDA_CHECK(cudaEventRecord(ev.e[2], s));
   MOKA_CUDA_CHECK(cudaEventSynchronize(ev.e[2]));
   float fwd = 0, bwd = 0;

@@ -74,8 +74,7 @@ LayerMemory layer_memory(const MakeLayer& make, const LayerTensors& t, int depth
         g.d_x = as_view(d_x);
       }
       const TensorView d_out = i + 1 < depth ? as_view(d_out_of_next) : t.d_out_view();
-      layers[i]->backward(*contexts[i], d_out, t.weights(), g, Stream{s});
-      contexts[i].reset();
+      layers[i]->consume_backward(std::move(contexts[i]), d_out, t.weights(), g, Stream{s});
       if (i > 0) outputs.pop_back();  // layer i's input, read by its backward
       d_out_of_next = std::move(d_x);
     }

@@ -13,8 +13,10 @@
 // NCCL and go back before the combine; split sizes pass through the host there.
 // Memory: a forward's context keeps the routes, the row order and the routed rows' gate and up
 // products (SaveMode::none: the routes and row order only, gate|up recomputed in backward);
-// hidden is recomputed in the activation's backward, x's rows gathered again. Every other buffer
-// is the call's, from LayerOptions::allocator (moka's stream-ordered pool by default), and goes
+// hidden is recomputed in the activation's backward, x's rows gathered again. One rank's expert
+// segments are not padded (the grouped GEMMs bound every tile by its expert's row count, and any
+// row of a 16-byte-wide buffer starts 16-byte aligned): the grouped buffers hold T*k rows, as
+// many as the routes. Every other buffer is the call's, from LayerOptions::allocator (moka's stream-ordered pool by default), and goes
 // back as soon as its last reader is enqueued.
 #include <algorithm>
 #include <functional>
@@ -204,6 +206,19 @@ class CudaMoeLayer final : public StagedLayer {
 
   void backward(const MoeContext& saved, const TensorView& d_out, const MoeWeights& w, const MoeGradients& g,
                 Stream stream) override {
+    backward(saved, d_out, w, g, stream, false);
+  }
+
+ protected:
+  void backward_overwriting(MoeContext& saved, const TensorView& d_out, const MoeWeights& w, const MoeGradients& g,
+                            Stream stream) override {
+    backward(saved, d_out, w, g, stream, true);
+  }
+
+ private:
+  // `overwrite_saved`: the backward may write its scratch over the context's gate and up.
+  void backward(const MoeContext& saved, const TensorView& d_out, const MoeWeights& w, const MoeGradients& g,
+                Stream stream, bool overwrite_saved) {
     const auto* ctx = dynamic_cast<const CudaContext*>(&saved);
     require(ctx != nullptr && ctx->layer == this, ErrorCode::invalid_argument,
             "backward got a context from another layer");
@@ -217,7 +232,7 @@ class CudaMoeLayer final : public StagedLayer {
       const auto fresh = forward(ctx->inputs, w,
                                  TensorView(scratch_out.data(), DType::bf16, {T, shape_.hidden}, Device::cuda(device_)),
                                  stream);
-      backward(*fresh, d_out, w, g, stream);
+      backward(*fresh, d_out, w, g, stream, true);  // the fresh context is this call's
       return;
     }
     std::lock_guard<std::mutex> lock(mutex_);
@@ -237,11 +252,10 @@ class CudaMoeLayer final : public StagedLayer {
     clock_.start(StageClock::Direction::backward, s);
     order_after_last_call(s);
     ctx->used_on(s);
-    run_backward(*ctx, d_out, w, g, s);
+    run_backward(*ctx, d_out, w, g, s, overwrite_saved);
     record_last_call(s);
   }
 
- private:
   DeviceAllocator& allocator() const { return options_.allocator ? *options_.allocator : default_device_allocator(); }
   CallBuffers call_buffers(cudaStream_t s) const { return CallBuffers{&allocator(), s, {}}; }
 
@@ -251,7 +265,7 @@ class CudaMoeLayer final : public StagedLayer {
     const int64_t T = ctx.tokens, H = shape_.hidden, I = shape_.intermediate, k = shape_.top_k;
     const int64_t Is = shape_.shared_intermediate, E = local_experts_;
     const bool shared = shape_.has_shared();
-    ctx.rows = exchange_ ? exchange_->grouped_rows() : T * k + E * (options_.tile_rows - 1);
+    ctx.rows = exchange_ ? exchange_->grouped_rows() : T * k;
     require(ctx.rows < (int64_t(1) << 31), ErrorCode::unsupported_size, "too many routed rows for int32 offsets");
     const int64_t R = std::max<int64_t>(ctx.rows, 1);
     LayerGemms& gemms = gemms_for(T);
@@ -329,9 +343,11 @@ class CudaMoeLayer final : public StagedLayer {
   }
 
   // The backward's stages, in an order that keeps few buffers alive at once: the weight
-  // gradients (which need the grouped x and d_out) before the input gradient's two halves.
+  // gradients (which need the grouped x and d_out) before the input gradient's two halves. The
+  // SwiGLU backward writes dG over dh, and over gate and up (when they are this call's, or the
+  // context is being consumed) w·h and dU.
   void run_backward(const CudaContext& ctx, const TensorView& d_out, const MoeWeights& w, const MoeGradients& g,
-                    cudaStream_t s) {
+                    cudaStream_t s, bool overwrite_saved) {
     const int64_t T = ctx.tokens, H = shape_.hidden, I = shape_.intermediate, k = shape_.top_k;
     const int64_t Is = shape_.shared_intermediate, E = local_experts_, R = std::max<int64_t>(ctx.rows, 1);
     const bool shared = shape_.has_shared();
@@ -369,26 +385,32 @@ class CudaMoeLayer final : public StagedLayer {
     if (exchange_) row_d_weight = DeviceArray<float>(size_t(R), allocator(), s);
     const float* route_w = exchange_ ? ctx.row_weight.data() : ctx.inputs.topk_weights.as<float>();
     float* route_dw = exchange_ ? row_d_weight.data() : g.d_topk_weights.as<float>();
-    // dG overwrites dh_u in place (each element is read by the thread that then writes it).
-    for (Buf b : {kWeightedHidden, kUpGrad}) table.ptr[b] = call.take(b, R * I);
+    // In place: each element is read by the thread that then writes it.
+    const bool in_place = overwrite_saved || options_.save == SaveMode::none;
+    auto written_over = [&](Buf result, Buf input, int64_t elems) {
+      table.ptr[result] = in_place ? table.ptr[input] : call.take(result, elems);
+    };
+    written_over(kWeightedHidden, kGateOut, R * I);
+    written_over(kUpGrad, kUpOut, R * I);
     table.ptr[kGateGrad] = table.ptr[kHiddenGradUnweighted];
     const RowMap map = routed_rows(ctx);
     swiglu_backward_rows(ptr(table, kGateOut), ptr(table, kUpOut), ptr(table, kHiddenGradUnweighted), route_w,
                          route_dw, ptr(table, kWeightedHidden), ptr(table, kGateGrad), ptr(table, kUpGrad), map.rows,
                          map.entries, I, act_, s);
     if (shared) {
-      for (Buf b : {kSharedHidden, kSharedUpGrad}) table.ptr[b] = call.take(b, T * Is);
+      written_over(kSharedHidden, kSharedGateOut, T * Is);
+      written_over(kSharedUpGrad, kSharedUpOut, T * Is);
       table.ptr[kSharedGateGrad] = table.ptr[kSharedHiddenGrad];
       swiglu_backward_rows(ptr(table, kSharedGateOut), ptr(table, kSharedUpOut), ptr(table, kSharedHiddenGrad),
                            nullptr, nullptr, ptr(table, kSharedHidden), ptr(table, kSharedGateGrad),
                            ptr(table, kSharedUpGrad), nullptr, T, Is, act_, s);
     }
-    call.release({kGateOut, kUpOut, kSharedGateOut, kSharedUpOut});
+    if (!in_place) call.release({kGateOut, kUpOut, kSharedGateOut, kSharedUpOut});
     clock_.mark("swiglu_backward", s);
     zero_empty_experts(counts, E, g.d_w_gate.as<bf16>(), g.d_w_up.as<bf16>(), g.d_w_down.as<bf16>(), I * H, s);
     gemms.weight_grad->run(table, counts, offsets, s);
     clock_.mark("weight_grads", s);
-    call.release({kGroupedInput, kGroupedOutGrad, kWeightedHidden, kSharedHidden});
+    call.release({kGroupedInput, kGroupedOutGrad, kWeightedHidden, kSharedHidden, kGateOut, kSharedGateOut});
     for (Buf b : {kInputGradViaGate, kInputGradViaUp}) table.ptr[b] = call.take(b, R * H);
     if (shared)
       for (Buf b : {kSharedInputGradViaGate, kSharedInputGradViaUp}) table.ptr[b] = call.take(b, T * H);
@@ -478,7 +500,7 @@ class CudaMoeLayer final : public StagedLayer {
     d.num_experts = local_experts_;
     d.first_expert = 0;
     d.global_experts = shape_.num_experts;
-    d.tile_rows = options_.tile_rows;
+    d.tile_rows = 1;  // segments back to back (the exchange path's blocks follow tile_rows)
     d.top_k = shape_.top_k;
     d.chunk_counts = chunk_counts;
     d.counts = ctx.counts.data();

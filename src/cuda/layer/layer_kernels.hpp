@@ -73,7 +73,8 @@ void swiglu_forward_rows(const bf16* gate, const bf16* up, bf16* hidden, const i
 // as swiglu_forward_rows wrote). With weights (routed rows):
 //   d_weight[s] = <dh_u[row], hidden[row]>,  dh = w[s] * dh_u[row],  scaled_hidden[row] = w[s] * hidden[row].
 // Without (shared expert): w = 1, d_weight is not written and scaled_hidden (if given) gets hidden.
-// d_gate may be dh_u (in place: each element is read before the thread that reads it writes it).
+// d_gate may be dh_u, d_up up and scaled_hidden gate (in place: every element is read by the
+// thread that then writes it, before it writes it).
 void swiglu_backward_rows(const bf16* gate, const bf16* up, const bf16* dh_u,
                           const float* weights, float* d_weight, bf16* scaled_hidden, bf16* d_gate, bf16* d_up,
                           const int32_t* row_of_slot, int64_t rows, int64_t width, ActParams act,

@@ -68,6 +68,28 @@ __global__ void merge_status_kernel(BackwardStatus* const* slots, int world, Mer
   *merged = m;
 }
 
+// A call's ring and the shared expert's rows, from the layer's allocator on the call's stream,
+// sized by the call's plan and given back (stream-ordered) when the call has enqueued its work.
+// One allocation per element type: ring d_out, x, dx (H wide), dg, du, hs (and in replay g, u:
+// I wide); the shared expert's dg, du, hs (and g, u), Is wide, and its dx.
+struct CallWorkspace {
+  DeviceArray<bf16> ring_bf16, shared_bf16;
+  DeviceArray<float> ring_float, shared_partials, carries;
+  CallWorkspace(const core::MegakernelBackwardPlan& plan, const MoeShape& shape, int64_t tokens, DeviceAllocator& from,
+                cudaStream_t stream) {
+    const int64_t H = shape.hidden, I = shape.intermediate, Is = shape.shared_intermediate, ring = plan.ring_rows;
+    const int64_t shared_rows = plan.shared_row_tiles * plan.tile_m;
+    const int64_t i_rows = plan.mode == core::ContextMode::replay ? 5 : 3;
+    ring_bf16 = DeviceArray<bf16>(size_t(ring * (3 * H + i_rows * I)), from, stream);
+    shared_bf16 = DeviceArray<bf16>(size_t(std::max<int64_t>(shared_rows * i_rows * Is + (Is > 0 ? tokens * H : 0), 1)),
+                                    from, stream);
+    ring_float = DeviceArray<float>(size_t(ring * (1 + plan.dgd_col_tiles)), from, stream);
+    shared_partials = DeviceArray<float>(size_t(std::max<int64_t>(tokens * plan.shared_dgd_col_tiles, 1)), from, stream);
+    carries = DeviceArray<float>(size_t(std::max<int64_t>(plan.max_macrobatches - 1, 1) * backward_carry_floats(H, I)),
+                                 from, stream);
+  }
+};
+
 }  // namespace
 
 void write_pointer_table(void** table, const PointerValues& values, cudaStream_t stream) {
@@ -76,8 +98,10 @@ void write_pointer_table(void** table, const PointerValues& values, cudaStream_t
 }
 
 MegakernelBackward::MegakernelBackward(const MoeShape& shape, const MegakernelConfig& config, int world_size,
-                                       int64_t max_tokens, core::ContextMode mode, int num_ctas, BackwardRanks ranks)
-    : shape_(shape), config_(config), world_(world_size), ranks_(std::move(ranks)), max_tokens_(max_tokens),
+                                       int64_t max_tokens, core::ContextMode mode, int num_ctas, BackwardRanks ranks,
+                                       DeviceAllocator* allocator)
+    : shape_(shape), config_(config), world_(world_size), ranks_(std::move(ranks)),
+      allocator_(allocator ? allocator : &default_device_allocator()), max_tokens_(max_tokens),
       plan_(gpu_backward_plan(shape, config, world_size, max_tokens, mode)), last_plan_(plan_),
       num_ctas_(num_ctas > 0 ? num_ctas : context_sm_count()) {
   const int64_t tokens = max_tokens;
@@ -98,19 +122,9 @@ MegakernelBackward::MegakernelBackward(const MoeShape& shape, const MegakernelCo
   require(config.num_comm_sms >= 1 && config.num_comm_sms < num_ctas_, ErrorCode::invalid_argument,
           "megakernel backward: num_comm_sms " + std::to_string(config.num_comm_sms) +
               " must be >= 1 and leave a compute CTA of " + std::to_string(num_ctas_));
-  const int64_t H = shape.hidden, I = shape.intermediate, Is = shape.shared_intermediate, ring = plan_.ring_rows;
-  const int64_t shared_rows = plan_.shared_row_tiles * plan_.tile_m;
-  // One allocation per element type: ring d_out, x, dx (H wide), dg, du, hs (and in replay g, u:
-  // I wide); the shared expert's dg, du, hs (and g, u), Is wide, and its dx.
-  const int64_t i_rows = replay() ? 5 : 3;
-  ring_bf16_ = DeviceArray<bf16>(size_t(ring * (3 * H + i_rows * I)));
-  shared_bf16_ = DeviceArray<bf16>(size_t(shared_rows * i_rows * Is + (Is > 0 ? tokens * H : 0)));
-  ring_float_ = DeviceArray<float>(size_t(ring * (1 + plan_.dgd_col_tiles)));
-  shared_partials_ = DeviceArray<float>(size_t(tokens * plan_.shared_dgd_col_tiles));
   ones_ = DeviceArray<float>(size_t(tokens));
   const std::vector<float> ones(size_t(tokens), 1.f);
   ones_.upload(ones);
-  carries_ = DeviceArray<float>(size_t(std::max<int64_t>(plan_.max_macrobatches - 1, 1) * backward_carry_floats(H, I)));
   expert_offset_ = DeviceArray<int64_t>(size_t(shape.num_experts / world_size + 1));
   segments_ = DeviceArray<core::WeightGradSegment>(size_t(core::max_segments(plan_)));
   first_of_step_ = DeviceArray<int64_t>(size_t(plan_.max_steps + 1));
@@ -129,11 +143,10 @@ void MegakernelBackward::run(const MegakernelBackwardIo& io, int64_t tokens, cud
   require(tokens >= 1 && tokens <= max_tokens_, ErrorCode::capacity_exceeded,
           "megakernel backward call has " + std::to_string(tokens) + " tokens, its workspace holds 1 to " +
               std::to_string(max_tokens_));
-  // The workspace is carved by the max_tokens plan; the call runs the plan of its own tokens,
-  // whose ring, shared rows, segments and counters fit inside.
-  const int64_t H = shape_.hidden, I = shape_.intermediate, Is = shape_.shared_intermediate, ring = plan_.ring_rows;
-  const int64_t shared_rows = plan_.shared_row_tiles * plan_.tile_m;
+  const int64_t H = shape_.hidden, I = shape_.intermediate, Is = shape_.shared_intermediate;
   last_plan_ = gpu_backward_plan(shape_, config_, world_, tokens, plan_.mode);
+  const CallWorkspace workspace(last_plan_, shape_, tokens, *allocator_, stream);
+  const int64_t ring = last_plan_.ring_rows, shared_rows = last_plan_.shared_row_tiles * last_plan_.tile_m;
   MegakernelBackwardLaunch l;
   l.plan = last_plan_;
   l.num_ctas = num_ctas_;
@@ -147,21 +160,21 @@ void MegakernelBackward::run(const MegakernelBackwardIo& io, int64_t tokens, cud
   l.act = core::ActParams::of(shape_);
   l.timeout_ns = static_cast<uint64_t>(config_.spin_timeout_seconds * 1e9);
   l.io = io;
-  bf16* b = ring_bf16_.data();
+  bf16* b = workspace.ring_bf16.data();
   for (bf16** at : {&l.ring_d_out, &l.ring_x, &l.ring_dx}) *at = std::exchange(b, b + ring * H);
   for (bf16** at : {&l.ring_dg, &l.ring_du, &l.ring_hs}) *at = std::exchange(b, b + ring * I);
-  bf16* s = shared_bf16_.data();
+  bf16* s = workspace.shared_bf16.data();
   for (bf16** at : {&l.shared_dg, &l.shared_du, &l.shared_hs}) *at = std::exchange(s, s + shared_rows * Is);
   if (replay()) {
     for (bf16** at : {&l.ring_gate, &l.ring_up}) *at = std::exchange(b, b + ring * I);
     for (bf16** at : {&l.recomputed_shared_gate, &l.recomputed_shared_up}) *at = std::exchange(s, s + shared_rows * Is);
   }
   l.shared_dx = s;
-  l.ring_weight = ring_float_.data();
-  l.ring_partials = ring_float_.data() + ring;
-  l.shared_partials = shared_partials_.data();
+  l.ring_weight = workspace.ring_float.data();
+  l.ring_partials = workspace.ring_float.data() + ring;
+  l.shared_partials = workspace.shared_partials.data();
   l.ones = ones_.data();
-  l.carries = carries_.data();
+  l.carries = workspace.carries.data();
   l.expert_offset = expert_offset_.data();
   l.segments = segments_.data();
   l.first_of_step = first_of_step_.data();

@@ -153,8 +153,9 @@ struct BackwardRanks {
   BackwardStatus* own_status = nullptr;           // this rank's slot (status_peers[rank])
 };
 
-// Owner of the backward's workspace for one shape, config, context mode and up to `max_tokens`
-// tokens per call.
+// The backward for one shape, config, context mode and up to `max_tokens` tokens per call: its
+// schedule tables, counters and status are its own; its ring and the shared expert's rows are
+// each call's, from `allocator` (null: moka's pool) on the call's stream, sized for its tokens.
 //
 // At EP > 1 a call is collective: every rank runs it with the same token count, on symmetric
 // buffers (the Io's peer tables): d_out and route weights written before run() (the pulls'
@@ -171,7 +172,7 @@ class MegakernelBackward {
   // > 1 needs `ranks` (barrier, error word, status slots).
   MegakernelBackward(const MoeShape& shape, const MegakernelConfig& config, int world_size, int64_t max_tokens,
                      core::ContextMode mode = core::ContextMode::resident, int num_ctas = 0,
-                     BackwardRanks ranks = {});
+                     BackwardRanks ranks = {}, DeviceAllocator* allocator = nullptr);
   // The workspace's plan (max_tokens).
   const core::MegakernelBackwardPlan& plan() const { return plan_; }
   bool replay() const { return plan_.mode == core::ContextMode::replay; }
@@ -199,11 +200,11 @@ class MegakernelBackward {
   MegakernelConfig config_;
   int world_;
   BackwardRanks ranks_;
+  DeviceAllocator* allocator_;
   int64_t max_tokens_;
   core::MegakernelBackwardPlan plan_, last_plan_;
   int num_ctas_ = 0;
-  DeviceArray<bf16> ring_bf16_, shared_bf16_;
-  DeviceArray<float> ring_float_, shared_partials_, ones_, carries_;
+  DeviceArray<float> ones_;  // [max_tokens]: the shared expert's route weight
   DeviceArray<int64_t> expert_offset_, first_of_step_, counters_;
   DeviceArray<core::WeightGradSegment> segments_;
   DeviceArray<BackwardControl> control_;

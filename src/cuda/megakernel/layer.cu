@@ -75,14 +75,16 @@ MegakernelLaunch sized_launch(const core::MegakernelPlan& plan, const MoeShape& 
 // The megakernel forward of one layer: its buffers, launch sequence and error reports.
 class CudaMegakernelForward final : public MegakernelExtension {
  public:
-  CudaMegakernelForward(const MoeShape& shape, DeviceGroup* group, const MegakernelConfig& config, int64_t max_tokens)
-      : shape_(shape), config_(config), group_(group), world_(group ? group->size() : 1),
+  CudaMegakernelForward(const MoeShape& shape, DeviceGroup* group, const MegakernelConfig& config, int64_t max_tokens,
+                        DeviceAllocator& allocator)
+      : shape_(shape), config_(config), group_(group), allocator_(allocator), world_(group ? group->size() : 1),
         rank_(group ? group->rank() : 0), experts_(shape.num_experts / world_), max_tokens_(max_tokens),
         worst_(supported_plan(shape, config, world_, max_tokens)),
         barrier_error_(group ? static_cast<const uint64_t*>(group->device_barrier_error()) : nullptr),
         x_(group, max_tokens * shape.hidden * sizeof(bf16)),
         routing_(group, world_ * routing_region_ints(max_tokens, shape.top_k) * sizeof(int32_t)),
-        combine_(group, max_tokens * shape.top_k * shape.hidden * sizeof(bf16)),
+        combine_(group ? std::make_unique<SymmetricBuffers>(group, max_tokens * shape.top_k * shape.hidden * sizeof(bf16))
+                       : nullptr),
         status_(group, sizeof(core::MegakernelStatus)),
         ids_(world_ * max_tokens * shape.top_k),
         chunk_counts_(schedule_chunks(world_ * max_tokens * shape.top_k) * experts_ * world_),
@@ -92,12 +94,8 @@ class CudaMegakernelForward final : public MegakernelExtension {
         ring_x_(worst_.ring_rows * shape.hidden),
         ring_gate_(worst_.ring_rows * shape.intermediate),
         ring_up_(worst_.ring_rows * shape.intermediate),
-        ring_hidden_(worst_.ring_rows * shape.intermediate),
-        ring_y_(worst_.ring_rows * shape.hidden),
         shared_gate_(max_tokens * shape.shared_intermediate),
         shared_up_(max_tokens * shape.shared_intermediate),
-        shared_hidden_(max_tokens * shape.shared_intermediate),
-        shared_out_(max_tokens * shape.hidden),
         counters_(core::counter_count(worst_)), control_(1), routing_error_(kNoRoutingError) {
     MOKA_CUDA_CHECK(cudaGetDevice(&device_));
     num_sms_ = context_sm_count();
@@ -134,12 +132,13 @@ class CudaMegakernelForward final : public MegakernelExtension {
     finish_schedule(check, s);
     clock.mark("schedule", s);
 
-    launch_megakernel(launch(plan, T, w), s);
+    const ForwardScratch scratch(*this, plan, T, s);
+    launch_megakernel(launch(plan, T, w, scratch), s);
     clock.mark("megakernel", s);
     publish_status(control_.data(), status_.local<core::MegakernelStatus>(), s);
     barrier(s);
-    combine_tokens(combine_.local<bf16>(), in.topk_weights.as<float>(),
-                   shape_.has_shared() ? shared_out_.data() : nullptr, out.as<bf16>(), nullptr, T, k, H, s);
+    combine_tokens(scratch.combine, in.topk_weights.as<float>(), shape_.has_shared() ? scratch.shared_out.data() : nullptr,
+                   out.as<bf16>(), nullptr, T, k, H, s);
     clock.mark("combine", s);
     merge_status(status_.peers<core::MegakernelStatus>(), world_, merged_.device(), s);
     CallOutputs outputs;
@@ -203,9 +202,11 @@ class CudaMegakernelForward final : public MegakernelExtension {
   const bf16* ring_up() const { return ring_up_.data(); }
   const bf16* shared_gate() const { return shared_gate_.data(); }
   const bf16* shared_up() const { return shared_up_.data(); }
-  // The combine slots [T*k, H] of every rank: free between forwards (the backward's d_x slots).
-  bf16* combine_slots() const { return combine_.local<bf16>(); }
-  bf16* const* combine_peers() const { return combine_.peers<bf16>(); }
+  // EP > 1: the combine slots [max_tokens*k, H] of every rank, free between forwards (the
+  // backward's d_x slots); null at EP = 1, where each call takes its own.
+  bf16* const* combine_peers() const { return combine_ ? combine_->peers<bf16>() : nullptr; }
+  bf16* combine_slots() const { return combine_ ? combine_->local<bf16>() : nullptr; }
+  DeviceAllocator& allocator() const { return allocator_; }
 
  private:
   void check_inputs(const MoeInputs& in, const MoeWeights& w, const TensorView& out, int64_t T) const {
@@ -238,13 +239,41 @@ class CudaMegakernelForward final : public MegakernelExtension {
     return d;
   }
 
-  MegakernelLaunch launch(const core::MegakernelPlan& plan, int64_t T, const MoeWeights& w) const {
+  // What lives only inside one forward, from the layer's allocator on its stream, sized for its
+  // plan: the ring's hidden and y rows, the shared expert's hidden and output, and at EP = 1 the
+  // combine slots.
+  struct ForwardScratch {
+    DeviceArray<bf16> ring_hidden, ring_y, shared_hidden, shared_out, own_combine;
+    bf16* combine = nullptr;
+    ForwardScratch(const CudaMegakernelForward& f, const core::MegakernelPlan& plan, int64_t T, cudaStream_t s) {
+      const MoeShape& sh = f.shape_;
+      ring_hidden = DeviceArray<bf16>(size_t(plan.ring_rows * sh.intermediate), f.allocator_, s);
+      ring_y = DeviceArray<bf16>(size_t(plan.ring_rows * sh.hidden), f.allocator_, s);
+      if (sh.has_shared()) {
+        shared_hidden = DeviceArray<bf16>(size_t(T * sh.shared_intermediate), f.allocator_, s);
+        shared_out = DeviceArray<bf16>(size_t(T * sh.hidden), f.allocator_, s);
+      }
+      if (f.combine_) {
+        combine = f.combine_->local<bf16>();
+        return;
+      }
+      own_combine = DeviceArray<bf16>(size_t(T * sh.top_k * sh.hidden), f.allocator_, s);
+      combine = own_combine.data();
+      PointerValues table;
+      table.at[0] = combine;
+      table.count = 1;
+      write_pointer_table(f.own_combine_table_.data(), table, s);
+    }
+  };
+
+  MegakernelLaunch launch(const core::MegakernelPlan& plan, int64_t T, const MoeWeights& w,
+                          const ForwardScratch& scratch) const {
     MegakernelLaunch l = sized_launch(plan, shape_, config_, T, experts_, num_sms_);
     l.num_comm_ctas = config_.num_comm_sms;
     l.offsets = offsets_.data();
     l.slot_of_row = slot_of_row_.data();
     l.x_peers = x_.peers<bf16>();
-    l.combine_peers = combine_.peers<bf16>();
+    l.combine_peers = combine_ ? combine_->peers<bf16>() : reinterpret_cast<bf16* const*>(own_combine_table_.data());
     l.x_local = x_.local<bf16>();
     l.w_gate = w.w_gate.as<bf16>();
     l.w_up = w.w_up.as<bf16>();
@@ -257,12 +286,12 @@ class CudaMegakernelForward final : public MegakernelExtension {
     l.ring_x = ring_x_.data();
     l.ring_gate = ring_gate_.data();
     l.ring_up = ring_up_.data();
-    l.ring_hidden = ring_hidden_.data();
-    l.ring_y = ring_y_.data();
+    l.ring_hidden = scratch.ring_hidden.data();
+    l.ring_y = scratch.ring_y.data();
     l.shared_gate = shared_gate_.data();
     l.shared_up = shared_up_.data();
-    l.shared_hidden = shared_hidden_.data();
-    l.shared_out = shared_out_.data();
+    l.shared_hidden = scratch.shared_hidden.data();
+    l.shared_out = scratch.shared_out.data();
     l.counters = counters_.data();
     l.control = control_.data();
     if (timeline_on_) {
@@ -314,15 +343,20 @@ class CudaMegakernelForward final : public MegakernelExtension {
   const MoeShape shape_;
   const MegakernelConfig config_;
   DeviceGroup* group_;
+  DeviceAllocator& allocator_;
   const int world_, rank_;
   const int64_t experts_, max_tokens_;
   const core::MegakernelPlan worst_;
   const uint64_t* const barrier_error_;  // the group's device-barrier error word, or null
   int device_ = 0, num_sms_ = 0;
-  SymmetricBuffers x_, routing_, combine_, status_;
+  SymmetricBuffers x_, routing_;
+  std::unique_ptr<SymmetricBuffers> combine_;  // EP > 1 (the pushes' targets); EP = 1: each call's
+  SymmetricBuffers status_;
   DeviceArray<int32_t> ids_, chunk_counts_, counts_, source_counts_, offsets_, row_of_slot_, slot_of_row_;
-  DeviceArray<bf16> ring_x_, ring_gate_, ring_up_, ring_hidden_, ring_y_;
-  DeviceArray<bf16> shared_gate_, shared_up_, shared_hidden_, shared_out_;
+  // The forward's grouped x, g and u rows and the shared expert's g and u: the resident
+  // backward's context, kept until the next forward.
+  DeviceArray<bf16> ring_x_, ring_gate_, ring_up_, shared_gate_, shared_up_;
+  DeviceArray<void*> own_combine_table_{1};  // EP = 1: the call's combine slots as a one-entry peer table
   DeviceArray<int64_t> counters_;
   DeviceArray<MegakernelControl> control_;
   PinnedWord<MergedStatus> merged_;
@@ -367,13 +401,16 @@ class MegakernelMoeLayer final : public MoeLayer {
  public:
   MegakernelMoeLayer(const MoeShape& shape, DeviceGroup* group, std::unique_ptr<DeviceGroup> owned,
                      const LayerOptions& options)
-      : owned_group_(std::move(owned)), kernel_(shape, group, config_of(options), options.max_tokens),
+      : owned_group_(std::move(owned)),
+        kernel_(shape, group, config_of(options), options.max_tokens,
+                options.allocator ? *options.allocator : default_device_allocator()),
         stages_(make_staged_layer(shape, group, nullptr, options, GemmEngine::cutlass)) {
     const int world = stages_->world_size();
     const auto mode = kernel_.backward_is_resident() ? core::ContextMode::resident : core::ContextMode::replay;
     const MegakernelConfig config = config_of(options);
     if (world == 1) {
-      backward_ = std::make_unique<MegakernelBackward>(shape, config, 1, options.max_tokens, mode);
+      backward_ = std::make_unique<MegakernelBackward>(shape, config, 1, options.max_tokens, mode, 0, BackwardRanks{},
+                                                       &kernel_.allocator());
       peer_tables_ = DeviceArray<void*>(4);
       return;
     }
@@ -386,7 +423,7 @@ class MegakernelMoeLayer final : public MoeLayer {
     ranks.status_peers = symmetric_->status.peers<BackwardStatus>();
     ranks.own_status = symmetric_->status.local<BackwardStatus>();
     backward_ = std::make_unique<MegakernelBackward>(shape, config, world, options.max_tokens, mode, 0,
-                                                     std::move(ranks));
+                                                     std::move(ranks), &kernel_.allocator());
   }
 
   const MoeShape& shape() const override { return stages_->shape(); }
@@ -464,9 +501,10 @@ class MegakernelMoeLayer final : public MoeLayer {
   }
 
   // The pulls read every row's d_out, route weight and (replay) x from its origin rank; the
-  // pushes write its d_x slots (the forward's combine buffers, free until the next forward) and
-  // d_topk_weights. EP = 1: the rank's own tensors, through one-entry tables; EP > 1: d_out and
-  // the route weights copied into symmetric buffers first, d_topk_weights copied out after.
+  // pushes write its d_x slots and d_topk_weights. EP = 1: the rank's own tensors and d_x slots
+  // of the call's own, through one-entry tables; EP > 1: d_out and the route weights copied into
+  // symmetric buffers first, the d_x slots are the forward's combine buffers (free until the next
+  // forward), d_topk_weights copied out after.
   void backward_megakernel(const MegakernelContext& ctx, const TensorView& d_out, const MoeWeights& w,
                            const MoeGradients& g, cudaStream_t s) {
     const MoeShape& sh = shape();
@@ -476,6 +514,7 @@ class MegakernelMoeLayer final : public MoeLayer {
     core::validate_layer_gradients(sh, world, T, g, DType::bf16, dev);
     expect_tensor(d_out, "d_out", DType::bf16, dev, {T, sh.hidden});
     MegakernelBackwardIo io;
+    DeviceArray<bf16> dx_slots;  // EP = 1
     if (symmetric_) {
       MOKA_CUDA_CHECK(cudaMemcpyAsync(symmetric_->d_out.local<bf16>(), d_out.data, T * sh.hidden * sizeof(bf16),
                                       cudaMemcpyDeviceToDevice, s));
@@ -489,7 +528,8 @@ class MegakernelMoeLayer final : public MoeLayer {
       PointerValues tables;
       tables.at[0] = d_out.data;
       tables.at[1] = ctx.inputs.topk_weights.data;
-      tables.at[2] = kernel_.combine_slots();
+      dx_slots = DeviceArray<bf16>(size_t(T * sh.top_k * sh.hidden), kernel_.allocator(), s);
+      tables.at[2] = dx_slots.data();
       tables.at[3] = g.d_topk_weights.data;
       tables.count = 4;
       write_pointer_table(peer_tables_.data(), tables, s);
@@ -504,7 +544,7 @@ class MegakernelMoeLayer final : public MoeLayer {
     io.x_peers = kernel_.x_peers();
     io.x = ctx.inputs.x.as<bf16>();
     io.d_out = d_out.as<bf16>();
-    io.dx_slots = kernel_.combine_slots();
+    io.dx_slots = symmetric_ ? kernel_.combine_slots() : dx_slots.data();
     io.context_x = kernel_.ring_x();
     io.context_gate = kernel_.ring_gate();
     io.context_up = kernel_.ring_up();

@@ -5,6 +5,7 @@
 
 #include <array>
 #include <initializer_list>
+#include <utility>
 
 #include "cuda/common/check.hpp"
 #include "train/cuda/engine_impl.hpp"
@@ -65,7 +66,8 @@ void CudaEngine::Impl::ffn_backward(Layer& L) {
   const auto d = ffn_views(L, true);
   const MoeGradients g{dev_view(dx16.data(), DType::bf16, {N, H}), dev_view(d_topk_weights.data(), DType::f32, {N, k}),
                        d[0], d[1], d[2], d[3], d[4], d[5]};
-  L.ffn->backward(*L.ffn_ctx, dev_view(d_out16.data(), DType::bf16, {N, H}), ffn_weights(L), g, Stream{stream});
+  L.ffn->consume_backward(std::move(L.ffn_ctx), dev_view(d_out16.data(), DType::bf16, {N, H}), ffn_weights(L), g,
+                          Stream{stream});
   // The norm's input gradient: dx (+ the router's dx), summed in fp32 in that order as on the CPU.
   cuda::NormGrad dy;
   dy.b16[0] = dx16.data();
