@@ -93,6 +93,19 @@ case $2 in
     echo "ok: $2"
     exit 0
     ;;
+  launch-gives-the-workers-a-fresh-job-key)
+    # Both workers of a job hold the same 64-hex-digit key, another job another one; a key the
+    # caller set is passed on as it is.
+    "$moka" launch -n 2 -- printenv MOKA_JOB_KEY >out.txt 2>&1 || fail "launch failed"
+    [ "$(sort -u out.txt | wc -l)" = 1 ] && grep -qx "[0-9a-f]\{64\}" out.txt || fail "not one 64-digit key per job"
+    sort -u out.txt >first.txt
+    "$moka" launch -n 1 -- printenv MOKA_JOB_KEY >again.txt 2>&1 || fail "launch failed"
+    ! cmp -s first.txt again.txt || fail "two jobs got the same key"
+    MOKA_JOB_KEY=the-caller-s-own-key "$moka" launch -n 1 -- printenv MOKA_JOB_KEY >out.txt 2>&1 || fail "launch failed"
+    grep -qx "the-caller-s-own-key" out.txt || fail "the caller's key was not passed on"
+    echo "ok: $2"
+    exit 0
+    ;;
   launch-failed-fork-stops-the-started-workers)
     # Under a limit of 3 processes the third worker's fork fails: the launcher stops the workers
     # it started instead of leaving them unsupervised.
