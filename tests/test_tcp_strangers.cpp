@@ -9,6 +9,7 @@
 #include <chrono>
 #include <cstring>
 #include <functional>
+#include <latch>
 #include <thread>
 
 #include "comm/auth.hpp"
@@ -237,6 +238,83 @@ TEST(TcpStrangers, APeersAbortTextIsEscapedAndAttributedToItsConnection) {
   EXPECT_NE(error0.find("rank 1 reports: \\x1b[2J\\x1b[31mrank 3 failed: it was rank 3\\x0a"), std::string::npos)
       << error0;
   EXPECT_EQ(error0.find('\x1b'), std::string::npos) << "a terminal escape reached the message";
+}
+
+// A stranger racing for the port. While rank 0 waits for its ranks it holds the port: the
+// stranger cannot bind it. Once every rank is in, rank 0 lets it go, but each rank's traffic stays
+// on the connection it proved itself on: a stranger listening there now gets no connection.
+TEST(TcpStrangers, ThePortIsHeldUntilEveryRankIsInAndTakingItAfterGetsNothing) {
+  const int port = comm::pick_free_port();
+  std::array<std::string, 2> errors;
+  std::array<int64_t, 2> gathered_sum{};
+  std::latch formed(3), stranger_listens(1);
+  const auto rank = [&](int r) {
+    bool in = false;
+    try {
+      auto g = make_tcp_group(rendezvous(r, port, kKey));
+      in = true;
+      formed.arrive_and_wait();
+      stranger_listens.wait();
+      int64_t mine = 10 + r, all[2] = {};
+      g->all_gather(&mine, all, sizeof(mine));
+      gathered_sum[r] = all[0] + all[1];
+    } catch (const std::exception& e) {
+      errors[r] = e.what();
+      if (!in) formed.count_down();  // the test goes on to report it
+    }
+  };
+  testing::internal::CaptureStderr();
+  std::thread rank0(rank, 0);
+  connect(port).close();  // returns once rank 0 listens (and is dropped as a stranger)
+  try {
+    comm::listen_on("127.0.0.1", port);
+    ADD_FAILURE() << "a stranger took the port while rank 0 waited for rank 1";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("Address already in use"), std::string::npos) << e.what();
+  }
+  std::thread rank1(rank, 1);
+  formed.arrive_and_wait();
+  comm::Socket taken = comm::listen_on("127.0.0.1", port);  // free once every rank is in
+  stranger_listens.count_down();
+  rank0.join();
+  rank1.join();
+  testing::internal::GetCapturedStderr();
+  EXPECT_EQ(errors[0], "");
+  EXPECT_EQ(errors[1], "");
+  EXPECT_EQ(gathered_sum[0], 21);
+  EXPECT_EQ(gathered_sum[1], 21);
+  EXPECT_FALSE(taken.readable_within(0.2)) << "a rank connected to the stranger that took the port";
+}
+
+// A stranger that holds the port before rank 0 binds it: rank 0 fails naming the port, and rank
+// 1, which reaches the stranger, waits for a challenge that never comes, tells the stranger
+// nothing and fails within its timeout.
+TEST(TcpStrangers, APortTakenBeforeRank0FailsTheJobWithinItsBound) {
+  const int port = comm::pick_free_port();
+  comm::Socket stranger = comm::listen_on("127.0.0.1", port);
+  std::array<std::string, 2> errors;
+  const auto start = std::chrono::steady_clock::now();
+  const auto rank = [&](int r) {
+    try {
+      make_tcp_group(rendezvous(r, port, kKey, 2));
+    } catch (const std::exception& e) {
+      errors[r] = e.what();
+    }
+  };
+  testing::internal::CaptureStderr();
+  std::thread rank0(rank, 0), rank1(rank, 1);
+  rank0.join();
+  rank1.join();
+  testing::internal::GetCapturedStderr();
+  EXPECT_LT(std::chrono::steady_clock::now() - start, std::chrono::seconds(10));
+  EXPECT_NE(errors[0].find("cannot listen on 127.0.0.1:" + std::to_string(port) + ": Address already in use"),
+            std::string::npos)
+      << errors[0];
+  EXPECT_NE(errors[1], "") << "rank 1 joined a job whose rank 0 was a stranger";
+  ASSERT_TRUE(stranger.readable_within(1)) << "rank 1 never reached the stranger";
+  comm::Socket from_rank1 = comm::accept_one(stranger);
+  char byte = 0;
+  EXPECT_EQ(::recv(from_rank1.fd(), &byte, 1, MSG_DONTWAIT), 0) << "rank 1 sent the stranger bytes";
 }
 
 }  // namespace
