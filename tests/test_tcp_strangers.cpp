@@ -1,7 +1,8 @@
 // The TCP rendezvous against strangers (issue 32): a job with a key admits only ranks that prove
 // they hold it; a connection that closes, sends garbage, stays silent, forges or replays a hello
-// is dropped and reported, and the job goes on with its real ranks. Ranks are threads here, on
-// loopback; the strangers speak the wire format by hand.
+// is dropped and reported, and the job goes on with its real ranks; a stranger racing for the
+// port gets nothing. Ranks are threads here, on loopback; the strangers speak the wire format by
+// hand.
 #include <gtest/gtest.h>
 #include <sys/socket.h>
 
