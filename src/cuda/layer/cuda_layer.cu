@@ -206,19 +206,20 @@ class CudaMoeLayer final : public StagedLayer {
 
   void backward(const MoeContext& saved, const TensorView& d_out, const MoeWeights& w, const MoeGradients& g,
                 Stream stream) override {
-    backward(saved, d_out, w, g, stream, false);
+    backward(saved, d_out, w, g, stream, nullptr);
   }
 
  protected:
   void backward_overwriting(MoeContext& saved, const TensorView& d_out, const MoeWeights& w, const MoeGradients& g,
                             Stream stream) override {
-    backward(saved, d_out, w, g, stream, true);
+    backward(saved, d_out, w, g, stream, dynamic_cast<CudaContext*>(&saved));
   }
 
  private:
-  // `overwrite_saved`: the backward may write its scratch over the context's gate and up.
+  // `consumed`: the context itself when the backward may write its scratch over what it saved
+  // and free it early; else null.
   void backward(const MoeContext& saved, const TensorView& d_out, const MoeWeights& w, const MoeGradients& g,
-                Stream stream, bool overwrite_saved) {
+                Stream stream, CudaContext* consumed) {
     const auto* ctx = dynamic_cast<const CudaContext*>(&saved);
     require(ctx != nullptr && ctx->layer == this, ErrorCode::invalid_argument,
             "backward got a context from another layer");
@@ -232,7 +233,8 @@ class CudaMoeLayer final : public StagedLayer {
       const auto fresh = forward(ctx->inputs, w,
                                  TensorView(scratch_out.data(), DType::bf16, {T, shape_.hidden}, Device::cuda(device_)),
                                  stream);
-      backward(*fresh, d_out, w, g, stream, true);  // the fresh context is this call's
+      auto* own = static_cast<CudaContext*>(fresh.get());
+      backward(*own, d_out, w, g, stream, own);  // the fresh context is this call's
       return;
     }
     std::lock_guard<std::mutex> lock(mutex_);
@@ -252,7 +254,7 @@ class CudaMoeLayer final : public StagedLayer {
     clock_.start(StageClock::Direction::backward, s);
     order_after_last_call(s);
     ctx->used_on(s);
-    run_backward(*ctx, d_out, w, g, s, overwrite_saved);
+    run_backward(*ctx, d_out, w, g, s, consumed);
     record_last_call(s);
   }
 
@@ -345,9 +347,10 @@ class CudaMoeLayer final : public StagedLayer {
   // The backward's stages, in an order that keeps few buffers alive at once: the weight
   // gradients (which need the grouped x and d_out) before the input gradient's two halves. The
   // SwiGLU backward writes dG over dh, and over gate and up (when they are this call's, or the
-  // context is being consumed) w·h and dU.
+  // context is `consumed`) w·h and dU; a consumed context's w·h goes back after the weight
+  // gradients, before the input gradient's halves are taken.
   void run_backward(const CudaContext& ctx, const TensorView& d_out, const MoeWeights& w, const MoeGradients& g,
-                    cudaStream_t s, bool overwrite_saved) {
+                    cudaStream_t s, CudaContext* consumed) {
     const int64_t T = ctx.tokens, H = shape_.hidden, I = shape_.intermediate, k = shape_.top_k;
     const int64_t Is = shape_.shared_intermediate, E = local_experts_, R = std::max<int64_t>(ctx.rows, 1);
     const bool shared = shape_.has_shared();
@@ -386,7 +389,7 @@ class CudaMoeLayer final : public StagedLayer {
     const float* route_w = exchange_ ? ctx.row_weight.data() : ctx.inputs.topk_weights.as<float>();
     float* route_dw = exchange_ ? row_d_weight.data() : g.d_topk_weights.as<float>();
     // In place: each element is read by the thread that then writes it.
-    const bool in_place = overwrite_saved || options_.save == SaveMode::none;
+    const bool in_place = consumed != nullptr || options_.save == SaveMode::none;
     auto written_over = [&](Buf result, Buf input, int64_t elems) {
       table.ptr[result] = in_place ? table.ptr[input] : call.take(result, elems);
     };
@@ -411,6 +414,8 @@ class CudaMoeLayer final : public StagedLayer {
     gemms.weight_grad->run(table, counts, offsets, s);
     clock_.mark("weight_grads", s);
     call.release({kGroupedInput, kGroupedOutGrad, kWeightedHidden, kSharedHidden, kGateOut, kSharedGateOut});
+    if (consumed)
+      for (Buf b : {kGateOut, kSharedGateOut}) consumed->saved[b].release();
     for (Buf b : {kInputGradViaGate, kInputGradViaUp}) table.ptr[b] = call.take(b, R * H);
     if (shared)
       for (Buf b : {kSharedInputGradViaGate, kSharedInputGradViaUp}) table.ptr[b] = call.take(b, T * H);

@@ -3,8 +3,9 @@
 // rows and route weights into the ring and push d_x rows and d_topk_weights to their origin
 // slots; its compute CTAs run the shared expert's and the routed experts' dgd, dx and weight-
 // gradient tiles on the megakernel's GEMM core (tile_gemm.cuh). Context modes
-// (core::ContextMode): resident reads the forward's grouped rows of x, g and u; replay pulls x
-// from its origin rank again and recomputes g, u (the forward's gate|up tile, its bits).
+// (core::ContextMode): resident reads the forward's grouped rows of g and u (and of x where the
+// caller kept them, else it pulls x from its origin rank); replay pulls x and recomputes g, u
+// (the forward's gate|up tile, its bits).
 //
 // This header is plain C++ (no CuTe): the launch's pointers and sizes, and the host-side owner of
 // the kernel's workspace. The TMA descriptors are made in backward_kernel.cu.
@@ -63,7 +64,8 @@ struct MegakernelBackwardIo {
   const bf16* d_out = nullptr;  // this rank's d_out [T, H] (shared expert)
   const bf16* dx_slots = nullptr;  // this rank's own d_x slots (dx_slot_peers[rank])
   // Resident context (replay: unread): the forward's grouped rows (row index = grouped row;
-  // padding rows finite) and the shared expert's g, u.
+  // padding rows finite) and the shared expert's g, u. context_x may be null: x's rows are
+  // pulled from their origin (x_peers) as in replay, and only g, u are kept.
   const bf16 *context_x = nullptr, *context_gate = nullptr, *context_up = nullptr;  // [rows, H], [rows, I] x2
   const bf16 *shared_gate = nullptr, *shared_up = nullptr;                          // [T, Is]
 

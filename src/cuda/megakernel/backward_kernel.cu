@@ -94,8 +94,9 @@ __device__ inline Origin origin_of(const MegakernelBackwardLaunch& p, int64_t ro
   return {slot / per_rank, slot % per_rank};
 }
 
-// Pull: each row's d_out (from its origin rank) and x (resident: the forward's grouped row;
-// replay: from its origin rank too) into the ring, and its route weight; padding rows get zeros.
+// Pull: each row's d_out (from its origin rank) and x (the forward's grouped row where the
+// resident context has it, else from its origin rank too) into the ring, and its route weight;
+// padding rows get zeros.
 __device__ inline void pull_block(const MegakernelBackwardLaunch& p, const MegakernelBackwardPlan& plan,
                                   const BackwardTask& task) {
   __shared__ const int4* src[2 * kTileM];
@@ -109,7 +110,7 @@ __device__ inline void pull_block(const MegakernelBackwardLaunch& p, const Megak
     src[r] = real ? reinterpret_cast<const int4*>(p.io.d_out_peers[o.rank] + o.slot / p.top_k * H) : nullptr;
     dst[r] = reinterpret_cast<int4*>(p.ring_d_out + ring * H);
     const bf16* x = nullptr;
-    if (real) x = replay ? p.io.x_peers[o.rank] + o.slot / p.top_k * H : p.io.context_x + row * H;
+    if (real) x = replay || !p.io.context_x ? p.io.x_peers[o.rank] + o.slot / p.top_k * H : p.io.context_x + row * H;
     src[kTileM + r] = reinterpret_cast<const int4*>(x);
     dst[kTileM + r] = reinterpret_cast<int4*>(p.ring_x + ring * H);
     p.ring_weight[ring] = real ? p.io.weight_peers[o.rank][o.slot] : 0.f;

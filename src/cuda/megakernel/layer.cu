@@ -91,7 +91,6 @@ class CudaMegakernelForward final : public MegakernelExtension {
         counts_(experts_), source_counts_(experts_ * world_),
         offsets_(experts_ + 1), row_of_slot_(world_ * max_tokens * shape.top_k),
         slot_of_row_(worst_.capacity_rows),
-        ring_x_(worst_.ring_rows * shape.hidden),
         ring_gate_(worst_.ring_rows * shape.intermediate),
         ring_up_(worst_.ring_rows * shape.intermediate),
         shared_gate_(max_tokens * shape.shared_intermediate),
@@ -195,9 +194,9 @@ class CudaMegakernelForward final : public MegakernelExtension {
   const int32_t* slot_of_row() const { return slot_of_row_.data(); }
   bf16* const* x_peers() const { return x_.peers<bf16>(); }
   // The ring holds every routed row after any forward (one macrobatch of the worst case): ring
-  // row r is grouped row r, so x, g and u of every row stay there (the resident context).
+  // row r is grouped row r, so g and u of every row stay there (the resident context; the
+  // backward pulls x's rows again from the symmetric x, as dispatch did).
   bool backward_is_resident() const override { return worst_.ring_rows >= worst_.capacity_rows; }
-  const bf16* ring_x() const { return ring_x_.data(); }
   const bf16* ring_gate() const { return ring_gate_.data(); }
   const bf16* ring_up() const { return ring_up_.data(); }
   const bf16* shared_gate() const { return shared_gate_.data(); }
@@ -240,13 +239,14 @@ class CudaMegakernelForward final : public MegakernelExtension {
   }
 
   // What lives only inside one forward, from the layer's allocator on its stream, sized for its
-  // plan: the ring's hidden and y rows, the shared expert's hidden and output, and at EP = 1 the
-  // combine slots.
+  // plan: the ring's x, hidden and y rows, the shared expert's hidden and output, and at EP = 1
+  // the combine slots.
   struct ForwardScratch {
-    DeviceArray<bf16> ring_hidden, ring_y, shared_hidden, shared_out, own_combine;
+    DeviceArray<bf16> ring_x, ring_hidden, ring_y, shared_hidden, shared_out, own_combine;
     bf16* combine = nullptr;
     ForwardScratch(const CudaMegakernelForward& f, const core::MegakernelPlan& plan, int64_t T, cudaStream_t s) {
       const MoeShape& sh = f.shape_;
+      ring_x = DeviceArray<bf16>(size_t(plan.ring_rows * sh.hidden), f.allocator_, s);
       ring_hidden = DeviceArray<bf16>(size_t(plan.ring_rows * sh.intermediate), f.allocator_, s);
       ring_y = DeviceArray<bf16>(size_t(plan.ring_rows * sh.hidden), f.allocator_, s);
       if (sh.has_shared()) {
@@ -283,7 +283,7 @@ class CudaMegakernelForward final : public MegakernelExtension {
       l.ws_up = w.ws_up.as<bf16>();
       l.ws_down = w.ws_down.as<bf16>();
     }
-    l.ring_x = ring_x_.data();
+    l.ring_x = scratch.ring_x.data();
     l.ring_gate = ring_gate_.data();
     l.ring_up = ring_up_.data();
     l.ring_hidden = scratch.ring_hidden.data();
@@ -353,9 +353,9 @@ class CudaMegakernelForward final : public MegakernelExtension {
   std::unique_ptr<SymmetricBuffers> combine_;  // EP > 1 (the pushes' targets); EP = 1: each call's
   SymmetricBuffers status_;
   DeviceArray<int32_t> ids_, chunk_counts_, counts_, source_counts_, offsets_, row_of_slot_, slot_of_row_;
-  // The forward's grouped x, g and u rows and the shared expert's g and u: the resident
-  // backward's context, kept until the next forward.
-  DeviceArray<bf16> ring_x_, ring_gate_, ring_up_, shared_gate_, shared_up_;
+  // The forward's grouped g and u rows and the shared expert's: the resident backward's context,
+  // kept until the next forward.
+  DeviceArray<bf16> ring_gate_, ring_up_, shared_gate_, shared_up_;
   DeviceArray<void*> own_combine_table_{1};  // EP = 1: the call's combine slots as a one-entry peer table
   DeviceArray<int64_t> counters_;
   DeviceArray<MegakernelControl> control_;
@@ -545,7 +545,6 @@ class MegakernelMoeLayer final : public MoeLayer {
     io.x = ctx.inputs.x.as<bf16>();
     io.d_out = d_out.as<bf16>();
     io.dx_slots = symmetric_ ? kernel_.combine_slots() : dx_slots.data();
-    io.context_x = kernel_.ring_x();
     io.context_gate = kernel_.ring_gate();
     io.context_up = kernel_.ring_up();
     io.shared_gate = kernel_.shared_gate();
