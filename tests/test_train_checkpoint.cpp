@@ -293,7 +293,7 @@ std::string crc_hex(const std::string& bytes) {
 // A file of one F32 tensor 'w' whose metadata holds `tensor_checksums` and a header checksum as
 // the writer computes it: the header check passes, whatever the tensors' checksums say.
 std::string header_checksummed(const std::string& tensor_checksums) {
-  nlohmann::ordered_json header = {{"w", {{"dtype", "F32"}, {"shape", {1}}, {"data_offsets", {0, 4}}}}};
+  nlohmann::json header = {{"w", {{"dtype", "F32"}, {"shape", {1}}, {"data_offsets", {0, 4}}}}};
   header["__metadata__"] = {{"moka.checksum_format", "2"}, {"moka.crc32c", tensor_checksums}};
   header["__metadata__"]["moka.header_crc32c"] = crc_hex(header.dump());
   std::string text = header.dump();

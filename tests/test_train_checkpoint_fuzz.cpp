@@ -155,7 +155,7 @@ TEST_F(CheckpointFuzz, HostileHeaderLengthsAreRefused) {
 // not JSON, for NaN and the like).
 TEST_F(CheckpointFuzz, HostileTensorFieldsAreRefusedNamingTheTensor) {
   const FileParts parts(bytes_);
-  const std::string entry = R"("w":{"dtype":"F32","shape":[2,3],"data_offsets":[16,40]})";
+  const std::string entry = R"("w":{"data_offsets":[16,40],"dtype":"F32","shape":[2,3]})";
   // `entry` with its first `from` as `to`.
   const auto edited = [&](const std::string& from, const std::string& to) {
     return std::string(entry).replace(entry.find(from), from.size(), to);

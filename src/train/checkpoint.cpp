@@ -190,12 +190,12 @@ uint32_t text_crc32c(const std::string& s) { return crc32c(s.data(), s.size()); 
 
 // The checksums travel in the one place safetensors leaves to the writer, __metadata__ (string
 // values only, so other safetensors readers still load the file): under kChecksumsKey a JSON
-// object mapping each tensor's name to the CRC-32C of its bytes, and under kHeaderChecksumKey,
-// written last, the CRC-32C of the header without that entry: every tensor's name, dtype, shape
-// and offsets, the metadata and the tensors' checksums (a flipped shape or step count would resume
-// wrong). The reader also requires the header to be byte for byte the text the writer makes of
-// what it holds, so a flip that leaves its meaning alone (a padding byte, an escape) is refused
-// too: no bit of a file goes unchecked. kFormatKey names this layout; safetensors has no version.
+// object mapping each tensor's name to the CRC-32C of its bytes, and under kHeaderChecksumKey
+// the CRC-32C of the header without that entry: every tensor's name, dtype, shape and offsets,
+// the metadata and the tensors' checksums (a flipped shape or step count would resume wrong).
+// The reader also requires the header to be byte for byte the text the writer makes of what it
+// holds, so a flip that leaves its meaning alone (a padding byte, an escape) is refused too: no
+// bit of a file goes unchecked. kFormatKey names this layout; safetensors has no version field.
 constexpr const char* kChecksumsKey = "moka.crc32c";
 constexpr const char* kHeaderChecksumKey = "moka.header_crc32c";
 constexpr const char* kFormatKey = "moka.checksum_format";
@@ -208,9 +208,11 @@ std::string crc_text(uint32_t crc) {
   return text;
 }
 
-// The header text as the writer writes it: compact JSON in the header's own key order, padded
-// with spaces to a multiple of 8 bytes (the format's alignment).
-std::string header_text(const nlohmann::ordered_json& header) {
+// The header text as the writer writes it: compact JSON, keys sorted (nlohmann::json's std::map;
+// an order-keeping ordered_json would copy a deeply nested value recursively as its vector of
+// keys grows, overflowing the stack on a hostile header), padded with spaces to a multiple of 8
+// bytes (the format's alignment).
+std::string header_text(const nlohmann::json& header) {
   std::string text = header.dump();
   text.append((8 - text.size() % 8) % 8, ' ');
   return text;
@@ -229,21 +231,21 @@ struct TensorEntry {
 // `value` as a dimension or byte offset: a JSON integer in [0, 2^63). Not a fraction, a float
 // such as 1e3, or a boolean: nlohmann's get<int64_t>() would truncate those silently (a shape
 // [2.5, 3] read as [2, 3]) or, beyond int64's range, convert them with undefined behaviour.
-std::optional<int64_t> non_negative_integer(const nlohmann::ordered_json& value) {
+std::optional<int64_t> non_negative_integer(const nlohmann::json& value) {
   if (value.is_number_unsigned() && value.get<uint64_t>() <= uint64_t(std::numeric_limits<int64_t>::max()))
     return int64_t(value.get<uint64_t>());
   if (value.is_number_integer() && value.get<int64_t>() >= 0) return value.get<int64_t>();
   return std::nullopt;
 }
 
-TensorEntry parse_entry(const std::string& path, const std::string& name, const nlohmann::ordered_json& entry,
+TensorEntry parse_entry(const std::string& path, const std::string& name, const nlohmann::json& entry,
                         uint64_t data_size) {
   const std::string what = "tensor '" + name + "'";
   const auto malformed = [&](const std::string& problem) {
     return corrupt(path, what + " needs dtype, shape and data_offsets (" + problem + ")");
   };
   // Fields by reference: copying a value nested 100k deep would recurse as deep.
-  const auto field = [&](const char* key) -> const nlohmann::ordered_json& {
+  const auto field = [&](const char* key) -> const nlohmann::json& {
     if (!entry.is_object()) throw malformed(std::string("its entry is ") + entry.type_name() + ", not an object");
     if (!entry.contains(key)) throw malformed(std::string("it has no ") + key);
     return entry.at(key);
@@ -282,7 +284,7 @@ TensorEntry parse_entry(const std::string& path, const std::string& name, const 
   return e;
 }
 
-std::map<std::string, std::string> parse_metadata(const std::string& path, const nlohmann::ordered_json& metadata) {
+std::map<std::string, std::string> parse_metadata(const std::string& path, const nlohmann::json& metadata) {
   if (!metadata.is_object()) throw corrupt(path, "__metadata__ is not an object");
   std::map<std::string, std::string> out;
   for (const auto& [key, value] : metadata.items()) {
@@ -342,7 +344,7 @@ std::map<std::string, uint32_t> take_tensor_checksums(const std::string& path,
 
 // Refuses a header whose text is not the writer's text of what it holds, or whose content
 // (everything but the header checksum's entry, which `header` loses) fails that checksum.
-void verify_header(const std::string& path, const std::string& text, nlohmann::ordered_json& header,
+void verify_header(const std::string& path, const std::string& text, nlohmann::json& header,
                    uint32_t recorded_crc) {
   if (header_text(header) != text)
     throw corrupt(path, "its header is not byte for byte as moka writes it (the file is damaged)");
@@ -392,7 +394,7 @@ void write_safetensors(const std::string& path, const SafetensorsFile& file) {
     require(key.rfind(kReservedPrefix, 0) != 0, ErrorCode::invalid_argument,
             "metadata key " + key + ": keys starting with " + kReservedPrefix + " are reserved for the checksums of " +
                 path);
-  nlohmann::ordered_json header;
+  nlohmann::json header;
   uint64_t offset = 0;
   for (const auto& [name, t] : file.tensors) {
     header[name] = {{"dtype", safetensors_dtype(t.dtype)},
@@ -405,7 +407,7 @@ void write_safetensors(const std::string& path, const SafetensorsFile& file) {
   auto& metadata = header["__metadata__"] = file.metadata;
   metadata[kFormatKey] = kFormat;
   metadata[kChecksumsKey] = checksums.dump();
-  metadata[kHeaderChecksumKey] = crc_text(text_crc32c(header.dump()));  // of everything before it
+  metadata[kHeaderChecksumKey] = crc_text(text_crc32c(header.dump()));  // of all the rest
   const std::string text = header_text(header);
   const uint64_t length = text.size();
   AtomicFile out(path);
@@ -433,9 +435,9 @@ SafetensorsFile read_safetensors(const std::string& path) {
   require(bool(in.read(text.data(), std::streamsize(header_size))), ErrorCode::io, "reading " + path + " failed");
   const uint64_t data_start = sizeof(header_size) + header_size, data_size = file_size - data_start;
 
-  nlohmann::ordered_json header;
+  nlohmann::json header;
   try {
-    header = nlohmann::ordered_json::parse(text);
+    header = nlohmann::json::parse(text);
   } catch (const nlohmann::json::exception& e) {
     throw corrupt(path, std::string("its header is not JSON (") + e.what() + ")");
   }
