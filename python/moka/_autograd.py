@@ -79,13 +79,25 @@ def _experts_forward(layer, x, topk_ids, topk_weights, expert_weights):
     return saved, out
 
 
-def _experts_backward(layer, saved, d_out, x, topk_weights, expert_weights):
-    """(d_x, d_topk_weights, [d_w_gate, ..., d_ws_down]) of the experts."""
+def _experts_backward(layer, saved, d_out, x, topk_weights, expert_weights, consume=False):
+    """(d_x, d_topk_weights, [d_w_gate, ..., d_ws_down]) of the experts; ``consume``: the saved
+    state goes to this backward (see ``_last_backward``)."""
     d_x, d_topk_weights = torch.empty_like(x), torch.empty_like(topk_weights)
     d_weights = [_empty_like(w) for w in expert_weights]
     layer.backward(saved, _dl(d_out.contiguous()), _weights(*expert_weights), _dl(d_x), _dl(d_topk_weights),
-                   _weights(*d_weights), _stream(x))
+                   _weights(*d_weights), _stream(x), consume)
     return d_x, d_topk_weights, d_weights
+
+
+_keeps_graph = getattr(torch._C._autograd, "_get_current_graph_task_keep_graph", None)
+
+
+def _last_backward() -> bool:
+    """Whether the backward running now is the last through its graph (no retain_graph), so that
+    moka's layer may reuse the saved gate and up products as its scratch (two rows x I buffers
+    fewer at the backward's peak) and free them early. Asked of the autograd engine (a private
+    query of torch's); where torch cannot answer, the state is kept, as for retain_graph."""
+    return _keeps_graph is not None and not _keeps_graph()
 
 
 def _first_order_only(backward):
@@ -154,7 +166,7 @@ class _Experts(torch.autograd.Function):
     def backward(ctx, d_out):
         x, _ids, topk_weights, *weights = ctx.saved_tensors
         d_x, d_topk_weights, d_weights = _experts_backward(ctx.layer, _take_state(ctx, "saved"), d_out, x,
-                                                           topk_weights, weights)
+                                                           topk_weights, weights, _last_backward())
         return (d_x, None, d_topk_weights, *d_weights, None)
 
 
@@ -168,16 +180,17 @@ def _moe_forward(x, w_router, w_gate, w_up, w_down, ws_gate, ws_up, ws_down, bia
     return state, out, weights
 
 
-def _moe_backward(state, d_out, x, w_router, expert_weights, d_topk_weights):
+def _moe_backward(state, d_out, x, w_router, expert_weights, d_topk_weights, consume=False):
     """(d_x, d_w_router, [d_w_gate, ..., d_ws_down]) of the whole layer from its forward's state;
-    d_topk_weights [T, k]: scratch for the router's part."""
+    d_topk_weights [T, k]: scratch for the router's part; ``consume``: see ``_experts_backward``."""
     # Written out: each helper call costs host time, every backward.
     w_gate, w_up, w_down, ws_gate, ws_up, ws_down = expert_weights
     d_x, d_w_router = torch.empty_like(x), torch.empty_like(w_router)
     d_w_gate, d_w_up, d_w_down = torch.empty_like(w_gate), torch.empty_like(w_up), torch.empty_like(w_down)
     d_ws_gate, d_ws_up, d_ws_down = _empty_like(ws_gate), _empty_like(ws_up), _empty_like(ws_down)
     state.backward(_dlpack(d_out.contiguous()), _dlpack(d_x), _dlpack(d_topk_weights), _dlpack(d_w_router),
-                   _dlpack(d_w_gate), _dlpack(d_w_up), _dlpack(d_w_down), _dl(d_ws_gate), _dl(d_ws_up), _dl(d_ws_down))
+                   _dlpack(d_w_gate), _dlpack(d_w_up), _dlpack(d_w_down), _dl(d_ws_gate), _dl(d_ws_up), _dl(d_ws_down),
+                   consume)
     return d_x, d_w_router, (d_w_gate, d_w_up, d_w_down, d_ws_gate, d_ws_up, d_ws_down)
 
 
@@ -198,5 +211,5 @@ class _MoE(torch.autograd.Function):
     def backward(ctx, d_out):
         x, w_router, *expert_weights = ctx.saved_tensors
         d_x, d_w_router, d_weights = _moe_backward(_take_state(ctx, "state"), d_out, x, w_router, expert_weights,
-                                                   torch.empty_like(ctx.topk_weights))
+                                                   torch.empty_like(ctx.topk_weights), _last_backward())
         return d_x, d_w_router, *d_weights, None, None, None, None

@@ -125,9 +125,30 @@ struct RankScope {
   }
 };
 
+// A forward's context, until a backward that consumes it.
+std::unique_ptr<moka::MoeContext>& unconsumed(std::unique_ptr<moka::MoeContext>& saved) {
+  if (!saved)
+    throw moka::Error(moka::ErrorCode::invalid_argument,
+                      "this MoE call's saved state went to its first backward, which did not retain the graph");
+  return saved;
+}
+
+// The layer's backward of `saved`: with `consume` (a backward that will not run again: autograd
+// without retain_graph) consume_backward, whose scratch reuses the saved gate and up and which
+// leaves `saved` empty; else backward.
+void layer_backward(moka::MoeLayer& layer, std::unique_ptr<moka::MoeContext>& saved, bool consume,
+                    const moka::TensorView& d_out, const moka::MoeWeights& weights, const moka::MoeGradients& grads,
+                    moka::Stream stream) {
+  if (consume) {
+    layer.consume_backward(std::move(unconsumed(saved)), d_out, weights, grads, stream);
+  } else {
+    layer.backward(*unconsumed(saved), d_out, weights, grads, stream);
+  }
+}
+
 struct LayerContext {
   std::unique_ptr<moka::MoeContext> saved;
-  std::vector<int64_t> local_expert_rows() const { return saved->local_expert_rows(); }
+  std::vector<int64_t> local_expert_rows() { return unconsumed(saved)->local_expert_rows(); }
 };
 
 struct Weights {
@@ -158,14 +179,14 @@ class Layer {
     });
   }
 
-  void backward(const LayerContext& saved, const Array& d_out, const Weights& w, const Array& d_x,
-                const Array& d_topk_weights, const Weights& grads, uintptr_t stream) {
+  void backward(LayerContext& saved, const Array& d_out, const Weights& w, const Array& d_x,
+                const Array& d_topk_weights, const Weights& grads, uintptr_t stream, bool consume) {
     on_rank_.run([&] {
       const moka::MoeWeights weights = w.view(), g = grads.view();
       const moka::MoeGradients gradients{view_of(d_x, "d_x"), view_of(d_topk_weights, "d_topk_weights"),
                                          g.w_gate, g.w_up, g.w_down, g.ws_gate, g.ws_up, g.ws_down};
       const moka::TensorView d_out_view = view_of(d_out, "d_out");
-      layer_->backward(*saved.saved, d_out_view, weights, gradients, stream_of(stream));
+      layer_backward(*layer_, saved.saved, consume, d_out_view, weights, gradients, stream_of(stream));
     });
   }
 
@@ -236,7 +257,7 @@ class MoeForward {
   // it has one); d_topk_weights is scratch for the router's part.
   void backward(const Array& d_out, const Array& d_x, const Array& d_topk_weights, const Array& d_w_router,
                 const Array& d_w_gate, const Array& d_w_up, const Array& d_w_down, const OptionalArray& d_ws_gate,
-                const OptionalArray& d_ws_up, const OptionalArray& d_ws_down);
+                const OptionalArray& d_ws_up, const OptionalArray& d_ws_down, bool consume);
 
   Array w_router, topk_ids, topk_weights;
   OptionalArray bias;
@@ -281,15 +302,16 @@ class Moe {
     });
   }
 
-  void backward(const MoeForward& saved, moka::Stream stream, const Array& d_out, const Array& d_x,
-                const Array& d_topk_weights, const Array& d_w_router, const Weights& d_weights) const {
+  void backward(MoeForward& saved, moka::Stream stream, const Array& d_out, const Array& d_x,
+                const Array& d_topk_weights, const Array& d_w_router, const Weights& d_weights, bool consume) const {
     std::optional<nb::gil_scoped_release> unlocked;
     if (release_gil_) unlocked.emplace();
     layer_.on_rank_.run([&] {
       const moka::MoeWeights g = d_weights.view();
       const moka::MoeGradients grads{view_of(d_x, "d_x"), view_of(d_topk_weights, "d_topk_weights"),
                                      g.w_gate, g.w_up, g.w_down, g.ws_gate, g.ws_up, g.ws_down};
-      layer_.layer_->backward(*saved.layer_saved, view_of(d_out, "d_out"), saved.weights.view(), grads, stream);
+      layer_backward(*layer_.layer_, saved.layer_saved, consume, view_of(d_out, "d_out"), saved.weights.view(), grads,
+                     stream);
       router_.router_->backward(*saved.router_saved, grads.d_topk_weights, grads.d_x,
                                 view_of(d_w_router, "d_w_router"), stream, /*add_to_d_x=*/true);
     });
@@ -304,9 +326,9 @@ class Moe {
 void MoeForward::backward(const Array& d_out, const Array& d_x, const Array& d_topk_weights, const Array& d_w_router,
                           const Array& d_w_gate, const Array& d_w_up, const Array& d_w_down,
                           const OptionalArray& d_ws_gate, const OptionalArray& d_ws_up,
-                          const OptionalArray& d_ws_down) {
+                          const OptionalArray& d_ws_down, bool consume) {
   moe_.backward(*this, stream_, d_out, d_x, d_topk_weights, d_w_router,
-                Weights{d_w_gate, d_w_up, d_w_down, d_ws_gate, d_ws_up, d_ws_down});
+                Weights{d_w_gate, d_w_up, d_w_down, d_ws_gate, d_ws_up, d_ws_down}, consume);
 }
 
 // The constructor of a bound options struct: the C++ defaults, then each keyword argument set
@@ -467,7 +489,9 @@ NB_MODULE(_moka, m) {
            "weights"_a, "out"_a.noconvert(), "stream"_a, nb::keep_alive<0, 1>(),
            nb::call_guard<nb::gil_scoped_release>())
       .def("backward", &Layer::backward, "saved"_a, "d_out"_a.noconvert(), "weights"_a, "d_x"_a.noconvert(),
-           "d_topk_weights"_a.noconvert(), "grads"_a, "stream"_a, nb::call_guard<nb::gil_scoped_release>())
+           "d_topk_weights"_a.noconvert(), "grads"_a, "stream"_a, "consume"_a = false,
+           nb::call_guard<nb::gil_scoped_release>(),
+           "consume: the saved state goes to this backward (its memory reused as scratch), none is run again.")
       .def("check_errors", &Layer::check_errors, nb::call_guard<nb::gil_scoped_release>(),
            "Raises the errors the GPU found in finished calls (after synchronizing the stream).")
       .def_prop_ro("rank", &Layer::rank)
@@ -492,8 +516,9 @@ NB_MODULE(_moka, m) {
       .def("backward", &MoeForward::backward, "d_out"_a.noconvert(), "d_x"_a.noconvert(),
            "d_topk_weights"_a.noconvert(), "d_w_router"_a.noconvert(), "d_w_gate"_a.noconvert(),
            "d_w_up"_a.noconvert(), "d_w_down"_a.noconvert(), "d_ws_gate"_a.noconvert().none(),
-           "d_ws_up"_a.noconvert().none(), "d_ws_down"_a.noconvert().none(),
-           "Writes d_x and every weight's gradient (d_topk_weights: scratch), on the forward's stream.");
+           "d_ws_up"_a.noconvert().none(), "d_ws_down"_a.noconvert().none(), "consume"_a = false,
+           "Writes d_x and every weight's gradient (d_topk_weights: scratch), on the forward's stream; consume: "
+           "the layer's saved state goes to this backward (its memory reused as scratch), none is run again.");
   nb::class_<Moe>(m, "Moe", "A router and a layer run as one call each way (routing through combine).")
       .def(nb::init<Router&, Layer&, bool>(), "router"_a, "layer"_a, "release_gil"_a = true, nb::keep_alive<1, 2>(),
            nb::keep_alive<1, 3>())
