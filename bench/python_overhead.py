@@ -3,7 +3,7 @@
 
 1. Device time, per named shape: ``MoE.apply_experts`` forward + ``backward`` through autograd on
    uniform routing, alternated run by run with the C++ layer's fwd+bwd in a
-   ``moka bench --paired-steps`` process on the same shape and token count (the same pairing as
+   bench/kernels/paired_steps process on the same shape and token count (the same pairing as
    bench/torch_baseline.py --paired-with). Reported: both medians and the median of the per-run
    ratios python / C++ (target: at most 1.03).
 2. Host time per call at a small token count: the wall time the Python process spends in one
@@ -32,7 +32,7 @@
    ops, autograd nodes, CUDA API calls), and its Chrome trace with ``--trace``.
 5. ``--measure stack`` (per shape of --shapes, at --tokens): a stack of --stack-depth (4) MoE layers,
    forward through all, then backward through all, against depth x the first layer's fwd+bwd
-   alone, and with --moka (GPU) against depth x ``moka bench``'s fwd+bwd, paired run by run
+   alone, and with --paired-steps (GPU) against depth x paired_steps' fwd+bwd, paired run by run
    (target: at most 1.05); each layer's routing skew beside it (bench/overhead/model.py).
 6. ``--measure compile`` (per shape): MoE's fwd+bwd compiled with torch.compile(fullgraph=True),
    which runs moka's ops, against the module eager (target: at most 1.03), the same for
@@ -60,7 +60,7 @@ from overhead.host import host_overhead, host_per_layer, timeline  # noqa: E402
 from overhead.model import compiled_block, compiled_op, stack  # noqa: E402
 
 
-def device_overhead(moka, name, tokens, iters, warmup, seed):
+def device_overhead(paired_steps, name, tokens, iters, warmup, seed):
     moe, x, ids, weights, d_out = make_layer(name, tokens, seed)
 
     def step():  # as in a training step: gradients start at None, so autograd need not add them up
@@ -71,7 +71,7 @@ def device_overhead(moka, name, tokens, iters, warmup, seed):
     for _ in range(warmup):
         step()
     torch.cuda.synchronize()
-    paired = paired_runs(moka, name, tokens, iters, warmup, seed, step)
+    paired = paired_runs(paired_steps, name, tokens, iters, warmup, seed, step)
     ratios = [p / c for p, c in zip(paired["torch_fwdbwd_ms"], paired["moka_fwdbwd_ms"])]
     return {"measure": "device", "shape": name, "tokens_per_rank": tokens, "runs": iters,
             "python_fwdbwd_ms": paired["torch_median_ms"], "cpp_fwdbwd_ms": paired["moka_median_ms"],
@@ -92,13 +92,14 @@ def parser(smoke: bool) -> argparse.ArgumentParser:
         f"--{key.replace('_', '-')} {value}" for key, value in SMOKE.items()))
     p.add_argument("--measure", default="host,device",
                    help=f"comma-separated, of {', '.join(MEASUREMENTS)} (host: also --depth and --timeline-depth)")
-    p.add_argument("--moka", help="the moka binary whose C++ layer is the reference (device; stack on the GPU)")
+    p.add_argument("--paired-steps", help="the kernel lab's paired_steps executable, whose C++ layer is the "
+                                          "reference (build/bench/kernels/paired_steps; device; stack on the GPU)")
     p.add_argument("--shapes", default=",".join(SHAPES), help="the shapes of device, stack and compile")
     p.add_argument("--tokens", type=int, default=16384, help="tokens of device, stack and compile")
     p.add_argument("--iters", type=int, default=7, help="timed (paired or alternated) runs per shape")
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--device", choices=("cuda", "cpu"), default="cuda", help="cpu: all but the device measurement")
-    p.add_argument("--host-only", action="store_true", help="the same as --measure host (no --moka needed)")
+    p.add_argument("--host-only", action="store_true", help="the same as --measure host (no --paired-steps needed)")
     p.add_argument("--host-shape", default="", help="default: qwen3-30b-a3b on the GPU, tiny on the CPU")
     p.add_argument("--host-tokens", type=int, default=256)
     p.add_argument("--host-calls", type=int, default=20)
@@ -124,8 +125,8 @@ def main():
     unknown = measure - set(MEASUREMENTS)
     if unknown:
         p.error(f"--measure: unknown {', '.join(sorted(unknown))} (known: {', '.join(MEASUREMENTS)})")
-    if "device" in measure and (a.device == "cpu" or not a.moka):
-        p.error("the device measurement needs --device cuda and --moka (or leave it out of --measure)")
+    if "device" in measure and (a.device == "cpu" or not a.paired_steps):
+        p.error("the device measurement needs --device cuda and --paired-steps (or leave it out of --measure)")
     if a.device == "cuda" and not torch.cuda.is_available():
         p.error("needs a GPU (or --device cpu, without the device measurement)")
     host_shape = a.host_shape or ("qwen3-30b-a3b" if a.device == "cuda" else "tiny")
@@ -155,9 +156,9 @@ def main():
         if a.timeline_depth:
             emit(timeline(host_shape, a.host_tokens, a.timeline_depth, a.seed, a.device, a.trace))
     per_shape = {
-        "device": lambda name: device_overhead(a.moka, name, a.tokens, a.iters, a.warmup, a.seed),
+        "device": lambda name: device_overhead(a.paired_steps, name, a.tokens, a.iters, a.warmup, a.seed),
         "stack": lambda name: stack(name, a.tokens, a.stack_depth, a.iters, a.warmup, a.seed, a.device,
-                                    a.moka if a.device == "cuda" else ""),
+                                    a.paired_steps if a.device == "cuda" else ""),
         "compile": lambda name: [
             compiled_op(name, a.tokens, a.iters, a.warmup, a.seed, a.device, a.compile_backend),
             compiled_block(name, a.tokens, a.block_seq, a.iters, a.warmup, a.seed, a.device, a.compile_backend)],

@@ -32,13 +32,13 @@ Measured as peak_memory_bytes is, less the .grad tensors of every layer and of x
 it is the same measurement as peak_memory_bytes. When the stack does not fit on the GPU it is null
 and stack_error says why (the rest of the line stands).
 
-With --paired-with MOKA (one GPU), each case then also starts `MOKA bench --paired-steps` on
-the same shape, which holds its own copy of the case on the GPU, and alternates one moka
-fwd+bwd with one torch fwd+bwd --iters times (moka first on even runs, torch first on odd
-ones, so neither always runs on a GPU the other just warmed). "paired" in the JSON line holds
-every run's time and the median of the per-run ratios torch / moka: two runs made moments apart
-share the clocks and temperature of that moment, which a ratio of two medians taken minutes
-apart does not.
+With --paired-with PAIRED_STEPS (one GPU; the kernel lab's bench/kernels/paired_steps), each
+case then also starts PAIRED_STEPS on the same shape, which holds its own copy of the case on
+the GPU, and alternates one moka fwd+bwd with one torch fwd+bwd --iters times (moka first on
+even runs, torch first on odd ones, so neither always runs on a GPU the other just warmed).
+"paired" in the JSON line holds every run's time and the median of the per-run ratios torch /
+moka: two runs made moments apart share the clocks and temperature of that moment, which a
+ratio of two medians taken minutes apart does not.
 """
 import argparse
 import json
@@ -133,15 +133,14 @@ def median_ms(fn, warmup, iters):
     return statistics.median(run_times(fn, warmup, iters))
 
 
-def paired_runs(moka, name, T, iters, warmup, seed, torch_step):
-    """Alternates moka's fwd+bwd (a `moka bench --paired-steps` process) with torch_step."""
-    cmd = [moka, "bench", "--backend", "cuda", "--shape", name, "--tokens", str(T), "--warmup", str(warmup),
-           "--seed", str(seed), "--paired-steps"]
+def paired_runs(paired_steps, name, T, iters, warmup, seed, torch_step):
+    """Alternates moka's fwd+bwd (a bench/kernels/paired_steps process) with torch_step."""
+    cmd = [paired_steps, "--shape", name, "--tokens", str(T), "--warmup", str(warmup), "--seed", str(seed)]
     proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, bufsize=1)
     try:
         ready = proc.stdout.readline().strip()
         if ready != "ready":
-            raise RuntimeError(f"moka --paired-steps did not start (said {ready!r}, exit code {proc.poll()})")
+            raise RuntimeError(f"paired_steps did not start (said {ready!r}, exit code {proc.poll()})")
 
         def moka_step():
             proc.stdin.write("step\n")
@@ -334,8 +333,9 @@ def parser():
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--seed", type=int, default=1)
     p.add_argument("--out", default="")
-    p.add_argument("--paired-with", default="", metavar="MOKA",
-                   help="moka binary to alternate runs with (one GPU): adds the median of per-run ratios")
+    p.add_argument("--paired-with", default="", metavar="PAIRED_STEPS",
+                   help="the kernel lab's paired_steps executable (build/bench/kernels/paired_steps) to alternate "
+                        "runs with (one GPU): adds the median of per-run ratios")
     p.add_argument("--depth", type=at_least_one, default=1, metavar="N",
                    help="layers in the stack whose fwd+bwd peak is stack_peak_memory_bytes (default 1)")
     return p

@@ -6,8 +6,8 @@
 # experts) with the megakernel's rows in round-robin (equal per-peer shares) and rate-based (the
 # planner's proportional) order, each with a task timeline (dispatch and combine spans) and its
 # routing dump, which bench/compare_sim.py replays through `moka simulate` at the measured
-# bandwidth; then `moka incast` (k senders into one GPU with a victim flow from one of them to
-# another GPU).
+# bandwidth; then the kernel lab's `nvlink_incast` (k senders into one GPU with a victim flow
+# from one of them to another GPU).
 # BIN: the folder scripts/stage_gpu.sh made. Writes JSON lines and logs to $OUT.
 set -uo pipefail
 BIN=$(cd "${1:-build}" && pwd)
@@ -38,7 +38,7 @@ for shape in ${SKEW_SHAPES//,/ }; do
     done
   done
 done
-timeout 120 "$BIN/moka" incast --gpus "$N" --megabytes 512 --iters 10 --json > "$OUT/incast_ep$N.jsonl" 2>&1 || rc=1
+timeout 120 "$BIN/moka" launch -n "$N" -- "$BIN/nvlink_incast" --megabytes 512 --iters 10 > "$OUT/incast_ep$N.jsonl" 2>&1 || rc=1
 cat "$OUT/incast_ep$N.jsonl"
 # The device tool returns at most 8 files: timelines and routing dumps travel as one archive
 # (then, here: bench/compare_sim.py moka skew_epN.jsonl timeline_TAG.jsonl routing_TAG.jsonl).

@@ -59,7 +59,7 @@ if [[ $MODE == paired ]]; then
       tag="s/^{/{\"binary\":\"$which\",\"round\":$round,/"
       timeout 100 "$bin" bench --backend cuda --shape "$SHAPES" --tokens 16384 --iters 6 --warmup 2 --no-baselines \
         --json 2>/dev/null | sed "$tag" >> "$OUT/paired.jsonl"
-      timeout 60 "$bin" bench --backend cuda --mode backward-core --shape "$SHAPES" --tokens 16384 --iters 3 --json \
+      timeout 60 "$(dirname "$bin")/mk_backward_core" --shape "$SHAPES" --tokens 16384 --iters 3 \
         2>/dev/null | sed "$tag" >> "$OUT/paired.jsonl"
     done
   done
@@ -76,10 +76,13 @@ PY
 fi
 if [[ $MODE == bench || $MODE == all ]]; then
   PYTHONUNBUFFERED=1 timeout 300 python3 "$HERE/torch_baseline.py" --shapes "$SHAPES" --tokens "$TOKENS" \
-    --iters "$ITERS" --paired-with "$BIN/moka" --out "$OUT/torch.jsonl" 2>&1 | cut -c1-400 | tail -20
+    --iters "$ITERS" --paired-with "$BIN/paired_steps" --out "$OUT/torch.jsonl" 2>&1 | cut -c1-400 | tail -20
   timeout 400 "$BIN/moka" bench --backend cuda --shape "$SHAPES" --tokens "$TOKENS" --iters "$ITERS" --warmup 3 \
     --torch-results "$OUT/torch.jsonl" 2>&1 | tee "$OUT/bench.txt"
   timeout 100 "$BIN/moka" bench --backend cuda --shape qwen3-30b-a3b --tokens 4096 --iters 5 --json \
     > "$OUT/bench_smoke.jsonl" 2>&1 || true
+  # The single-GPU path against the per-expert cuBLAS loop (the kernel lab's, bench/kernels/).
+  timeout 300 "$BIN/staged_baselines" --shape "$SHAPES" --tokens "$TOKENS" --iters "$ITERS" \
+    > "$OUT/staged_baselines.jsonl" 2>&1 || rc=1
 fi
 exit $rc

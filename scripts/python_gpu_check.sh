@@ -14,6 +14,7 @@ set -uo pipefail
 HERE=$(cd "$(dirname "$0")" && pwd)
 ROOT=$(cd "$HERE/.." && pwd)
 MOKA=${MOKA:-$ROOT/build/tools/moka}
+PAIRED_STEPS=${PAIRED_STEPS:-$(dirname "$MOKA")/../bench/kernels/paired_steps}  # the kernel lab's
 OUT=${OUT:-$PWD/python_gpu_out}
 TOLERANCE=${LOSS_TOLERANCE:-0.1}
 STEPS=${STEPS:-tests example overhead}
@@ -51,7 +52,7 @@ sys.exit(1 if failed else 0)
 PY
   ;;
 overhead)
-  timeout 300 python3 "$ROOT/bench/python_overhead.py" --moka "$MOKA" --out "$OUT/overhead.jsonl" \
+  timeout 300 python3 "$ROOT/bench/python_overhead.py" --paired-steps "$PAIRED_STEPS" --out "$OUT/overhead.jsonl" \
     > "$OUT/overhead.log" 2>&1 || status=1
   python3 -c "
 import json, sys

@@ -10,6 +10,8 @@ DEST=${1:-$ROOT/.dev/cuda}
 mkdir -p "$DEST"
 cp "$ROOT/build/tests/gpu/moka_gpu_tests" "$ROOT/build/tests/train_gpu/moka_train_gpu_tests" "$ROOT/build/tools/moka" "$DEST/"
 [ -x "$ROOT/build/tests/moka_ep_gpu_check" ] && cp "$ROOT/build/tests/moka_ep_gpu_check" "$DEST/"
+# The kernel lab (bench/kernels/README.md).
+cp "$ROOT"/build/bench/kernels/{mk_forward_core,mk_backward_core,mk_tune,nvlink_incast,staged_baselines,paired_steps} "$DEST/"
 cp "$ROOT/scripts/gpu_check.sh" "$ROOT/scripts/device_check.sh" "$ROOT/scripts/ep_bench.sh" "$ROOT/scripts/train_gpu.sh" "$ROOT/scripts/train_speed_gpu.sh" \
    "$ROOT/scripts/ep_scale_runs.sh" "$ROOT/scripts/mup_study_gpu.sh" \
   "$ROOT/scripts/gpu_env.sh" "$ROOT/bench/torch_baseline.py" "$ROOT/bench/torch_train_baseline.py" \
@@ -28,5 +30,6 @@ fi
 # it on the GPU machine with: mkdir -p gcide && gunzip -c DEST/gcide.gz > gcide/gcide
 GCIDE=${MOKA_DATA_DIR:-$HOME/.cache/moka-data}/gcide/text/gcide
 [ -f "$GCIDE" ] && gzip -c "$GCIDE" > "$DEST/gcide.gz"
-strip "$DEST"/moka* 2>/dev/null || true
+strip "$DEST"/moka* "$DEST"/{mk_forward_core,mk_backward_core,mk_tune,nvlink_incast,staged_baselines,paired_steps} \
+  2>/dev/null || true
 du -sh "$DEST"

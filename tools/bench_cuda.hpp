@@ -1,8 +1,7 @@
-// `moka bench --backend cuda`: the bf16 layer on one GPU, timed with CUDA events, next to the
-// per-expert cuBLAS-loop baseline, the grouped GEMM alone, dense cuBLAS peak of the same run,
-// and its forward with SwiGLU as a separate pass instead of the gate GEMM's epilogue.
+// `moka bench --backend cuda`: the bf16 layer's paths on one GPU or over worker processes, timed
+// with CUDA events, against the dense cuBLAS peak of the same run, torch's results and each
+// other; on the public API only (the kernel lab in bench/kernels/ reaches further in).
 #pragma once
-#include <iosfwd>
 #include <optional>
 #include <string>
 #include <vector>
@@ -27,8 +26,8 @@ struct CudaBenchOptions {
   // The megakernel backward's saved context: "resident" grows the ring (macrobatch) to hold every
   // routed row of the case, "replay" requires a ring that does not, "auto" keeps the knobs.
   std::string context = "auto";
-  // One GPU: also check the single-GPU path against the cuBLAS loop and time that loop, the
-  // grouped GEMM alone and the fused SwiGLU forward (off: the two paths' rows only).
+  // One GPU: also time the single-GPU path's forward with SwiGLU in the gate GEMM's epilogue
+  // (off: the two paths' rows only).
   bool baselines = true;
   std::string timeline;
   // Expert-parallel runs: "uniform", "zipf" (per-expert load Gini `gini`) or "one-rank" (every
@@ -45,27 +44,10 @@ struct CudaBenchOptions {
 };
 
 // Available only in builds with the CUDA backend (throws backend_unavailable otherwise).
-// Two rows: the single-GPU path (checked against the cuBLAS loop, with its comparison columns)
-// and the megakernel path (checked against the single-GPU path), their fwd+bwd steps timed
-// alternately on the same tensors, each with its floor, peak layer memory and torch columns.
+// Two rows: the single-GPU path (with its fused-SwiGLU comparison) and the megakernel path
+// (checked against the single-GPU path), their fwd+bwd steps timed alternately on the same
+// tensors, each with its floor, peak layer memory and torch columns.
 std::vector<BenchRow> run_cuda_case(const NamedShape& ns, int64_t tokens, const CudaBenchOptions& o);
-
-// `moka bench --mode core`: the megakernel's GEMM core alone (EP = 1, no communication) against
-// the CUTLASS grouped GEMMs on the same grouped rows (uniform routing), after checking both give
-// the same rows; the megakernel's minibatch_size comes from o.megakernel.
-BenchRow run_cuda_core_case(const NamedShape& ns, int64_t tokens, const CudaBenchOptions& o);
-
-// `moka bench --mode backward-core`: the backward megakernel alone (EP = 1, resident context from
-// the forward core's grouped rows, routed experts only), timed alternately with the forward core.
-BenchRow run_cuda_backward_core_case(const NamedShape& ns, int64_t tokens, const CudaBenchOptions& o);
-
-// `moka bench --paired-steps`: holds one case on the GPU (the same tensors and routing as
-// run_cuda_case), prints "ready" after the warm-up, then times one forward+backward for every
-// "step" line read from `in` and prints its milliseconds. bench/torch_baseline.py --paired-with
-// drives it, alternating these runs with its own, so that each moka/torch ratio compares two
-// runs made moments apart on the same GPU.
-void serve_cuda_steps(const NamedShape& ns, int64_t tokens, const CudaBenchOptions& o, std::istream& in,
-                      std::ostream& out);
 
 // The same layer with its experts split over the worker processes: the all-to-all path (next to
 // NCCL all-to-all and peer-copy bandwidth of the dispatch volume) and the megakernel path, their
@@ -73,21 +55,6 @@ void serve_cuda_steps(const NamedShape& ns, int64_t tokens, const CudaBenchOptio
 // the two rows (each run's time is the slowest rank's), the other ranks none.
 std::vector<BenchRow> run_cuda_ep_case(ProcessGroup& workers, const NamedShape& ns, int64_t tokens,
                                        const CudaBenchOptions& o);
-// `moka tune`: the megakernel forward for every num_comm_sms x minibatch_size pair (EP over the
-// workers, or one GPU without them); rank 0 returns one row per pair, the fastest marked.
-std::vector<BenchRow> run_megakernel_tune(ProcessGroup* workers, const NamedShape& ns, int64_t tokens,
-                                          const CudaBenchOptions& o, const std::vector<int>& comm_sms,
-                                          const std::vector<int64_t>& minibatches);
-// `moka incast`: k = 1..N-1 senders (ranks 1..k) each copy `bytes` into rank 0 at once, while
-// rank 1 also copies `bytes` to rank N-1 (the victim flow), all through peer copies over NVLink.
-// Medians over `iters`; collective over N >= 3 workers, rank 0 returns the rows (k = 0: the
-// victim flow alone).
-struct IncastRow {
-  int senders = 0;
-  double receiver_gbs = 0;  // k * bytes / the slowest sender's copy time
-  double victim_gbs = 0;    // bytes / the victim copy's time
-};
-std::vector<IncastRow> run_incast(ProcessGroup& workers, size_t bytes, int iters);
 // A worker process uses the GPU of its local rank.
 void select_worker_device(int local_rank);
 

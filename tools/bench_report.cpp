@@ -131,24 +131,20 @@ std::string bench_json(const BenchRow& r) {
 
 void print_cuda_comparison(std::ostream& os, const std::vector<BenchRow>& rows) {
   // vs_torch: ratio of the two medians; vs_torch_paired: median of per-run ratios (see TorchResult).
-  char line[320];
+  char line[256];
   // fused_fwd: forward speedup of the SwiGLU epilogue over the unfused path (median of paired
   // runs; "!" when their bits differ).
-  std::snprintf(line, sizeof(line), "%-16s %7s %4s %9s %10s %8s %11s %10s %10s %10s %10s %10s %16s\n", "shape",
-                "tokens", "ep", "peak_TF", "gemm_TF", "gemm_%", "vs_cublas", "fused_fwd", "a2a_GB/s", "copy_GB/s",
-                "torch_ms", "vs_torch", "vs_torch_paired");
+  std::snprintf(line, sizeof(line), "%-16s %7s %4s %9s %10s %10s %10s %10s %10s %16s\n", "shape", "tokens", "ep",
+                "peak_TF", "fused_fwd", "a2a_GB/s", "copy_GB/s", "torch_ms", "vs_torch", "vs_torch_paired");
   os << line;
   for (const auto& r : rows) {
     const auto& j = r.extra;
-    std::snprintf(line, sizeof(line),
-                  "%-16s %7lld %4d %9.1f %10.1f %7.1f%% %10.2fx %9.2fx%s %10.1f %10.1f %10.2f %9.2fx %9.2fx (n=%d)\n",
+    std::snprintf(line, sizeof(line), "%-16s %7lld %4d %9.1f %9.2fx%s %10.1f %10.1f %10.2f %9.2fx %9.2fx (n=%d)\n",
                   r.shape.c_str(), static_cast<long long>(r.tokens_per_rank), r.ep, j.value("dense_peak_tflops", 0.0),
-                  j.value("grouped_gemm_tflops", 0.0), j.value("grouped_gemm_pct_peak", 0.0),
-                  j.value("speedup_vs_cublas_loop", 0.0), j.value("fused_swiglu_fwd_speedup", 0.0),
-                  j.value("fused_swiglu_identical", true) ? " " : "!", j.value("nccl_all_to_all_gbs", 0.0),
-                  j.value("peer_copy_gbs", 0.0), r.torch_fwdbwd_ms.value_or(0.0),
-                  r.torch_fwdbwd_ms.value_or(0.0) / r.fwdbwd_ms,
-                  j.value("speedup_vs_torch_paired", 0.0), j.value("paired_runs", 0));
+                  j.value("fused_swiglu_fwd_speedup", 0.0), j.value("fused_swiglu_identical", true) ? " " : "!",
+                  j.value("nccl_all_to_all_gbs", 0.0), j.value("peer_copy_gbs", 0.0), r.torch_fwdbwd_ms.value_or(0.0),
+                  r.torch_fwdbwd_ms.value_or(0.0) / r.fwdbwd_ms, j.value("speedup_vs_torch_paired", 0.0),
+                  j.value("paired_runs", 0));
     os << line;
   }
 }
@@ -193,23 +189,6 @@ void print_floor_comparison(std::ostream& os, const std::vector<BenchRow>& rows)
                   r.floor_fwdbwd_ms.value_or(0.0), ratio(r.fwdbwd_ms, r.floor_fwdbwd_ms).c_str(),
                   mib(r.peak_memory_bytes).c_str(), mib(r.torch_peak_memory_bytes).c_str(),
                   ratio(r.torch_fwdbwd_ms, r.fwdbwd_ms).c_str());
-    os << line;
-  }
-}
-
-void print_core_comparison(std::ostream& os, const std::vector<BenchRow>& rows) {
-  // core/cutlass: throughput ratio (median of paired runs); "!" when the bits differ.
-  char line[256];
-  std::snprintf(line, sizeof(line), "%-16s %7s %9s %9s %11s %9s %11s %7s %10s %13s\n", "shape", "tokens", "peak_TF",
-                "core_ms", "cutlass_ms", "core_TF", "cutlass_TF", "core_%", "cutlass_%", "core/cutlass");
-  os << line;
-  for (const auto& r : rows) {
-    const auto& j = r.extra;
-    std::snprintf(line, sizeof(line), "%-16s %7lld %9.1f %9.3f %11.3f %9.1f %11.1f %6.1f%% %9.1f%% %12.3fx%s\n",
-                  r.shape.c_str(), static_cast<long long>(r.tokens_per_rank), j.value("dense_peak_tflops", 0.0),
-                  j.value("core_ms", 0.0), j.value("cutlass_ms", 0.0), j.value("core_tflops", 0.0),
-                  j.value("cutlass_tflops", 0.0), j.value("core_pct_peak", 0.0), j.value("cutlass_pct_peak", 0.0),
-                  j.value("core_vs_cutlass_throughput", 0.0), j.value("core_identical_to_cutlass", false) ? "" : " !");
     os << line;
   }
 }

@@ -1,5 +1,5 @@
-// Result rows of `moka bench`: the table for people and one JSON line per case for
-// bench/results/.
+// Result rows of `moka bench` (and of the kernel lab, bench/kernels/): the table for people and
+// one JSON line per case for bench/results/.
 #pragma once
 #include <chrono>
 #include <cstdint>
@@ -59,7 +59,7 @@ void set_floor(BenchRow& row, const LayerFloor& floor, double peak_tflops);
 // bench/torch_baseline.py's result for one shape, token count and rank count (the last matching
 // line of `path`): its own medians, its peak memory and, when it ran with --paired-with, the
 // median of the per-run ratios torch / moka from runs that alternated with moka's
-// (`moka bench --paired-steps`) in the same device call. All zero when `path` is empty or has no
+// (the kernel lab's bench/kernels/paired_steps) in the same device call. All zero when `path` is empty or has no
 // such line.
 struct TorchResult {
   double fwdbwd_ms = 0, fwd_ms = 0;
@@ -80,13 +80,11 @@ std::string bench_json(const BenchRow& row);
 void print_table(std::ostream& os, const std::vector<BenchRow>& rows);
 // Every layer row's floor, memory and torch columns.
 void print_floor_comparison(std::ostream& os, const std::vector<BenchRow>& rows);
-// The CUDA rows' comparison columns (from their extra JSON): dense peak, grouped GEMM share of
-// it, and the speedups over the cuBLAS loop and over PyTorch.
+// The CUDA rows' comparison columns (from their extra JSON): dense peak, the fused-SwiGLU
+// forward's speedup, the links' bandwidth and the speedups over PyTorch.
 void print_cuda_comparison(std::ostream& os, const std::vector<BenchRow>& rows);
 // Each row's stage times (extra "stages", from --breakdown): one line per path and direction.
 void print_stage_breakdown(std::ostream& os, const std::vector<BenchRow>& rows);
-// `moka bench --mode core` rows: the megakernel core and the CUTLASS grouped GEMMs side by side.
-void print_core_comparison(std::ostream& os, const std::vector<BenchRow>& rows);
 
 // A progress line on stderr with the seconds since the start, redrawn in place on a terminal and
 // printed once per case otherwise.

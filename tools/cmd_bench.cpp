@@ -54,8 +54,6 @@ struct BenchOptions {
   std::string row_order = "rate-based";
   std::string timeline;
   int gpus = 1;
-  bool paired_steps = false;
-  std::string mode = "layer";
 };
 
 NamedShape custom_shape(const BenchOptions& o) {
@@ -305,39 +303,9 @@ void run_bench(const BenchOptions& o) {
   const auto [backend, backend_choice] =
       automatic ? automatic_backend() : std::pair<Backend, std::string>{parse_backend(o.backend), ""};
   validate_cases(o, shapes, backend);
-  require(o.mode == "layer" || (backend == Backend::cuda && o.gpus == 1 && o.ep == 1 && !o.paired_steps),
-          ErrorCode::invalid_argument,
-          "--mode " + o.mode + " runs on one GPU: it takes --backend cuda (or auto with a GPU visible), and neither "
-          "--gpus, --ep nor --paired-steps");
-  require(!o.breakdown || (backend == Backend::cuda && o.mode == "layer" && !o.paired_steps),
-          ErrorCode::invalid_argument,
-          "--breakdown times the CUDA layer's stages: it takes --backend cuda (or auto with a GPU visible), --mode "
-          "layer and no --paired-steps");
+  require(!o.breakdown || backend == Backend::cuda, ErrorCode::invalid_argument,
+          "--breakdown times the CUDA layer's stages: it takes --backend cuda (or auto with a GPU visible)");
   if (ran_as_workers(o.gpus, "bench")) return;
-  if (o.mode != "layer") {
-    const bool backward = o.mode == "backward-core";
-    std::vector<BenchRow> rows;
-    for (const auto& ns : shapes) {
-      for (int64_t t : o.tokens) {
-        rows.push_back(backward ? run_cuda_backward_core_case(ns, t, cuda_options(o, ""))
-                                : run_cuda_core_case(ns, t, cuda_options(o, "")));
-        if (o.json) std::cout << bench_json(rows.back()) << std::endl;
-      }
-    }
-    if (o.json) return;
-    if (backward) {
-      print_table(std::cout, rows);
-    } else {
-      print_core_comparison(std::cout, rows);
-    }
-    return;
-  }
-  if (o.paired_steps) {
-    require(backend == Backend::cuda && shapes.size() == 1 && o.tokens.size() == 1 && o.gpus == 1 && o.ep == 1,
-            ErrorCode::invalid_argument, "--paired-steps takes --backend cuda and one shape and token count");
-    serve_cuda_steps(shapes[0], o.tokens[0], cuda_options(o, ""), std::cin, std::cout);
-    return;
-  }
   // Worker processes (started by --gpus N or `moka launch`) form one group over TCP.
   std::unique_ptr<ProcessGroup> workers = join_workers(backend == Backend::cuda);
   const bool root = !workers || workers->rank() == 0;
@@ -421,10 +389,14 @@ void register_bench(CLI::App& app) {
   cmd->add_option("--torch-results", o->torch_results,
                   "JSON lines of bench/torch_baseline.py (same shapes, same run) to print speedups against")
       ->check(CLI::ExistingFile);
-  cmd->add_option("--fail-rank", o->fail_rank, "Make this rank fail with a bad input (to test error propagation)")
-      ->check(CLI::Range(-1, 4095));
+  // Fault injection for the error-propagation tests: options without a group, which --help
+  // leaves out.
+  cmd->add_option("--fail-rank", o->fail_rank, "Make this rank fail (to test error propagation)")
+      ->check(CLI::Range(-1, 4095))
+      ->group("");
   cmd->add_option("--fail-mode", o->fail_mode, "bad-input | crash | kill | stall")
-      ->check(CLI::IsMember({"bad-input", "crash", "kill", "stall"}));
+      ->check(CLI::IsMember({"bad-input", "crash", "kill", "stall"}))
+      ->group("");
   cmd->add_option("--gpus", o->gpus, "Worker processes, one per GPU (started by moka itself)")->check(CLI::Range(1, 64));
   cmd->add_option("--comm-sms", o->megakernel.num_comm_sms, "Megakernel: communication CTAs (EP CUDA runs)")
       ->check(CLI::Range(1, 1024));
@@ -445,12 +417,6 @@ void register_bench(CLI::App& app) {
                   "gate|up (needs --macrobatch below the case's rows) | auto: as --macrobatch gives it")
       ->check(CLI::IsMember({"auto", "resident", "replay"}));
   cmd->add_option("--timeline", o->timeline, "Megakernel: write the first case's task timeline to FILE (JSON lines)");
-  cmd->add_option("--mode", o->mode,
-                  "layer: the whole layer (default) | core: the megakernel's GEMM core alone against the CUTLASS "
-                  "grouped GEMMs on the same grouped rows (one GPU; --minibatch applies) | backward-core: the "
-                  "backward megakernel alone on the forward core's rows (one GPU; --comm-sms, --minibatch and "
-                  "--macrobatch apply)")
-      ->check(CLI::IsMember({"layer", "core", "backward-core"}));
   cmd->add_option("--save", o->save,
                   "CUDA: what a forward keeps for its backward on the staged paths: gate_up (the routed rows' gate "
                   "and up products) | none (the routes only; backward recomputes gate|up from x)")
@@ -463,11 +429,7 @@ void register_bench(CLI::App& app) {
                 "CUDA layer runs: also time each stage of both paths, forward and backward (medians of --iters "
                 "more steps; the rows' 'stages' field)");
   cmd->add_flag("--no-baselines", o->no_baselines,
-                "CUDA on one GPU: time the single-GPU and megakernel paths only (no cuBLAS-loop check and times, no "
-                "grouped-GEMM or fused-SwiGLU comparison; the single-GPU row's max_rel_error is then null)");
-  cmd->add_flag("--paired-steps", o->paired_steps,
-                "Hold one CUDA case and time one forward+backward per 'step' line on stdin (driven by "
-                "bench/torch_baseline.py --paired-with)");
+                "CUDA on one GPU: time the single-GPU and megakernel paths only (no fused-SwiGLU comparison)");
   cmd->callback([o] { run_bench(*o); });
 }
 

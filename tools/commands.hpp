@@ -27,7 +27,5 @@ void register_train(CLI::App& app);
 void register_coordcheck(CLI::App& app);
 void register_lr_sweep(CLI::App& app);
 void register_lr_horizon(CLI::App& app);
-void register_tune(CLI::App& app);
-void register_incast(CLI::App& app);
 
 }  // namespace moka::cli

@@ -19,8 +19,6 @@ int main(int argc, char** argv) {
   moka::cli::register_coordcheck(app);
   moka::cli::register_lr_sweep(app);
   moka::cli::register_lr_horizon(app);
-  moka::cli::register_tune(app);
-  moka::cli::register_incast(app);
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {

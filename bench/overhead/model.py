@@ -74,8 +74,8 @@ def stack(name: str, tokens: int, depth: int, iters: int, warmup: int, seed: int
     """A stack of ``depth`` MoE layers of the named shape as a model runs it (x, which requires
     grad, into the first layer, each layer's output into the next, all the forwards, then one
     backward from the last output) against the stack's first layer alone on the same x, depth
-    times (``stack_over_depth_layers``), and with ``moka`` (the C++ binary, GPU only) against depth
-    times ``moka bench``'s fwd+bwd of the shape and token count, paired run by run
+    times (``stack_over_depth_layers``), and with ``moka`` (the kernel lab's paired_steps
+    executable, GPU only) against depth times its fwd+bwd of the shape and token count, paired run by run
     (``stack_over_depth_cpp``; target: at most 1.05). In the stack each layer routes the previous
     layer's output: ``routes_max_over_mean`` is each layer's busiest expert's routes over the mean,
     from one more step, to tell a routing that got skewed from a slower call."""

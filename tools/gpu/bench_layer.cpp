@@ -6,109 +6,20 @@
 
 #include <algorithm>
 #include <cmath>
-#include <cstdio>
 #include <cstring>
 #include <fstream>
-#include <functional>
-#include <iomanip>
-#include <istream>
 #include <map>
-#include <ostream>
 #include <nlohmann/json.hpp>
-#include <random>
-#include <sstream>
-
-#include "moka/error.hpp"
-#include "moka/process_group.hpp"
-
-#include <cublas_v2.h>
-#include <cuda_bf16.h>
-#include <cuda_runtime.h>
 
 #include "core/routing_gen.hpp"
-#include "cuda/common/check.hpp"
-#include "cuda/cuda_backend.hpp"
-#include "testing/device_tensors.hpp"
-#include "cuda/gemm/grouped_gemm.hpp"
-#include "cuda/layer/layer_kernels.hpp"
-#include "cuda/layer_paths.hpp"
+#include "gpu/bench_memory.hpp"
+#include "gpu/gpu_timing.hpp"
 #include "moka/device_group.hpp"
 #include "moka/moka.hpp"
-#include "gpu/bench_memory.hpp"
-#include "gpu/bench_timing.hpp"
 
 namespace moka::cli {
 
-// Dense bf16 cuBLAS peak of this GPU, now: 8192^3 on random data.
-double dense_peak_tflops(cudaStream_t s) {
-  static double cached = 0;
-  if (cached > 0) return cached;
-  const int n = 8192;
-  Dev a(size_t(n) * n * 2), b(size_t(n) * n * 2), c(size_t(n) * n * 2);
-  a.fill_normal(1.0, 1);
-  b.fill_normal(1.0, 2);
-  cublasHandle_t h;
-  MOKA_CUBLAS_CHECK(cublasCreate(&h));
-  MOKA_CUBLAS_CHECK(cublasSetStream(h, s));
-  const float one = 1, zero = 0;
-  const double ms = time_ms(
-      [&] {
-        MOKA_CUBLAS_CHECK(cublasGemmEx(h, CUBLAS_OP_T, CUBLAS_OP_N, n, n, n, &one, a.data(), CUDA_R_16BF, n, b.data(),
-                                       CUDA_R_16BF, n, &zero, c.data(), CUDA_R_16BF, n, CUBLAS_COMPUTE_32F,
-                                       CUBLAS_GEMM_DEFAULT));
-      },
-      3, 20, s);
-  cublasDestroy(h);
-  cached = 2.0 * n * n * double(n) / (ms * 1e-3) / 1e12;
-  return cached;
-}
-
 namespace {
-
-struct Timing {
-  double fwd = 0, bwd = 0, total = 0;
-};
-
-Timing time_layer(MoeLayer& layer, const LayerTensors& t, const CudaBenchOptions& o, cudaStream_t s) {
-  Timing r;
-  std::unique_ptr<MoeContext> ctx;
-  r.fwd = time_ms([&] { ctx = layer.forward(t.inputs(), t.weights(), t.out_view(), Stream{s}); }, o.warmup, o.iters, s);
-  r.bwd = time_ms([&] { layer.backward(*ctx, t.d_out_view(), t.weights(), t.gradients(), Stream{s}); }, o.warmup, o.iters, s);
-  r.total = time_ms(
-      [&] {
-        // A training step consumes its context (r.bwd reruns one context's backward).
-        layer.consume_backward(layer.forward(t.inputs(), t.weights(), t.out_view(), Stream{s}), t.d_out_view(),
-                               t.weights(), t.gradients(), Stream{s});
-      },
-      o.warmup, o.iters, s);
-  return r;
-}
-
-// The forward gate/up grouped GEMM alone (2E groups, this routing's counts), as TFLOP/s.
-double grouped_gemm_tflops(const NamedShape& ns, const LayerTensors& t, const CudaBenchOptions& o, cudaStream_t s) {
-  const auto& sh = ns.shape;
-  const int64_t T = t.T, H = sh.hidden, I = sh.intermediate, E = sh.num_experts, k = sh.top_k;
-  const int64_t slots = T * k;
-  const cuda::GroupedSchedule sched(t.ids.as<int32_t>(), t.w.as<float>(), sh, T, o.tile_rows, s);
-  const int64_t rows = sched.rows;
-  Dev xg(rows * H * 2), gate(rows * I * 2), up(rows * I * 2);
-  xg.fill_normal(1.0, o.seed + 11);
-  std::vector<cuda::GroupSpec> groups;
-  for (int e = 0; e < E; ++e)
-    for (int which = 0; which < 2; ++which) groups.push_back(expert_rows_group(e, 0, H, 1 + which, e * I * H, H, 3 + which, I, I, H));
-  cuda::GroupedGemm gemm(groups, cuda::GemmLayout{}, 0);
-  cuda::BufferTable table;
-  table.ptr[0] = xg.data(), table.ptr[1] = t.wg.data(), table.ptr[2] = t.wu.data(), table.ptr[3] = gate.data(), table.ptr[4] = up.data();
-  const double ms = time_ms([&] { gemm.run(table, sched.counts.as<int32_t>(), sched.offsets.as<int32_t>(), s); }, o.warmup, o.iters, s);
-  return 2.0 * double(slots) * 2.0 * double(I) * double(H) / (ms * 1e-3) / 1e12;
-}
-
-// Random tensors and uniform routing: torch_baseline.py routes uniformly at random too, so
-// expert loads match in distribution (the draws themselves differ).
-void randomize_uniform(LayerTensors& t, const MoeShape& sh, int64_t tokens, uint64_t seed) {
-  t.randomize(seed, core::sample_topk_ids({core::RoutingKind::uniform, 0.3, seed}, tokens, sh.top_k, sh.num_experts));
-}
-
 
 // One forward+backward step of a layer: the milliseconds of its forward and of its backward
 // (CUDA events around each half; the step is their sum). Synchronizes the stream.
@@ -119,21 +30,21 @@ StepTime time_step(MoeLayer& layer, const LayerTensors& t, cudaStream_t s) {
   struct Events {
     cudaEvent_t e[3] = {};
     Events() {
-      for (auto& event : e) MOKA_CUDA_CHECK(cudaEventCreate(&event));
+      for (auto& event : e) BENCH_CHECK(cudaEventCreate(&event));
     }
     ~Events() {
       for (auto event : e) cudaEventDestroy(event);
     }
   } ev;
-  MOKA_CUDA_CHECK(cudaEventRecord(ev.e[0], s));
+  BENCH_CHECK(cudaEventRecord(ev.e[0], s));
   auto ctx = layer.forward(t.inputs(), t.weights(), t.out_view(), Stream{s});
-  MOKA_CUDA_CHECK(cudaEventRecord(ev.e[1], s));
+  BENCH_CHECK(cudaEventRecord(ev.e[1], s));
   layer.consume_backward(std::move(ctx), t.d_out_view(), t.weights(), t.gradients(), Stream{s});
-  MOKA_CUDA_CHECK(cudaEventRecord(ev.e[2], s));
-  MOKA_CUDA_CHECK(cudaEventSynchronize(ev.e[2]));
+  BENCH_CHECK(cudaEventRecord(ev.e[2], s));
+  BENCH_CHECK(cudaEventSynchronize(ev.e[2]));
   float fwd = 0, bwd = 0;
-  MOKA_CUDA_CHECK(cudaEventElapsedTime(&fwd, ev.e[0], ev.e[1]));
-  MOKA_CUDA_CHECK(cudaEventElapsedTime(&bwd, ev.e[1], ev.e[2]));
+  BENCH_CHECK(cudaEventElapsedTime(&fwd, ev.e[0], ev.e[1]));
+  BENCH_CHECK(cudaEventElapsedTime(&bwd, ev.e[1], ev.e[2]));
   return {fwd, bwd};
 }
 
@@ -211,7 +122,7 @@ StepOutputs step_outputs(MoeLayer& layer, const LayerTensors& t, cudaStream_t s)
     auto c = layer.forward(t.inputs(), t.weights(), t.out_view(), Stream{s});
     layer.backward(*c, t.d_out_view(), t.weights(), t.gradients(), Stream{s});
   }
-  MOKA_CUDA_CHECK(cudaStreamSynchronize(s));
+  BENCH_CHECK(cudaStreamSynchronize(s));
   layer.check_errors();
   return {read_bf16(t.out), read_bf16(t.d_x), read_bf16(t.dwd)};
 }
@@ -226,19 +137,27 @@ bool same_bits(const StepOutputs& a, const StepOutputs& b) {
   return same(a.out, b.out) && same(a.d_x, b.d_x) && same(a.d_w_down, b.d_w_down);
 }
 
+// The routed rows a megakernel layer's tables hold, rounded up to whole minibatches: the
+// capacity include/moka/megakernel.hpp states (capacity_multiplier's comment).
+int64_t megakernel_capacity_rows(const MegakernelConfig& c, const MoeShape& sh, int ranks, int64_t tokens) {
+  const int64_t shares = std::max<int64_t>(2, int64_t(std::ceil(ranks * c.capacity_multiplier)));
+  const int64_t rows = tokens * sh.top_k * std::min<int64_t>(ranks, shares) + sh.num_experts / ranks * (c.tile_rows - 1);
+  return (rows + c.minibatch_size - 1) / c.minibatch_size * c.minibatch_size;
+}
+
 // The megakernel knobs of a case for --context: "resident" grows the ring (macrobatch) to hold
 // every routed row the case can have, "replay" requires a ring that does not, "auto" keeps them.
 MegakernelConfig case_megakernel_config(const CudaBenchOptions& o, const MoeShape& sh, int ranks, int64_t tokens) {
   MegakernelConfig c = o.megakernel;
   if (o.context == "auto") return c;
-  const core::MegakernelPlan plan = cuda::supported_plan(sh, c, ranks, tokens);
+  const int64_t capacity = megakernel_capacity_rows(c, sh, ranks, tokens);
   if (o.context == "resident") {
-    c.macrobatch_size = plan.max_steps * plan.minibatch_rows;
+    c.macrobatch_size = capacity;
     return c;
   }
-  require(plan.ring_rows < plan.capacity_rows, ErrorCode::invalid_argument,
+  require(c.macrobatch_size < capacity, ErrorCode::invalid_argument,
           "--context replay needs a ring that does not hold every routed row: --macrobatch " +
-              std::to_string(c.macrobatch_size) + " holds all " + std::to_string(plan.capacity_rows) +
+              std::to_string(c.macrobatch_size) + " holds all " + std::to_string(capacity) +
               " rows of this case; give one below that");
   return c;
 }
@@ -263,7 +182,7 @@ void record_timeline(MoeLayer& mk, DeviceGroup* group, const NamedShape& ns, con
   if (o.timeline.empty()) return;
   mk.megakernel()->record_timeline(true);
   mk.forward(t.inputs(), t.weights(), t.out_view(), Stream{s});
-  MOKA_CUDA_CHECK(cudaStreamSynchronize(s));
+  BENCH_CHECK(cudaStreamSynchronize(s));
   mk.check_errors();
   mk.megakernel()->record_timeline(false);
   if (!group || group->rank() == 0)
@@ -357,33 +276,17 @@ CaseResults run_paths(std::unique_ptr<MoeLayer> staged, const StepOutputs& want,
   return r;
 }
 
-}  // namespace
-
-namespace {
-
-// The single-GPU path's own comparisons, into its row: its outputs (`moka`) against the cuBLAS
-// loop's on every element (max_rel_error) and the loop's times, the forward gate/up grouped GEMM
-// alone, and SwiGLU in the gate GEMM's epilogue against the default unfused path (gate|up GEMM,
-// then the activation pass): the same bits (out, d_x, d_w_down), forward timed alternately.
-void compare_single_gpu(MoeLayer& layer, const StepOutputs& moka, const LayerOptions& lo, const NamedShape& ns,
-                        const LayerTensors& t, const CudaBenchOptions& o, double peak, cudaStream_t s, BenchRow& row) {
-  const MoeShape& sh = ns.shape;
-  auto e = nlohmann::ordered_json::object();
-  {
-    auto base = cuda::make_cuda_baseline_layer(sh, lo);
-    row.max_rel_error = max_rel_diff(moka, step_outputs(*base, t, s));
-    const Timing b = time_layer(*base, t, o, s);
-    e["error_vs"] = "cublas-loop";
-    e["baseline_fwd_ms"] = b.fwd;
-    e["baseline_bwd_ms"] = b.bwd;
-    e["baseline_fwdbwd_ms"] = b.total;
-  }  // the loop's workspace, before the other layers allocate theirs
-  const double gemm = grouped_gemm_tflops(ns, t, o, s);
-  e["grouped_gemm_tflops"] = gemm;
-  e["grouped_gemm_pct_peak"] = 100.0 * gemm / peak;
+// SwiGLU in the gate GEMM's epilogue (LayerOptions::fused_swiglu) against the default unfused
+// path (gate|up GEMM, then the activation pass), into the single-GPU row: the same bits (out,
+// d_x, d_w_down), the forward timed alternately. (The comparisons that need the library's
+// internals, the per-expert cuBLAS loop and the grouped GEMM alone, are the kernel lab's:
+// bench/kernels/staged_baselines.)
+void compare_fused_swiglu(MoeLayer& layer, const StepOutputs& moka, const LayerOptions& lo, const MoeShape& sh,
+                          const LayerTensors& t, const CudaBenchOptions& o, cudaStream_t s, BenchRow& row) {
   LayerOptions fused_options = lo;
   fused_options.fused_swiglu = true;
   auto fused = make_moe_layer(sh, Backend::cuda, nullptr, fused_options);
+  auto& e = row.extra;
   e["fused_swiglu_identical"] = same_bits(step_outputs(*fused, t, s), moka);
   const Paired fwd = time_paired([&] { fused->forward(t.inputs(), t.weights(), t.out_view(), Stream{s}); },
                                  [&] { layer.forward(t.inputs(), t.weights(), t.out_view(), Stream{s}); }, o.warmup,
@@ -391,7 +294,6 @@ void compare_single_gpu(MoeLayer& layer, const StepOutputs& moka, const LayerOpt
   e["fused_swiglu_fwd_ms"] = fwd.a_ms;
   e["unfused_swiglu_fwd_ms"] = fwd.b_ms;
   e["fused_swiglu_fwd_speedup"] = fwd.ratio;
-  row.extra.update(e);
 }
 
 }  // namespace
@@ -402,7 +304,7 @@ std::vector<BenchRow> run_cuda_case(const NamedShape& ns, int64_t tokens, const 
   const MoeShape& sh = ns.shape;
   const double peak = dense_peak_tflops(s);
   LayerTensors t(sh, tokens);
-  randomize_uniform(t, sh, tokens, o.seed);
+  t.randomize_uniform(o.seed);
   LayerOptions lo{o.tile_rows, 0};
   lo.path = LayerPath::single_gpu;
   lo.save = o.save;
@@ -414,14 +316,13 @@ std::vector<BenchRow> run_cuda_case(const NamedShape& ns, int64_t tokens, const 
   auto layer = make_layer(nullptr);
   const StepOutputs moka = step_outputs(*layer, t, s);
   BenchRow row = cuda_row(ns, "single-gpu", t.device, 1, tokens, o.iters);
-  if (o.baselines) compare_single_gpu(*layer, moka, lo, ns, t, o, peak, s, row);
+  if (o.baselines) compare_fused_swiglu(*layer, moka, lo, sh, t, o, s, row);
 
   // The single-GPU and megakernel steps, alternately; with uniform routing every rank's rows are
   // T*k, and one GPU moves nothing over links.
   const CaseResults r = run_paths(std::move(layer), moka, make_layer, nullptr, nullptr, ns, t, o, s);
   const LayerFloor floor = layer_floor(sh, tokens, {tokens * sh.top_k}, 1, peak, std::nullopt);
   auto& e = row.extra;
-  if (o.baselines) e["speedup_vs_cublas_loop"] = e["baseline_fwdbwd_ms"].get<double>() / r.steps.a.fwdbwd_ms;
   const TorchResult torch = torch_result(o.torch_results, ns.name, tokens, 1);
   if (torch.paired_runs > 0) {
     e["speedup_vs_torch_paired"] = torch.paired_ratio;
@@ -429,27 +330,6 @@ std::vector<BenchRow> run_cuda_case(const NamedShape& ns, int64_t tokens, const 
     e["paired_moka_fwdbwd_ms"] = torch.paired_moka_ms;
   }
   return path_rows(row, r, floor, peak, sh, torch);
-}
-
-void serve_cuda_steps(const NamedShape& ns, int64_t tokens, const CudaBenchOptions& o, std::istream& in,
-                      std::ostream& out) {
-  const CaseStream stream("moka bench --paired-steps");
-  const MoeShape& sh = ns.shape;
-  LayerTensors t(sh, tokens);
-  randomize_uniform(t, sh, tokens, o.seed);
-  LayerOptions lo{o.tile_rows, 0};
-  lo.save = o.save;
-  auto layer = make_moe_layer(sh, Backend::cuda, nullptr, lo);
-  auto step = [&] {
-    auto c = layer->forward(t.inputs(), t.weights(), t.out_view(), Stream{stream.s});
-    layer->backward(*c, t.d_out_view(), t.weights(), t.gradients(), Stream{stream.s});
-  };
-  for (int i = 0; i < o.warmup; ++i) step();
-  MOKA_CUDA_CHECK(cudaStreamSynchronize(stream.s));
-  out << "ready" << std::endl;
-  std::string line;
-  while (std::getline(in, line) && line == "step")
-    out << std::setprecision(9) << time_ms(step, 0, 1, stream.s) << std::endl;
 }
 
 namespace {
@@ -465,7 +345,7 @@ LinkTiming time_links(DeviceGroup& g, size_t bytes_per_peer, const CudaBenchOpti
   const int R = g.size();
   LinkTiming t;
   t.bytes_per_rank = double(bytes_per_peer) * (R - 1);
-  Dev send(bytes_per_peer * R), recv(bytes_per_peer * R);
+  DeviceBuffer send(bytes_per_peer * R), recv(bytes_per_peer * R);
   std::vector<size_t> counts(R, bytes_per_peer), offsets(R);
   for (int p = 0; p < R; ++p) offsets[p] = p * bytes_per_peer;
   t.all_to_all_ms = time_ms([&] { g.all_to_all_v(send.data(), counts.data(), offsets.data(), recv.data(), counts.data(), offsets.data(), s); },
@@ -474,10 +354,10 @@ LinkTiming time_links(DeviceGroup& g, size_t bytes_per_peer, const CudaBenchOpti
   const int next = (g.rank() + 1) % R;
   g.device_barrier(s, 30.0);
   t.peer_copy_ms = time_ms([&] {
-    MOKA_CUDA_CHECK(cudaMemcpyAsync(recv.data(), peer.peers[next], bytes_per_peer * (R - 1), cudaMemcpyDeviceToDevice, s));
+    BENCH_CHECK(cudaMemcpyAsync(recv.data(), peer.peers[next], bytes_per_peer * (R - 1), cudaMemcpyDeviceToDevice, s));
   }, o.warmup, o.iters, s);
   g.device_barrier(s, 30.0);
-  MOKA_CUDA_CHECK(cudaStreamSynchronize(s));
+  BENCH_CHECK(cudaStreamSynchronize(s));
   g.check_device_errors();
   return t;
 }
@@ -502,14 +382,14 @@ std::vector<int64_t> route_matrix(ProcessGroup& workers, const std::vector<int32
 
 }  // namespace
 
-void select_worker_device(int local_rank) { MOKA_CUDA_CHECK(cudaSetDevice(local_rank)); }
+void select_worker_device(int local_rank) { BENCH_CHECK(cudaSetDevice(local_rank)); }
 
 std::vector<BenchRow> run_cuda_ep_case(ProcessGroup& workers, const NamedShape& ns, int64_t tokens,
                                        const CudaBenchOptions& o) {
   const MoeShape& sh = ns.shape;
   const int R = workers.size();
   cudaStream_t s;
-  MOKA_CUDA_CHECK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
+  BENCH_CHECK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
   LayerTensors t(sh, tokens, R);
   const std::vector<int32_t> ids = ep_routing(o, sh, tokens, workers.rank(), R);
   t.randomize(o.seed * 1000 + workers.rank(), ids);
@@ -539,7 +419,7 @@ std::vector<BenchRow> run_cuda_ep_case(ProcessGroup& workers, const NamedShape& 
   const LinkTiming link = time_links(*group, rows_per_peer * sh.hidden * 2, o, s);
   const double peak = dense_peak_tflops(s);
   group.reset();
-  MOKA_CUDA_CHECK(cudaStreamDestroy(s));
+  BENCH_CHECK(cudaStreamDestroy(s));
   const double a2a = max_over_ranks(workers, link.all_to_all_ms), copy = max_over_ranks(workers, link.peer_copy_ms);
   if (workers.rank() != 0) return {};
 

@@ -4,11 +4,11 @@
 #include <cuda_bf16.h>
 
 #include <algorithm>
+#include <utility>
 #include <nlohmann/json.hpp>
 #include <vector>
 
-#include "cuda/common/check.hpp"
-#include "cuda/common/device_memory.hpp"
+#include "gpu/cuda_check.hpp"
 
 namespace moka::cli {
 namespace {
@@ -20,14 +20,14 @@ class MeasuringAllocator final : public DeviceAllocator {
  public:
   void* allocate(size_t bytes, Stream) override {
     void* p = nullptr;
-    MOKA_CUDA_CHECK(cudaMalloc(&p, bytes));
+    BENCH_CHECK(cudaMalloc(&p, bytes));
     in_use_ += int64_t(bytes);
     peak_ = std::max(peak_, in_use_);
     return p;
   }
   void deallocate(void* p, size_t bytes, Stream stream) override {
-    MOKA_CUDA_CHECK(cudaStreamSynchronize(static_cast<cudaStream_t>(stream.handle)));
-    MOKA_CUDA_CHECK(cudaFree(p));
+    BENCH_CHECK(cudaStreamSynchronize(static_cast<cudaStream_t>(stream.handle)));
+    BENCH_CHECK(cudaFree(p));
     in_use_ -= int64_t(bytes);
   }
   int64_t in_use() const { return in_use_; }
@@ -37,24 +37,53 @@ class MeasuringAllocator final : public DeviceAllocator {
   int64_t in_use_ = 0, peak_ = 0;
 };
 
+// One bf16 activation between stacked layers, from the measured allocator, given back on the
+// stream that last used it.
+class Activation {
+ public:
+  Activation() = default;
+  Activation(DeviceAllocator& allocator, int64_t values, cudaStream_t s)
+      : allocator_(&allocator), bytes_(size_t(values) * sizeof(__nv_bfloat16)), stream_(s) {
+    data_ = allocator.allocate(bytes_, Stream{s});
+  }
+  Activation(Activation&& other) noexcept { *this = std::move(other); }
+  Activation& operator=(Activation&& other) noexcept {
+    std::swap(allocator_, other.allocator_);
+    std::swap(data_, other.data_);
+    std::swap(bytes_, other.bytes_);
+    std::swap(stream_, other.stream_);
+    return *this;
+  }
+  ~Activation() {
+    if (data_) allocator_->deallocate(data_, bytes_, Stream{stream_});
+  }
+  void* data() const { return data_; }
+
+ private:
+  DeviceAllocator* allocator_ = nullptr;
+  void* data_ = nullptr;
+  size_t bytes_ = 0;
+  cudaStream_t stream_ = nullptr;
+};
+
 LayerMemory layer_memory(const MakeLayer& make, const LayerTensors& t, int depth, cudaStream_t s) {
   auto free_bytes = [] {
     size_t free = 0, total = 0;
-    MOKA_CUDA_CHECK(cudaMemGetInfo(&free, &total));
+    BENCH_CHECK(cudaMemGetInfo(&free, &total));
     return free;
   };
   MeasuringAllocator per_call;
-  MOKA_CUDA_CHECK(cudaDeviceSynchronize());
+  BENCH_CHECK(cudaDeviceSynchronize());
   const size_t before = free_bytes();
   LayerMemory m;
   {
     std::vector<std::unique_ptr<MoeLayer>> layers;
     for (int i = 0; i < depth; ++i) layers.push_back(make(&per_call));
     const int64_t rows = t.T * t.s.hidden;
-    auto activation = [&] { return cuda::DeviceArray<__nv_bfloat16>(size_t(rows), per_call, s); };
-    auto as_view = [&](const cuda::DeviceArray<__nv_bfloat16>& a) { return t.view_of(a.data(), {t.T, t.s.hidden}); };
+    auto activation = [&] { return Activation(per_call, rows, s); };
+    auto as_view = [&](const Activation& a) { return t.bf16(a.data(), {t.T, t.s.hidden}); };
     // outputs[i]: layer i's output (the last one is the caller's), the next layer's input.
-    std::vector<cuda::DeviceArray<__nv_bfloat16>> outputs;
+    std::vector<Activation> outputs;
     std::vector<std::unique_ptr<MoeContext>> contexts;
     for (int i = 0; i < depth; ++i) {
       MoeInputs in = t.inputs();
@@ -65,10 +94,10 @@ LayerMemory layer_memory(const MakeLayer& make, const LayerTensors& t, int depth
     }
     for (const auto& c : contexts) m.saved_per_layer = std::max(m.saved_per_layer, c->saved_bytes());
     // Backward from the last layer: d_out of layer i is the input gradient of layer i + 1.
-    cuda::DeviceArray<__nv_bfloat16> d_out_of_next;
+    Activation d_out_of_next;
     for (int i = depth - 1; i >= 0; --i) {
       MoeGradients g = t.gradients();
-      cuda::DeviceArray<__nv_bfloat16> d_x;
+      Activation d_x;
       if (i > 0) {
         d_x = activation();
         g.d_x = as_view(d_x);
@@ -78,11 +107,11 @@ LayerMemory layer_memory(const MakeLayer& make, const LayerTensors& t, int depth
       if (i > 0) outputs.pop_back();  // layer i's input, read by its backward
       d_out_of_next = std::move(d_x);
     }
-    MOKA_CUDA_CHECK(cudaStreamSynchronize(s));
+    BENCH_CHECK(cudaStreamSynchronize(s));
     for (auto& l : layers) l->check_errors();
     m.stack_peak = int64_t(before - free_bytes()) + per_call.peak();
   }
-  MOKA_CUDA_CHECK(cudaDeviceSynchronize());
+  BENCH_CHECK(cudaDeviceSynchronize());
   if (depth == 1) m.workspace_peak = per_call.peak() - m.saved_per_layer;
   return m;
 }

@@ -8,7 +8,7 @@
 #include <memory>
 
 #include "bench_report.hpp"
-#include "gpu/bench_timing.hpp"
+#include "gpu/device_tensors.hpp"
 #include "moka/allocator.hpp"
 #include "moka/layer.hpp"
 

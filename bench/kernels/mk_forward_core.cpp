@@ -1,17 +1,20 @@
-// `moka bench --mode core`: the megakernel's GEMM core alone (its compute role over rows already
+// mk_forward_core: the forward megakernel's GEMM core alone (its compute role over rows already
 // grouped by expert, no communication) against moka's CUTLASS grouped GEMMs on the same rows
 // (up, gate with the SwiGLU epilogue, down: the staged layer's fused forward), on one GPU, timed
-// alternately after a check that both give the same hidden and output rows.
+// alternately after a check that both give the same hidden and output rows (the CUTLASS grouped
+// GEMMs are themselves checked against the CPU reference by the GPU tests). Routed experts only.
 #include <cstring>
-#include <random>
 
-#include "bench_cuda.hpp"
-#include "core/routing_gen.hpp"
 #include "cuda/megakernel/gemm_core.hpp"
-#include "gpu/bench_timing.hpp"
+#include "kernel_lab.hpp"
 
-namespace moka::cli {
+namespace moka::lab {
 namespace {
+
+struct Options {
+  CaseOptions cases;
+  MegakernelConfig megakernel;
+};
 
 // Buffer indices of the CUTLASS launches' table.
 enum Buffer { kGrouped, kGateWeight, kUpWeight, kDownWeight, kGateOut, kUpOut, kHidden, kExpertOut };
@@ -54,85 +57,57 @@ struct Outputs {
 // The routed rows of a grouped [rows, width] buffer, expert by expert (padding rows dropped).
 std::vector<__nv_bfloat16> routed_rows(const Dev& buffer, int64_t width, const std::vector<int32_t>& counts,
                                        const std::vector<int32_t>& offsets) {
-  const std::vector<__nv_bfloat16> all = read_bf16(buffer);
+  const std::vector<__nv_bfloat16> all = cli::read_bf16(buffer.data(), buffer.bytes());
   std::vector<__nv_bfloat16> rows;
   for (size_t e = 0; e < counts.size(); ++e)
     rows.insert(rows.end(), all.begin() + offsets[e] * width, all.begin() + (offsets[e] + counts[e]) * width);
   return rows;
 }
 
-template <typename T>
-std::vector<T> download(const Dev& d, size_t count) {
-  std::vector<T> h(count);
-  MOKA_CUDA_CHECK(cudaMemcpy(h.data(), d.data(), count * sizeof(T), cudaMemcpyDeviceToHost));
-  return h;
-}
-
-}  // namespace
-
-BenchRow run_cuda_core_case(const NamedShape& ns, int64_t tokens, const CudaBenchOptions& o) {
-  const CaseStream stream("moka bench --mode core");
+BenchRow run_case(const NamedShape& ns, int64_t tokens, const Options& o) {
+  const cli::CaseStream stream("mk_forward_core");
   const cudaStream_t s = stream.s;
   int device = 0, sms = 0;
   MOKA_CUDA_CHECK(cudaGetDevice(&device));
   MOKA_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
   const MoeShape& sh = ns.shape;
   const int64_t H = sh.hidden, I = sh.intermediate, E = sh.num_experts, k = sh.top_k;
-  const double peak = dense_peak_tflops(s);
+  const double peak = cli::dense_peak_tflops(s);
   cuda::MegakernelCore core(sh, o.megakernel, tokens);  // checks the shape and knobs first
+  const GroupedRowsCase in(sh, tokens, core.rows(), o.cases.seed, s);
 
-  // Inputs: random x and weights (N(0, 1/fan_in)), uniform routing, unit route weights.
-  std::mt19937_64 rng(o.seed);
-  Dev x(tokens * H * 2), ids(tokens * k * 4), route_weights(tokens * k * 4);
-  Dev wg(E * I * H * 2), wu(wg.bytes()), wd(wg.bytes());
-  x.fill_normal(1.0, rng());
-  wg.fill_normal(1 / std::sqrt(double(H)), rng());
-  wu.fill_normal(1 / std::sqrt(double(H)), rng());
-  wd.fill_normal(1 / std::sqrt(double(I)), rng());
-  const std::vector<int32_t> topk = core::sample_topk_ids({core::RoutingKind::uniform, 0, o.seed}, tokens, k, E);
-  const std::vector<float> ones(topk.size(), 1.0f);
-  MOKA_CUDA_CHECK(cudaMemcpy(ids.data(), topk.data(), ids.bytes(), cudaMemcpyHostToDevice));
-  MOKA_CUDA_CHECK(cudaMemcpy(route_weights.data(), ones.data(), route_weights.bytes(), cudaMemcpyHostToDevice));
-
-  // The grouped rows both sides read: x gathered into expert segments, zero padding rows.
-  const cuda::GroupedSchedule sched(ids.as<int32_t>(), route_weights.as<float>(), sh, tokens, o.tile_rows, s);
-  const int64_t rows = core.rows();
-  require(rows >= sched.rows, ErrorCode::internal, "megakernel core holds fewer rows than the schedule");
-  Dev grouped(rows * H * 2);
-  MOKA_CUDA_CHECK(cudaMemsetAsync(grouped.data(), 0, grouped.bytes(), s));
-  cuda::gather_rows(x.as<cuda::bf16>(), grouped.as<cuda::bf16>(), sched.row_of_slot.as<int32_t>(), tokens * k, k, H, s);
-
-  Outputs mk(rows, sh), cl(rows, sh);
-  const cuda::GroupedExpertRows mk_rows{grouped.as<cuda::bf16>(), sched.offsets.as<int32_t>(), mk.gate.as<cuda::bf16>(),
-                                        mk.up.as<cuda::bf16>(), mk.hidden.as<cuda::bf16>(), mk.y.as<cuda::bf16>()};
-  auto run_core = [&] { core.run(mk_rows, wg.as<cuda::bf16>(), wu.as<cuda::bf16>(), wd.as<cuda::bf16>(), s); };
+  Outputs mk(core.rows(), sh), cl(core.rows(), sh);
+  const cuda::GroupedExpertRows mk_rows{in.grouped.as<cuda::bf16>(), in.sched.offsets.as<int32_t>(),
+                                        mk.gate.as<cuda::bf16>(),    mk.up.as<cuda::bf16>(),
+                                        mk.hidden.as<cuda::bf16>(),  mk.y.as<cuda::bf16>()};
+  auto run_core = [&] { core.run(mk_rows, in.wg.as<cuda::bf16>(), in.wu.as<cuda::bf16>(), in.wd.as<cuda::bf16>(), s); };
   CutlassForward cutlass(sh, device);
   cuda::BufferTable table;
-  const Dev* buffers[] = {&grouped, &wg, &wu, &wd, &cl.gate, &cl.up, &cl.hidden, &cl.y};
+  const Dev* buffers[] = {&in.grouped, &in.wg, &in.wu, &in.wd, &cl.gate, &cl.up, &cl.hidden, &cl.y};
   for (int b = 0; b < 8; ++b) table.ptr[b] = buffers[b]->data();
-  auto run_cutlass = [&] { cutlass.run(table, sched, s); };
+  auto run_cutlass = [&] { cutlass.run(table, in.sched, s); };
 
   // Check first: the routed rows of hidden and y from both sides.
   run_core();
   run_cutlass();
   MOKA_CUDA_CHECK(cudaStreamSynchronize(s));
   core.check_errors();
-  const auto counts = download<int32_t>(sched.counts, E), offsets = download<int32_t>(sched.offsets, E + 1);
+  const auto counts = in.counts(), offsets = in.offsets();
   const auto mk_hidden = routed_rows(mk.hidden, I, counts, offsets), cl_hidden = routed_rows(cl.hidden, I, counts, offsets);
   const auto mk_y = routed_rows(mk.y, H, counts, offsets), cl_y = routed_rows(cl.y, H, counts, offsets);
   const bool identical = std::memcmp(mk_hidden.data(), cl_hidden.data(), mk_hidden.size() * 2) == 0 &&
                          std::memcmp(mk_y.data(), cl_y.data(), mk_y.size() * 2) == 0;
-  const double diff = std::max(rel_diff(mk_hidden, cl_hidden), rel_diff(mk_y, cl_y));
+  const double diff = std::max(cli::rel_diff(mk_hidden, cl_hidden), cli::rel_diff(mk_y, cl_y));
   require(diff <= 2e-2, ErrorCode::internal,
           "megakernel core and CUTLASS disagree on " + ns.name + ": max relative difference " + std::to_string(diff));
 
-  const Paired t = time_paired(run_cutlass, run_core, o.warmup, o.iters, s);  // a: CUTLASS, b: core
+  const cli::Paired t = cli::time_paired(run_cutlass, run_core, o.cases.warmup, o.cases.iters, s);  // a: CUTLASS
   MOKA_CUDA_CHECK(cudaStreamSynchronize(s));
   core.check_errors();
   const double flops = 6.0 * double(tokens * k) * double(H) * double(I);  // routed rows, padding excluded
   auto tflops = [&](double ms) { return flops / (ms * 1e-3) / 1e12; };
 
-  BenchRow row = cuda_row(ns, "mk-core", device, 1, tokens, o.iters);
+  BenchRow row = cli::cuda_row(ns, "mk-core", device, 1, tokens, o.cases.iters);
   row.fwd_ms = t.b_ms;
   row.tflops = tflops(t.b_ms);
   row.max_rel_error = diff;
@@ -155,4 +130,14 @@ BenchRow run_cuda_core_case(const NamedShape& ns, int64_t tokens, const CudaBenc
   return row;
 }
 
-}  // namespace moka::cli
+}  // namespace
+}  // namespace moka::lab
+
+int main(int argc, char** argv) {
+  using namespace moka::lab;
+  Options o;
+  CLI::App app{"The forward megakernel's GEMM core against the CUTLASS grouped GEMMs on the same rows (one GPU)",
+               "mk_forward_core"};
+  return case_bench_main(app, argc, argv, o.cases, &o.megakernel,
+                         [&](const moka::NamedShape& ns, int64_t t) { return run_case(ns, t, o); });
+}
