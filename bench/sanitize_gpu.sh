@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # compute-sanitizer's four tools (memcheck, racecheck, synccheck, initcheck) over the megakernel
-# and layer GPU tests, one process per (tool, suite), on a GPU machine. Prints each run's
-# summary and writes one JSON line per run to $OUT/sanitize.jsonl (for bench/results/).
+# and layer GPU tests, one process per (tool, suite), on a GPU machine (`scripts/gpu.sh sanitize`
+# runs it). Prints each run's summary and writes one JSON line per run to $OUT/sanitize.jsonl
+# (for bench/results/).
 #   BIN: folder with moka_gpu_tests (scripts/stage_gpu.sh stages it with this script).
 #   TOOLS, SUITES (gtest filters, space-separated) and LIMIT_S (per run) override the defaults.
 # The full-size tests (named shapes at model sizes) are left out: under the sanitizers they

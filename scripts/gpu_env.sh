@@ -1,21 +1,11 @@
-# Sourced by the GPU scripts: NVLink multicast off, and NCCL/cuBLAS from the PyTorch
-# environment's nvidia packages when the machine has no system copies of this major version.
+# Sourced by the GPU runner (scripts/gpu.sh) and bench/sanitize_gpu.sh: NVLink multicast off,
+# NCCL/cuBLAS from the PyTorch environment's nvidia packages when the machine has no system
+# copies of this major version, and a private MPS daemon.
 export NCCL_NVLS_ENABLE=0
 for pkg in nccl cublas; do
   dir=$(python3 -c "import nvidia.$pkg as m, os; print(os.path.join(list(m.__path__)[0], 'lib'))" 2>/dev/null)
   [ -n "$dir" ] && export LD_LIBRARY_PATH="$dir:${LD_LIBRARY_PATH:-}"
 done
-# The folders of a GPU script that sets HERE (its own folder): BIN, the binaries (the script's
-# argument: a staged folder, scripts/stage_gpu.sh, or a build folder; default HERE), OUT (created;
-# default ./$2), MOKA and TRAIN_TESTS in BIN, BENCH (the folder with the bench scripts).
-gpu_script_folders() {  # gpu_script_folders "${1:-}" DEFAULT_OUT
-  BIN=$(cd "${1:-$HERE}" && pwd)
-  OUT=${OUT:-$PWD/$2}
-  mkdir -p "$OUT"
-  MOKA=$BIN/moka; [[ -x $MOKA ]] || MOKA=$BIN/tools/moka
-  TRAIN_TESTS=$BIN/moka_train_gpu_tests; [[ -x $TRAIN_TESTS ]] || TRAIN_TESTS=$BIN/tests/train_gpu/moka_train_gpu_tests
-  BENCH=$HERE; [[ -f $BENCH/torch_train_baseline.py ]] || BENCH=$HERE/../bench
-}
 # An MPS control daemon of the calling script's own (private pipe and log folders; stopped and
 # removed by mps_daemon_stop). Returns 1 where MPS is off (MPS=0) or unavailable.
 mps_daemon_start() {

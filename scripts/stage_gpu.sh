@@ -1,9 +1,8 @@
 #!/usr/bin/env bash
-# Copies what the GPU scripts need on a bare GPU machine (binaries, scripts and the training
+# Copies what the GPU runner needs on a bare GPU machine (binaries, scripts and the training
 # text, no sources) into DEST (default: .dev/cuda of this checkout), for the device tool's
-# `carry`: scripts/gpu_check.sh, device_check.sh, ep_bench.sh, train_gpu.sh, train_speed_gpu.sh, ep_scale_runs.sh,
-# mup_study_gpu.sh and
-# bench/sanitize_gpu.sh run from there.
+# `carry`: `bash DEST/gpu.sh check|bench|ep|train|study|sanitize` runs from there (gpu.sh python
+# runs from a checkout: it needs the package, its tests and the example).
 set -euo pipefail
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
 DEST=${1:-$ROOT/.dev/cuda}
@@ -12,9 +11,7 @@ cp "$ROOT/build/tests/gpu/moka_gpu_tests" "$ROOT/build/tests/train_gpu/moka_trai
 [ -x "$ROOT/build/tests/moka_ep_gpu_check" ] && cp "$ROOT/build/tests/moka_ep_gpu_check" "$DEST/"
 # The kernel lab (bench/kernels/README.md).
 cp "$ROOT"/build/bench/kernels/{mk_forward_core,mk_backward_core,mk_tune,nvlink_incast,staged_baselines,paired_steps} "$DEST/"
-cp "$ROOT/scripts/gpu_check.sh" "$ROOT/scripts/device_check.sh" "$ROOT/scripts/ep_bench.sh" "$ROOT/scripts/train_gpu.sh" "$ROOT/scripts/train_speed_gpu.sh" \
-   "$ROOT/scripts/ep_scale_runs.sh" "$ROOT/scripts/mup_study_gpu.sh" \
-  "$ROOT/scripts/gpu_env.sh" "$ROOT/bench/torch_baseline.py" "$ROOT/bench/torch_train_baseline.py" \
+cp "$ROOT/scripts/gpu.sh" "$ROOT/scripts/gpu_env.sh" "$ROOT/bench/torch_baseline.py" "$ROOT/bench/torch_train_baseline.py" \
   "$ROOT/bench/sanitize_gpu.sh" "$DEST/"
 # The commit the binaries were built from, for the results' JSON lines.
 git -C "$ROOT" rev-parse --short HEAD > "$DEST/commit.txt"
@@ -24,7 +21,7 @@ if [ -d "$TEXT" ]; then
   rm -rf "$DEST/fortunes"
   cp -a "$TEXT" "$DEST/fortunes"
 else
-  echo "stage_gpu: no training text at $TEXT (run scripts/fetch_data.sh): train_gpu.sh will fail" >&2
+  echo "stage_gpu: no training text at $TEXT (run scripts/fetch_data.sh): gpu.sh train will fail" >&2
 fi
 # The GCIDE text (scripts/fetch_data.sh gcide), gzipped (~11 MB) to fit the carry limit; unpack
 # it on the GPU machine with: mkdir -p gcide && gunzip -c DEST/gcide.gz > gcide/gcide
