@@ -252,11 +252,16 @@ CudaBenchOptions cuda_options(const BenchOptions& o, const std::string& timeline
 
 // Host memory of one case's reference buffers (cpu::LayerBuffers in fp64 and their f32 copy)
 // over `world` ranks; the layers' workspaces come on top.
-double reference_buffer_bytes(const MoeShape& s, int world, int64_t tokens) {
-  const double T = double(tokens), H = double(s.hidden), k = double(s.top_k);
+// Host bytes of one CPU-backend case over `world` emulated ranks: the tokens' tensors, weights
+// and gradients (f64 and f32 copies), and each rank's grouped rows at the backward's peak (x,
+// y, d_out and dx rows H wide, gate, up, hidden, dG and dU I wide), every expert's rows padded
+// to `tile_rows`.
+double reference_buffer_bytes(const MoeShape& s, int world, int64_t tokens, int64_t tile_rows) {
+  const double T = double(tokens), H = double(s.hidden), I = double(s.intermediate), k = double(s.top_k);
   const double local_experts = double(s.num_experts) / world;
-  const double values = 4 * T * H + 2 * T * k + 6 * local_experts * double(s.intermediate) * H +
-                        6 * double(s.shared_intermediate) * H;
+  const double grouped_rows = T * k + local_experts * double(tile_rows - 1);
+  const double values = 4 * T * H + 2 * T * k + 6 * local_experts * I * H + 6 * double(s.shared_intermediate) * H +
+                        grouped_rows * (4 * H + 5 * I);
   return world * (values * (sizeof(double) + sizeof(float)) + 2 * T * k * sizeof(int32_t));
 }
 
@@ -277,7 +282,8 @@ void validate_cases(const BenchOptions& o, const std::vector<NamedShape>& shapes
             "--top-k " + std::to_string(s.top_k) + " exceeds --experts " + std::to_string(s.num_experts));
     if (backend != Backend::cpu) continue;
     for (int64_t t : o.tokens)
-      require_host_memory(reference_buffer_bytes(s, world, t), "--tokens " + std::to_string(t),
+      require_host_memory(reference_buffer_bytes(s, world, t, o.tile_rows),
+                          "--tokens " + std::to_string(t) + " with --tile-rows " + std::to_string(o.tile_rows),
                           "the reference buffers of " + ns.name + " over " + std::to_string(world) + " ranks");
   }
 }
