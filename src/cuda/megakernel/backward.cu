@@ -85,8 +85,8 @@ struct CallWorkspace {
                                     from, stream);
     ring_float = DeviceArray<float>(size_t(ring * (1 + plan.dgd_col_tiles)), from, stream);
     shared_partials = DeviceArray<float>(size_t(std::max<int64_t>(tokens * plan.shared_dgd_col_tiles, 1)), from, stream);
-    carries = DeviceArray<float>(size_t(std::max<int64_t>(plan.max_macrobatches - 1, 1) * backward_carry_floats(H, I)),
-                                 from, stream);
+    if (plan.max_macrobatches > 1)  // a weight-gradient carry per macrobatch boundary
+      carries = DeviceArray<float>(size_t((plan.max_macrobatches - 1) * backward_carry_floats(H, I)), from, stream);
   }
 };
 
