@@ -2,10 +2,12 @@
 
 #include <cuda_runtime.h>
 
+#include <algorithm>
 #include <cmath>
 #include <iostream>
 #include <random>
 
+#include "core/activation.hpp"
 #include "core/routing_gen.hpp"
 #include "cuda/common/check.hpp"
 #include "cuda/layer/layer_kernels.hpp"
@@ -134,6 +136,67 @@ GroupedRowsCase::GroupedRowsCase(const MoeShape& sh, int64_t t, int64_t rows, ui
 std::vector<int32_t> GroupedRowsCase::counts() const { return host_copy<int32_t>(sched.counts, shape.num_experts); }
 std::vector<int32_t> GroupedRowsCase::offsets() const {
   return host_copy<int32_t>(sched.offsets, shape.num_experts + 1);
+}
+
+namespace {
+
+// `count` bf16 values at element `offset` of a device buffer, as doubles.
+std::vector<double> host_values(const Dev& d, int64_t offset, int64_t count) {
+  std::vector<__nv_bfloat16> raw(count);
+  MOKA_CUDA_CHECK(cudaMemcpy(raw.data(), d.as<__nv_bfloat16>() + offset, count * 2, cudaMemcpyDeviceToHost));
+  std::vector<double> values(count);
+  std::transform(raw.begin(), raw.end(), values.begin(), [](__nv_bfloat16 v) { return __bfloat162float(v); });
+  return values;
+}
+
+// out[i] = sum_k v[k] * w[i * width + k]
+std::vector<double> matvec(const std::vector<double>& w, const std::vector<double>& v) {
+  const size_t width = v.size();
+  std::vector<double> out(w.size() / width);
+  for (size_t i = 0; i < out.size(); ++i)
+    for (size_t k = 0; k < width; ++k) out[i] += v[k] * w[i * width + k];
+  return out;
+}
+
+// Running max |got - want| and max |want| of one output.
+struct Difference {
+  double diff = 0, scale = 0;
+  void add(const std::vector<double>& got, const std::vector<double>& want) {
+    for (size_t i = 0; i < want.size(); ++i) {
+      diff = std::max(diff, std::isfinite(got[i]) ? std::abs(got[i] - want[i]) : INFINITY);
+      scale = std::max(scale, std::abs(want[i]));
+    }
+  }
+  double relative() const { return scale > 0 ? diff / scale : diff; }
+};
+
+constexpr int kSampledExperts = 4, kSampledRowsPerExpert = 4;
+
+}  // namespace
+
+double routed_rows_cpu_error(const GroupedRowsCase& in, const Dev& hidden, const Dev& y) {
+  const MoeShape& sh = in.shape;
+  const int64_t H = sh.hidden, I = sh.intermediate;
+  const core::ActParams act = core::ActParams::of(sh);
+  const std::vector<int32_t> counts = in.counts(), offsets = in.offsets();
+  Difference h_diff, y_diff;
+  for (int pick = 0; pick < kSampledExperts; ++pick) {
+    const int64_t e = pick * sh.num_experts / kSampledExperts;
+    const int64_t rows = std::min<int64_t>(counts[e], kSampledRowsPerExpert);
+    if (rows == 0) continue;
+    const auto w_gate = host_values(in.wg, e * I * H, I * H), w_up = host_values(in.wu, e * I * H, I * H);
+    const auto w_down = host_values(in.wd, e * H * I, H * I);
+    for (int64_t r = offsets[e]; r < offsets[e] + rows; ++r) {
+      const auto x = host_values(in.grouped, r * H, H);
+      const auto g = matvec(w_gate, x), u = matvec(w_up, x);
+      std::vector<double> h(I);
+      for (int64_t i = 0; i < I; ++i) h[i] = core::swiglu_forward(g[i], u[i], act.clamped, double(act.limit));
+      const auto device_h = host_values(hidden, r * I, I);
+      h_diff.add(device_h, h);
+      y_diff.add(host_values(y, r * H, H), matvec(w_down, device_h));
+    }
+  }
+  return std::max(h_diff.relative(), y_diff.relative());
 }
 
 }  // namespace moka::lab

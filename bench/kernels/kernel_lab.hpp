@@ -75,4 +75,11 @@ struct GroupedRowsCase {
   std::vector<int32_t> offsets() const;  // each expert's first grouped row, then the rows in use
 };
 
+// The CPU reference of a forward over a case's grouped rows, on a sample (the first rows of a few
+// experts spread over the ids; the whole shape would take the CPU hours): h = act(x W_gate^T,
+// x W_up^T) from the bf16 inputs in double, and y = h W_down^T from the device's h, so each
+// product is checked alone. The largest relative difference (max |a - b| / max |b| over the
+// sample) of the device's `hidden` and `y` rows from the reference's.
+double routed_rows_cpu_error(const GroupedRowsCase& in, const Dev& hidden, const Dev& y);
+
 }  // namespace moka::lab
