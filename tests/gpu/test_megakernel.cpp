@@ -294,7 +294,7 @@ TEST(Megakernel, FailedCallLeavesNoLoadsInFlight) {
 
 // The persistent grids are sized to the SMs the context owns: an MPS client with an
 // active-thread limit, an SM-count execution affinity or a green context owns part of the GPU,
-// and a cooperative launch of the whole GPU's count fails there. scripts/gpu_check.sh MODE=mps
+// and a cooperative launch of the whole GPU's count fails there. `MODE=mps scripts/gpu.sh check`
 // runs the megakernel suites in an MPS client at half the threads with MOKA_TEST_GPU_SMS set to
 // the whole GPU's count.
 TEST(MegakernelGrid, SizedToTheSmsTheContextOwns) {

@@ -1,4 +1,4 @@
-// The CUDA training engine training (run on a GPU: `ctest -L gpu`, or scripts/train_gpu.sh on the
+// The CUDA training engine training (run on a GPU: `ctest -L gpu`, or `scripts/gpu.sh train` on the
 // device): the loss falls, a checkpoint resumes bit for bit, steps replayed from a CUDA graph equal
 // eager steps bit for bit, and the profile counts and times every stage.
 #include <gtest/gtest.h>

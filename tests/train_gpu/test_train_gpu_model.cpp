@@ -1,5 +1,5 @@
 // The CUDA training engine's whole model against the CPU model (run on a GPU: `ctest -L gpu`, or
-// scripts/train_gpu.sh on the device): the loss and every parameter gradient from the same
+// `scripts/gpu.sh train` on the device): the loss and every parameter gradient from the same
 // initial weights, with each attention kernel and matmul precision.
 #include <gtest/gtest.h>
 

@@ -1,5 +1,5 @@
 // The CUDA training engine's kernels against their CPU twins (run on a GPU: `ctest -L gpu`, or
-// scripts/train_gpu.sh on the device), stage by stage in fp32: RMSNorm, attention (reference and
+// `scripts/gpu.sh train` on the device), stage by stage in fp32: RMSNorm, attention (reference and
 // fused), cross-entropy, AdamW + EMA, the router-bias update. test_train_gpu_model.cpp compares
 // the whole model, test_train_gpu_loop.cpp trains.
 #include <cuda_runtime.h>

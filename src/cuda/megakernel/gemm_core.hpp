@@ -2,7 +2,7 @@
 // its gate|up tiles (SwiGLU epilogue) and down tiles in the plan's order, through its tickets and
 // counters, with no communication CTA (every routed row counts as dispatched before the launch).
 // It measures the megakernel's GEMM core against the CUTLASS grouped GEMMs on the same rows
-// (`moka bench --mode core`); the shape's shared expert is left out (the CUTLASS grouped GEMMs
+// (`bench/kernels/mk_forward_core`); the shape's shared expert is left out (the CUTLASS grouped GEMMs
 // it is compared with cover the routed experts).
 #pragma once
 #include <cuda_runtime.h>
