@@ -372,38 +372,6 @@ TEST_F(Checkpoint, KillDuringWriteKeepsAWholeCheckpoint) {
   EXPECT_EQ(std::distance(fs::directory_iterator(dir_), fs::directory_iterator()), 1);
 }
 
-// A save removes the temporaries of its own path whose writer is gone, and nothing else: not
-// another path's, not a live writer's, not a name that only resembles the pattern.
-TEST_F(Checkpoint, SaveRemovesOnlyStaleTemporariesOfItsPath) {
-  const pid_t gone = ::fork();
-  ASSERT_GE(gone, 0);
-  if (gone == 0) ::_exit(0);
-  ::waitpid(gone, nullptr, 0);
-  const std::string dead = std::to_string(gone), alive = std::to_string(::getpid());
-  const std::string stale = "ckpt.safetensors.tmp." + dead + ".aB3xY9";
-  const std::vector<std::string> kept = {
-      "ckpt.safetensors.tmp." + alive + ".aB3xY9",   // a save in progress
-      "other.safetensors.tmp." + dead + ".aB3xY9",   // another path's
-      "xckpt.safetensors.tmp." + dead + ".aB3xY9",   // another path's
-      "ckpt.safetensors.tmp." + dead + ".aB3xY",     // five random characters
-      "ckpt.safetensors.tmp." + dead + ".aB3xY9z",   // seven
-      "ckpt.safetensors.tmp." + dead + ".aB3-Y9",    // not from mkstemp's alphabet
-      "ckpt.safetensors.tmp." + dead + "x.aB3xY9",   // not a pid
-      "ckpt.safetensors.tmp.0" + dead + ".aB3xY9",   // not as the writer spells its pid
-      "ckpt.safetensors.tmp..aB3xY9",                // no pid
-      "ckpt.safetensors.tmp.aB3xY9",                 // no pid
-      "ckpt.safetensors.bak",
-  };
-  for (const auto& name : kept) std::ofstream(path(name)) << "keep";
-  std::ofstream(path(stale)) << "stale";
-  fs::create_directory(path("ckpt.safetensors.tmp." + dead + ".dIr123"));  // not a file
-  write_safetensors(path("ckpt.safetensors"), sample());
-  EXPECT_FALSE(fs::exists(path(stale)));
-  for (const auto& name : kept) EXPECT_TRUE(fs::exists(path(name))) << name;
-  EXPECT_TRUE(fs::is_directory(path("ckpt.safetensors.tmp." + dead + ".dIr123")));
-  EXPECT_EQ(read_safetensors(path("ckpt.safetensors")).get("w").as<float>(), sample().get("w").as<float>());
-}
-
 TEST(CheckpointResume, RefusesACheckpointOfAnotherRun) {
   MOKA_REQUIRE_CORPUS(text);
   const auto file = (fs::temp_directory_path() / "moka_resume_identity.safetensors").string();

@@ -6,15 +6,8 @@
 set -eu
 moka=$1
 scripts=$(cd "$(dirname "$0")/../scripts" && pwd)
-work=$(mktemp -d)
-trap 'rm -rf "$work"' EXIT
-cd "$work"
-fail() {
-  echo "FAIL: $*"
-  cat out.txt 2>/dev/null || true
-  exit 1
-}
-small="--max-bytes 50000 --threads 1"
+# shellcheck source=tests/cli_scratch.sh
+. "$(dirname "$0")/cli_scratch.sh"
 # json_check FILE EXPRESSION: the python expression over `d` (the parsed file) must hold.
 json_check() {
   python3 -c "import json, math, sys; d = json.load(open(sys.argv[1])); assert $2, sys.argv[2]" "$1" "$2" ||

@@ -9,6 +9,7 @@
 #include <iostream>
 #include <nlohmann/json.hpp>
 
+#include "core/atomic_file.hpp"
 #include "moka/moka.hpp"
 
 namespace moka::cli {
@@ -243,9 +244,7 @@ void dump_routing(const std::string& path, const NamedShape& ns, int64_t tokens,
   j["num_experts"] = ns.shape.num_experts;
   j["hidden"] = ns.shape.hidden;
   j["topk_ids"] = ids;
-  std::ofstream f(path, std::ios::app);
-  require(f.good(), ErrorCode::io, "cannot write routing dump " + path);
-  f << j.dump() << "\n";
+  core::append_file_atomically(path, j.dump() + "\n");
 }
 
 }  // namespace moka::cli

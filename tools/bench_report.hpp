@@ -73,7 +73,10 @@ struct TorchResult {
 TorchResult torch_result(const std::string& path, const std::string& shape, int64_t tokens, int ep);
 // The torch fields of a row (none when `torch` has no time).
 void set_torch(BenchRow& row, const TorchResult& torch);
-// Appends one epoch's routing (every rank's top-k ids) as a JSON line `moka simulate --replay` reads.
+// Appends one epoch's routing (every rank's top-k ids) as a JSON line `moka simulate --replay`
+// reads. The file is rewritten atomically with the line added: a run killed or failing part-way
+// leaves the lines of the cases before it whole, never a torn line that would make the dump
+// unreadable.
 void dump_routing(const std::string& path, const NamedShape& ns, int64_t tokens, int ep,
                   const std::vector<std::vector<int32_t>>& ids);
 std::string bench_json(const BenchRow& row);

@@ -2,11 +2,12 @@
 // high constant LR; writes a CSV, draws the curves, and prints the slope of log(metric) against
 // log(width) per activation (flat under muP, growing under SP).
 #include <cstdio>
-#include <fstream>
 #include <iostream>
 #include <limits>
+#include <sstream>
 
 #include "commands.hpp"
+#include "core/atomic_file.hpp"
 #include "train/mup_experiments.hpp"
 #include "train_options.hpp"
 
@@ -20,14 +21,15 @@ struct CoordCheckCommand {
   std::string csv = "coordcheck.csv", plot = "coordcheck.png";
 };
 
+// Built whole, then written atomically: a failed write leaves the previous CSV (or none).
 void write_csv(const std::string& path, const std::string& param, const train::CoordCheckResult& r) {
-  std::ofstream out(path);
-  require(bool(out), ErrorCode::io, "cannot write " + path);
+  std::ostringstream out;
   out << "param,width,step,activation,mean_abs\n";
   for (const auto& row : r.rows)
     for (int a = 0; a < train::ActivationStats::kCount; ++a)
       out << param << ',' << row.width << ',' << row.step << ',' << train::ActivationStats::name(a) << ','
           << row.stats.value(a) << '\n';
+  core::write_file_atomically(path, out.view());
 }
 
 void print_slopes(const train::CoordCheckResult& r) {

@@ -5,10 +5,11 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
-#include <fstream>
 #include <iostream>
+#include <sstream>
 
 #include "commands.hpp"
+#include "core/atomic_file.hpp"
 #include "train/mup_experiments.hpp"
 #include "train_options.hpp"
 
@@ -23,10 +24,10 @@ struct LrSweepCommand {
 };
 
 // Rows: every run ("point", with its seed), the optimum of the seed-averaged curve per width
-// ("optimum") and each seed's own ("seed_optimum").
+// ("optimum") and each seed's own ("seed_optimum"). Built whole, then written atomically: a failed
+// write leaves the previous CSV (or none).
 void write_csv(const std::string& path, const std::string& param, const train::LrSweepResult& r) {
-  std::ofstream out(path);
-  require(bool(out), ErrorCode::io, "cannot write " + path);
+  std::ostringstream out;
   out << "kind,param,width,lr,loss,seed,a,b,c\n";
   for (const auto& p : r.points)
     out << "point," << param << ',' << p.width << ',' << p.lr << ',' << p.loss << ',' << p.seed << ",,,\n";
@@ -37,7 +38,7 @@ void write_csv(const std::string& path, const std::string& param, const train::L
   for (const auto& o : r.optima) optimum("optimum", o, "");
   for (const auto& s : r.per_seed)
     for (const auto& o : s.optima) optimum("seed_optimum", o, std::to_string(s.seed));
-  require(bool(out), ErrorCode::io, "writing " + path + " failed");
+  core::write_file_atomically(path, out.view());
 }
 
 nlohmann::json result_json(const LrSweepCommand& c, const train::LrSweepResult& r) {

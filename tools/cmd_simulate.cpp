@@ -1,13 +1,16 @@
 // `moka simulate`: plans one MoE all-to-all epoch under every scheduling policy and simulates
 // it (exact fluid model, or chunk-level with finite buffers and back-pressure), printing
 // completion / T*, queues and pause time per policy (table, or JSON lines with --json).
-#include <fstream>
 #include <iomanip>
 #include <iostream>
 #include <nlohmann/json.hpp>
+#include <optional>
+#include <sstream>
+#include <string>
 
 #include "bench_report.hpp"
 #include "commands.hpp"
+#include "core/atomic_file.hpp"
 #include "moka/config.hpp"
 #include "moka/error.hpp"
 #include "option_checks.hpp"
@@ -125,12 +128,20 @@ sched::SimResult simulate_one(const SimulateOptions& o, sched::Policy p, const s
   return sched::simulate_packets(p, d, f, po, pk);
 }
 
-void write_series(std::ostream& csv, const sched::SimResult& r, int epoch) {
+std::string series_header(int gpus) {
+  std::string header = "policy,epoch,time_s";
+  for (int j = 0; j < gpus; ++j) header += ",q" + std::to_string(j);
+  return header + "\n";
+}
+
+std::string series_rows(const sched::SimResult& r, int epoch) {
+  std::ostringstream csv;
   for (size_t t = 0; t < r.series_times.size(); ++t) {
     csv << r.policy << "," << epoch << "," << r.series_times[t];
     for (double q : r.series[t]) csv << "," << q;
     csv << "\n";
   }
+  return std::move(csv).str();
 }
 
 nlohmann::ordered_json row_json(const sched::SimResult& r, const std::string& model, const sched::TrafficMatrix& d,
@@ -202,10 +213,12 @@ void apply_shape(SimulateOptions& o) {
 
 void run(SimulateOptions& o) {
   if (o.replay.empty()) apply_shape(o);
-  std::ofstream csv;
+  // The series streams into a temporary file that replaces --series-csv once every epoch is in:
+  // a run that fails part-way leaves the previous CSV (or none).
+  std::optional<core::AtomicFile> series;
   if (!o.series_csv.empty()) {
-    csv.open(o.series_csv);
-    require(csv.good(), ErrorCode::io, "--series-csv: cannot write " + o.series_csv);
+    check_output_path("--series-csv", o.series_csv);
+    series.emplace(o.series_csv);
   }
   const auto policies = chosen_policies(o);
   Progress progress("moka simulate");  // thousands of GPUs take minutes to route and per policy
@@ -220,22 +233,19 @@ void run(SimulateOptions& o) {
       std::cout << "epoch " << e << ": " << d.n << " GPUs, receiver Gini " << sched::receiver_gini(d) << ", T* "
                 << lb.seconds * 1e6 << " us (" << (lb.receiver ? "ingress" : "egress") << " of GPU " << lb.port << ")\n"
                 << "policy            model  compl/T*  peak hot MiB  mean hot MiB  pause us  phases\n";
-    if (csv.is_open() && e == 0) {
-      csv << "policy,epoch,time_s";
-      for (int j = 0; j < d.n; ++j) csv << ",q" << j;
-      csv << "\n";
-    }
+    if (series && e == 0) series->write(series_header(d.n));
     for (size_t k = 0; k < policies.size(); ++k) {
       progress.update("epoch " + std::to_string(e) + " " + sched::to_string(policies[k]), int(k) + 1,
                       int(policies.size()));
       std::string model;
       const auto r = simulate_one(o, policies[k], d, f, model);
       print_row(row_json(r, model, d, lb, static_cast<int>(e)), o.json);
-      if (csv.is_open()) write_series(csv, r, static_cast<int>(e));
+      if (series) series->write(series_rows(r, static_cast<int>(e)));
     }
     if (f.two_tier()) print_two_tier(sched::plan_two_tier(d, f, {o.barrier_us * 1e-6, 0}), static_cast<int>(e), o.json);
   }
   progress.finish();
+  if (series) series->commit();
 }
 
 std::vector<std::string> policy_names() {

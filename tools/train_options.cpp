@@ -11,10 +11,10 @@
 #include <cstdlib>
 #include <cstring>
 #include <filesystem>
-#include <fstream>
 #include <thread>
 
 #include "commands.hpp"
+#include "core/atomic_file.hpp"
 
 extern char** environ;
 
@@ -343,10 +343,7 @@ nlohmann::json spread_json(const train::Spread& s) {
 }
 
 void write_json(const std::string& path, const nlohmann::json& doc) {
-  std::ofstream out(path);
-  require(bool(out), ErrorCode::io, "cannot write " + path);
-  out << doc.dump(2) << "\n";
-  require(bool(out), ErrorCode::io, "writing " + path + " failed");
+  core::write_file_atomically(path, doc.dump(2) + "\n");
 }
 
 }  // namespace moka::cli

@@ -99,7 +99,8 @@ void add_sweep_options(CLI::App* cmd, SweepCliOptions& o);
 
 // {"mean", "std", "min", "max", "count"}.
 nlohmann::json spread_json(const train::Spread& s);
-// Writes `doc` (indented) to `path`; non-finite numbers (diverged runs) come out as null.
+// Writes `doc` (indented) to `path` atomically (a failed write leaves the previous file, or none);
+// non-finite numbers (diverged runs) come out as null.
 void write_json(const std::string& path, const nlohmann::json& doc);
 
 }  // namespace moka::cli

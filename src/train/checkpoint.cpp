@@ -1,16 +1,10 @@
 #include "train/checkpoint.hpp"
 
-#include <fcntl.h>
-#include <signal.h>
-#include <sys/stat.h>
-#include <unistd.h>
-
 #include <algorithm>
 #include <array>
 #include <bit>
-#include <cctype>
-#include <charconv>
 #include <cerrno>
+#include <charconv>
 #include <cstdio>
 #include <cstring>
 #include <filesystem>
@@ -20,6 +14,7 @@
 #include <optional>
 #include <utility>
 
+#include "core/atomic_file.hpp"
 #include "train/params.hpp"
 
 namespace moka::train {
@@ -53,104 +48,6 @@ std::optional<uint64_t> byte_count(const std::vector<int64_t>& shape, size_t ele
 }
 
 std::string shape_text(const std::vector<int64_t>& shape) { return nlohmann::json(shape).dump(); }
-
-std::string with_errno(const std::string& what, int err = errno) { return what + ": " + std::strerror(err); }
-
-// The temporary names of `path`: path.tmp.<writer's pid>.<mkstemp's six characters>. The pid
-// tells a killed writer's leftover from a save in progress.
-std::string temporary_prefix(const std::string& path) { return path + ".tmp."; }
-
-// The pid of the writer of `name` when it is a temporary name of the path whose file name is
-// `file_name`, else nothing.
-std::optional<pid_t> temporary_writer(const std::string& name, const std::string& file_name) {
-  const std::string prefix = temporary_prefix(file_name);
-  if (name.compare(0, prefix.size(), prefix) != 0) return std::nullopt;
-  const char* const digits = name.data() + prefix.size();
-  const char* const end = name.data() + name.size();
-  pid_t pid = 0;
-  const auto [after_pid, err] = std::from_chars(digits, end, pid);
-  // As the writer spells it: a positive pid without leading zeros, a dot, six of [A-Za-z0-9].
-  constexpr ptrdiff_t kRandom = 6;  // mkstemp's XXXXXX
-  const bool as_written = err == std::errc() && pid > 0 && *digits != '0';
-  if (!as_written || end - after_pid != 1 + kRandom || *after_pid != '.') return std::nullopt;
-  const bool from_mkstemp =
-      std::all_of(after_pid + 1, end, [](char c) { return std::isalnum(static_cast<unsigned char>(c)) != 0; });
-  return from_mkstemp ? std::optional(pid) : std::nullopt;
-}
-
-// Removes the temporaries of `path` that writers killed part-way left behind: regular files of
-// the exact temporary-name pattern whose writer process no longer exists. Best effort: a file
-// that cannot be listed or removed stays, as it would have without this.
-void remove_stale_temporaries(const std::string& path) {
-  namespace fs = std::filesystem;
-  const fs::path destination(path);
-  const fs::path dir = destination.parent_path().empty() ? fs::path(".") : destination.parent_path();
-  const std::string file_name = destination.filename().string();
-  std::error_code ec;
-  for (fs::directory_iterator it(dir, ec), end; !ec && it != end; it.increment(ec)) {
-    const auto writer = temporary_writer(it->path().filename().string(), file_name);
-    if (writer && it->symlink_status(ec).type() == fs::file_type::regular && ::kill(*writer, 0) != 0 &&
-        errno == ESRCH)
-      fs::remove(it->path(), ec);
-    ec.clear();
-  }
-}
-
-// An output file written under a temporary name in its destination's directory; commit() puts
-// the bytes on disk, renames the file over the destination and removes killed writers' stale
-// temporaries. Without commit() (an error part-way) the temporary is removed and the
-// destination keeps its old contents.
-class AtomicFile {
- public:
-  explicit AtomicFile(std::string path)
-      : path_(std::move(path)), temp_(temporary_prefix(path_) + std::to_string(::getpid()) + ".XXXXXX") {
-    fd_ = ::mkstemp(temp_.data());
-    require(fd_ >= 0, ErrorCode::io, with_errno("cannot create a temporary file next to " + path_));
-    // mkstemp creates the file readable by its owner alone; give it the mode open() would.
-    const mode_t mask = ::umask(0);
-    ::umask(mask);
-    ::fchmod(fd_, 0666 & ~mask);
-  }
-  AtomicFile(const AtomicFile&) = delete;
-  AtomicFile& operator=(const AtomicFile&) = delete;
-  ~AtomicFile() {
-    if (fd_ >= 0) ::close(fd_);
-    if (!committed_) ::unlink(temp_.c_str());
-  }
-
-  void write(const void* data, size_t size) {
-    const char* p = static_cast<const char*>(data);
-    while (size > 0) {
-      const ssize_t n = ::write(fd_, p, size);
-      if (n < 0 && errno == EINTR) continue;
-      require(n > 0, ErrorCode::io, with_errno("writing " + path_ + " failed"));
-      p += n;
-      size -= size_t(n);
-    }
-  }
-
-  void commit() {
-    require(::fsync(fd_) == 0, ErrorCode::io, with_errno("flushing " + path_ + " to disk failed"));
-    require(::close(std::exchange(fd_, -1)) == 0, ErrorCode::io, with_errno("writing " + path_ + " failed"));
-    require(::rename(temp_.c_str(), path_.c_str()) == 0, ErrorCode::io,
-            with_errno("cannot rename " + temp_ + " to " + path_));
-    committed_ = true;
-    // The rename survives a power cut only once the directory itself is on disk. Some file
-    // systems cannot sync a directory (EINVAL); the rename is still atomic there.
-    const auto dir = std::filesystem::path(path_).parent_path();
-    const int dir_fd = ::open(dir.empty() ? "." : dir.c_str(), O_RDONLY | O_DIRECTORY);
-    require(dir_fd >= 0, ErrorCode::io, with_errno("cannot open the directory of " + path_));
-    const int err = ::fsync(dir_fd) == 0 ? 0 : errno;
-    ::close(dir_fd);
-    require(err == 0 || err == EINVAL, ErrorCode::io, with_errno("flushing the directory of " + path_ + " failed", err));
-    remove_stale_temporaries(path_);
-  }
-
- private:
-  std::string path_, temp_;
-  int fd_ = -1;
-  bool committed_ = false;
-};
 
 // CRC-32C (Castagnoli: reflected polynomial 0x82F63B78, initial value and final xor ~0, the
 // iSCSI/ext4 checksum; crc32c("123456789") = 0xE3069283), slicing-by-8 so that checksumming a
@@ -410,7 +307,7 @@ void write_safetensors(const std::string& path, const SafetensorsFile& file) {
   metadata[kHeaderChecksumKey] = crc_text(text_crc32c(header.dump()));  // of all the rest
   const std::string text = header_text(header);
   const uint64_t length = text.size();
-  AtomicFile out(path);
+  core::AtomicFile out(path);
   out.write(&length, sizeof(length));
   out.write(text.data(), text.size());
   for (const auto& [name, t] : file.tensors) out.write(t.bytes.data(), t.bytes.size());
@@ -422,7 +319,7 @@ SafetensorsFile read_safetensors(const std::string& path) {
   std::error_code ec;
   require(!std::filesystem::is_directory(path, ec), ErrorCode::io, path + " is a directory, not a safetensors file");
   std::ifstream in(path, std::ios::binary | std::ios::ate);
-  require(bool(in), ErrorCode::io, with_errno("cannot open " + path));
+  require(bool(in), ErrorCode::io, "cannot open " + path + ": " + std::strerror(errno));
   const uint64_t file_size = uint64_t(in.tellg());
   in.seekg(0);
   uint64_t header_size = 0;

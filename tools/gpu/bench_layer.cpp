@@ -7,10 +7,10 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
-#include <fstream>
 #include <map>
 #include <nlohmann/json.hpp>
 
+#include "core/atomic_file.hpp"
 #include "core/routing_gen.hpp"
 #include "gpu/bench_memory.hpp"
 #include "gpu/gpu_timing.hpp"
@@ -162,18 +162,20 @@ MegakernelConfig case_megakernel_config(const CudaBenchOptions& o, const MoeShap
   return c;
 }
 
+// One JSON line per task span, built whole and written atomically: a failed write leaves the
+// previous timeline (or none).
 void write_timeline(const std::string& path, const std::string& shape, int64_t tokens, int ep,
                     const std::vector<MegakernelTaskSpan>& spans) {
-  std::ofstream f(path);
-  require(f.good(), ErrorCode::io, "cannot write timeline " + path);
   int64_t t0 = spans.empty() ? 0 : spans.front().start_ns;
   for (const auto& t : spans) t0 = std::min(t0, t.start_ns);
+  std::string lines;
   for (const auto& t : spans)
-    f << nlohmann::json{{"shape", shape}, {"tokens_per_rank", tokens}, {"ep", ep}, {"cta", t.cta},
-                        {"kind", t.kind}, {"step", t.step}, {"row_tile", t.row_tile},
-                        {"start_us", (t.start_ns - t0) / 1e3}, {"end_us", (t.end_ns - t0) / 1e3}}
-             .dump()
-      << "\n";
+    lines += nlohmann::json{{"shape", shape}, {"tokens_per_rank", tokens}, {"ep", ep}, {"cta", t.cta},
+                            {"kind", t.kind}, {"step", t.step}, {"row_tile", t.row_tile},
+                            {"start_us", (t.start_ns - t0) / 1e3}, {"end_us", (t.end_ns - t0) / 1e3}}
+                 .dump() +
+             "\n";
+  core::write_file_atomically(path, lines);
 }
 
 // --timeline: one more megakernel forward with its task stamps on, written by rank 0.
