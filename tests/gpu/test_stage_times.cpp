@@ -104,9 +104,14 @@ TEST(StageTimes, SingleGpuPathNamesEveryStage) {
     o.path = LayerPath::single_gpu;
     o.save = save;
     auto layer = make_moe_layer(s, Backend::cuda, nullptr, o);
-    std::vector<std::string> backward = {"gather_x", "gather_d_out", "dh", "swiglu_backward", "weight_grads", "dx",
-                                         "reduce"};
-    if (save == SaveMode::none) backward.insert(backward.begin() + 1, "recompute_gate_up");
+    // x's rows are gathered where they are first read: for the recomputed gate|up, else for the
+    // gate and up weight gradients.
+    std::vector<std::string> backward =
+        save == SaveMode::none
+            ? std::vector<std::string>{"gather_x", "recompute_gate_up", "gather_d_out", "dh", "swiglu_backward",
+                                       "weight_grads_down", "weight_grads_gate_up", "dx", "reduce"}
+            : std::vector<std::string>{"gather_d_out", "dh", "swiglu_backward", "weight_grads_down", "gather_x",
+                                       "weight_grads_gate_up", "dx", "reduce"};
     check_path(*layer, c, {"schedule", "gather", "gate_up", "swiglu", "down", "combine"}, backward);
   }
 }

@@ -4,7 +4,8 @@
 //   fixed j order). LayerOptions::fused_swiglu instead runs an up launch, then a gate launch with
 //   SwiGLU in its epilogue (reads U, writes G and H): the same bits, slower on the H200.
 // Backward: gather d_out -> grouped dY W_down -> SwiGLU backward (+ d_w = <dh_u, h>) ->
-//   weight gradients dY^T X per expert -> grouped dG W_gate, dU W_up -> fixed-order token sum.
+//   weight gradients dY^T (w h), then gather x -> dG^T X, dU^T X per expert -> grouped dG W_gate,
+//   dU W_up -> fixed-order token sum.
 // Backward reads the weights and the routed activations where they are: dY W takes W as an
 // MN-major B, and dY^T X both activations as MN-major operands with K = the expert's rows.
 // The host never reads a routed count: every size reaches the GEMMs through device memory.
@@ -66,7 +67,9 @@ struct LayerGemms {
   int64_t tokens = 0;
   // Forward gate/up: `up` then `gate` (SwiGLU epilogue) when fused, else `gate_up` (both plain).
   std::unique_ptr<GroupedGemm> up, gate, gate_up;
-  std::unique_ptr<GroupedGemm> down, data_grad_h, data_grad_x, weight_grad;
+  // The weight gradients in two launches, down's first: its operands (d_out's and w·h's rows) go
+  // back before x's rows are gathered for gate's and up's.
+  std::unique_ptr<GroupedGemm> down, data_grad_h, data_grad_x, weight_grad_down, weight_grad_gate_up;
 };
 
 // Buffer-table entries of one call, from the layer's allocator on the call's stream; each goes
@@ -358,12 +361,17 @@ class CudaMoeLayer final : public StagedLayer {
     CallBuffers call = call_buffers(s);
     const int32_t* counts = ctx.counts.data();
     const int32_t* offsets = ctx.offsets.data();
-    // One rank gathers x's rows again (a copy, cheaper to redo than to keep).
-    if (!exchange_) {
-      dispatch(ctx.inputs.x.as<bf16>(), call.take(kGroupedInput, R * H), ctx, s);
+    // One rank gathers x's rows again (a copy, cheaper to redo than to keep): first thing when
+    // gate|up is recomputed from them, else for the gate and up weight gradients.
+    const bool recompute = options_.save == SaveMode::none;
+    auto gather_x = [&] {
+      bf16* rows = call.take(kGroupedInput, R * H);
+      dispatch(ctx.inputs.x.as<bf16>(), rows, ctx, s);
       clock_.mark("gather_x", s);
-    }
-    if (options_.save == SaveMode::none) {  // gate|up again, on the same rows: the same bits
+      return rows;
+    };
+    if (!exchange_ && recompute) gather_x();
+    if (recompute) {  // gate|up again, on the same rows: the same bits
       call.take(kGateOut, R * I);
       call.take(kUpOut, R * I);
       if (fused_swiglu_) call.take(kHidden, R * I);
@@ -411,11 +419,15 @@ class CudaMoeLayer final : public StagedLayer {
     if (!in_place) call.release({kGateOut, kUpOut, kSharedGateOut, kSharedUpOut});
     clock_.mark("swiglu_backward", s);
     zero_empty_experts(counts, E, g.d_w_gate.as<bf16>(), g.d_w_up.as<bf16>(), g.d_w_down.as<bf16>(), I * H, s);
-    gemms.weight_grad->run(table, counts, offsets, s);
-    clock_.mark("weight_grads", s);
-    call.release({kGroupedInput, kGroupedOutGrad, kWeightedHidden, kSharedHidden, kGateOut, kSharedGateOut});
+    gemms.weight_grad_down->run(table, counts, offsets, s);
+    clock_.mark("weight_grads_down", s);
+    call.release({kGroupedOutGrad, kWeightedHidden, kSharedHidden, kGateOut, kSharedGateOut});
     if (consumed)
       for (Buf b : {kGateOut, kSharedGateOut}) consumed->saved[b].release();
+    if (!exchange_ && !recompute) table.ptr[kGroupedInput] = gather_x();
+    gemms.weight_grad_gate_up->run(table, counts, offsets, s);
+    clock_.mark("weight_grads_gate_up", s);
+    call.release({kGroupedInput});
     for (Buf b : {kInputGradViaGate, kInputGradViaUp}) table.ptr[b] = call.take(b, R * H);
     if (shared)
       for (Buf b : {kSharedInputGradViaGate, kSharedInputGradViaUp}) table.ptr[b] = call.take(b, T * H);
@@ -590,7 +602,7 @@ class CudaMoeLayer final : public StagedLayer {
       g.m = m, g.n = n, g.k = k;
       return g;
     };
-    std::vector<GroupSpec> gate, up, down, dh, dx, wgrad;
+    std::vector<GroupSpec> gate, up, down, dh, dx, wgrad_down, wgrad_gate_up;
     for (int e = 0; e < E; ++e) {
       // Forward: x_g W_gate^T, x_g W_up^T, hidden W_down^T (W [out, in] = [n, k]: K-major).
       gate.push_back(rows_of(e, kGroupedInput, H, kGateWeight, e * I * H, H, kGateOut, I, Ii, Hi));
@@ -601,9 +613,9 @@ class CudaMoeLayer final : public StagedLayer {
       dx.push_back(rows_of(e, kGateGrad, I, kGateWeight, e * I * H, H, kInputGradViaGate, H, Hi, Ii));
       dx.push_back(rows_of(e, kUpGrad, I, kUpWeight, e * I * H, H, kInputGradViaUp, H, Hi, Ii));
       // Weight gradients: dG^T x_g, dU^T x_g, dY_g^T (w * hidden).
-      wgrad.push_back(sum_over_rows(e, kGateGrad, kGroupedInput, kGateWeightGrad, e * I * H, Ii, Hi));
-      wgrad.push_back(sum_over_rows(e, kUpGrad, kGroupedInput, kUpWeightGrad, e * I * H, Ii, Hi));
-      wgrad.push_back(sum_over_rows(e, kGroupedOutGrad, kWeightedHidden, kDownWeightGrad, e * H * I, Hi, Ii));
+      wgrad_gate_up.push_back(sum_over_rows(e, kGateGrad, kGroupedInput, kGateWeightGrad, e * I * H, Ii, Hi));
+      wgrad_gate_up.push_back(sum_over_rows(e, kUpGrad, kGroupedInput, kUpWeightGrad, e * I * H, Ii, Hi));
+      wgrad_down.push_back(sum_over_rows(e, kGroupedOutGrad, kWeightedHidden, kDownWeightGrad, e * H * I, Hi, Ii));
     }
     if (shape_.has_shared()) {
       gate.push_back(fixed(kInput, H, kSharedGateWeight, H, kSharedGateOut, Is, Ti, Isi, Hi));
@@ -613,9 +625,9 @@ class CudaMoeLayer final : public StagedLayer {
       dx.push_back(fixed(kSharedGateGrad, Is, kSharedGateWeight, H, kSharedInputGradViaGate, H, Ti, Hi, Isi));
       dx.push_back(fixed(kSharedUpGrad, Is, kSharedUpWeight, H, kSharedInputGradViaUp, H, Ti, Hi, Isi));
       // k = T: the token-major tensors [T, features] are the MN-major operands.
-      wgrad.push_back(fixed(kSharedGateGrad, Is, kInput, H, kSharedGateWeightGrad, H, Isi, Hi, Ti));
-      wgrad.push_back(fixed(kSharedUpGrad, Is, kInput, H, kSharedUpWeightGrad, H, Isi, Hi, Ti));
-      wgrad.push_back(fixed(kOutGrad, H, kSharedHidden, Is, kSharedDownWeightGrad, Is, Hi, Isi, Ti));
+      wgrad_gate_up.push_back(fixed(kSharedGateGrad, Is, kInput, H, kSharedGateWeightGrad, H, Isi, Hi, Ti));
+      wgrad_gate_up.push_back(fixed(kSharedUpGrad, Is, kInput, H, kSharedUpWeightGrad, H, Isi, Hi, Ti));
+      wgrad_down.push_back(fixed(kOutGrad, H, kSharedHidden, Is, kSharedDownWeightGrad, Is, Hi, Isi, Ti));
     }
     const GemmLayout forward{Major::k, Major::k}, data_grad{Major::k, Major::mn}, weight_grad{Major::mn, Major::mn};
     if (fused_swiglu_) {
@@ -635,7 +647,8 @@ class CudaMoeLayer final : public StagedLayer {
     ws.down = std::make_unique<GroupedGemm>(down, forward, device_, engine_);
     ws.data_grad_h = std::make_unique<GroupedGemm>(dh, data_grad, device_, engine_);
     ws.data_grad_x = std::make_unique<GroupedGemm>(dx, data_grad, device_, engine_);
-    ws.weight_grad = std::make_unique<GroupedGemm>(wgrad, weight_grad, device_, engine_);
+    ws.weight_grad_down = std::make_unique<GroupedGemm>(wgrad_down, weight_grad, device_, engine_);
+    ws.weight_grad_gate_up = std::make_unique<GroupedGemm>(wgrad_gate_up, weight_grad, device_, engine_);
   }
 
   MoeShape shape_;
