@@ -9,7 +9,9 @@
 
 #include "core/activation.hpp"
 #include "core/megakernel_plan.hpp"
+#include "moka/config.hpp"
 #include "moka/error.hpp"
+#include "moka/megakernel.hpp"
 
 namespace moka::cuda {
 
@@ -59,6 +61,11 @@ struct MegakernelLaunch {
   TimelineRecord* timeline_compute = nullptr;  // [compute_task_count(worst plan)] or null
   TimelineRecord* timeline_comm = nullptr;     // [comm_task_count(worst plan)] or null
 };
+
+// A launch's plan, grid and sizes (no buffers yet): `local_experts` experts on this rank,
+// `num_sms` CTAs.
+MegakernelLaunch sized_launch(const core::MegakernelPlan& plan, const MoeShape& shape, const MegakernelConfig& config,
+                              int64_t tokens, int64_t local_experts, int num_sms);
 
 // Bytes of dynamic shared memory per CTA (one CTA per SM).
 size_t megakernel_smem_bytes();

@@ -1,0 +1,97 @@
+#include "cuda/layer/layer_gemms.hpp"
+
+#include <vector>
+
+namespace moka::cuda::staged {
+
+// Forward is D = A B^T with both operands K-major; backward reads the same tensors as MN-major
+// operands (GemmLayout), so nothing is transposed. The shared expert's dense products are extra
+// fixed-size groups, so they overlap with the routed tiles in the same persistent launch.
+std::unique_ptr<LayerGemms> build_layer_gemms(const MoeShape& shape, int64_t local_experts, int64_t tokens,
+                                              const ActParams* fused_swiglu, int device, GemmEngine engine) {
+  auto gemms = std::make_unique<LayerGemms>();
+  LayerGemms& ws = *gemms;
+  ws.tokens = tokens;
+  const int64_t H = shape.hidden, I = shape.intermediate, E = local_experts, T = tokens;
+  const int64_t Is = shape.shared_intermediate;
+  const int Ti = static_cast<int>(T), Hi = static_cast<int>(H), Ii = static_cast<int>(I),
+            Isi = static_cast<int>(Is);
+  // A product over a routed expert's rows: m = the expert's row count, A = its segment of a
+  // grouped buffer [rows, k], B = its weights at b_off with stored row pitch ldb.
+  auto rows_of = [](int e, int a, int64_t lda, int b, int64_t b_off, int64_t ldb, int d, int64_t ldd, int n,
+                    int k) {
+    GroupSpec g;
+    g.a = a, g.a_step = lda, g.lda = lda;
+    g.b = b, g.b_off = b_off, g.ldb = ldb;
+    g.d = d, g.d_step = ldd, g.ldd = ldd;
+    g.n = n, g.k = k, g.expert = e, g.count_dim = CountDim::m;
+    return g;
+  };
+  // A weight gradient D[m, n] = sum over a routed expert's rows r of A[r, m] B[r, n]: k = the
+  // expert's row count, A and B are the grouped buffers [rows, m] and [rows, n] read as
+  // MN-major operands from the segment's first row (padding rows lie past k: never read).
+  auto sum_over_rows = [](int e, int a, int b, int d, int64_t d_off, int m, int n) {
+    GroupSpec g;
+    g.a = a, g.a_step = m, g.lda = m;
+    g.b = b, g.b_step = n, g.ldb = n;
+    g.d = d, g.d_off = d_off, g.ldd = n;
+    g.m = m, g.n = n, g.expert = e, g.count_dim = CountDim::k;
+    return g;
+  };
+  auto fixed = [](int a, int64_t lda, int b, int64_t ldb, int d, int64_t ldd, int m, int n, int k) {
+    GroupSpec g;
+    g.a = a, g.lda = lda, g.b = b, g.ldb = ldb, g.d = d, g.ldd = ldd;
+    g.m = m, g.n = n, g.k = k;
+    return g;
+  };
+  std::vector<GroupSpec> gate, up, down, dh, dx, wgrad_down, wgrad_gate_up;
+  for (int e = 0; e < E; ++e) {
+    // Forward: x_g W_gate^T, x_g W_up^T, hidden W_down^T (W [out, in] = [n, k]: K-major).
+    gate.push_back(rows_of(e, kGroupedInput, H, kGateWeight, e * I * H, H, kGateOut, I, Ii, Hi));
+    up.push_back(rows_of(e, kGroupedInput, H, kUpWeight, e * I * H, H, kUpOut, I, Ii, Hi));
+    down.push_back(rows_of(e, kHidden, I, kDownWeight, e * H * I, I, kExpertOut, H, Hi, Ii));
+    // Data gradients: dY_g W_down, dG W_gate, dU W_up (W [out, in] = [k, n]: MN-major).
+    dh.push_back(rows_of(e, kGroupedOutGrad, H, kDownWeight, e * H * I, I, kHiddenGradUnweighted, I, Ii, Hi));
+    dx.push_back(rows_of(e, kGateGrad, I, kGateWeight, e * I * H, H, kInputGradViaGate, H, Hi, Ii));
+    dx.push_back(rows_of(e, kUpGrad, I, kUpWeight, e * I * H, H, kInputGradViaUp, H, Hi, Ii));
+    // Weight gradients: dG^T x_g, dU^T x_g, dY_g^T (w * hidden).
+    wgrad_gate_up.push_back(sum_over_rows(e, kGateGrad, kGroupedInput, kGateWeightGrad, e * I * H, Ii, Hi));
+    wgrad_gate_up.push_back(sum_over_rows(e, kUpGrad, kGroupedInput, kUpWeightGrad, e * I * H, Ii, Hi));
+    wgrad_down.push_back(sum_over_rows(e, kGroupedOutGrad, kWeightedHidden, kDownWeightGrad, e * H * I, Hi, Ii));
+  }
+  if (shape.has_shared()) {
+    gate.push_back(fixed(kInput, H, kSharedGateWeight, H, kSharedGateOut, Is, Ti, Isi, Hi));
+    up.push_back(fixed(kInput, H, kSharedUpWeight, H, kSharedUpOut, Is, Ti, Isi, Hi));
+    down.push_back(fixed(kSharedHidden, Is, kSharedDownWeight, Is, kSharedOut, H, Ti, Hi, Isi));
+    dh.push_back(fixed(kOutGrad, H, kSharedDownWeight, Is, kSharedHiddenGrad, Is, Ti, Isi, Hi));
+    dx.push_back(fixed(kSharedGateGrad, Is, kSharedGateWeight, H, kSharedInputGradViaGate, H, Ti, Hi, Isi));
+    dx.push_back(fixed(kSharedUpGrad, Is, kSharedUpWeight, H, kSharedInputGradViaUp, H, Ti, Hi, Isi));
+    // k = T: the token-major tensors [T, features] are the MN-major operands.
+    wgrad_gate_up.push_back(fixed(kSharedGateGrad, Is, kInput, H, kSharedGateWeightGrad, H, Isi, Hi, Ti));
+    wgrad_gate_up.push_back(fixed(kSharedUpGrad, Is, kInput, H, kSharedUpWeightGrad, H, Isi, Hi, Ti));
+    wgrad_down.push_back(fixed(kOutGrad, H, kSharedHidden, Is, kSharedDownWeightGrad, Is, Hi, Isi, Ti));
+  }
+  const GemmLayout forward{Major::k, Major::k}, data_grad{Major::k, Major::mn}, weight_grad{Major::mn, Major::mn};
+  if (fused_swiglu) {
+    // U first; then the gate product, whose epilogue reads U as its C operand and writes G
+    // (aux) and H (D): three buffers laid out alike.
+    for (GroupSpec& g : gate) {
+      const bool routed = g.expert >= 0;
+      g.aux = g.d, g.c = routed ? kUpOut : kSharedUpOut, g.d = routed ? kHidden : kSharedHidden;
+    }
+    ws.up = std::make_unique<GroupedGemm>(up, forward, device, engine);
+    ws.gate = std::make_unique<GroupedGemm>(gate, forward, device, engine, GemmEpilogue{GemmEpilogue::swiglu, *fused_swiglu});
+  } else {
+    std::vector<GroupSpec> gate_up;  // one launch, each expert's two groups side by side
+    for (size_t i = 0; i < gate.size(); ++i) gate_up.insert(gate_up.end(), {gate[i], up[i]});
+    ws.gate_up = std::make_unique<GroupedGemm>(gate_up, forward, device, engine);
+  }
+  ws.down = std::make_unique<GroupedGemm>(down, forward, device, engine);
+  ws.data_grad_h = std::make_unique<GroupedGemm>(dh, data_grad, device, engine);
+  ws.data_grad_x = std::make_unique<GroupedGemm>(dx, data_grad, device, engine);
+  ws.weight_grad_down = std::make_unique<GroupedGemm>(wgrad_down, weight_grad, device, engine);
+  ws.weight_grad_gate_up = std::make_unique<GroupedGemm>(wgrad_gate_up, weight_grad, device, engine);
+  return gemms;
+}
+
+}  // namespace moka::cuda::staged

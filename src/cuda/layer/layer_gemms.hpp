@@ -1,0 +1,50 @@
+// The grouped GEMMs of the staged CUDA layer (cuda_layer.cu) and the buffer table they share:
+// one group per (expert, operand) for the routed experts, fixed-size groups for the shared one.
+#pragma once
+#include <cstdint>
+#include <memory>
+
+#include "cuda/gemm/grouped_gemm.hpp"
+#include "cuda/layer/layer_kernels.hpp"
+#include "moka/config.hpp"
+
+namespace moka::cuda::staged {
+
+// Indices of the BufferTable every grouped GEMM of the layer shares. "Grouped" buffers hold one
+// row per routed (token, expert) pair in expert segments; "Shared" names the shared expert.
+enum Buf : int {
+  // Forward: the caller's x and weights, then what the stages write.
+  kInput, kGroupedInput, kGateWeight, kUpWeight, kDownWeight,
+  kGateOut, kUpOut, kHidden, kExpertOut,
+  kSharedGateWeight, kSharedUpWeight, kSharedDownWeight,
+  kSharedGateOut, kSharedUpOut, kSharedHidden, kSharedOut,
+  // Backward: d_out, dh_u = dY W_down (before the route weight), dG, dU, w * hidden, and the two
+  // halves of d_x (through W_gate and through W_up), for the routed and the shared expert.
+  kOutGrad, kGroupedOutGrad, kHiddenGradUnweighted, kGateGrad, kUpGrad, kWeightedHidden,
+  kInputGradViaGate, kInputGradViaUp,
+  kSharedHiddenGrad, kSharedGateGrad, kSharedUpGrad, kSharedInputGradViaGate, kSharedInputGradViaUp,
+  // The caller's weight gradients.
+  kGateWeightGrad, kUpWeightGrad, kDownWeightGrad,
+  kSharedGateWeightGrad, kSharedUpWeightGrad, kSharedDownWeightGrad,
+  kNumBufs
+};
+static_assert(kNumBufs <= kMaxGemmBuffers);
+
+// The grouped GEMMs of a layer for one token count (the shared expert's dense groups take T).
+// They keep device scratch of their own (per-group arrays, CUTLASS's workspace), so the layer
+// orders every call's device work after the previous call's (order_after_last_call).
+struct LayerGemms {
+  int64_t tokens = 0;
+  // Forward gate/up: `up` then `gate` (SwiGLU epilogue) when fused, else `gate_up` (both plain).
+  std::unique_ptr<GroupedGemm> up, gate, gate_up;
+  // The weight gradients in two launches, down's first: its operands (d_out's and w·h's rows) go
+  // back before x's rows are gathered for gate's and up's.
+  std::unique_ptr<GroupedGemm> down, data_grad_h, data_grad_x, weight_grad_down, weight_grad_gate_up;
+};
+
+// The GEMMs of a layer of `shape` with `local_experts` experts for `tokens` tokens per call;
+// `fused_swiglu` (null: off) puts the activation in the gate GEMM's epilogue, after an up launch.
+std::unique_ptr<LayerGemms> build_layer_gemms(const MoeShape& shape, int64_t local_experts, int64_t tokens,
+                                              const ActParams* fused_swiglu, int device, GemmEngine engine);
+
+}  // namespace moka::cuda::staged
