@@ -16,8 +16,10 @@ Needs matplotlib (Debian: python3-matplotlib, so /usr/bin/python3).
 import csv
 import json
 import math
+import os
 import statistics
 import sys
+import tempfile
 from collections import defaultdict
 
 
@@ -30,6 +32,23 @@ def load_pyplot():
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     return plt
+
+
+def save_figure(fig, png):
+    """Writes the figure whole or not at all: to a temporary file beside png, then renamed over it
+    (an interrupted plot leaves the old file, never a torn one)."""
+    fd, temporary = tempfile.mkstemp(prefix=os.path.basename(png) + ".", suffix=".png",
+                                     dir=os.path.dirname(png) or ".")
+    os.close(fd)
+    umask = os.umask(0)
+    os.umask(umask)
+    try:
+        os.chmod(temporary, 0o666 & ~umask)  # the mode a new file gets (mkstemp makes it 0600)
+        fig.savefig(temporary, dpi=110)
+        os.replace(temporary, png)
+    except BaseException:
+        os.unlink(temporary)
+        raise
 
 
 def read_rows(path):
@@ -55,7 +74,7 @@ def plot_coordcheck(plt, rows, png):
     axes[0][-1].legend(fontsize="small")
     fig.suptitle(f"coordinate check ({rows[0]['param']})")
     fig.tight_layout()
-    fig.savefig(png, dpi=110)
+    save_figure(fig, png)
 
 
 def plot_lrsweep(plt, rows, png):
@@ -97,7 +116,7 @@ def plot_lrsweep(plt, rows, png):
     ax.set_title(title)
     ax.legend()
     fig.tight_layout()
-    fig.savefig(png, dpi=110)
+    save_figure(fig, png)
 
 
 def plot_horizon(plt, doc, png):
@@ -166,7 +185,7 @@ def plot_horizon(plt, doc, png):
     right.legend(fontsize="x-small")
     fig.suptitle(f"token-horizon LR study ({doc['param']}, d_model {doc['d_model']}, EMA {doc['ema_decay']})")
     fig.tight_layout()
-    fig.savefig(png, dpi=110)
+    save_figure(fig, png)
 
 
 def main():
