@@ -11,7 +11,7 @@ set -uo pipefail
 HERE=$(cd "$(dirname "$0")" && pwd)
 [[ -f $HERE/gpu_env.sh ]] && source "$HERE/gpu_env.sh"
 BIN=${BIN:-$HERE}
-[[ -x $BIN/moka_gpu_tests ]] || BIN=$HERE/../build/tests/gpu
+[[ -x $BIN/moka_gpu_tests ]] || BIN=$HERE/../build/tests/cuda
 OUT=${OUT:-$PWD/gpu_out}
 mkdir -p "$OUT"
 SANITIZER=${SANITIZER:-$(command -v compute-sanitizer || echo /usr/local/cuda/bin/compute-sanitizer)}

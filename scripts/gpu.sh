@@ -44,9 +44,9 @@ binary() {
   local name=$1 built
   case $name in
     moka) built=tools/moka ;;
-    moka_gpu_tests) built=tests/gpu/moka_gpu_tests ;;
-    moka_train_gpu_tests) built=tests/train_gpu/moka_train_gpu_tests ;;
-    moka_ep_gpu_check) built=tests/moka_ep_gpu_check ;;
+    moka_gpu_tests) built=tests/cuda/moka_gpu_tests ;;
+    moka_train_gpu_tests) built=tests/train/gpu/moka_train_gpu_tests ;;
+    moka_ep_gpu_check) built=tests/cuda/moka_ep_gpu_check ;;
     *) built=bench/kernels/$name ;;
   esac
   if [[ -x $BIN/$name ]]; then echo "$BIN/$name"; else echo "$BIN/$built"; fi

@@ -7,8 +7,8 @@ set -euo pipefail
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
 DEST=${1:-$ROOT/.dev/cuda}
 mkdir -p "$DEST"
-cp "$ROOT/build/tests/gpu/moka_gpu_tests" "$ROOT/build/tests/train_gpu/moka_train_gpu_tests" "$ROOT/build/tools/moka" "$DEST/"
-[ -x "$ROOT/build/tests/moka_ep_gpu_check" ] && cp "$ROOT/build/tests/moka_ep_gpu_check" "$DEST/"
+cp "$ROOT/build/tests/cuda/moka_gpu_tests" "$ROOT/build/tests/train/gpu/moka_train_gpu_tests" "$ROOT/build/tools/moka" "$DEST/"
+[ -x "$ROOT/build/tests/cuda/moka_ep_gpu_check" ] && cp "$ROOT/build/tests/cuda/moka_ep_gpu_check" "$DEST/"
 # The kernel lab (bench/kernels/README.md).
 cp "$ROOT"/build/bench/kernels/{mk_forward_core,mk_backward_core,mk_tune,nvlink_incast,staged_baselines,paired_steps} "$DEST/"
 cp "$ROOT/scripts/gpu.sh" "$ROOT/scripts/gpu_env.sh" "$ROOT/bench/torch_baseline.py" "$ROOT/bench/torch_train_baseline.py" \

@@ -7,7 +7,7 @@
 using namespace moka;
 
 TEST(CudaBackendWithoutGpu, ExplicitRequestIsAClearErrorAndAutoFallsBack) {
-  if (cuda_backend_available()) GTEST_SKIP() << "a GPU is visible: tests/gpu covers this machine";
+  if (cuda_backend_available()) GTEST_SKIP() << "a GPU is visible: tests/cuda covers this machine";
   const MoeShape s = named_shape("tiny").shape;
   try {
     make_moe_layer(s, Backend::cuda);

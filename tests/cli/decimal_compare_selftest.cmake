@@ -1,4 +1,4 @@
-# Checks tests/decimal_compare.cmake: cmake -P tests/decimal_compare_selftest.cmake
+# Checks tests/cli/decimal_compare.cmake: cmake -P tests/cli/decimal_compare_selftest.cmake
 include(${CMAKE_CURRENT_LIST_DIR}/decimal_compare.cmake)
 
 # Each case: a|b|expected (a <= b).

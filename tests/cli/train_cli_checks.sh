@@ -5,8 +5,8 @@
 # the scenarios that read JSON or run gcide_records.py, without python3.
 set -eu
 moka=$1
-scripts=$(cd "$(dirname "$0")/../scripts" && pwd)
-# shellcheck source=tests/cli_scratch.sh
+scripts=$(cd "$(dirname "$0")/../../scripts" && pwd)
+# shellcheck source=tests/cli/cli_scratch.sh
 . "$(dirname "$0")/cli_scratch.sh"
 # json_check FILE EXPRESSION: the python expression over `d` (the parsed file) must hold.
 json_check() {

@@ -127,7 +127,7 @@ TEST(TrainLoop, SchedulesWarmUpHoldAndDecay) {
 
 TEST(TrainLoop, TrainingOnCudaWithoutAGpuIsRefusedClearly) {
   MOKA_REQUIRE_CORPUS(text);
-  if (moka::cuda_backend_available()) GTEST_SKIP() << "a GPU is visible: tests/train_gpu covers this backend";
+  if (moka::cuda_backend_available()) GTEST_SKIP() << "a GPU is visible: tests/train/gpu covers this backend";
   auto config = tiny_train_config(Parameterization::mup, 1e-2);
   config.backend = moka::Backend::cuda;
   try {

@@ -6,7 +6,7 @@
 # training commands, without the text corpus.
 set -eu
 moka=$1
-# shellcheck source=tests/cli_scratch.sh
+# shellcheck source=tests/cli/cli_scratch.sh
 . "$(dirname "$0")/cli_scratch.sh"
 command -v prlimit >/dev/null || exit 77
 

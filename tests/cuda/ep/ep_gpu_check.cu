@@ -1,5 +1,5 @@
 // GPU checks of the device group, run as N worker processes on N GPUs:
-//   moka launch -n 2 -- build/tests/moka_ep_gpu_check
+//   moka launch -n 2 -- build/tests/cuda/moka_ep_gpu_check
 // NCCL all-to-all-v with random sizes, symmetric memory loads and stores across GPUs ordered by
 // the device barrier, barrier replay in a CUDA graph, and a barrier timeout naming the rank; the
 // layer on the all-to-all path and on the megakernel path (forward and backward megakernels)
