@@ -41,7 +41,7 @@
 // one global order of both queues as in the forward but from the acyclicity of "waits on" plus
 // "comes after in its queue": a topological order puts, after step s's compute tasks, the push
 // and successor pull of every step whose last row's segment ends in s (docs/MEGAKERNEL.md has
-// the argument; tests/test_megakernel_backward_plan.cpp checks it and runs the tickets).
+// the argument; tests/core/test_megakernel_backward_plan.cpp checks it and runs the tickets).
 #pragma once
 #include <cstdint>
 #include <string>

@@ -9,7 +9,7 @@
 // These are exactly the unfused path's numerics: its plain GEMM rounds the accumulator to bf16
 // (G), and swiglu_forward_rows evaluates the same function in fp32 on the bf16 G and U and rounds
 // the result to bf16 with round-to-nearest; the collective's conversion of D is the same
-// rounding. So G and H are bitwise those of the unfused path (tests/gpu/test_grouped_gemm.cpp).
+// rounding. So G and H are bitwise those of the unfused path (tests/cuda/test_grouped_gemm.cpp).
 //
 // Why a node of our own: the second output (G) needs a per-group pointer and stride, and
 // CUTLASS 4.2's Sm90AuxStore is not pointer-array aware (its pointer and stride are one batched
