@@ -57,6 +57,10 @@ lr_sweep_json() {
     --workers 2 --csv s.csv --json s.json --plot '' $small
 }
 
+plot="$(dirname "$0")/../../tools/plot_mup.py"
+# shellcheck disable=SC2031,SC2086
+mup_plot() { $limited python3 "$plot" coordcheck c.csv p.png; }
+
 case $2 in
   simulate-series-csv-is-whole)
     simulate_series >out.txt 2>&1 || fail "simulate failed"
@@ -118,6 +122,22 @@ case $2 in
     cp s.json old.json
     size_limited $(($(wc -c <s.csv) + 1)) lr_sweep_json
     failed_keeping s.json old.json
+    ;;
+  mup-plot-is-whole)
+    python3 "$plot" check 2>/dev/null || exit 77
+    printf 'param,width,step,activation,mean_abs\nmup,64,0,attn,1.0\nmup,128,0,attn,1.1\n' >c.csv
+    mup_plot >out.txt 2>&1 || fail "plot_mup.py failed"
+    [ "$(head -c 4 p.png | od -An -c | tr -d ' ')" = '211PNG' ] || fail "p.png is not a PNG"
+    for name in p.png.*; do
+      if [ -e "$name" ]; then fail "temporary left: $name"; fi
+    done
+    cp p.png old.png
+    size_limited 100 mup_plot
+    [ "$rc" -ne 0 ] || fail "exit code 0 although p.png could not be written"
+    cmp -s p.png old.png || fail "p.png lost its old contents"
+    for name in p.png.*; do
+      if [ -e "$name" ]; then fail "temporary left: $name"; fi
+    done
     ;;
   *)
     fail "unknown scenario $2"
