@@ -58,8 +58,9 @@ lr_sweep_json() {
 }
 
 plot="$(dirname "$0")/../../tools/plot_mup.py"
+python=${MOKA_PYTHON:-/usr/bin/python3}  # the interpreter moka runs its plots with
 # shellcheck disable=SC2031,SC2086
-mup_plot() { $limited python3 "$plot" coordcheck c.csv p.png; }
+mup_plot() { $limited "$python" "$plot" coordcheck c.csv p.png; }
 
 case $2 in
   simulate-series-csv-is-whole)
@@ -124,7 +125,7 @@ case $2 in
     failed_keeping s.json old.json
     ;;
   mup-plot-is-whole)
-    python3 "$plot" check 2>/dev/null || exit 77
+    "$python" "$plot" check 2>/dev/null || exit 77
     printf 'param,width,step,activation,mean_abs\nmup,64,0,attn,1.0\nmup,128,0,attn,1.1\n' >c.csv
     mup_plot >out.txt 2>&1 || fail "plot_mup.py failed"
     [ "$(head -c 4 p.png | od -An -c | tr -d ' ')" = '211PNG' ] || fail "p.png is not a PNG"
