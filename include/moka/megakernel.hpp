@@ -53,8 +53,9 @@ class MegakernelExtension {
  public:
   virtual ~MegakernelExtension() = default;
   virtual const MegakernelConfig& config() const = 0;
-  // Whether the backward keeps the forward's rows (resident context: the ring holds every routed
-  // row the layer can have) or pulls x again and recomputes gate|up (replay).
+  // Whether the backward reads the forward's gate and up rows (resident context: the ring holds
+  // every routed row the layer can have; x is pulled again) or pulls x and recomputes gate|up
+  // (replay).
   virtual bool backward_is_resident() const = 0;
   // Records per-task start/end stamps in later calls (a little slower); timeline() returns the
   // last call's tasks after its stream is synchronized.

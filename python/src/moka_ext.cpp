@@ -126,11 +126,11 @@ struct RankScope {
 };
 
 // A forward's context, until a backward that consumes it.
-std::unique_ptr<moka::MoeContext>& unconsumed(std::unique_ptr<moka::MoeContext>& saved) {
+moka::MoeContext& unconsumed(const std::unique_ptr<moka::MoeContext>& saved) {
   if (!saved)
     throw moka::Error(moka::ErrorCode::invalid_argument,
                       "this MoE call's saved state went to its first backward, which did not retain the graph");
-  return saved;
+  return *saved;
 }
 
 // The layer's backward of `saved`: with `consume` (a backward that will not run again: autograd
@@ -139,16 +139,17 @@ std::unique_ptr<moka::MoeContext>& unconsumed(std::unique_ptr<moka::MoeContext>&
 void layer_backward(moka::MoeLayer& layer, std::unique_ptr<moka::MoeContext>& saved, bool consume,
                     const moka::TensorView& d_out, const moka::MoeWeights& weights, const moka::MoeGradients& grads,
                     moka::Stream stream) {
+  unconsumed(saved);
   if (consume) {
-    layer.consume_backward(std::move(unconsumed(saved)), d_out, weights, grads, stream);
+    layer.consume_backward(std::move(saved), d_out, weights, grads, stream);
   } else {
-    layer.backward(*unconsumed(saved), d_out, weights, grads, stream);
+    layer.backward(*saved, d_out, weights, grads, stream);
   }
 }
 
 struct LayerContext {
   std::unique_ptr<moka::MoeContext> saved;
-  std::vector<int64_t> local_expert_rows() { return unconsumed(saved)->local_expert_rows(); }
+  std::vector<int64_t> local_expert_rows() const { return unconsumed(saved).local_expert_rows(); }
 };
 
 struct Weights {
