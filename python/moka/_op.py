@@ -18,6 +18,7 @@ import torch
 from torch import Tensor, nn
 
 from . import _moka
+from ._allocator import torch_allocator
 from ._autograd import (_empty_like, _experts_backward, _experts_forward, _first_order_only, _moe_backward,
                         _moe_forward, _take_state, router_weight_dtype)
 from ._distributed import group_named
@@ -94,14 +95,18 @@ def _named(enum, kind: str, name: str):
         raise ValueError(f"moka: unknown {kind} '{name}' ({', '.join(enum.__members__)})") from None
 
 
-def _layer_options(backend: str, path: str = "automatic", tile_rows: Optional[int] = None,
-                   max_tokens: int = 0) -> _moka.LayerOptions:
-    """The options of a layer and its router: torch's CPU threads, and the row tile of the CUDA
-    GEMMs unless given (the CPU backend needs no padding)."""
+def _layer_options(backend: str, device: Optional[int], allocator: str, path: str = "automatic",
+                   tile_rows: Optional[int] = None, max_tokens: int = 0) -> _moka.LayerOptions:
+    """The options of a layer and its router on ``device``: torch's CPU threads, the row tile of
+    the CUDA GEMMs unless given (the CPU backend needs no padding), and on CUDA the device memory
+    of ``allocator`` ("torch": torch's caching allocator, "moka": moka's pool)."""
     if tile_rows is None:
         tile_rows = _moka.LayerOptions().tile_rows if backend == "cuda" else 1
-    return _moka.LayerOptions(num_threads=torch.get_num_threads(), tile_rows=tile_rows,
-                              path=_named(_moka.LayerPath, "path", path), max_tokens=max_tokens)
+    options = _moka.LayerOptions(num_threads=torch.get_num_threads(), tile_rows=tile_rows,
+                                 path=_named(_moka.LayerPath, "path", path), max_tokens=max_tokens)
+    if backend == "cuda" and allocator == "torch":
+        options.allocator = torch_allocator(device)
+    return options
 
 
 def _make_layer(backend: str, group: Optional[_moka.Group], *, hidden: int, intermediate: int, experts: int,
@@ -113,12 +118,13 @@ def _make_layer(backend: str, group: Optional[_moka.Group], *, hidden: int, inte
     return _moka.Layer(shape, backend, group, options)
 
 
-def _make_engines(backend: str, group: Optional[_moka.Group], *, hidden: int, intermediate: int, experts: int,
-                  top_k: int, shared_intermediate: int, score: str, selection_bias: bool, renormalize: bool,
-                  route_scale: float, activation: str, clamp_limit: float, path: str, tile_rows: Optional[int],
-                  max_tokens: int) -> tuple[_moka.Router, _moka.Layer, _moka.Moe]:
-    """moka's router, layer, and the two as one call each way (MoE's engines)."""
-    options = _layer_options(backend, path, tile_rows, max_tokens)
+def _make_engines(backend: str, device: Optional[int], group: Optional[_moka.Group], *, hidden: int,
+                  intermediate: int, experts: int, top_k: int, shared_intermediate: int, score: str,
+                  selection_bias: bool, renormalize: bool, route_scale: float, activation: str, clamp_limit: float,
+                  path: str, tile_rows: Optional[int], max_tokens: int,
+                  allocator: str) -> tuple[_moka.Router, _moka.Layer, _moka.Moe]:
+    """moka's router, layer, and the two as one call each way (MoE's engines) on ``device``."""
+    options = _layer_options(backend, device, allocator, path, tile_rows, max_tokens)
     config = _moka.RouterConfig(hidden=hidden, num_experts=experts, top_k=top_k,
                                 score=_named(_moka.ScoreFunction, "score function", score),
                                 use_selection_bias=selection_bias, renormalize=renormalize, route_scale=route_scale)
@@ -132,18 +138,18 @@ def _make_engines(backend: str, group: Optional[_moka.Group], *, hidden: int, in
 _op_layers: dict[tuple, _moka.Layer] = {}
 
 
-def _op_layer(x, topk_ids, w_gate, ws_gate, activation, clamp_limit, group_name) -> _moka.Layer:
+def _op_layer(x, topk_ids, w_gate, ws_gate, activation, clamp_limit, group_name, allocator) -> _moka.Layer:
     group = group_named(group_name)
     world = group.size if group else 1
     backend = _backend(x)
     shared = 0 if ws_gate is None else ws_gate.shape[0]
     key = (backend, x.device.index, x.shape[-1], w_gate.shape[1], w_gate.shape[0] * world, topk_ids.shape[-1],
-           shared, activation, clamp_limit, group_name)
+           shared, activation, clamp_limit, group_name, allocator)
     if key not in _op_layers:
         _op_layers[key] = _make_layer(backend, group, hidden=x.shape[-1], intermediate=w_gate.shape[1],
                                       experts=w_gate.shape[0] * world, top_k=topk_ids.shape[-1],
                                       shared_intermediate=shared, activation=activation, clamp_limit=clamp_limit,
-                                      options=_layer_options(backend))
+                                      options=_layer_options(backend, x.device.index, allocator))
     return _op_layers[key]
 
 
@@ -172,16 +178,16 @@ def op_layers_of(engine_id: int) -> list[_moka.Layer]:
 
 
 def _op_moe(x, w_router, w_gate, ws_gate, selection_bias, top_k, score, renormalize, route_scale, activation,
-            clamp_limit, path, tile_rows, max_tokens, group_name, engine_id) -> _moka.Moe:
+            clamp_limit, path, tile_rows, max_tokens, group_name, engine_id, allocator) -> _moka.Moe:
     backend = _backend(x)
     shared = 0 if ws_gate is None else ws_gate.shape[0]
     engine = dict(hidden=x.shape[-1], intermediate=w_gate.shape[1], experts=w_router.shape[0], top_k=top_k,
                   shared_intermediate=shared, score=score, selection_bias=selection_bias is not None,
                   renormalize=renormalize, route_scale=route_scale, activation=activation, clamp_limit=clamp_limit,
-                  path=path, tile_rows=tile_rows, max_tokens=max_tokens)
+                  path=path, tile_rows=tile_rows, max_tokens=max_tokens, allocator=allocator)
     key = (engine_id, backend, x.device.index, *engine.values(), group_name)
     if key not in _op_engines:
-        _op_engines[key] = _make_engines(backend, group_named(group_name), **engine)
+        _op_engines[key] = _make_engines(backend, x.device.index, group_named(group_name), **engine)
     return _op_engines[key][2]
 
 
@@ -190,9 +196,9 @@ def _op_moe(x, w_router, w_gate, ws_gate, selection_bias, top_k, score, renormal
 @torch.library.custom_op("moka::moe_experts", mutates_args=())
 def _moe_experts_op(x: Tensor, topk_ids: Tensor, topk_weights: Tensor, w_gate: Tensor, w_up: Tensor, w_down: Tensor,
                     ws_gate: Optional[Tensor], ws_up: Optional[Tensor], ws_down: Optional[Tensor], activation: str,
-                    clamp_limit: float, group_name: str) -> tuple[Tensor, Tensor]:
+                    clamp_limit: float, group_name: str, allocator: str = "torch") -> tuple[Tensor, Tensor]:
     """(out, saved state)."""
-    layer = _op_layer(x, topk_ids, w_gate, ws_gate, activation, clamp_limit, group_name)
+    layer = _op_layer(x, topk_ids, w_gate, ws_gate, activation, clamp_limit, group_name, allocator)
     context, out = _experts_forward(layer, x, topk_ids, topk_weights, (w_gate, w_up, w_down, ws_gate, ws_up, ws_down))
     return out, _saved_tensor(layer, context)
 
@@ -228,7 +234,7 @@ def _experts_op_backward(ctx, d_out, _d_saved):
     x, topk_ids, topk_weights, *weights, saved = ctx.saved_tensors
     d_x, d_topk_weights, *d_weights = _moe_experts_backward_op(d_out.contiguous(), saved, x, topk_ids, topk_weights,
                                                                *weights)
-    return (d_x, None, d_topk_weights, *_present(d_weights, weights), None, None, None)
+    return (d_x, None, d_topk_weights, *_present(d_weights, weights), None, None, None, None)
 
 
 _moe_experts_op.register_autograd(_first_order_only(_experts_op_backward), setup_context=_setup_experts_context)
@@ -240,12 +246,12 @@ _moe_experts_op.register_autograd(_first_order_only(_experts_op_backward), setup
 def _moe_op(x: Tensor, w_router: Tensor, w_gate: Tensor, w_up: Tensor, w_down: Tensor, ws_gate: Optional[Tensor],
             ws_up: Optional[Tensor], ws_down: Optional[Tensor], selection_bias: Optional[Tensor], top_k: int,
             score: str, renormalize: bool, route_scale: float, activation: str, clamp_limit: float, path: str,
-            tile_rows: Optional[int], max_tokens: int, group_name: str,
-            engine_id: int) -> tuple[Tensor, Tensor, Tensor]:
+            tile_rows: Optional[int], max_tokens: int, group_name: str, engine_id: int,
+            allocator: str = "torch") -> tuple[Tensor, Tensor, Tensor]:
     """(out, this call's routes per expert [E] int64, saved state). Functional, unlike moka's call,
     which adds the routes to a running count: an op that mutates cannot have an autograd formula."""
     moe = _op_moe(x, w_router, w_gate, ws_gate, selection_bias, top_k, score, renormalize, route_scale, activation,
-                  clamp_limit, path, tile_rows, max_tokens, group_name, engine_id)
+                  clamp_limit, path, tile_rows, max_tokens, group_name, engine_id, allocator)
     routes = _routes_per_expert(x, w_router)
     context, out, _ = _moe_forward(x, w_router, w_gate, w_up, w_down, ws_gate, ws_up, ws_down, selection_bias,
                                    routes, moe, top_k)
@@ -287,7 +293,7 @@ def _setup_moe_context(ctx, inputs, output):
 def _moe_op_backward(ctx, d_out, _d_routes, _d_saved):
     x, w_router, *weights, saved = ctx.saved_tensors
     d_x, d_w_router, *d_weights = _moe_backward_op(d_out.contiguous(), saved, x, w_router, *weights, ctx.top_k)
-    return (d_x, d_w_router, *_present(d_weights, weights), *[None] * 12)  # selection_bias, the options
+    return (d_x, d_w_router, *_present(d_weights, weights), *[None] * 13)  # selection_bias, the options
 
 
 _moe_op.register_autograd(_first_order_only(_moe_op_backward), setup_context=_setup_moe_context)

@@ -11,11 +11,14 @@ this rank's share, to be all-reduced like any data-parallel parameter (DDP/FSDP 
 
 Dtypes: the CPU backend computes in float32 or float64, the CUDA backend in bfloat16; router
 weights (topk_weights) are float32, or float64 with float64 activations. Calls run on
-``torch.cuda.current_stream()``; outputs and gradients are allocated by torch's caching allocator
-(moka takes each call's scratch and what a forward saves for its backward from a stream-ordered pool;
-a backward captured in a CUDA graph frees its forward's saved state inside the graph, so a forward and
-backward captured together replay; a first, uncaptured call with the same token count builds the
-GEMMs, which capture cannot).
+``torch.cuda.current_stream()``; outputs and gradients are allocated by torch's caching allocator,
+and so, by default (``allocator="torch"``), are each call's scratch and what a forward saves for its
+backward: moka's memory is shared with the rest of the model and counts in
+``torch.cuda.memory_allocated()``, ``max_memory_allocated()`` and torch's memory snapshots.
+``allocator="moka"`` takes those from moka's own stream-ordered pool instead, which torch does not
+see. A backward captured in a CUDA graph frees its forward's saved state inside the graph, so a
+forward and backward captured together replay; a first, uncaptured call with the same token count
+builds the GEMMs, which capture cannot.
 """
 from __future__ import annotations
 
@@ -27,6 +30,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from . import _moka
+from ._allocator import ALLOCATORS
 from ._autograd import _Experts, _MoE, _moe_forward, _Route, router_weight_dtype
 from ._distributed import moka_group
 from ._op import (_backend, _int32_ids, _make_engines, _moe_experts_op, _moe_op, _op_layer, _plain_eager_call,
@@ -47,7 +51,7 @@ __all__ = ["MoE", "MoEAux", "moe_experts", "moka_group", "router_weight_dtype"]
 def moe_experts(x: Tensor, topk_ids: Tensor, topk_weights: Tensor, w_gate: Tensor, w_up: Tensor, w_down: Tensor,
                 ws_gate: Optional[Tensor] = None, ws_up: Optional[Tensor] = None, ws_down: Optional[Tensor] = None,
                 *, activation: str = "swiglu", clamp_limit: float = 7.0,
-                group: Optional[dist.ProcessGroup] = None) -> Tensor:
+                group: Optional[dist.ProcessGroup] = None, allocator: str = "torch") -> Tensor:
     """The routed experts (and shared expert) of an MoE layer for tokens routed by the caller.
 
     Args:
@@ -61,6 +65,9 @@ def moe_experts(x: Tensor, topk_ids: Tensor, topk_weights: Tensor, w_gate: Tenso
         activation (str, keyword-only): "swiglu" or "swiglu_clamped".
         clamp_limit (float, keyword-only): the clamp of "swiglu_clamped" (> 0).
         group (torch.distributed.ProcessGroup | None, keyword-only): the expert-parallel group.
+        allocator (str, keyword-only): where moka's device memory (each call's scratch, what the
+            forward saves for the backward) comes from on CUDA: "torch" (the default; torch's
+            caching allocator) or "moka" (moka's own pool, which torch's statistics do not see).
 
     Returns:
         Tensor: out [T, H], differentiable in x, topk_weights and every weight.
@@ -74,13 +81,15 @@ def moe_experts(x: Tensor, topk_ids: Tensor, topk_weights: Tensor, w_gate: Tenso
     ``torch.export`` trace it as one node each way, modes and transforms see it; a plain eager call
     runs the same moka calls without the dispatcher. The backward reuses the forward's state.
     """
+    _choice_arg("allocator", allocator, ALLOCATORS)
     group_name = ""
     if moka_group(group) is not None:
         group_name = group.group_name
     inputs = (x, _int32_ids(topk_ids), topk_weights, w_gate, w_up, w_down, ws_gate, ws_up, ws_down, activation,
-              clamp_limit, group_name)
+              clamp_limit, group_name, allocator)
     if _plain_eager_call(inputs[:9]):
-        return _Experts.apply(*inputs[:9], _op_layer(x, topk_ids, w_gate, ws_gate, activation, clamp_limit, group_name))
+        layer = _op_layer(x, topk_ids, w_gate, ws_gate, activation, clamp_limit, group_name, allocator)
+        return _Experts.apply(*inputs[:9], layer)
     try:
         return _moe_experts_op(*inputs)[0]
     except RuntimeError as e:  # vmap runs (one call per row); grad, jvp, jacrev do not
@@ -195,6 +204,10 @@ class MoE(nn.Module):
         init_std (float): the standard deviation of the initial normal weights (default 0.02).
         tile_rows (int | None): the CUDA GEMMs' row tile (None: moka's default).
         max_tokens (int): tokens per rank the megakernel's buffers hold (0, the default: none).
+        allocator (str, keyword-only): where moka's device memory (each call's scratch, what a
+            forward saves for its backward) comes from on CUDA: "torch" (the default; torch's
+            caching allocator, so that it counts in ``torch.cuda.memory_allocated()``) or "moka"
+            (moka's own stream-ordered pool). The CPU backend takes no device memory.
         device (torch.device | str | None): where the weights are made.
         dtype (torch.dtype | None): the weights' dtype: float32 or float64 for the CPU backend,
             bfloat16 for the CUDA backend.
@@ -213,7 +226,8 @@ class MoE(nn.Module):
                  *, group: Optional[dist.ProcessGroup] = None, path: str = "automatic", score: str = "softmax",
                  renormalize: bool = False, route_scale: float = 1.0, selection_bias: bool = False,
                  activation: str = "swiglu", clamp_limit: float = 7.0, init_std: float = 0.02,
-                 tile_rows: Optional[int] = None, max_tokens: int = 0, device=None, dtype=None):
+                 tile_rows: Optional[int] = None, max_tokens: int = 0, allocator: str = "torch", device=None,
+                 dtype=None):
         super().__init__()
         hidden, intermediate, experts, top_k = (_int_arg(name, value, 1) for name, value in (
             ("hidden", hidden), ("intermediate", intermediate), ("experts", experts), ("top_k", top_k)))
@@ -227,6 +241,7 @@ class MoE(nn.Module):
         _choice_arg("path", path, _moka.LayerPath.__members__)
         _choice_arg("score", score, _moka.ScoreFunction.__members__)
         _choice_arg("activation", activation, _moka.Activation.__members__)
+        _choice_arg("allocator", allocator, ALLOCATORS)
         clamp_limit = _float_arg("clamp_limit", clamp_limit, positive=True)
         route_scale = _float_arg("route_scale", route_scale, positive=False)
         world = dist.get_world_size(group) if group is not None else 1
@@ -239,7 +254,7 @@ class MoE(nn.Module):
         self._group_name = group.group_name if world > 1 else ""  # what moka's op takes for the group
         self.score, self.renormalize, self.route_scale = score, renormalize, route_scale
         self.activation, self.clamp_limit, self.tile_rows = activation, clamp_limit, tile_rows
-        self.max_tokens = max_tokens
+        self.max_tokens, self.allocator = max_tokens, allocator
         self.local_experts = experts // world
         self.first_local_expert = rank * self.local_experts
         factory = {"device": device, "dtype": dtype}
@@ -302,11 +317,11 @@ class MoE(nn.Module):
         engines = self._engines.get(key)
         if engines is None:
             engines = self._engines[key] = _make_engines(
-                backend, moka_group(self.group), hidden=self.hidden, intermediate=self.intermediate,
+                backend, x.device.index, moka_group(self.group), hidden=self.hidden, intermediate=self.intermediate,
                 experts=self.experts, top_k=self.top_k, shared_intermediate=self.shared_intermediate,
                 score=self.score, selection_bias=self.selection_bias is not None, renormalize=self.renormalize,
                 route_scale=self.route_scale, activation=self.activation, clamp_limit=self.clamp_limit,
-                path=self.path, tile_rows=self.tile_rows, max_tokens=self.max_tokens)
+                path=self.path, tile_rows=self.tile_rows, max_tokens=self.max_tokens, allocator=self.allocator)
         return engines
 
     def _tensors(self) -> tuple:
@@ -395,7 +410,7 @@ class MoE(nn.Module):
     def _op_options(self) -> tuple:
         """moka::moe's arguments after the tensors: what its engines are built from, and their id."""
         return (self.top_k, self.score, self.renormalize, self.route_scale, self.activation, self.clamp_limit,
-                self.path, self.tile_rows, self.max_tokens, self._group_name, self._engine_id)
+                self.path, self.tile_rows, self.max_tokens, self._group_name, self._engine_id, self.allocator)
 
     def _aux(self, tokens: Tensor, w_router: Tensor, tokens_per_expert: Tensor) -> MoEAux:
         dtype = tokens.dtype if tokens.dtype in (torch.float32, torch.float64) else torch.float32

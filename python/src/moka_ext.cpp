@@ -147,6 +147,66 @@ void layer_backward(moka::MoeLayer& layer, std::unique_ptr<moka::MoeContext>& sa
   }
 }
 
+// A DeviceAllocator of two Python callables, alloc(nbytes, stream) -> pointer and
+// free(pointer, nbytes, stream) (moka.torch passes torch's caching allocator). moka calls them from
+// layer calls that released the GIL and from destructors, so each call takes the GIL itself.
+class PythonAllocator final : public moka::DeviceAllocator {
+ public:
+  PythonAllocator(nb::object alloc, nb::object free) : alloc_(std::move(alloc)), free_(std::move(free)) {
+    for (auto [name, f] : {std::pair{"alloc", alloc_.ptr()}, std::pair{"free", free_.ptr()}})
+      if (!PyCallable_Check(f))
+        throw nb::type_error((std::string("PythonAllocator(): ") + name + " must be callable, got " +
+                              nb::type_name(nb::handle(f).type()).c_str()).c_str());
+  }
+
+  // A Python exception becomes a moka::Error naming it, which the layer call raises as moka.Error.
+  void* allocate(size_t bytes, moka::Stream stream) override {
+    nb::gil_scoped_acquire gil;
+    const std::string call = "the allocator's alloc(" + std::to_string(bytes) + " bytes)";
+    try {
+      return reinterpret_cast<void*>(nb::cast<uintptr_t>(alloc_(bytes, reinterpret_cast<uintptr_t>(stream.handle))));
+    } catch (const nb::python_error& e) {
+      throw moka::Error(moka::ErrorCode::cuda, call + " raised " + nb::type_name(e.type()).c_str() + ": " +
+                                                   nb::str(e.value()).c_str());
+    } catch (const nb::cast_error&) {
+      throw moka::Error(moka::ErrorCode::invalid_argument, call + " returned no device pointer (a non-negative int)");
+    }
+  }
+
+  // Called from destructors: an exception is reported to sys.unraisablehook, not raised. At the
+  // interpreter's exit nothing is called (the process's device memory goes with it).
+  void deallocate(void* pointer, size_t bytes, moka::Stream stream) override {
+    if (!nb::is_alive()) return;
+    nb::gil_scoped_acquire gil;
+    try {
+      free_(reinterpret_cast<uintptr_t>(pointer), bytes, reinterpret_cast<uintptr_t>(stream.handle));
+    } catch (nb::python_error& e) {
+      e.discard_as_unraisable(free_);
+    }
+  }
+
+  const nb::object& alloc() const { return alloc_; }
+  const nb::object& free() const { return free_; }
+
+ private:
+  nb::object alloc_, free_;
+};
+
+// LayerOptions as bound: moka's, and the Python object of its allocator, which the options and
+// every layer or router made with them hold (moka's options only point to it).
+struct LayerOptions : moka::LayerOptions {
+  nb::object allocator_object;
+
+  nb::object get_allocator() const { return allocator_object ? allocator_object : nb::none(); }
+  void set_allocator(nb::handle value) {
+    if (!value.is_none() && !nb::isinstance<PythonAllocator>(value))
+      throw nb::type_error((std::string("LayerOptions.allocator must be a moka._moka.PythonAllocator or None, got ") +
+                            nb::type_name(value.type()).c_str()).c_str());
+    allocator = value.is_none() ? nullptr : nb::inst_ptr<PythonAllocator>(value);
+    allocator_object = value.is_none() ? nb::object() : nb::borrow(value);
+  }
+};
+
 struct LayerContext {
   std::unique_ptr<moka::MoeContext> saved;
   std::vector<int64_t> local_expert_rows() const { return unconsumed(saved).local_expert_rows(); }
@@ -163,8 +223,8 @@ struct Weights {
 class Layer {
  public:
   friend class Moe;
-  Layer(const moka::MoeShape& shape, const std::string& backend, Group* group, const moka::LayerOptions& options)
-      : on_rank_{group ? group->get() : nullptr} {
+  Layer(const moka::MoeShape& shape, const std::string& backend, Group* group, const LayerOptions& options)
+      : on_rank_{group ? group->get() : nullptr}, allocator_(options.allocator_object) {
     layer_ = on_rank_.run([&] {
       return moka::make_moe_layer(shape, moka::parse_backend(backend), on_rank_.group, options);
     });
@@ -202,6 +262,7 @@ class Layer {
 
  private:
   RankScope on_rank_;
+  nb::object allocator_;  // before layer_: outlives the layer, which frees through it
   std::unique_ptr<moka::MoeLayer> layer_;
 };
 
@@ -212,8 +273,8 @@ struct RouterContext {
 class Router {
  public:
   friend class Moe;
-  Router(const moka::RouterConfig& config, const std::string& backend, Group* group, const moka::LayerOptions& options)
-      : on_rank_{group ? group->get() : nullptr} {
+  Router(const moka::RouterConfig& config, const std::string& backend, Group* group, const LayerOptions& options)
+      : on_rank_{group ? group->get() : nullptr}, allocator_(options.allocator_object) {
     router_ = on_rank_.run([&] { return moka::make_router(config, moka::parse_backend(backend), options); });
   }
 
@@ -241,6 +302,7 @@ class Router {
 
  private:
   RankScope on_rank_;
+  nb::object allocator_;  // before router_: outlives the router, which frees through it
   std::unique_ptr<moka::Router> router_;
 };
 
@@ -335,7 +397,8 @@ void MoeForward::backward(const Array& d_out, const Array& d_x, const Array& d_t
 // The constructor of a bound options struct: the C++ defaults, then each keyword argument set
 // as the attribute of that name (on a scratch instance: the one being built is not usable from
 // Python until its __init__ returns), so every field is listed once (its def_rw) and Python code
-// names what it sets. An unknown name or a value of the wrong type is a TypeError naming the field.
+// names what it sets. An unknown name or a value of the wrong type is a TypeError naming the field
+// (a field whose default is None names the types it takes itself).
 template <typename Options>
 void keyword_init(Options* options, const nb::kwargs& fields) {
   nb::object scratch = nb::cast(Options{});
@@ -348,7 +411,7 @@ void keyword_init(Options* options, const nb::kwargs& fields) {
     try {
       nb::setattr(scratch, name, value);
     } catch (const nb::python_error& e) {
-      if (!e.matches(PyExc_TypeError)) throw;
+      if (!e.matches(PyExc_TypeError) || scratch.attr(name).is_none()) throw;
       throw nb::type_error((std::string(nb::type_name(scratch.type()).c_str()) + "(): " + nb::str(name).c_str() +
                             "=" + nb::repr(value).c_str() + " is not a " +
                             nb::type_name(scratch.attr(name).type()).c_str()).c_str());
@@ -417,10 +480,21 @@ void bind_configuration(nb::module_& m) {
       .def_rw("spin_timeout_seconds", &MegakernelConfig::spin_timeout_seconds,
               "the bound of every in-kernel wait before it is reported as a timeout");
 
-  // allocator is not bound: per-call memory comes from moka's pool.
-  using moka::LayerOptions;
+  nb::class_<PythonAllocator>(m, "PythonAllocator",
+                              "Device memory for a layer's calls from Python callables (LayerOptions.allocator): "
+                              "alloc(nbytes, stream) -> pointer, free(pointer, nbytes, stream), stream-ordered "
+                              "like cudaMallocAsync / cudaFreeAsync (free's stream: the memory's last use); "
+                              "an alloc that raises fails the call with moka.Error, one that returns 0 with "
+                              "out of memory.")
+      .def(nb::init<nb::object, nb::object>(), "alloc"_a, "free"_a)
+      .def_prop_ro("alloc", &PythonAllocator::alloc)
+      .def_prop_ro("free", &PythonAllocator::free);
+
   nb::class_<LayerOptions>(m, "LayerOptions", "How a layer runs (moka::LayerOptions).")
       .def("__init__", &keyword_init<LayerOptions>)
+      .def_prop_rw("allocator", &LayerOptions::get_allocator, &LayerOptions::set_allocator,
+                   nb::for_setter(nb::arg("allocator").none()),
+                   "a PythonAllocator for each call's memory and what a forward saves; None: moka's pool")
       .def_rw("tile_rows", &LayerOptions::tile_rows, "each expert's rows are padded to a multiple")
       .def_rw("num_threads", &LayerOptions::num_threads, "CPU backend threads per rank; 0: all cores")
       .def_rw("row_order", &LayerOptions::row_order)
@@ -484,8 +558,8 @@ NB_MODULE(_moka, m) {
 
   nb::class_<LayerContext>(m, "LayerContext").def("local_expert_rows", &LayerContext::local_expert_rows);
   nb::class_<Layer>(m, "Layer", "moka's MoE layer (moka::MoeLayer): the experts for routed tokens.")
-      .def(nb::init<const moka::MoeShape&, const std::string&, Group*, const moka::LayerOptions&>(), "shape"_a,
-           "backend"_a, "group"_a.none(), "options"_a = moka::LayerOptions{}, nb::keep_alive<1, 4>())
+      .def(nb::init<const moka::MoeShape&, const std::string&, Group*, const LayerOptions&>(), "shape"_a,
+           "backend"_a, "group"_a.none(), "options"_a = LayerOptions{}, nb::keep_alive<1, 4>())
       .def("forward", &Layer::forward, "x"_a.noconvert(), "topk_ids"_a.noconvert(), "topk_weights"_a.noconvert(),
            "weights"_a, "out"_a.noconvert(), "stream"_a, nb::keep_alive<0, 1>(),
            nb::call_guard<nb::gil_scoped_release>())
@@ -503,8 +577,8 @@ NB_MODULE(_moka, m) {
 
   nb::class_<RouterContext>(m, "RouterContext");
   nb::class_<Router>(m, "Router", "moka's router (moka::Router): top-k routes from x.")
-      .def(nb::init<const moka::RouterConfig&, const std::string&, Group*, const moka::LayerOptions&>(), "config"_a,
-           "backend"_a, "group"_a.none(), "options"_a = moka::LayerOptions{}, nb::keep_alive<1, 4>())
+      .def(nb::init<const moka::RouterConfig&, const std::string&, Group*, const LayerOptions&>(), "config"_a,
+           "backend"_a, "group"_a.none(), "options"_a = LayerOptions{}, nb::keep_alive<1, 4>())
       .def("forward", &Router::forward, "x"_a.noconvert(), "w_router"_a.noconvert(), "selection_bias"_a.noconvert().none(),
            "topk_ids"_a.noconvert(), "topk_weights"_a.noconvert(), "expert_counts"_a.noconvert().none(),
            "expert_load"_a.noconvert().none(), "stream"_a,

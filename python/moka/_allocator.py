@@ -1,0 +1,66 @@
+"""moka's device memory from torch's caching allocator (``allocator="torch"``, the default of CUDA
+layers): the scratch of each call and what a forward saves for its backward then share torch's
+cache with the rest of the model and count in ``torch.cuda.memory_allocated()``, its peak and its
+memory snapshots."""
+from __future__ import annotations
+
+import threading
+
+import torch
+
+from . import _moka
+
+ALLOCATORS = ("torch", "moka")  # moka.torch's choices: torch's caching allocator, moka's pool
+
+
+class TorchMemory:
+    """alloc and free of a ``moka._moka.PythonAllocator`` on one device over torch's caching allocator.
+
+    torch gives a block back to the stream it was allocated on, while moka frees memory on the
+    stream of its last use (a backward on another stream than its forward frees what the forward
+    saved there). Where the two differ, the allocation stream waits for the last use before the
+    block goes back, so that its next user on that stream cannot overwrite it early."""
+
+    def __init__(self, device: int):
+        self.device = device
+        self._streams: dict[int, int] = {}  # pointer -> the stream it was allocated on
+        self._lock = threading.Lock()  # layers on several threads share one device's allocator
+
+    def alloc(self, nbytes: int, stream: int) -> int:
+        pointer = torch.cuda.caching_allocator_alloc(nbytes, self.device, stream)
+        with self._lock:
+            self._streams[pointer] = stream
+        return pointer
+
+    def free(self, pointer: int, nbytes: int, stream: int) -> None:
+        with self._lock:
+            allocated_on = self._streams.pop(pointer)
+        if stream != allocated_on:
+            last_use = torch.cuda.Event()
+            last_use.record(self._stream(stream))
+            self._stream(allocated_on).wait_event(last_use)
+        torch.cuda.caching_allocator_delete(pointer)
+
+    def _stream(self, handle: int) -> torch.cuda.Stream:
+        if handle == 0:  # the legacy default stream, torch's default
+            return torch.cuda.default_stream(self.device)
+        return torch.cuda.ExternalStream(handle, device=self.device)
+
+    def live_blocks(self) -> int:
+        """How many blocks moka holds now (for tests)."""
+        with self._lock:
+            return len(self._streams)
+
+
+_torch_allocators: dict[int, _moka.PythonAllocator] = {}
+_torch_allocators_lock = threading.Lock()
+
+
+def torch_allocator(device: int) -> _moka.PythonAllocator:
+    """The allocator over torch's caching allocator of CUDA device ``device``, shared by every layer there."""
+    with _torch_allocators_lock:
+        allocator = _torch_allocators.get(device)
+        if allocator is None:
+            memory = TorchMemory(device)
+            allocator = _torch_allocators[device] = _moka.PythonAllocator(memory.alloc, memory.free)
+        return allocator
