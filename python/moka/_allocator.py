@@ -4,6 +4,7 @@ cache with the rest of the model and count in ``torch.cuda.memory_allocated()``,
 memory snapshots."""
 from __future__ import annotations
 
+import sys
 import threading
 
 import torch
@@ -11,6 +12,12 @@ import torch
 from . import _moka
 
 ALLOCATORS = ("torch", "moka")  # moka.torch's choices: torch's caching allocator, moka's pool
+
+# What torch.cuda.caching_allocator_alloc calls, on the current device: a request on the current
+# device (all in practice: moka's calls run with their tensors' device current) skips the public
+# function's device switch around it, paid on every allocation of every layer call.
+_raw_alloc = getattr(torch._C, "_cuda_cudaCachingAllocator_raw_alloc", None)
+_current_device = getattr(torch._C, "_cuda_getDevice", None)
 
 
 class TorchMemory:
@@ -27,12 +34,17 @@ class TorchMemory:
         self._lock = threading.Lock()  # layers on several threads share one device's allocator
 
     def alloc(self, nbytes: int, stream: int) -> int:
-        pointer = torch.cuda.caching_allocator_alloc(nbytes, self.device, stream)
+        if _raw_alloc is not None and _current_device is not None and _current_device() == self.device:
+            pointer = _raw_alloc(nbytes, stream)
+        else:
+            pointer = torch.cuda.caching_allocator_alloc(nbytes, self.device, stream)
         with self._lock:
             self._streams[pointer] = stream
         return pointer
 
     def free(self, pointer: int, nbytes: int, stream: int) -> None:
+        if sys.is_finalizing():  # torch may be half torn down; the process's memory goes with it
+            return
         with self._lock:
             allocated_on = self._streams.pop(pointer)
         if stream != allocated_on:

@@ -80,6 +80,40 @@ def test_cpu_layers_take_no_allocator_and_moka_torch_names_a_wrong_choice():
         moe_experts(x, ids, weights, moe.w_gate, moe.w_up, moe.w_down, allocator="pool")
 
 
+def test_a_block_freed_on_another_stream_goes_back_once_its_stream_waits_for_the_last_use(monkeypatch):
+    # torch's side stood in for: what TorchMemory asks of it, in order.
+    calls = []
+
+    class Stream:
+        def __init__(self, handle):
+            self.handle = handle
+
+        def wait_event(self, event):
+            calls.append(("wait", self.handle, event.recorded_on))
+
+    class Event:
+        def record(self, stream):
+            self.recorded_on = stream.handle
+
+    def caching_allocator_alloc(nbytes, device, stream):
+        calls.append(("alloc", nbytes, device, stream))
+        return 4096 * len(calls)
+
+    monkeypatch.setattr("moka._allocator._raw_alloc", None)  # the public function, which takes the device
+    monkeypatch.setattr(torch.cuda, "caching_allocator_alloc", caching_allocator_alloc)
+    monkeypatch.setattr(torch.cuda, "caching_allocator_delete", lambda pointer: calls.append(("delete", pointer)))
+    monkeypatch.setattr(torch.cuda, "Event", Event)
+    monkeypatch.setattr(torch.cuda, "ExternalStream", lambda handle, device: Stream(handle))
+    monkeypatch.setattr(torch.cuda, "default_stream", lambda device: Stream(0))
+    memory = TorchMemory(3)
+    same, other = memory.alloc(512, 7), memory.alloc(1024, 0)
+    assert memory.live_blocks() == 2
+    memory.free(same, 512, 7)
+    memory.free(other, 1024, 9)
+    assert calls == [("alloc", 512, 3, 7), ("alloc", 1024, 3, 0), ("delete", same), ("wait", 0, 9), ("delete", other)]
+    assert memory.live_blocks() == 0
+
+
 # --- on the GPU ---
 
 def bf16_moe(**kwargs) -> MoE:
