@@ -50,6 +50,7 @@ struct BenchOptions {
   bool no_baselines = false;
   bool breakdown = false;
   std::string save = "gate_up";
+  std::string precision = "bf16";
   int depth = 1;
   std::string row_order = "rate-based";
   std::string timeline;
@@ -158,7 +159,9 @@ std::optional<BenchRow> run_cpu_case_on(ProcessGroup& g, const NamedShape& ns, i
   make_routing(ns, o, rank, ref);
   if (rank == o.fail_rank) fail_on_purpose(o.fail_mode, ref, s);
   auto f32 = cpu::convert_buffers<float>(ref);
-  auto layer = make_moe_layer(s, Backend::cpu, &g, LayerOptions{o.tile_rows, o.threads});
+  LayerOptions options{o.tile_rows, o.threads};
+  options.precision = parse_precision(o.precision);
+  auto layer = make_moe_layer(s, Backend::cpu, &g, options);
   for (int it = 0; it < o.warmup + o.iters; ++it) {
     if (rank == 0) progress.update(ns.name + " T=" + std::to_string(tokens), it + 1, o.warmup + o.iters);
     g.barrier();
@@ -176,8 +179,10 @@ std::optional<BenchRow> run_cpu_case_on(ProcessGroup& g, const NamedShape& ns, i
       total.push_back(tf + tb);
     }
   }
-  auto ctx = layer->forward(ref.inputs(), ref.weights(), ref.out_view(), Stream{});
-  layer->backward(*ctx, ref.d_out_view(), ref.weights(), ref.gradients(), Stream{});
+  // The f64 reference is the exact layer: with --precision fp8 the row's error is the recipe's.
+  auto exact = make_moe_layer(s, Backend::cpu, &g, LayerOptions{o.tile_rows, o.threads});
+  auto ctx = exact->forward(ref.inputs(), ref.weights(), ref.out_view(), Stream{});
+  exact->backward(*ctx, ref.d_out_view(), ref.weights(), ref.gradients(), Stream{});
   const double error = cpu::max_layer_error(f32, ref);
   std::vector<double> errors(world);
   g.all_gather(&error, errors.data(), sizeof(double));
@@ -198,7 +203,7 @@ std::optional<BenchRow> run_cpu_case_on(ProcessGroup& g, const NamedShape& ns, i
   row.backend = "cpu";
   row.path = "reference";
   row.device = cpu_device_name(world, o.threads, o.gpus > 1);
-  row.dtype = "f32";
+  row.dtype = options.precision == Precision::fp8 ? "fp8" : "f32";
   row.routing = o.routing == "zipf" ? "zipf(gini=" + std::to_string(o.gini).substr(0, 4) + ")" : o.routing;
   row.ep = world;
   row.tokens_per_rank = tokens;
@@ -289,7 +294,8 @@ void validate_cases(const BenchOptions& o, const std::vector<NamedShape>& shapes
 }
 
 // What `--backend auto` picks, and why in words for a note on stderr.
-std::pair<Backend, std::string> automatic_backend() {
+std::pair<Backend, std::string> automatic_backend(Precision precision) {
+  if (precision == Precision::fp8) return {Backend::cpu, "cpu (--precision fp8 is the CPU backend's emulation)"};
   if (cuda_backend_available()) return {Backend::cuda, "cuda (a GPU is visible)"};
 #if MOKA_HAVE_CUDA
   return {Backend::cpu, "cpu (no GPU visible)"};
@@ -307,7 +313,11 @@ void run_bench(const BenchOptions& o) {
   }
   const bool automatic = parse_backend(o.backend) == Backend::automatic;
   const auto [backend, backend_choice] =
-      automatic ? automatic_backend() : std::pair<Backend, std::string>{parse_backend(o.backend), ""};
+      automatic ? automatic_backend(parse_precision(o.precision))
+                : std::pair<Backend, std::string>{parse_backend(o.backend), ""};
+  require(backend == Backend::cpu || o.precision == "bf16", ErrorCode::invalid_argument,
+          "--precision fp8 runs on the CPU backend (the FP8 recipe's emulation) until the CUDA backend has FP8 "
+          "kernels: use --backend cpu");
   validate_cases(o, shapes, backend);
   require(!o.breakdown || backend == Backend::cuda, ErrorCode::invalid_argument,
           "--breakdown times the CUDA layer's stages: it takes --backend cuda (or auto with a GPU visible)");
@@ -368,6 +378,10 @@ void register_bench(CLI::App& app) {
       ->delimiter(',')
       ->check(CLI::Range(int64_t{1}, int64_t{1} << 30));
   cmd->add_option("--backend", o->backend, "cpu | cuda | auto")->check(CLI::IsMember({"cpu", "cuda", "auto"}));
+  cmd->add_option("--precision", o->precision,
+                  "The experts' GEMMs: bf16 (the tensors' own dtype; f32 on the CPU backend) | fp8 (DeepSeek-V3's "
+                  "e4m3 recipe, emulated on the CPU backend; max_rel_error against the exact layer)")
+      ->check(CLI::IsMember({"bf16", "fp8"}));
   cmd->add_option("--ep", o->ep, "Expert-parallel ranks (emulated as threads on the CPU backend)")
       ->check(CLI::Range(1, 1024));
   cmd->add_option("--iters", o->iters, "Timed iterations (median reported)")->check(CLI::Range(1, 1000000));

@@ -61,6 +61,16 @@ enum class SaveMode : uint8_t { gate_up, none };
 const char* to_string(SaveMode save);
 SaveMode parse_save_mode(const std::string& name);  // "gate_up" | "none"
 
+// The number format of the experts' GEMMs (forward, dgrad and wgrad). bf16: the tensors' own
+// (bf16 on the GPU, f32/f64 on the CPU backend). fp8: DeepSeek-V3's recipe (docs/FP8.md): e4m3
+// operands with 1x128 scales on activations and gradients and 128x128 on weights, fp32
+// accumulation promoted every 128 of K; the router, activation, combine and every reduction stay
+// in the tensors' dtype. The CPU backend emulates it exactly (the reference of the FP8 kernels);
+// the CUDA backend refuses it until its kernels exist.
+enum class Precision : uint8_t { bf16, fp8 };
+const char* to_string(Precision precision);
+Precision parse_precision(const std::string& name);  // "bf16" | "fp8"
+
 struct LayerOptions {
   // The GEMM M tile: each expert's rows are padded to a multiple of it on the CPU backend, the
   // megakernel path (which needs 128) and the all-to-all path's row blocks; the single-GPU path
@@ -86,6 +96,7 @@ struct LayerOptions {
   // never picks it) and its knobs (tile_rows and row_order come from the fields above).
   int64_t max_tokens = 0;
   MegakernelConfig megakernel{};
+  Precision precision = Precision::bf16;
 };
 
 // The GPU time of one stage of a layer call (MoeLayer::stage_times).

@@ -2,7 +2,9 @@
 //   routing exchange -> receive schedule -> dispatch -> gate/up + activation -> down
 //   -> combine (rows back to their origin slot token*k+j) -> epilogue (shared + sum_j w_j y_j).
 // Every rank of an emulated group runs this on its own thread; rows move only through the
-// group's collectives, in the order the schedule defines.
+// group's collectives, in the order the schedule defines. With LayerOptions::precision = fp8 the
+// experts' GEMMs (forward, dgrad, wgrad; shared expert included) are the FP8 recipe's emulation
+// (Fp8Expert in expert_math.hpp, fp8_weight_grads), every other stage the same code.
 #include "cpu/cpu_layer.hpp"
 
 #include <algorithm>
@@ -147,14 +149,14 @@ class CpuMoeLayer final : public MoeLayer {
     ctx->gate.assign(rows * I, T(0));
     ctx->up.assign(rows * I, T(0));
     ctx->hidden.assign(rows * I, T(0));
-    std::vector<T> y(rows * H, T(0));
-    experts_forward(*ctx, w, y.data());
+    std::vector<T> y(rows * H, T(0)), shared_out;
+    with_gemms(w, [&](const auto& experts, const auto& shared) {
+      experts_forward(*ctx, experts, y.data());
+      if (shape_.has_shared()) shared_out = shared_forward(*ctx, shared);
+    });
 
     std::vector<T> combined(T_ * shape_.top_k * H, T(0));
     RowExchange<T>(group_, *ctx).combine(y.data(), H, combined.data());
-
-    std::vector<T> shared_out;
-    if (shape_.has_shared()) shared_out = shared_forward(*ctx, w);
     combine_epilogue(*ctx, in.topk_weights.as<T>(), combined.data(), shared_out, out.as<T>());
     return ctx;
   }
@@ -181,9 +183,12 @@ class CpuMoeLayer final : public MoeLayer {
       if (ctx.schedule.row_source[r] >= 0)
         route_weight[r] = ctx.all_weights[ctx.schedule.row_source[r] * T_ * k + ctx.schedule.row_slot[r]];
 
-    std::vector<T> dg(rows * I, T(0)), du(rows * I, T(0)), dx_grouped(rows * H, T(0));
-    experts_backward_rows(ctx, w, d_out_grouped.data(), route_weight.data(), dg.data(), du.data(),
-                          dx_grouped.data(), d_weight.data());
+    std::vector<T> dg(rows * I, T(0)), du(rows * I, T(0)), dx_grouped(rows * H, T(0)), dx_shared;
+    with_gemms(w, [&](const auto& experts, const auto& shared) {
+      experts_backward_rows(ctx, experts, d_out_grouped.data(), route_weight.data(), dg.data(), du.data(),
+                            dx_grouped.data(), d_weight.data());
+      if (shape_.has_shared()) dx_shared = shared_backward(ctx, shared, d_out, g);
+    });
     experts_weight_grads(ctx, d_out_grouped.data(), route_weight.data(), dg.data(), du.data(), g);
 
     // Combine: d_x rows and d_weight scalars back to their origin slots.
@@ -191,8 +196,6 @@ class CpuMoeLayer final : public MoeLayer {
     RowExchange<T>(group_, ctx).combine(dx_grouped.data(), H, dx_slots.data());
     RowExchange<T>(group_, ctx).combine(d_weight.data(), 1, dw_slots.data());
 
-    std::vector<T> dx_shared;
-    if (shape_.has_shared()) dx_shared = shared_backward(ctx, w, d_out, g);
     T* d_x = g.d_x.as<T>();
     parallel_for(T_, threads_, [&](int64_t b, int64_t e) {
       for (int64_t t = b; t < e; ++t) {
@@ -212,7 +215,23 @@ class CpuMoeLayer final : public MoeLayer {
     return {tokens, shape_.hidden, shape_.intermediate, shape_.num_experts, shape_.top_k,
             shape_.shared_intermediate, static_cast<int32_t>(dtype())};
   }
-  ExpertWeights<T> expert(const MoeWeights& w, int64_t e) const { return routed_expert<T>(w, shape_, e); }
+
+  // Calls fn(experts, shared): the local experts' and the shared expert's products (expert_math.hpp)
+  // in the layer's precision: on the weights as given, or on their 128x128-block quantization in
+  // both orientations, made at each call (the GPU layer is to make it once per optimizer step).
+  template <typename Fn>
+  void with_gemms(const MoeWeights& w, Fn&& fn) const {
+    const int64_t E = num_local_experts();
+    std::vector<ExpertWeights<T>> experts;
+    for (int64_t e = 0; e < E; ++e) experts.push_back(routed_expert<T>(w, shape_, e));
+    const ExpertWeights<T> shared = shape_.has_shared() ? shared_expert<T>(w, shape_) : ExpertWeights<T>{};
+    if (options_.precision == Precision::bf16) return fn(experts, shared);
+    std::vector<Fp8Expert> quantized(E);
+    parallel_for(E, threads_, [&](int64_t b, int64_t end) {
+      for (int64_t e = b; e < end; ++e) quantized[e] = Fp8Expert::of(experts[e]);
+    });
+    fn(quantized, shape_.has_shared() ? Fp8Expert::of(shared) : Fp8Expert{});
+  }
 
   // Routing exchange: every rank learns every rank's ids and weights (the GPU path writes them
   // into each peer's symmetric buffer).
@@ -259,23 +278,25 @@ class CpuMoeLayer final : public MoeLayer {
     });
   }
 
-  void experts_forward(CpuContext<T>& ctx, const MoeWeights& w, T* y) const {
+  template <typename W>
+  void experts_forward(CpuContext<T>& ctx, const std::vector<W>& experts, T* y) const {
     const int64_t H = shape_.hidden, I = shape_.intermediate;
     const auto act = ActivationSpec::of(shape_);
     for_routed_rows(ctx, [&](int64_t r, int64_t e) {
-      const auto ew = expert(w, e);
+      const W& ew = experts[e];
       gate_up_row(ew, act, &ctx.x_grouped[r * H], &ctx.gate[r * I], &ctx.up[r * I], &ctx.hidden[r * I]);
       down_row(ew, &ctx.hidden[r * I], y + r * H);
     });
   }
 
-  void experts_backward_rows(const CpuContext<T>& ctx, const MoeWeights& w, const T* d_out_grouped,
+  template <typename W>
+  void experts_backward_rows(const CpuContext<T>& ctx, const std::vector<W>& experts, const T* d_out_grouped,
                              const T* route_weight, T* dg, T* du, T* dx, T* d_weight) const {
     const int64_t H = shape_.hidden, I = shape_.intermediate;
     const auto act = ActivationSpec::of(shape_);
     for_routed_rows(ctx, [&](int64_t r, int64_t e) {
       std::vector<T> dh(I);
-      d_weight[r] = backward_row(expert(w, e), act, &ctx.gate[r * I], &ctx.up[r * I], &ctx.hidden[r * I],
+      d_weight[r] = backward_row(experts[e], act, &ctx.gate[r * I], &ctx.up[r * I], &ctx.hidden[r * I],
                                  d_out_grouped + r * H, route_weight[r], dh.data(), dg + r * I, du + r * I,
                                  dx + r * H);
     });
@@ -286,6 +307,13 @@ class CpuMoeLayer final : public MoeLayer {
   void experts_weight_grads(const CpuContext<T>& ctx, const T* d_out_grouped, const T* route_weight,
                             const T* dg, const T* du, const MoeGradients& g) const {
     const int64_t H = shape_.hidden, I = shape_.intermediate, E = num_local_experts();
+    if (options_.precision == Precision::fp8) {
+      for (int64_t e = 0; e < E; ++e)
+        fp8_weight_grads(ctx.schedule.canonical_rows[e], ctx.x_grouped.data(), dg, du, d_out_grouped, route_weight,
+                         ctx.hidden.data(), I, g.d_w_gate.as<T>() + e * I * H, g.d_w_up.as<T>() + e * I * H,
+                         g.d_w_down.as<T>() + e * H * I);
+      return;
+    }
     // Work items: (expert, gate/up row i) and (expert, down row o).
     parallel_for(E * (I + H), threads_, [&](int64_t b, int64_t end) {
       for (int64_t item = b; item < end; ++item) {
@@ -302,9 +330,22 @@ class CpuMoeLayer final : public MoeLayer {
     });
   }
 
-  std::vector<T> shared_forward(CpuContext<T>& ctx, const MoeWeights& w) const {
+  // The wgrad GEMMs of one expert under the FP8 recipe over `rows` (canonical order; fp8_gemm.hpp):
+  // dW_gate = dG^T x, dW_up = dU^T x, dW_down = d_out^T (w h), every operand the K-major copy of
+  // its rows quantized 1x128 along them. No rows: exact zeros.
+  void fp8_weight_grads(const std::vector<int64_t>& rows, const T* x, const T* dg, const T* du, const T* d_out,
+                        const T* route_weight, const T* hidden, int64_t I, T* d_gate, T* d_up, T* d_down) const {
+    const int64_t H = shape_.hidden;
+    const auto xq = Fp8Matrix::quantize_columns(rows, x, H);
+    fp8_gemm(Fp8Matrix::quantize_columns(rows, dg, I), xq, d_gate, threads_);
+    fp8_gemm(Fp8Matrix::quantize_columns(rows, du, I), xq, d_up, threads_);
+    fp8_gemm(Fp8Matrix::quantize_columns(rows, d_out, H), Fp8Matrix::quantize_columns(rows, hidden, I, route_weight),
+             d_down, threads_);
+  }
+
+  template <typename W>
+  std::vector<T> shared_forward(CpuContext<T>& ctx, const W& sw) const {
     const int64_t H = shape_.hidden, Is = shape_.shared_intermediate, T_ = ctx.tokens;
-    const auto sw = shared_expert<T>(w, shape_);
     ctx.shared_gate.assign(T_ * Is, T(0));
     ctx.shared_up.assign(T_ * Is, T(0));
     ctx.shared_hidden.assign(T_ * Is, T(0));
@@ -319,10 +360,9 @@ class CpuMoeLayer final : public MoeLayer {
     return out;
   }
 
-  std::vector<T> shared_backward(const CpuContext<T>& ctx, const MoeWeights& w, const T* d_out,
-                                 const MoeGradients& g) const {
+  template <typename W>
+  std::vector<T> shared_backward(const CpuContext<T>& ctx, const W& sw, const T* d_out, const MoeGradients& g) const {
     const int64_t H = shape_.hidden, Is = shape_.shared_intermediate, T_ = ctx.tokens;
-    const auto sw = shared_expert<T>(w, shape_);
     std::vector<T> dg(T_ * Is), du(T_ * Is), dx(T_ * H);
     parallel_for(T_, threads_, [&](int64_t b, int64_t e) {
       std::vector<T> dh(Is);
@@ -334,6 +374,11 @@ class CpuMoeLayer final : public MoeLayer {
     std::vector<int64_t> tokens(T_);
     for (int64_t t = 0; t < T_; ++t) tokens[t] = t;
     const std::vector<T> ones(T_, T(1));
+    if (options_.precision == Precision::fp8) {
+      fp8_weight_grads(tokens, ctx.x, dg.data(), du.data(), d_out, ones.data(), ctx.shared_hidden.data(), Is,
+                       g.d_ws_gate.as<T>(), g.d_ws_up.as<T>(), g.d_ws_down.as<T>());
+      return dx;
+    }
     parallel_for(Is + H, threads_, [&](int64_t b, int64_t end) {
       for (int64_t q = b; q < end; ++q) {
         if (q < Is) {

@@ -5,18 +5,107 @@
 #include <vector>
 
 #include "core/activation.hpp"
+#include "cpu/fp8_gemm.hpp"
 #include "moka/config.hpp"
 #include "moka/layer.hpp"
 
 namespace moka::cpu {
 
-// One expert's weights: gate/up [I, H], down [H, I].
+template <typename T>
+T dot(const T* a, const T* b, int64_t n) {
+  T acc = 0;
+  for (int64_t i = 0; i < n; ++i) acc += a[i] * b[i];
+  return acc;
+}
+
+// One expert's weights: gate/up [I, H], down [H, I], and the four matrix products its rows take
+// (the layer's GEMMs, one row at a time), in T with sequential sums.
 template <typename T>
 struct ExpertWeights {
   const T* gate;
   const T* up;
   const T* down;
   int64_t hidden, intermediate;
+
+  // g = W_gate x, u = W_up x.
+  void gate_up_gemm(const T* x, T* g, T* u) const {
+    for (int64_t i = 0; i < intermediate; ++i) {
+      g[i] = dot(gate + i * hidden, x, hidden);
+      u[i] = dot(up + i * hidden, x, hidden);
+    }
+  }
+  // y = W_down h.
+  void down_gemm(const T* h, T* y) const {
+    for (int64_t o = 0; o < hidden; ++o) y[o] = dot(down + o * intermediate, h, intermediate);
+  }
+  // dh = W_down^T d.
+  void down_dgrad(const T* d, T* dh) const {
+    for (int64_t i = 0; i < intermediate; ++i) dh[i] = 0;
+    for (int64_t o = 0; o < hidden; ++o) {
+      const T* row = down + o * intermediate;
+      for (int64_t i = 0; i < intermediate; ++i) dh[i] += row[i] * d[o];
+    }
+  }
+  // dx = W_gate^T dg + W_up^T du.
+  void gate_up_dgrad(const T* dg, const T* du, T* dx) const {
+    for (int64_t c = 0; c < hidden; ++c) dx[c] = 0;
+    for (int64_t i = 0; i < intermediate; ++i) {
+      const T* wg = gate + i * hidden;
+      const T* wu = up + i * hidden;
+      for (int64_t c = 0; c < hidden; ++c) dx[c] += wg[c] * dg[i] + wu[c] * du[i];
+    }
+  }
+};
+
+// The same expert under the FP8 recipe (docs/FP8.md): its weights quantized in 128x128 blocks in
+// both orientations (gate, up, down for the forward; their transposes for the dgrad), and the
+// same four products as FP8 GEMMs, each input row quantized 1x128 along K (x and d_out along H,
+// h, dG and dU along I) and each output converted from the fp32 accumulator to T.
+struct Fp8Expert {
+  Fp8Matrix gate, up, down, gate_t, up_t, down_t;
+  int64_t hidden = 0, intermediate = 0;
+
+  template <typename T>
+  static Fp8Expert of(const ExpertWeights<T>& w) {
+    const int64_t H = w.hidden, I = w.intermediate, B = core::kFp8BlockRows;
+    return {Fp8Matrix::quantize(w.gate, I, H, B),          Fp8Matrix::quantize(w.up, I, H, B),
+            Fp8Matrix::quantize(w.down, H, I, B),          Fp8Matrix::quantize_transposed(w.gate, I, H, B),
+            Fp8Matrix::quantize_transposed(w.up, I, H, B), Fp8Matrix::quantize_transposed(w.down, H, I, B),
+            H,
+            I};
+  }
+
+  template <typename T>
+  void gate_up_gemm(const T* x, T* g, T* u) const {
+    const auto xq = quantize_row(x, hidden);
+    for (int64_t i = 0; i < intermediate; ++i) {
+      g[i] = static_cast<T>(fp8_promoted_dot(xq, 0, gate, i));
+      u[i] = static_cast<T>(fp8_promoted_dot(xq, 0, up, i));
+    }
+  }
+  template <typename T>
+  void down_gemm(const T* h, T* y) const {
+    const auto hq = quantize_row(h, intermediate);
+    for (int64_t o = 0; o < hidden; ++o) y[o] = static_cast<T>(fp8_promoted_dot(hq, 0, down, o));
+  }
+  template <typename T>
+  void down_dgrad(const T* d, T* dh) const {
+    const auto dq = quantize_row(d, hidden);
+    for (int64_t i = 0; i < intermediate; ++i) dh[i] = static_cast<T>(fp8_promoted_dot(dq, 0, down_t, i));
+  }
+  // One GEMM over K = 2I: dG's blocks, then dU's, into one fp32 accumulator.
+  template <typename T>
+  void gate_up_dgrad(const T* dg, const T* du, T* dx) const {
+    const auto dgq = quantize_row(dg, intermediate), duq = quantize_row(du, intermediate);
+    for (int64_t c = 0; c < hidden; ++c)
+      dx[c] = static_cast<T>(fp8_promoted_dot(duq, 0, up_t, c, fp8_promoted_dot(dgq, 0, gate_t, c)));
+  }
+
+ private:
+  template <typename T>
+  static Fp8Matrix quantize_row(const T* row, int64_t k) {
+    return Fp8Matrix::quantize(row, 1, k, core::kFp8RowTileRows);
+  }
 };
 
 // Local expert e's weights out of the layer's [E_local, ...] weight tensors.
@@ -51,27 +140,18 @@ struct ActivationSpec {
   }
 };
 
-template <typename T>
-T dot(const T* a, const T* b, int64_t n) {
-  T acc = 0;
-  for (int64_t i = 0; i < n; ++i) acc += a[i] * b[i];
-  return acc;
-}
-
-// g = W_gate x, u = W_up x, h = act(g, u) for one row.
-template <typename T>
-void gate_up_row(const ExpertWeights<T>& w, ActivationSpec act, const T* x, T* g, T* u, T* h) {
-  for (int64_t i = 0; i < w.intermediate; ++i) {
-    g[i] = dot(w.gate + i * w.hidden, x, w.hidden);
-    u[i] = dot(w.up + i * w.hidden, x, w.hidden);
+// g = W_gate x, u = W_up x, h = act(g, u) for one row. W: ExpertWeights or Fp8Expert.
+template <typename W, typename T>
+void gate_up_row(const W& w, ActivationSpec act, const T* x, T* g, T* u, T* h) {
+  w.gate_up_gemm(x, g, u);
+  for (int64_t i = 0; i < w.intermediate; ++i)
     h[i] = core::swiglu_forward<T>(g[i], u[i], act.clamped, static_cast<T>(act.limit));
-  }
 }
 
 // y = W_down h for one row.
-template <typename T>
-void down_row(const ExpertWeights<T>& w, const T* h, T* y) {
-  for (int64_t o = 0; o < w.hidden; ++o) y[o] = dot(w.down + o * w.intermediate, h, w.intermediate);
+template <typename W, typename T>
+void down_row(const W& w, const T* h, T* y) {
+  w.down_gemm(h, y);
 }
 
 // The combine epilogue of one token: out[c] = shared[c] + sum_j weights[j] * routed[j*H + c],
@@ -89,27 +169,17 @@ void weighted_sum_row(const T* shared, const T* weights, const T* routed, int64_
 //   dh_u = W_down^T d_out;  d_route_weight = <dh_u, h>  (= <d_out, y>);  dh = route_weight*dh_u;
 //   (dg, du) = act'(g, u) dh;  dx = W_gate^T dg + W_up^T du.
 // Scratch `dh` has I entries. Returns d_route_weight.
-template <typename T>
-T backward_row(const ExpertWeights<T>& w, ActivationSpec act, const T* g, const T* u, const T* h,
-               const T* d_out, T route_weight, T* dh, T* dg, T* du, T* dx) {
-  const int64_t H = w.hidden, I = w.intermediate;
-  for (int64_t i = 0; i < I; ++i) dh[i] = 0;
-  for (int64_t o = 0; o < H; ++o) {
-    const T d = d_out[o];
-    const T* row = w.down + o * I;
-    for (int64_t i = 0; i < I; ++i) dh[i] += row[i] * d;
-  }
+template <typename W, typename T>
+T backward_row(const W& w, ActivationSpec act, const T* g, const T* u, const T* h, const T* d_out, T route_weight,
+               T* dh, T* dg, T* du, T* dx) {
+  const int64_t I = w.intermediate;
+  w.down_dgrad(d_out, dh);
   const T d_weight = dot(dh, h, I);
   for (int64_t i = 0; i < I; ++i) {
     core::swiglu_backward<T>(g[i], u[i], route_weight * dh[i], act.clamped, static_cast<T>(act.limit),
                              dg[i], du[i]);
   }
-  for (int64_t c = 0; c < H; ++c) dx[c] = 0;
-  for (int64_t i = 0; i < I; ++i) {
-    const T* wg = w.gate + i * H;
-    const T* wu = w.up + i * H;
-    for (int64_t c = 0; c < H; ++c) dx[c] += wg[c] * dg[i] + wu[c] * du[i];
-  }
+  w.gate_up_dgrad(dg, du, dx);
   return d_weight;
 }
 
