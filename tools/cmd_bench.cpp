@@ -18,7 +18,7 @@
 #include "commands.hpp"
 #include "core/routing_gen.hpp"
 #include "cpu/parallel.hpp"
-#include "testing/layer_buffers.hpp"
+#include "layer_buffers.hpp"
 #include "moka/distributed.hpp"
 #include "moka/moka.hpp"
 #include "option_checks.hpp"
@@ -68,7 +68,7 @@ NamedShape custom_shape(const BenchOptions& o) {
 }
 
 // Routing of one rank: through the model's router on random logits weights, or synthetic.
-void make_routing(const NamedShape& ns, const BenchOptions& o, int rank, cpu::LayerBuffers<double>& b) {
+void make_routing(const NamedShape& ns, const BenchOptions& o, int rank, LayerBuffers<double>& b) {
   const auto& s = ns.shape;
   if (o.routing == "router") {
     RouterConfig rc = ns.router;
@@ -102,7 +102,7 @@ std::string cpu_device_name(int ranks, int threads, bool processes) {
 // rank), as a crash (SIGABRT) or a kill (SIGKILL, as the OOM killer sends it) after which
 // peers see its connection close, or as a stall (the process stops itself; peers time out
 // naming it; for worker processes only).
-void fail_on_purpose(const std::string& mode, cpu::LayerBuffers<double>& b, const MoeShape& s) {
+void fail_on_purpose(const std::string& mode, LayerBuffers<double>& b, const MoeShape& s) {
   if (mode == "crash") std::abort();
   if (mode == "kill") std::raise(SIGKILL);
   if (mode == "stall") std::raise(SIGSTOP);
@@ -154,11 +154,11 @@ std::optional<BenchRow> run_cpu_case_on(ProcessGroup& g, const NamedShape& ns, i
   const MoeShape& s = ns.shape;
   const int rank = g.rank(), world = g.size();
   std::vector<double> fwd, bwd, total;
-  cpu::LayerBuffers<double> ref(s, world, tokens);
+  LayerBuffers<double> ref(s, world, tokens);
   ref.randomize(o.seed * 1000 + rank);
   make_routing(ns, o, rank, ref);
   if (rank == o.fail_rank) fail_on_purpose(o.fail_mode, ref, s);
-  auto f32 = cpu::convert_buffers<float>(ref);
+  auto f32 = convert_buffers<float>(ref);
   LayerOptions options{o.tile_rows, o.threads};
   options.precision = parse_precision(o.precision);
   auto layer = make_moe_layer(s, Backend::cpu, &g, options);
@@ -183,7 +183,7 @@ std::optional<BenchRow> run_cpu_case_on(ProcessGroup& g, const NamedShape& ns, i
   auto exact = make_moe_layer(s, Backend::cpu, &g, LayerOptions{o.tile_rows, o.threads});
   auto ctx = exact->forward(ref.inputs(), ref.weights(), ref.out_view(), Stream{});
   exact->backward(*ctx, ref.d_out_view(), ref.weights(), ref.gradients(), Stream{});
-  const double error = cpu::max_layer_error(f32, ref);
+  const double error = max_layer_error(f32, ref);
   std::vector<double> errors(world);
   g.all_gather(&error, errors.data(), sizeof(double));
   std::vector<int32_t> ids(world * ref.topk_ids.size());
@@ -255,7 +255,7 @@ CudaBenchOptions cuda_options(const BenchOptions& o, const std::string& timeline
   return co;
 }
 
-// Host memory of one case's reference buffers (cpu::LayerBuffers in fp64 and their f32 copy)
+// Host memory of one case's reference buffers (LayerBuffers in fp64 and their f32 copy)
 // over `world` ranks; the layers' workspaces come on top.
 // Host bytes of one CPU-backend case over `world` emulated ranks: the tokens' tensors, weights
 // and gradients (f64 and f32 copies), and each rank's grouped rows at the backward's peak (x,

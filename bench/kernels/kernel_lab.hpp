@@ -13,15 +13,16 @@
 
 #include "bench_report.hpp"
 #include "cuda/gemm/grouped_gemm.hpp"
+#include "gpu/device_tensors.hpp"
 #include "gpu/gpu_timing.hpp"
+#include "grouped_schedule.hpp"
 #include "moka/megakernel.hpp"
 #include "moka/process_group.hpp"
-#include "testing/device_tensors.hpp"
 
 namespace moka::lab {
 
 using cli::BenchRow;
-using Dev = cuda::DeviceMemory;
+using Dev = cli::DeviceBuffer;
 
 // The cases of a run: every named shape at every token count, timed `iters` times after
 // `warmup` runs. Each executable sets its own defaults before add_case_options.
@@ -68,7 +69,7 @@ struct GroupedRowsCase {
   int64_t tokens;
   std::vector<int32_t> topk;
   Dev x, d_out, ids, route_weights, wg, wu, wd;
-  cuda::GroupedSchedule sched;
+  fixtures::GroupedSchedule sched;
   Dev grouped;
   GroupedRowsCase(const MoeShape& sh, int64_t tokens, int64_t rows, uint64_t seed, cudaStream_t s);
   std::vector<int32_t> counts() const;   // routed rows per expert

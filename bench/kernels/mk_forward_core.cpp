@@ -39,7 +39,7 @@ struct CutlassForward {
                                                cuda::GemmEpilogue{cuda::GemmEpilogue::swiglu, core::ActParams::of(sh)});
     down = std::make_unique<cuda::GroupedGemm>(down_groups, forward, device);
   }
-  void run(const cuda::BufferTable& table, const cuda::GroupedSchedule& sched, cudaStream_t s) {
+  void run(const cuda::BufferTable& table, const fixtures::GroupedSchedule& sched, cudaStream_t s) {
     const int32_t *counts = sched.counts.as<int32_t>(), *offsets = sched.offsets.as<int32_t>();
     up->run(table, counts, offsets, s);
     gate->run(table, counts, offsets, s);

@@ -45,7 +45,7 @@ StepOutputs step_outputs(MoeLayer& layer, const cli::LayerTensors& t, cudaStream
 // The forward gate|up grouped GEMM alone over this routing's grouped rows, as TFLOP/s.
 double grouped_gemm_tflops(const MoeShape& sh, const cli::LayerTensors& t, const CaseOptions& o, cudaStream_t s) {
   const int64_t H = sh.hidden, I = sh.intermediate;
-  const cuda::GroupedSchedule sched(t.ids.as<int32_t>(), t.w.as<float>(), sh, t.T, 128, s);
+  const fixtures::GroupedSchedule sched(t.ids.as<int32_t>(), t.w.as<float>(), sh, t.T, 128, s);
   cli::DeviceBuffer xg(sched.rows * H * 2), gate(sched.rows * I * 2), up(gate.bytes());
   xg.fill_normal(1.0, o.seed + 11);
   std::vector<cuda::GroupSpec> groups;

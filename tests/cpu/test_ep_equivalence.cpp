@@ -67,7 +67,7 @@ TEST_P(EpEquivalence, MatchesSingleRank) {
   }
   // Shared-expert weight gradients are per-rank partial sums (the data-parallel all-reduce is
   // the caller's); summed they equal the single-rank gradient up to summation order.
-  EXPECT_LT(cpu::max_rel_error(shared_sum, whole.d_ws_gate), 1e-13);
+  EXPECT_LT(cli::max_rel_error(shared_sum, whole.d_ws_gate), 1e-13);
 }
 
 INSTANTIATE_TEST_SUITE_P(Ranks, EpEquivalence,

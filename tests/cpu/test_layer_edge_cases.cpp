@@ -41,7 +41,7 @@ std::vector<double> naive_forward(const MoeShape& s, const Buffers<double>& b) {
 
 void expect_matches_naive(const MoeShape& s, Buffers<double>& b, int64_t tile) {
   run_single(s, b, tile);
-  EXPECT_LT(cpu::max_rel_error(b.out, naive_forward(s, b)), 1e-12);
+  EXPECT_LT(cli::max_rel_error(b.out, naive_forward(s, b)), 1e-12);
   for (const auto* g : {&b.d_x, &b.d_topk_weights, &b.d_w_gate, &b.d_w_up, &b.d_w_down})
     for (double v : *g) ASSERT_TRUE(std::isfinite(v)) << "unwritten or non-finite gradient";
 }

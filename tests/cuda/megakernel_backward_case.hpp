@@ -25,7 +25,7 @@
 #include "cuda/common/check.hpp"
 #include "cuda/common/device_memory.hpp"
 #include "cuda/megakernel/backward.hpp"
-#include "testing/megakernel_options.hpp"
+#include "megakernel_options.hpp"
 #include "moka/error.hpp"
 
 namespace moka::cuda {

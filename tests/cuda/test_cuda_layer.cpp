@@ -11,7 +11,6 @@
 #include "core/routing_gen.hpp"
 #include "cpu/expert_math.hpp"
 #include "cuda/cuda_backend.hpp"
-#include "testing/device_tensors.hpp"
 #include "gpu_case.hpp"
 #include "moka/moka.hpp"
 
@@ -78,7 +77,7 @@ std::vector<double> download_bf16(const void* p, int64_t n) {
 // sum_c |d_out_c y_jc| for each route j of the one-token reference r, y_j = its expert's output:
 // the size of the terms d_topk_weights[j] = <d_out, y_j> sums. Its rounding error is bounded by a
 // small multiple of this, not of |d_topk_weights[j]|, which cancellation can make tiny.
-std::vector<double> d_topk_weight_term_sizes(cpu::LayerBuffers<double>& r, const MoeShape& one) {
+std::vector<double> d_topk_weight_term_sizes(cli::LayerBuffers<double>& r, const MoeShape& one) {
   const int64_t H = one.hidden, I = one.intermediate;
   std::vector<double> g(I), u(I), h(I), y(H), sizes;
   for (int64_t j = 0; j < one.top_k; ++j) {
@@ -108,9 +107,9 @@ TEST(CudaLayer, NamedShapesMatchBaselineAndSampledReference) {
     const int64_t E = sh.num_experts, per_expert = I * H;
     const uint64_t seed = fresh_seed();
     const auto ids = core::sample_topk_ids({U, 0.3, seed}, T, k, E);
-    cuda::DeviceLayerTensors t(sh, T);
+    cli::LayerTensors t(sh, T);
     t.randomize(seed, ids);
-    t.poison();
+    gpu_test::poison(t);
     auto run = [&](MoeLayer& l) {
       auto ctx = l.forward(t.inputs(), t.weights(), t.out_view(), Stream{});
       l.backward(*ctx, t.d_out_view(), t.weights(), t.gradients(), Stream{});
@@ -120,9 +119,9 @@ TEST(CudaLayer, NamedShapesMatchBaselineAndSampledReference) {
     const std::vector<int64_t> experts = {0, E / 2, E - 1};
     auto snapshot = [&] {
       std::vector<std::vector<double>> v;
-      for (const cuda::DeviceMemory* m : {&t.out, &t.d_x, &t.dwsg, &t.dwsu, &t.dwsd})
+      for (const cli::DeviceBuffer* m : {&t.out, &t.d_x, &t.dwsg, &t.dwsu, &t.dwsd})
         v.push_back(download_bf16(m->data(), int64_t(m->bytes() / 2)));
-      for (const cuda::DeviceMemory* m : {&t.dwg, &t.dwu, &t.dwd})
+      for (const cli::DeviceBuffer* m : {&t.dwg, &t.dwu, &t.dwd})
         for (int64_t e : experts) v.push_back(download_bf16(m->as<__nv_bfloat16>() + e * per_expert, per_expert));
       std::vector<float> dw(T * k);
       MOKA_CUDA_CHECK(cudaMemcpy(dw.data(), t.d_w.data(), t.d_w.bytes(), cudaMemcpyDeviceToHost));
@@ -133,7 +132,7 @@ TEST(CudaLayer, NamedShapesMatchBaselineAndSampledReference) {
     run(*layer);
     const auto got = snapshot();
     layer.reset();  // frees its workspace before the baseline allocates its own
-    t.poison();
+    gpu_test::poison(t);
     auto base = cuda::make_cuda_baseline_layer(sh, {});
     run(*base);
     const auto want = snapshot();
@@ -142,15 +141,15 @@ TEST(CudaLayer, NamedShapesMatchBaselineAndSampledReference) {
                            "d_w_down[0]", "d_w_down[E/2]", "d_w_down[E-1]", "d_topk_weights"};
     for (size_t i = 0; i < got.size(); ++i) {
       if (!want[i].empty()) {
-        EXPECT_LE(cpu::max_rel_error(got[i], want[i]), 1e-2) << names[i] << " vs cuBLAS loop";
+        EXPECT_LE(cli::max_rel_error(got[i], want[i]), 1e-2) << names[i] << " vs cuBLAS loop";
       }
     }
     const std::vector<double>& dw_got = got.back();
     for (int64_t tok : {int64_t(0), T - 1}) {
       MoeShape one = sh;
       one.num_experts = k;
-      cpu::LayerBuffers<double> r(one, 1, 1);
-      auto rows = [&](const cuda::DeviceMemory& m, int64_t row, int64_t width) {
+      cli::LayerBuffers<double> r(one, 1, 1);
+      auto rows = [&](const cli::DeviceBuffer& m, int64_t row, int64_t width) {
         return download_bf16(m.as<__nv_bfloat16>() + row * width, width);
       };
       r.x = rows(t.x, tok, H);
@@ -179,8 +178,8 @@ TEST(CudaLayer, NamedShapesMatchBaselineAndSampledReference) {
       const std::vector<double> out_t(got[0].begin() + tok * H, got[0].begin() + (tok + 1) * H);
       const std::vector<double> dx_t(got[1].begin() + tok * H, got[1].begin() + (tok + 1) * H);
       const std::vector<double> dw_t(dw_got.begin() + tok * k, dw_got.begin() + (tok + 1) * k);
-      EXPECT_LE(cpu::max_rel_error(out_t, r.out), 2e-2) << "out of token " << tok;
-      EXPECT_LE(cpu::max_rel_error(dx_t, r.d_x), 2e-2) << "d_x of token " << tok;
+      EXPECT_LE(cli::max_rel_error(out_t, r.out), 2e-2) << "out of token " << tok;
+      EXPECT_LE(cli::max_rel_error(dx_t, r.d_x), 2e-2) << "d_x of token " << tok;
       const std::vector<double> sizes = d_topk_weight_term_sizes(r, one);
       for (int64_t j = 0; j < k; ++j) {
         EXPECT_LE(std::abs(dw_t[j] - r.d_topk_weights[j]), 2e-3 * sizes[j]) << "d_topk_weights of token " << tok
@@ -460,8 +459,8 @@ TEST(CudaRouter, MatchesReferenceForEveryNamedStyle) {
     std::vector<double> ddx(hdx.size()), ddw(hdw.size());
     for (size_t i = 0; i < hdx.size(); ++i) ddx[i] = __bfloat162float(hdx[i]);
     for (size_t i = 0; i < hdw.size(); ++i) ddw[i] = __bfloat162float(hdw[i]);
-    EXPECT_LE(cpu::max_rel_error(ddx, dx), 3e-2);
-    EXPECT_LE(cpu::max_rel_error(ddw, dw), 3e-2);
+    EXPECT_LE(cli::max_rel_error(ddx, dx), 3e-2);
+    EXPECT_LE(cli::max_rel_error(ddw, dw), 3e-2);
   }
 }
 

@@ -10,6 +10,7 @@
 #include "core/routing_gen.hpp"
 #include "core/schedule.hpp"
 #include "cuda/common/check.hpp"
+#include "cuda/common/device_memory.hpp"
 #include "cuda/layer/layer_kernels.hpp"
 #include "gpu_case.hpp"
 

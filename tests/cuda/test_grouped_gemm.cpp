@@ -16,7 +16,6 @@
 #include <random>
 
 #include "core/activation.hpp"
-#include "testing/device_tensors.hpp"
 #include "cuda/gemm/grouped_gemm.hpp"
 #include "cuda/layer/layer_kernels.hpp"
 #include "gpu_case.hpp"
@@ -37,10 +36,12 @@ struct LayoutCase {
 constexpr int64_t P = 392, Q = 264, kFixedRows = 77, kPad = 8;
 enum Slot { kGrouped, kOther, kOut, kFixedA, kFixedB, kFixedOut, kSlots };
 
+using gpu_test::DeviceTensor;
+
 // A host buffer of bf16-exact values and its device copy.
 struct Operand {
   std::vector<double> host;
-  DeviceMemory dev;
+  DeviceTensor dev;
   Operand(int64_t n, std::mt19937_64& rng, double stddev) : host(n), dev(n * 2) {
     std::normal_distribution<double> nd(0.0, stddev);
     for (auto& v : host) v = nd(rng);
@@ -113,7 +114,7 @@ void reference(const std::vector<GroupSpec>& groups, GemmLayout layout, const st
 
 // Compares a device output with its reference: written elements within `tol` of max |ref|,
 // untouched ones still holding the poison (0xFFFF).
-void expect_matches(const DeviceMemory& got_dev, const std::vector<double>& ref, double tol, const char* what) {
+void expect_matches(const DeviceTensor& got_dev, const std::vector<double>& ref, double tol, const char* what) {
   std::vector<uint16_t> bits(ref.size());
   MOKA_CUDA_CHECK(cudaMemcpy(bits.data(), got_dev.data(), bits.size() * 2, cudaMemcpyDeviceToHost));
   double diff = 0, scale = 0;
@@ -153,7 +154,7 @@ TEST_P(GroupedGemmLayouts, MatchCpuReference) {
   const bool by_m = c.count_dim == CountDim::m;
   const std::vector<GroupSpec> groups = make_groups(c, E);
   GroupedGemm cutlass_gemm(groups, c.layout, 0), cublas_gemm(groups, c.layout, 0, GemmEngine::cublas_loop);
-  DeviceMemory d_counts(E * 4), d_offsets((E + 1) * 4);
+  DeviceTensor d_counts(E * 4), d_offsets((E + 1) * 4);
   for (const auto& counts : rounds) {
     std::vector<int32_t> offsets(E + 1, 0);
     for (int e = 0; e < E; ++e) offsets[e + 1] = offsets[e] + (counts[e] + kPad - 1) / kPad * kPad;
@@ -171,7 +172,7 @@ TEST_P(GroupedGemmLayouts, MatchCpuReference) {
     for (GroupedGemm* gemm : {&cutlass_gemm, &cublas_gemm}) {
       SCOPED_TRACE(std::string(c.name) + (gemm == &cutlass_gemm ? ", CUTLASS" : ", cuBLAS loop") +
                    (&counts == &rounds[0] ? ", first counts" : ", second counts"));
-      DeviceMemory out(out_elems * 2), fixed_out(fixed_out_elems * 2);
+      DeviceTensor out(out_elems * 2), fixed_out(fixed_out_elems * 2);
       MOKA_CUDA_CHECK(cudaMemset(out.data(), 0xFF, out.bytes()));  // bf16 NaN
       MOKA_CUDA_CHECK(cudaMemset(fixed_out.data(), 0xFF, fixed_out.bytes()));
       BufferTable t;
@@ -220,7 +221,7 @@ std::vector<double> activation_reference(const std::vector<double>& g, const std
   return h;
 }
 
-std::vector<uint16_t> download_bits(const DeviceMemory& d) {
+std::vector<uint16_t> download_bits(const DeviceTensor& d) {
   std::vector<uint16_t> b(d.bytes() / 2);
   MOKA_CUDA_CHECK(cudaMemcpy(b.data(), d.data(), d.bytes(), cudaMemcpyDeviceToHost));
   return b;
@@ -270,7 +271,7 @@ TEST_P(GroupedGemmSwiglu, EqualsUnfusedBitsAndMatchesCpuReference) {
   gate_fused.push_back(fused(group(-1, sXS, P, sWSG, sSH, NS), sSU, sSG, sSH));
   GroupedGemm up_gemm(up, {}, 0), plain_gemm(gate_plain, {}, 0),
       fused_gemm(gate_fused, {}, 0, GemmEngine::cutlass, GemmEpilogue{GemmEpilogue::swiglu, act});
-  DeviceMemory d_counts(E * 4), d_offsets((E + 1) * 4);
+  DeviceTensor d_counts(E * 4), d_offsets((E + 1) * 4);
 
   for (const auto& counts : rounds) {
     SCOPED_TRACE(std::string(c.name) + (&counts == &rounds[0] ? ", first counts" : ", second counts"));
@@ -281,16 +282,16 @@ TEST_P(GroupedGemmSwiglu, EqualsUnfusedBitsAndMatchesCpuReference) {
     }
     MOKA_CUDA_CHECK(cudaMemcpy(d_counts.data(), counts.data(), E * 4, cudaMemcpyHostToDevice));
     MOKA_CUDA_CHECK(cudaMemcpy(d_offsets.data(), offsets.data(), (E + 1) * 4, cudaMemcpyHostToDevice));
-    DeviceMemory d_rows(real_rows.size() * 4);
+    DeviceTensor d_rows(real_rows.size() * 4);
     MOKA_CUDA_CHECK(cudaMemcpy(d_rows.data(), real_rows.data(), d_rows.bytes(), cudaMemcpyHostToDevice));
     // Fresh inputs every call; weights ~ 1/sqrt(P), so the products are O(1) and cross the clamp.
     Operand x(rows * P, rng, 1.0), wg(E * N * P, rng, 0.05), wu(E * N * P, rng, 0.05), xs(kFixedRows * P, rng, 1.0),
         wsg(NS * P, rng, 0.05), wsu(NS * P, rng, 0.05);
-    std::vector<std::unique_ptr<DeviceMemory>> outs(kSwigluSlots);
+    std::vector<std::unique_ptr<DeviceTensor>> outs(kSwigluSlots);
     BufferTable t;
     for (int slot : {sU, sG, sH, sGPlain, sHPlain, sSU, sSG, sSH, sSGPlain, sSHPlain}) {
       const bool shared = slot >= sXS;
-      outs[slot] = std::make_unique<DeviceMemory>((shared ? kFixedRows * NS : rows * N) * 2);
+      outs[slot] = std::make_unique<DeviceTensor>((shared ? kFixedRows * NS : rows * N) * 2);
       MOKA_CUDA_CHECK(cudaMemset(outs[slot]->data(), 0xFF, outs[slot]->bytes()));  // bf16 NaN
       t.ptr[slot] = outs[slot]->data();
     }

@@ -16,6 +16,7 @@
 #include "cuda/megakernel/gemm_core.hpp"
 #include "cuda/megakernel/launch.hpp"
 #include "gpu_case.hpp"
+#include "grouped_schedule.hpp"
 #include "moka/moka.hpp"
 
 using namespace moka;
@@ -52,7 +53,7 @@ double forward_error(GpuCase& c, MoeLayer& mk) {
   const auto got = c.download();
   auto cpu = make_moe_layer(c.ref.shape, Backend::cpu);
   cpu->forward(c.ref.inputs(), c.ref.weights(), c.ref.out_view(), Stream{});
-  return cpu::max_rel_error(got.out, c.ref.out);
+  return cli::max_rel_error(got.out, c.ref.out);
 }
 
 using gpu_test::megakernel_config;
@@ -185,7 +186,7 @@ TEST(MegakernelCore, MatchesReferenceOnGroupedRows) {
   GpuCase c(s, T, seed);
   std::fill(c.ref.topk_weights.begin(), c.ref.topk_weights.end(), 1.0);
   route_and_upload(c, Z, seed + 1);
-  const cuda::GroupedSchedule sched(c.ids.as<int32_t>(), c.w.as<float>(), s, T, 128, nullptr);
+  const fixtures::GroupedSchedule sched(c.ids.as<int32_t>(), c.w.as<float>(), s, T, 128, nullptr);
   cuda::MegakernelCore core(s, megakernel_config(1, 256, 256), T);
   const int64_t rows = core.rows(), H = s.hidden, I = s.intermediate;
   ASSERT_GE(rows, sched.rows);
@@ -213,7 +214,7 @@ TEST(MegakernelCore, MatchesReferenceOnGroupedRows) {
     }
   auto cpu = make_moe_layer(s, Backend::cpu);
   cpu->forward(c.ref.inputs(), c.ref.weights(), c.ref.out_view(), Stream{});
-  EXPECT_LE(cpu::max_rel_error(got, c.ref.out), 2e-2);
+  EXPECT_LE(cli::max_rel_error(got, c.ref.out), 2e-2);
   EXPECT_EQ(run(), bits);
 }
 
@@ -367,7 +368,7 @@ void check_megakernel_path(const MegakernelConfig& config) {
     const auto g = got.outputs(), r = want.first.outputs();
     for (size_t t = 1; t < g.size(); ++t) {
       if (r[t]->empty()) continue;  // no shared expert
-      EXPECT_LE(cpu::max_rel_error(*g[t], *r[t]), 2e-2) << "run " << i << ", gradient " << t;
+      EXPECT_LE(cli::max_rel_error(*g[t], *r[t]), 2e-2) << "run " << i << ", gradient " << t;
     }
     EXPECT_EQ(rows, want.second) << "run " << i;
   }

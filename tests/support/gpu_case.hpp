@@ -14,11 +14,11 @@
 
 #include "core/routing_gen.hpp"
 #include "cpu/expert_math.hpp"
-#include "testing/layer_buffers.hpp"
 #include "cuda/common/check.hpp"
 #include "cuda/cuda_backend.hpp"
-#include "testing/device_tensors.hpp"
-#include "testing/megakernel_options.hpp"
+#include "gpu/device_tensors.hpp"
+#include "layer_buffers.hpp"
+#include "megakernel_options.hpp"
 #include "moka/device_group.hpp"
 #include "moka/layer.hpp"
 
@@ -89,7 +89,13 @@ void replay_in_graph(Enqueue&& enqueue, int replays, After&& after) {
   cudaStreamDestroy(stream);
 }
 
-using DeviceTensor = cuda::DeviceMemory;
+using DeviceTensor = cli::DeviceBuffer;
+
+// 0xFF bytes (NaN in bf16 and f32) in every output of a case held on the device only.
+inline void poison(const cli::LayerTensors& t) {
+  for (const DeviceTensor* m : {&t.out, &t.d_x, &t.d_w, &t.dwg, &t.dwu, &t.dwd, &t.dwsg, &t.dwsu, &t.dwsd})
+    MOKA_CUDA_CHECK(cudaMemset(m->data(), 0xFF, m->bytes()));
+}
 
 // A layer case: host reference buffers and device bf16 copies of inputs, weights and outputs.
 inline int current_device() {
@@ -106,7 +112,7 @@ inline std::vector<uint8_t> bytes_of(const DeviceTensor& t) {
 }
 
 struct GpuCase {
-  cpu::LayerBuffers<double> ref;
+  cli::LayerBuffers<double> ref;
   int device = current_device();  // the GPU the case's tensors live on
   DeviceTensor x, ids, w, out, d_out, d_x, d_w;
   DeviceTensor wg, wu, wd, wsg, wsu, wsd, dwg, dwu, dwd, dwsg, dwsu, dwsd;
@@ -114,15 +120,15 @@ struct GpuCase {
   GpuCase(const MoeShape& s, int64_t T, uint64_t seed) : GpuCase(random_buffers(s, T, seed)) {}
 
   // A case from given buffers (one rank's, for any world size), rounded to what the GPU stores.
-  explicit GpuCase(cpu::LayerBuffers<double> buffers) : ref(std::move(buffers)) {
+  explicit GpuCase(cli::LayerBuffers<double> buffers) : ref(std::move(buffers)) {
     for (auto* v : {&ref.x, &ref.d_out, &ref.w_gate, &ref.w_up, &ref.w_down, &ref.ws_gate, &ref.ws_up,
                     &ref.ws_down})
       round_bf16(*v);
     for (auto& v : ref.topk_weights) v = static_cast<double>(static_cast<float>(v));
   }
 
-  static cpu::LayerBuffers<double> random_buffers(const MoeShape& s, int64_t T, uint64_t seed) {
-    cpu::LayerBuffers<double> b(s, 1, T);
+  static cli::LayerBuffers<double> random_buffers(const MoeShape& s, int64_t T, uint64_t seed) {
+    cli::LayerBuffers<double> b(s, 1, T);
     b.randomize(seed);
     return b;
   }
@@ -195,8 +201,8 @@ struct GpuCase {
   TensorView d_out_view() { return on_device(ref.d_out_view(), d_out, DType::bf16); }
 
   // Device outputs as LayerBuffers<double> (inputs copied from ref), for max_layer_error.
-  cpu::LayerBuffers<double> download() const {
-    cpu::LayerBuffers<double> got = ref;
+  cli::LayerBuffers<double> download() const {
+    cli::LayerBuffers<double> got = ref;
     const auto host_out = got.outputs();
     const auto dev_out = device_outputs();
     for (size_t i = 0; i < dev_out.size(); ++i) {
@@ -247,10 +253,10 @@ inline void run_gpu(MoeLayer& layer, GpuCase& c, cudaStream_t stream = nullptr) 
 }
 
 // bf16 outputs: ~3 roundings deep; max|diff| / max|ref| per tensor.
-inline void expect_close(const cpu::LayerBuffers<double>& got, const cpu::LayerBuffers<double>& ref, double tol) {
+inline void expect_close(const cli::LayerBuffers<double>& got, const cli::LayerBuffers<double>& ref, double tol) {
   auto check = [&](const char* name, const std::vector<double>& a, const std::vector<double>& r) {
     if (r.empty()) return;
-    const double e = cpu::max_rel_error(a, r);
+    const double e = cli::max_rel_error(a, r);
     EXPECT_LE(e, tol) << name << " relative error " << e;
   };
   check("out", got.out, ref.out);

@@ -3,13 +3,13 @@
 #include <gtest/gtest.h>
 
 #include "core/routing_gen.hpp"
-#include "testing/layer_buffers.hpp"
+#include "layer_buffers.hpp"
 #include "moka/moka.hpp"
 
 namespace moka::test {
 
 template <typename T>
-using Buffers = cpu::LayerBuffers<T>;
+using Buffers = cli::LayerBuffers<T>;
 
 inline MoeShape small_shape(Activation act = Activation::swiglu, int64_t shared = 5) {
   return MoeShape{8, 6, 4, 2, shared, act, 0.6f};

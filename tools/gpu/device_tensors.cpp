@@ -1,5 +1,6 @@
 #include "gpu/device_tensors.hpp"
 
+#include <algorithm>
 #include <cmath>
 #include <random>
 #include <utility>
@@ -10,7 +11,11 @@
 namespace moka::cli {
 
 DeviceBuffer::DeviceBuffer(size_t bytes) : bytes_(bytes) {
-  if (bytes > 0) BENCH_CHECK(cudaMalloc(&data_, bytes));
+  const size_t allocated = std::max<size_t>(bytes, 16);
+  BENCH_CHECK(cudaMalloc(&data_, allocated));
+  const cudaError_t zeroed = cudaMemset(data_, 0, allocated);
+  if (zeroed != cudaSuccess) cudaFree(std::exchange(data_, nullptr));
+  BENCH_CHECK(zeroed);
 }
 DeviceBuffer::~DeviceBuffer() {
   if (data_) cudaFree(data_);

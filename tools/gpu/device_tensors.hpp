@@ -1,6 +1,7 @@
-// Device tensors of one layer case for the GPU benches, on the public API and the CUDA runtime
-// only: owning buffers with random contents and the TensorViews a MoeLayer takes. At full model
-// sizes host copies of the weights would not fit, so everything is made on the device.
+// Device tensors of one layer case, on the public API and the CUDA runtime only: owning buffers
+// with random contents and the TensorViews a MoeLayer takes. `moka bench`, the kernel lab and the
+// GPU tests allocate their device memory with these. At full model sizes host copies of the
+// weights would not fit, so everything is made on the device.
 #pragma once
 #include <cstddef>
 #include <cstdint>
@@ -11,7 +12,10 @@
 
 namespace moka::cli {
 
-// cudaMalloc'ed bytes on the current device, freed by their owner.
+// cudaMalloc'ed bytes on the current device, freed by their owner. Zeroed once, so that no
+// kernel reads memory nobody wrote (compute-sanitizer's initcheck runs the GPU tests), and at
+// least 16 bytes, so that even an empty buffer has an address a TMA descriptor takes: as the
+// library's own arrays.
 class DeviceBuffer {
  public:
   DeviceBuffer() = default;

@@ -128,10 +128,10 @@ enum class Skew { uniform, zipf, all_to_rank0 };
 
 // Every rank's inputs, identical in every process (seeded), so each process can run the CPU
 // reference of the whole group and check its own rank's GPU results against it.
-std::vector<cpu::LayerBuffers<double>> group_inputs(const MoeShape& s, int world, int64_t T, uint64_t seed, Skew skew) {
-  std::vector<cpu::LayerBuffers<double>> ranks;
+std::vector<cli::LayerBuffers<double>> group_inputs(const MoeShape& s, int world, int64_t T, uint64_t seed, Skew skew) {
+  std::vector<cli::LayerBuffers<double>> ranks;
   for (int r = 0; r < world; ++r) {
-    cpu::LayerBuffers<double> b(s, world, T);
+    cli::LayerBuffers<double> b(s, world, T);
     b.randomize(seed * 131 + r);
     const auto kind = skew == Skew::zipf ? core::RoutingKind::zipf : core::RoutingKind::uniform;
     // all_to_rank0: ids drawn among rank 0's experts only, so the other ranks receive nothing.
@@ -144,7 +144,7 @@ std::vector<cpu::LayerBuffers<double>> group_inputs(const MoeShape& s, int world
 
 // The fp64 CPU reference layer run over the whole group (ranks as threads) on these inputs:
 // forward, and backward too when asked.
-std::vector<cpu::LayerBuffers<double>> reference_of(const MoeShape& s, std::vector<cpu::LayerBuffers<double>> ranks,
+std::vector<cli::LayerBuffers<double>> reference_of(const MoeShape& s, std::vector<cli::LayerBuffers<double>> ranks,
                                                      bool backward) {
   run_emulated_ranks(static_cast<int>(ranks.size()), [&](ProcessGroup& g) {
     auto layer = make_moe_layer(s, Backend::cpu, &g, LayerOptions{128, 1});
@@ -156,14 +156,14 @@ std::vector<cpu::LayerBuffers<double>> reference_of(const MoeShape& s, std::vect
 }
 
 // Out and every gradient this rank's GPU case holds, within 2e-2 relative error of its reference.
-void outputs_match(const gpu_test::GpuCase& c, const cpu::LayerBuffers<double>& ref, const char* name, int me) {
+void outputs_match(const gpu_test::GpuCase& c, const cli::LayerBuffers<double>& ref, const char* name, int me) {
   const char* names[] = {"out", "d_x", "d_topk_weights", "d_w_gate", "d_w_up", "d_w_down", "d_ws_gate", "d_ws_up", "d_ws_down"};
   const auto got = c.download();
   const auto g_out = got.outputs();
   const auto r_out = ref.outputs();
   for (size_t i = 0; i < g_out.size(); ++i) {
     if (r_out[i]->empty()) continue;
-    const double e = cpu::max_rel_error(*g_out[i], *r_out[i]);
+    const double e = cli::max_rel_error(*g_out[i], *r_out[i]);
     check(e <= 2e-2, std::string(name) + ": " + names[i] + " relative error " + std::to_string(e), me);
   }
 }
@@ -201,7 +201,7 @@ MoeShape small_shape(const ProcessGroup& host) {
 }
 
 // Every rank's 64 tokens, with an expert id out of range at rank 1's token 3, choice 1.
-std::vector<cpu::LayerBuffers<double>> bad_routing_on_rank1(const ProcessGroup& host, const MoeShape& s) {
+std::vector<cli::LayerBuffers<double>> bad_routing_on_rank1(const ProcessGroup& host, const MoeShape& s) {
   auto ranks = group_inputs(s, host.size(), 64, 5, Skew::uniform);
   ranks[1].topk_ids[7] = 99;
   return ranks;
@@ -258,7 +258,7 @@ void megakernel_matches_reference(ProcessGroup& host, DeviceGroup& g, const MoeS
   };
   auto mk = make_moe_layer(s, &g, gpu_test::megakernel_options(megakernel_config(32, 4096, 131072), T));
   const auto bits = run(*mk);
-  const double e = cpu::max_rel_error(c.download().out, ref[me].out);
+  const double e = cli::max_rel_error(c.download().out, ref[me].out);
   check(e <= 2e-2, std::string(name) + ": megakernel out relative error " + std::to_string(e), me);
   bool same = true;
   for (int i = 0; i < 3; ++i) same &= run(*mk) == bits;

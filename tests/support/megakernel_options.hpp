@@ -1,5 +1,5 @@
 // The options of a megakernel-path layer with the given knobs (its tile and row order included),
-// for up to `max_tokens` tokens per rank: what the GPU tests and the kernel lab (bench/kernels) build.
+// for up to `max_tokens` tokens per rank: what the GPU tests build.
 #pragma once
 #include <cstdint>
 #include <cstdlib>

@@ -1,16 +1,37 @@
-// Owning host buffers for one rank's layer tensors, with the views the API takes. Used by the
-// CLI, the tests and the GPU checks to build inputs and hold reference results.
+// Owning host buffers for one rank's layer tensors, with the views the API takes, and the error
+// measures that check a result against a reference: what `moka bench` builds its CPU cases and
+// reference results with, and what the tests and the GPU checks build theirs with.
 #pragma once
+#include <algorithm>
 #include <array>
 #include <cmath>
 #include <cstdint>
+#include <limits>
 #include <random>
+#include <type_traits>
 #include <vector>
 
 #include "moka/layer.hpp"
-#include "testing/compare.hpp"
 
-namespace moka::cpu {
+namespace moka::cli {
+
+// max_i |a_i - ref_i| / max_i |ref_i|; NaN anywhere in `a` gives +inf so it can never pass.
+template <typename A, typename R>
+double max_rel_error(const A* a, const R* ref, int64_t n) {
+  double diff = 0, scale = 0;
+  for (int64_t i = 0; i < n; ++i) {
+    const double av = static_cast<double>(a[i]), rv = static_cast<double>(ref[i]);
+    if (!std::isfinite(av)) return std::numeric_limits<double>::infinity();
+    diff = std::max(diff, std::abs(av - rv));
+    scale = std::max(scale, std::abs(rv));
+  }
+  return scale > 0 ? diff / scale : diff;
+}
+
+template <typename A, typename R>
+double max_rel_error(const std::vector<A>& a, const std::vector<R>& ref) {
+  return max_rel_error(a.data(), ref.data(), static_cast<int64_t>(std::min(a.size(), ref.size())));
+}
 
 template <typename T>
 constexpr DType dtype_of() {
@@ -118,10 +139,6 @@ struct LayerBuffers {
   }
 };
 
-}  // namespace moka::cpu
-
-namespace moka::cpu {
-
 // The same tensors in another precision (inputs and weights; outputs are left to compute).
 template <typename To, typename From>
 LayerBuffers<To> convert_buffers(const LayerBuffers<From>& src) {
@@ -144,4 +161,4 @@ double max_layer_error(const LayerBuffers<A>& a, const LayerBuffers<R>& ref) {
   return e;
 }
 
-}  // namespace moka::cpu
+}  // namespace moka::cli
