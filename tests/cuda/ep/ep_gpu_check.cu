@@ -4,11 +4,20 @@
 // the device barrier, barrier replay in a CUDA graph, and a barrier timeout naming the rank; the
 // layer on the all-to-all path and on the megakernel path (forward and backward megakernels)
 // against the fp64 CPU reference of the group.
+//
+// GoogleTest with a main of its own: every rank runs every test, in the same order, and the tests
+// make collective calls. So a failed check is an EXPECT, never an ASSERT (which would leave the
+// rest of its test's collectives to the peers alone), and an exception leaves RUN_ALL_TESTS and
+// aborts the group, so that the peers stop with peer_failure instead of hanging. At the end the
+// ranks agree: each exits non-zero when any rank's test failed. Each output line names its rank.
 #include <cuda_runtime.h>
+#include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cstdio>
 #include <functional>
 #include <random>
+#include <sstream>
 #include <string>
 #include <vector>
 
@@ -25,12 +34,49 @@ using namespace moka;
 
 namespace {
 
-int passed = 0, failed = 0;
+// The group the tests run on, made by main from the environment `moka launch` sets.
+int g_rank = 0;
+ProcessGroup* g_host = nullptr;
+DeviceGroup* g_devices = nullptr;
+ProcessGroup& host_group() { return *g_host; }
+DeviceGroup& device_group() { return *g_devices; }
 
-void check(bool ok, const std::string& what, int rank) {
-  (ok ? passed : failed)++;
-  std::fprintf(ok ? stdout : stderr, "rank %d: %s %s\n", rank, ok ? "ok" : "FAILED", what.c_str());
+// Each line of `text` on `out`, prefixed with this rank (the ranks' lines interleave in one log).
+void print_lines(FILE* out, const std::string& text) {
+  std::istringstream lines(text);
+  for (std::string line; std::getline(lines, line);) std::fprintf(out, "rank %d: %s\n", g_rank, line.c_str());
+  std::fflush(out);
 }
+
+// A measured relative error within `tolerance`, printed either way: scripts/gpu.sh's summary of
+// a run lists every error measured.
+void expect_within(double error, double tolerance, const std::string& what) {
+  print_lines(stdout, what + " relative error " + std::to_string(error));
+  EXPECT_LE(error, tolerance) << what << " relative error " << error;
+}
+
+// gtest's progress lines and failures, each line prefixed with the rank; replaces its default
+// printer. The last line counts this rank's passed and failed tests.
+class RankPrinter : public testing::EmptyTestEventListener {
+  static std::string name_of(const testing::TestInfo& t) {
+    return std::string(t.test_suite_name()) + "." + t.name();
+  }
+  void OnTestStart(const testing::TestInfo& t) override { print_lines(stdout, "[ RUN      ] " + name_of(t)); }
+  void OnTestPartResult(const testing::TestPartResult& r) override {
+    if (!r.failed()) return;
+    std::string where = r.file_name() == nullptr ? "unknown file" : r.file_name();
+    if (r.line_number() >= 0) where += ":" + std::to_string(r.line_number());
+    print_lines(stderr, where + ": Failure\n" + r.message());
+  }
+  void OnTestEnd(const testing::TestInfo& t) override {
+    print_lines(stdout, std::string(t.result()->Failed() ? "[  FAILED  ] " : "[       OK ] ") + name_of(t) + " (" +
+                            std::to_string(t.result()->elapsed_time()) + " ms)");
+  }
+  void OnTestProgramEnd(const testing::UnitTest& u) override {
+    print_lines(stdout, std::to_string(u.successful_test_count()) + " passed, " +
+                            std::to_string(u.failed_test_count()) + " failed");
+  }
+};
 
 // Rank s sends count(s, d) int32 values s*1000 + d*10 + i%7 to rank d; sizes vary per call.
 void all_to_all_v_matches(DeviceGroup& g, ProcessGroup& host, uint64_t seed) {
@@ -62,7 +108,7 @@ void all_to_all_v_matches(DeviceGroup& g, ProcessGroup& host, uint64_t seed) {
   size_t i = 0;
   for (int s = 0; s < R; ++s)
     for (int c = 0; c < counts[s * R + me]; ++c) ok &= recv[i++] == s * 1000 + me * 10 + c % 7;
-  check(ok, "all_to_all_v seed " + std::to_string(seed), me);
+  EXPECT_TRUE(ok) << "all_to_all_v seed " << seed;
   host.barrier();
 }
 
@@ -90,12 +136,12 @@ void symmetric_stores_are_visible_after_the_barrier(DeviceGroup& g) {
   bool ok = true;
   for (int p = 0; p < R; ++p)
     for (int i = 0; i < n; i += 997) ok &= local[size_t(p) * n + i] == p * 1000000 + i;
-  check(ok, "peer stores visible after the device barrier", me);
+  EXPECT_TRUE(ok) << "peer stores visible after the device barrier";
   // Loads from a peer's buffer (pull direction).
   const int peer = (me + 1) % R;
   std::vector<int> pulled(n);
   MOKA_CUDA_CHECK(cudaMemcpy(pulled.data(), static_cast<int*>(buf.peers[peer]) + me * n, n * 4, cudaMemcpyDefault));
-  check(pulled[12345] == me * 1000000 + 12345, "load from a peer's symmetric buffer", me);
+  EXPECT_EQ(pulled[12345], me * 1000000 + 12345) << "load from a peer's symmetric buffer";
   g.device_barrier(s, 10.0);  // nobody frees or reuses before everyone has read
   MOKA_CUDA_CHECK(cudaStreamSynchronize(s));
   cudaStreamDestroy(s);
@@ -118,7 +164,7 @@ void barrier_replays_in_a_cuda_graph(DeviceGroup& g) {
   } catch (const Error&) {
     ok = false;
   }
-  check(ok, "barrier replayed 5 times from a CUDA graph", g.rank());
+  EXPECT_TRUE(ok) << "barrier replayed 5 times from a CUDA graph";
   cudaGraphExecDestroy(exec);
   cudaGraphDestroy(graph);
   cudaStreamDestroy(s);
@@ -156,15 +202,14 @@ std::vector<cli::LayerBuffers<double>> reference_of(const MoeShape& s, std::vect
 }
 
 // Out and every gradient this rank's GPU case holds, within 2e-2 relative error of its reference.
-void outputs_match(const gpu_test::GpuCase& c, const cli::LayerBuffers<double>& ref, const char* name, int me) {
+void outputs_match(const gpu_test::GpuCase& c, const cli::LayerBuffers<double>& ref, const char* name) {
   const char* names[] = {"out", "d_x", "d_topk_weights", "d_w_gate", "d_w_up", "d_w_down", "d_ws_gate", "d_ws_up", "d_ws_down"};
   const auto got = c.download();
   const auto g_out = got.outputs();
   const auto r_out = ref.outputs();
   for (size_t i = 0; i < g_out.size(); ++i) {
     if (r_out[i]->empty()) continue;
-    const double e = cli::max_rel_error(*g_out[i], *r_out[i]);
-    check(e <= 2e-2, std::string(name) + ": " + names[i] + " relative error " + std::to_string(e), me);
+    expect_within(cli::max_rel_error(*g_out[i], *r_out[i]), 2e-2, std::string(name) + ": " + names[i]);
   }
 }
 
@@ -184,14 +229,14 @@ void layer_matches_reference(ProcessGroup& host, const MoeShape& s, int64_t T, S
     MOKA_CUDA_CHECK(cudaDeviceSynchronize());
   };
   run();
-  outputs_match(c, ref[me], name, me);
+  outputs_match(c, ref[me], name);
   const auto bits = c.output_bytes();
   bool same = true;
   for (int i = 0; i < 3; ++i) {
     run();
     same &= c.output_bytes() == bits;
   }
-  check(same, std::string(name) + ": 3 more runs give identical bits", me);
+  EXPECT_TRUE(same) << name << ": 3 more runs give identical bits";
   host.barrier();
 }
 
@@ -221,9 +266,9 @@ void bad_routing_on_one_rank_is_reported_everywhere(ProcessGroup& host) {
   } catch (const Error& e) {
     error = e.what();
   }
-  check(error.find("expert id out of range") != std::string::npos && error.find("rank 1") != std::string::npos &&
-            error.find("[3, 1]") != std::string::npos,
-        "bad routing on rank 1 reported here: " + error, me);
+  EXPECT_TRUE(error.find("expert id out of range") != std::string::npos && error.find("rank 1") != std::string::npos &&
+              error.find("[3, 1]") != std::string::npos)
+      << "bad routing on rank 1 reported here: " << error;
   gpu_test::GpuCase good(group_inputs(s, host.size(), 64, 6, Skew::uniform)[me]);
   good.upload();
   bool recovered = true;
@@ -233,7 +278,7 @@ void bad_routing_on_one_rank_is_reported_everywhere(ProcessGroup& host) {
   } catch (const Error&) {
     recovered = false;
   }
-  check(recovered, "the layer runs again after the error", me);
+  EXPECT_TRUE(recovered) << "the layer runs again after the error";
   host.barrier();
 }
 
@@ -258,8 +303,7 @@ void megakernel_matches_reference(ProcessGroup& host, DeviceGroup& g, const MoeS
   };
   auto mk = make_moe_layer(s, &g, gpu_test::megakernel_options(megakernel_config(32, 4096, 131072), T));
   const auto bits = run(*mk);
-  const double e = cli::max_rel_error(c.download().out, ref[me].out);
-  check(e <= 2e-2, std::string(name) + ": megakernel out relative error " + std::to_string(e), me);
+  expect_within(cli::max_rel_error(c.download().out, ref[me].out), 2e-2, std::string(name) + ": megakernel out");
   bool same = true;
   for (int i = 0; i < 3; ++i) same &= run(*mk) == bits;
   for (const auto& cfg :
@@ -267,7 +311,7 @@ void megakernel_matches_reference(ProcessGroup& host, DeviceGroup& g, const MoeS
     auto other = make_moe_layer(s, &g, gpu_test::megakernel_options(cfg, T));
     same &= run(*other) == bits;
   }
-  check(same, std::string(name) + ": megakernel bits equal over runs, SM splits and batch sizes", me);
+  EXPECT_TRUE(same) << name << ": megakernel bits equal over runs, SM splits and batch sizes";
 
   bool replayed = true;
   c.poison();
@@ -276,7 +320,7 @@ void megakernel_matches_reference(ProcessGroup& host, DeviceGroup& g, const MoeS
     replayed &= gpu_test::bytes_of(c.out) == bits;
     c.poison();
   });
-  check(replayed, std::string(name) + ": megakernel CUDA-graph replay gives the same bits", me);
+  EXPECT_TRUE(replayed) << name << ": megakernel CUDA-graph replay gives the same bits";
   host.barrier();
 }
 
@@ -303,8 +347,9 @@ void megakernel_input_errors_are_reported_everywhere(ProcessGroup& host, DeviceG
   c.upload();
   auto mk = make_moe_layer(s, &g, gpu_test::megakernel_options(megakernel_config(8, 256, 512), 64));
   std::string error = error_of(*mk, [&] { mk->forward(c.inputs(), c.weights(), c.out_view(), Stream{}); });
-  check(error.find("routing of rank 1") != std::string::npos && error.find("token 3, choice 1") != std::string::npos,
-        "megakernel: bad expert id on rank 1 reported here: " + error, me);
+  EXPECT_TRUE(error.find("routing of rank 1") != std::string::npos &&
+              error.find("token 3, choice 1") != std::string::npos)
+      << "megakernel: bad expert id on rank 1 reported here: " << error;
   gpu_test::GpuCase good(group_inputs(s, host.size(), 64, 6, Skew::uniform)[me]);
   good.upload();
   auto inputs = good.inputs();
@@ -314,10 +359,11 @@ void megakernel_input_errors_are_reported_everywhere(ProcessGroup& host, DeviceG
     out.shape[0] = 63;
   }
   error = error_of(*mk, [&] { mk->forward(inputs, good.weights(), out, Stream{}); });
-  check(error.find("token counts disagree") != std::string::npos && error.find("rank 1 has 63") != std::string::npos,
-        "megakernel: token counts that disagree are reported here: " + error, me);
+  EXPECT_TRUE(error.find("token counts disagree") != std::string::npos &&
+              error.find("rank 1 has 63") != std::string::npos)
+      << "megakernel: token counts that disagree are reported here: " << error;
   error = error_of(*mk, [&] { mk->forward(good.inputs(), good.weights(), good.out_view(), Stream{}); });
-  check(error.empty(), "megakernel runs again after the errors: " + error, me);
+  EXPECT_TRUE(error.empty()) << "megakernel runs again after the errors: " << error;
   if (host.size() >= 4) {
     gpu_test::GpuCase skewed(group_inputs(s, host.size(), 64, 7, Skew::all_to_rank0)[me]);
     skewed.upload();
@@ -326,8 +372,8 @@ void megakernel_input_errors_are_reported_everywhere(ProcessGroup& host, DeviceG
     auto tight = make_moe_layer(s, &g, gpu_test::megakernel_options(small, 64));
     const std::string overflow =
         error_of(*tight, [&] { tight->forward(skewed.inputs(), skewed.weights(), skewed.out_view(), Stream{}); });
-    check(overflow.find("rank 0") != std::string::npos && overflow.find("capacity") != std::string::npos,
-          "megakernel: capacity overflow on rank 0 reported here: " + overflow, me);
+    EXPECT_TRUE(overflow.find("rank 0") != std::string::npos && overflow.find("capacity") != std::string::npos)
+        << "megakernel: capacity overflow on rank 0 reported here: " << overflow;
   }
   host.barrier();
 }
@@ -367,11 +413,11 @@ void megakernel_path_matches_reference(ProcessGroup& host, DeviceGroup& g, const
     mk->check_errors();
     return c.output_bytes();
   };
-  check(mk->megakernel() != nullptr, std::string(name) + ": the layer takes the megakernel path", me);
+  EXPECT_TRUE(mk->megakernel() != nullptr) << name << ": the layer takes the megakernel path";
   const auto bits = run();
-  outputs_match(c, ref[me], name, me);
-  check(gpu_test::bytes_of(c.out) == all_to_all_out, std::string(name) + ": forward out equals the all-to-all path's bits", me);
-  check(run() == bits, std::string(name) + ": another fwd+bwd gives identical bits", me);
+  outputs_match(c, ref[me], name);
+  EXPECT_TRUE(gpu_test::bytes_of(c.out) == all_to_all_out) << name << ": forward out equals the all-to-all path's bits";
+  EXPECT_TRUE(run() == bits) << name << ": another fwd+bwd gives identical bits";
   bool replayed = true;
   c.poison();
   gpu_test::replay_in_graph(step, 3, [&](int) {
@@ -379,7 +425,7 @@ void megakernel_path_matches_reference(ProcessGroup& host, DeviceGroup& g, const
     replayed &= c.output_bytes() == bits;
     c.poison();
   });
-  check(replayed, std::string(name) + ": fwd+bwd replayed in one CUDA graph gives the same bits", me);
+  EXPECT_TRUE(replayed) << name << ": fwd+bwd replayed in one CUDA graph gives the same bits";
   host.barrier();
 }
 
@@ -396,9 +442,10 @@ void megakernel_reads_no_peer_rows_after_a_barrier_timeout(ProcessGroup& host, D
   host.barrier();
   if (g.rank() != 0) return;
   const std::string error = error_of(*mk, [&] { mk->forward(c.inputs(), c.weights(), c.out_view(), Stream{}); });
-  check(error.find("no peer rows were read") != std::string::npos && error.find("did not arrive") != std::string::npos &&
-            error.find("rank 0 did not arrive") == std::string::npos,
-        "megakernel after a barrier timeout reads no peer rows: " + error, 0);
+  EXPECT_TRUE(error.find("no peer rows were read") != std::string::npos &&
+              error.find("did not arrive") != std::string::npos &&
+              error.find("rank 0 did not arrive") == std::string::npos)
+      << "megakernel after a barrier timeout reads no peer rows: " << error;
 }
 
 // Last: only rank 0 enters the barrier; it must time out and name a missing rank (the error
@@ -416,60 +463,129 @@ void missing_peer_times_out(DeviceGroup& g) {
   // Every other rank stays away; whichever peer's wait expires first is the one named.
   const bool names_a_peer = error.find("did not arrive") != std::string::npos &&
                             error.find("rank 0 did not arrive") == std::string::npos;
-  check(names_a_peer, "barrier timeout names a missing rank: " + error, 0);
+  EXPECT_TRUE(names_a_peer) << "barrier timeout names a missing rank: " << error;
+}
+
+// 4 experts per rank at any world size, so "everything to rank 0's experts" still has k distinct ones.
+MoeShape shaped() {
+  return MoeShape{256, 128, 4 * int64_t(host_group().size()), 2, 128, Activation::swiglu, 7.0f};
+}
+// One token with k = 8 and the clamped activation.
+MoeShape clamped_k8() {
+  return MoeShape{512, 256, 8 * int64_t(host_group().size()), 8, 0, Activation::swiglu_clamped, 7.0f};
 }
 
 }  // namespace
 
-int main() {
+// The tests run in the order written here (gtest keeps each suite's tests together, suites in
+// the order they first appear): the timeout checks come last, rank 0 alone.
+
+TEST(EpAllToAll, RandomSizesArriveWhole) {
+  for (uint64_t seed = 1; seed <= 3; ++seed) all_to_all_v_matches(device_group(), host_group(), seed);
+}
+
+TEST(EpLayer, MatchesReferenceUniform) {
+  layer_matches_reference(host_group(), shaped(), 300, Skew::uniform, "EP layer, uniform");
+}
+TEST(EpLayer, MatchesReferenceZipf) {
+  layer_matches_reference(host_group(), shaped(), 300, Skew::zipf, "EP layer, zipf");
+}
+TEST(EpLayer, MatchesReferenceWithARankReceivingNothing) {
+  layer_matches_reference(host_group(), shaped(), 77, Skew::all_to_rank0, "EP layer, a rank receiving nothing");
+}
+TEST(EpLayer, MatchesReferenceOneTokenK8Clamped) {
+  layer_matches_reference(host_group(), clamped_k8(), 1, Skew::uniform, "EP layer, T=1 k=8 clamped");
+}
+TEST(EpLayer, BadRoutingOnOneRankIsReportedEverywhere) {
+  bad_routing_on_one_rank_is_reported_everywhere(host_group());
+}
+
+TEST(EpMegakernel, MatchesReferenceUniform) {
+  megakernel_matches_reference(host_group(), device_group(), shaped(), 300, Skew::uniform, "megakernel, uniform");
+}
+TEST(EpMegakernel, MatchesReferenceZipf) {
+  megakernel_matches_reference(host_group(), device_group(), shaped(), 300, Skew::zipf, "megakernel, zipf");
+}
+TEST(EpMegakernel, MatchesReferenceWithARankReceivingNothing) {
+  megakernel_matches_reference(host_group(), device_group(), shaped(), 77, Skew::all_to_rank0,
+                               "megakernel, a rank receiving nothing");
+}
+TEST(EpMegakernel, MatchesReferenceOneTokenK8Clamped) {
+  megakernel_matches_reference(host_group(), device_group(), clamped_k8(), 1, Skew::uniform,
+                               "megakernel, T=1 k=8 clamped");
+}
+TEST(EpMegakernel, MatchesReferenceQwen3DimsZipf) {
+  const MoeShape qwen3_dims{2048, 768, 8 * int64_t(host_group().size()), 8, 0, Activation::swiglu, 7.0f};
+  megakernel_matches_reference(host_group(), device_group(), qwen3_dims, 1000, Skew::zipf,
+                               "megakernel, qwen3-30b dims zipf");
+}
+
+TEST(EpMegakernelPath, ResidentUniform) {
+  megakernel_path_matches_reference(host_group(), device_group(), shaped(), 300, Skew::uniform, 1 << 20,
+                                    "megakernel fwd+bwd, resident, uniform");
+}
+TEST(EpMegakernelPath, ReplayZipf) {
+  megakernel_path_matches_reference(host_group(), device_group(), shaped(), 300, Skew::zipf, 512,
+                                    "megakernel fwd+bwd, replay, zipf");
+}
+TEST(EpMegakernelPath, ResidentWithARankReceivingNothing) {
+  megakernel_path_matches_reference(host_group(), device_group(), shaped(), 77, Skew::all_to_rank0, 1 << 20,
+                                    "megakernel fwd+bwd, a rank receiving nothing");
+}
+TEST(EpMegakernelPath, ReplayWithARankReceivingNothing) {
+  megakernel_path_matches_reference(host_group(), device_group(), shaped(), 77, Skew::all_to_rank0, 256,
+                                    "megakernel fwd+bwd, replay, a rank receiving nothing");
+}
+TEST(EpMegakernelPath, ResidentOneTokenK8Clamped) {
+  megakernel_path_matches_reference(host_group(), device_group(), clamped_k8(), 1, Skew::uniform, 1 << 20,
+                                    "megakernel fwd+bwd, T=1 k=8 clamped");
+}
+
+TEST(EpMegakernelInputs, ErrorsAreReportedEverywhere) {
+  megakernel_input_errors_are_reported_everywhere(host_group(), device_group());
+}
+
+TEST(EpDeviceBarrier, SymmetricStoresAreVisibleAfterTheBarrier) {
+  symmetric_stores_are_visible_after_the_barrier(device_group());
+}
+TEST(EpDeviceBarrier, ReplaysInACudaGraph) { barrier_replays_in_a_cuda_graph(device_group()); }
+
+TEST(EpTimeouts, MegakernelReadsNoPeerRowsAfterABarrierTimeout) {
+  host_group().barrier();  // every rank is done with the collective tests before rank 0 goes on alone
+  megakernel_reads_no_peer_rows_after_a_barrier_timeout(host_group(), device_group());
+}
+TEST(EpTimeouts, MissingPeerTimesOut) { missing_peer_times_out(device_group()); }
+
+int main(int argc, char** argv) {
+  testing::InitGoogleTest(&argc, argv);
+  if (GTEST_FLAG_GET(list_tests)) return RUN_ALL_TESTS();  // listing needs no group
   const Rendezvous rv = rendezvous_from_env();
   require(rv.world_size >= 2, ErrorCode::invalid_argument, "run under `moka launch -n 2` (or torchrun)");
+  g_rank = rv.rank;
+  testing::TestEventListeners& listeners = testing::UnitTest::GetInstance()->listeners();
+  delete listeners.Release(listeners.default_result_printer());
+  listeners.Append(new RankPrinter);
+  // An exception is not a test failure here: it leaves RUN_ALL_TESTS, and this rank aborts the
+  // group below instead of going on to collectives its peers may never reach.
+  GTEST_FLAG_SET(catch_exceptions, false);
   auto host = make_tcp_group(rv);
   try {
-    int devices = 0;
-    MOKA_CUDA_CHECK(cudaGetDeviceCount(&devices));
-    require(devices >= rv.world_size, ErrorCode::invalid_argument, "needs one GPU per rank");
+    int device_count = 0;
+    MOKA_CUDA_CHECK(cudaGetDeviceCount(&device_count));
+    require(device_count >= rv.world_size, ErrorCode::invalid_argument, "needs one GPU per rank");
     MOKA_CUDA_CHECK(cudaSetDevice(rv.local_rank));
-    auto g = make_nccl_group(*host, rv.local_rank);
-    for (uint64_t seed = 1; seed <= 3; ++seed) all_to_all_v_matches(*g, *host, seed);
-    // 4 experts per rank at any world size, so "everything to rank 0's experts" still has k distinct ones.
-    const MoeShape shaped{256, 128, 4 * int64_t(rv.world_size), 2, 128, Activation::swiglu, 7.0f};
-    layer_matches_reference(*host, shaped, 300, Skew::uniform, "EP layer, uniform");
-    layer_matches_reference(*host, shaped, 300, Skew::zipf, "EP layer, zipf");
-    layer_matches_reference(*host, shaped, 77, Skew::all_to_rank0, "EP layer, a rank receiving nothing");
-    layer_matches_reference(*host, MoeShape{512, 256, 8 * int64_t(rv.world_size), 8, 0, Activation::swiglu_clamped, 7.0f}, 1,
-                            Skew::uniform, "EP layer, T=1 k=8 clamped");
-    bad_routing_on_one_rank_is_reported_everywhere(*host);
-    megakernel_matches_reference(*host, *g, shaped, 300, Skew::uniform, "megakernel, uniform");
-    megakernel_matches_reference(*host, *g, shaped, 300, Skew::zipf, "megakernel, zipf");
-    megakernel_matches_reference(*host, *g, shaped, 77, Skew::all_to_rank0, "megakernel, a rank receiving nothing");
-    megakernel_matches_reference(*host, *g, MoeShape{512, 256, 8 * int64_t(rv.world_size), 8, 0,
-                                                     Activation::swiglu_clamped, 7.0f},
-                                 1, Skew::uniform, "megakernel, T=1 k=8 clamped");
-    megakernel_matches_reference(*host, *g, MoeShape{2048, 768, 8 * int64_t(rv.world_size), 8, 0, Activation::swiglu, 7.0f},
-                                 1000, Skew::zipf, "megakernel, qwen3-30b dims zipf");
-    megakernel_path_matches_reference(*host, *g, shaped, 300, Skew::uniform, 1 << 20,
-                                      "megakernel fwd+bwd, resident, uniform");
-    megakernel_path_matches_reference(*host, *g, shaped, 300, Skew::zipf, 512, "megakernel fwd+bwd, replay, zipf");
-    megakernel_path_matches_reference(*host, *g, shaped, 77, Skew::all_to_rank0, 1 << 20,
-                                      "megakernel fwd+bwd, a rank receiving nothing");
-    megakernel_path_matches_reference(*host, *g, shaped, 77, Skew::all_to_rank0, 256,
-                                      "megakernel fwd+bwd, replay, a rank receiving nothing");
-    megakernel_path_matches_reference(
-        *host, *g, MoeShape{512, 256, 8 * int64_t(rv.world_size), 8, 0, Activation::swiglu_clamped, 7.0f}, 1,
-        Skew::uniform, 1 << 20, "megakernel fwd+bwd, T=1 k=8 clamped");
-    megakernel_input_errors_are_reported_everywhere(*host, *g);
-    symmetric_stores_are_visible_after_the_barrier(*g);
-    barrier_replays_in_a_cuda_graph(*g);
-    host->barrier();
-    megakernel_reads_no_peer_rows_after_a_barrier_timeout(*host, *g);
-    missing_peer_times_out(*g);
-    host->barrier();
+    auto devices = make_nccl_group(*host, rv.local_rank);
+    g_host = host.get();
+    g_devices = devices.get();
+    const int failed = RUN_ALL_TESTS() != 0 ? 1 : 0;
+    // Every rank waits here for the others (rank 0 runs the last tests alone) and learns whether
+    // any rank failed, so that every rank's exit code says so.
+    std::vector<int> failed_on(rv.world_size);
+    host->all_gather(&failed, failed_on.data(), sizeof(int));
+    return std::count(failed_on.begin(), failed_on.end(), 1) > 0 ? 1 : 0;
   } catch (const std::exception& e) {
-    std::fprintf(stderr, "rank %d: %s\n", rv.rank, e.what());
+    print_lines(stderr, e.what());
     host->abort(e.what());
     return 2;
   }
-  std::printf("rank %d: %d passed, %d failed\n", rv.rank, passed, failed);
-  return failed ? 1 : 0;
 }
