@@ -109,6 +109,8 @@ def parser(smoke: bool) -> argparse.ArgumentParser:
     p.add_argument("--stack-depth", type=int, default=4, help="MoE layers of the stack measurement")
     p.add_argument("--block-seq", type=int, default=2048, help="sequence length of the compile measurement's block")
     p.add_argument("--compile-backend", default="inductor", help="torch.compile's backend (inductor, aot_eager, ...)")
+    p.add_argument("--allocator", choices=("torch", "moka"), default="torch",
+                   help="where the host measurements' layers take moka's device memory (MoE's allocator)")
     p.add_argument("--seed", type=int, default=1)
     p.add_argument("--out", default="")
     if smoke:
@@ -150,9 +152,9 @@ def main():
                 f.write(line + "\n")
 
     if "host" in measure:
-        emit(host_overhead(host_shape, a.host_tokens, a.host_calls, a.seed, a.device))
+        emit(host_overhead(host_shape, a.host_tokens, a.host_calls, a.seed, a.device, a.allocator))
         if a.depth:
-            emit(host_per_layer(host_shape, a.host_tokens, a.host_calls, a.seed, a.device, a.depth))
+            emit(host_per_layer(host_shape, a.host_tokens, a.host_calls, a.seed, a.device, a.depth, a.allocator))
         if a.timeline_depth:
             emit(timeline(host_shape, a.host_tokens, a.timeline_depth, a.seed, a.device, a.trace))
     per_shape = {

@@ -173,8 +173,8 @@ class GradFloor(torch.autograd.Function):
         return (d_out, *(torch.empty_like(w) for w in ctx.saved_tensors))
 
 
-def host_overhead(name, tokens, calls, seed, device):
-    moe, x, ids, weights, d_out = make_layer(name, tokens, seed, device)
+def host_overhead(name, tokens, calls, seed, device, allocator="torch"):
+    moe, x, ids, weights, d_out = make_layer(name, tokens, seed, device, allocator)
     args = (ids, weights.detach(), moe.w_gate.detach(), moe.w_up.detach(), moe.w_down.detach())
     xs = x.detach()
 
@@ -216,7 +216,7 @@ def host_overhead(name, tokens, calls, seed, device):
         yield
 
     def op_step():
-        moe_experts(xs, *args)
+        moe_experts(xs, *args, allocator=allocator)
         yield
 
     router, layer, fused = moe._engine(xs)
@@ -366,7 +366,7 @@ def host_overhead(name, tokens, calls, seed, device):
     (python_op,) = host_us(op_step, calls, device)
     moka.torch._op_layers.update(op_layers)
     moe._engines = engines
-    return {"measure": "host", "shape": name, "tokens_per_rank": tokens, "calls": calls,
+    return {"measure": "host", "shape": name, "tokens_per_rank": tokens, "calls": calls, "allocator": allocator,
             # MoE's forward and backward: routing through combine as one moka call each way.
             "module_forward_us": fwd, "module_backward_us": bwd,
             # Forwards with no backward between them: a forward's time beside a backward's.
@@ -410,7 +410,7 @@ def _middle_median(samples):
     return statistics.median(t for sample in samples for t in sample[1:-1])
 
 
-def host_per_layer(name, tokens, calls, seed, device, depth):
+def host_per_layer(name, tokens, calls, seed, device, depth, allocator="torch"):
     """Host time per call as one layer of a model sees it: a stack of `depth` MoE layers, forward
     through all and one backward, each layer's forward call timed in turn and each layer's
     backward between the stamps of gradient hooks on the layers' outputs. The median over the
@@ -421,7 +421,7 @@ def host_per_layer(name, tokens, calls, seed, device, depth):
     runs them; DLPack arguments made beforehand), the module with moka's calls made no-ops (its
     Python alone), and an autograd node taking the module's gradients that does nothing else (the
     floor: Function.apply, the engine, four weight gradients allocated and accumulated)."""
-    layers, xs, d_out = make_stack(name, tokens, seed, depth, device)
+    layers, xs, d_out = make_stack(name, tokens, seed, depth, device, allocator)
     stream = _stream(xs)
     other_thread = OtherThread()
 
@@ -501,6 +501,7 @@ def host_per_layer(name, tokens, calls, seed, device, depth):
         m._engines = e
     module, calls_alone = rows["module"], rows["moka_calls"]
     return {"measure": "host_per_layer", "shape": name, "tokens_per_rank": tokens, "calls": calls, "depth": depth,
+            "allocator": allocator,
             **rows,
             # The target's figure: what the Python layer adds to one layer's call each way.
             "python_adds_per_layer_forward_us": module["forward_per_layer_us"] - calls_alone["forward_per_layer_us"],

@@ -51,8 +51,7 @@ struct MoeGradients {
 //   all_to_all: experts split over a group, token rows moved by NCCL all-to-all (the host reads
 //     the split sizes: one synchronization per call);
 //   megakernel: one persistent kernel per call overlapping NVLink dispatch/combine with the expert
-//     GEMMs, forward and backward (the backward megakernel while no later forward overwrote the
-//     forward's rows; else the staged path recomputes the forward's stages and runs its backward);
+//     GEMMs, forward and backward (each context keeps its forward's schedule and gate|up rows);
 //   automatic: the megakernel where it applies and was measured faster, else the staged path.
 enum class LayerPath : uint8_t { automatic, single_gpu, all_to_all, megakernel };
 const char* to_string(LayerPath path);
@@ -84,10 +83,10 @@ struct LayerOptions {
   // of the unfused one (docs/notes/benchmarks-log.md); `moka bench --backend cuda` times both.
   bool fused_swiglu = false;
   LayerPath path = LayerPath::automatic;  // CUDA backend (the CPU backend has one path)
-  // What a forward's context keeps for its backward (CUDA single-GPU and all-to-all paths; docs/
-  // ARCHITECTURE.md, "Memory"): gate_up keeps the routed rows' gate and up products (2·rows·I bf16),
-  // none keeps the routes and row order only and recomputes gate|up from x in the backward (one
-  // more grouped GEMM: for runs that memory limits).
+  // What a forward's context keeps for its backward (CUDA backend; docs/ARCHITECTURE.md,
+  // "Memory"): gate_up keeps the routed rows' gate and up products (2·rows·I bf16), none keeps the
+  // routes and row order only and recomputes gate|up from x in the backward (one more grouped
+  // GEMM: for runs that memory limits; the megakernel path's replay backward).
   SaveMode save = SaveMode::gate_up;
   // Per-call device memory (CUDA backend): null = moka's stream-ordered pool. Must outlive the
   // layer and every context it returned.
@@ -108,7 +107,7 @@ struct StageTime {
 
 // State saved by forward for backward. Opaque; backend-specific. Any number of a layer's contexts
 // may be alive at once, their backwards run in any order; destroying one without a backward is
-// fine (its device memory goes back on the stream of its last use).
+// fine (its device memory goes back on the stream of its last use, which must outlive it).
 class MoeContext {
  public:
   virtual ~MoeContext() = default;

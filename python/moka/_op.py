@@ -153,8 +153,8 @@ def _op_layer(x, topk_ids, w_gate, ws_gate, activation, clamp_limit, group_name,
     return _op_layers[key]
 
 
-# moe's engines by the MoE module they serve (its engine id: the CUDA megakernel and all-to-all
-# paths keep their latest forward's state in the layer, so two modules cannot share one), then
+# moe's engines by the MoE module they serve (its engine id: the CUDA all-to-all path keeps its
+# latest forward's exchange plan in the layer, so two modules cannot share one), then
 # by what they are built from, so that an exported program runs in another process too.
 _op_engines: dict[tuple, tuple[_moka.Router, _moka.Layer, _moka.Moe]] = {}
 _engine_ids = itertools.count()

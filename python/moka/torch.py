@@ -173,9 +173,9 @@ class MoE(nn.Module):
     ``route_scale``. On the GPU, errors the kernels find (a bad expert id) surface at the
     next call or at ``check_errors()`` after synchronizing.
     Any number of forwards may be in flight, their backwards in any order (pipeline schedules,
-    gradient accumulation), except on the CUDA backend's "megakernel" and "all_to_all" paths,
-    which keep the state of their latest forward only: there run a forward's backward before the
-    layer's next forward (activation checkpointing fits; a backward of an older forward raises
+    gradient accumulation), except on the CUDA backend's "all_to_all" path, which keeps the
+    exchange plan of its latest forward only: there run a forward's backward before the layer's
+    next forward (activation checkpointing fits; a backward of an older forward raises
     moka.Error). Load balancing: ``selection_bias`` (DeepSeek-V3's auxiliary-loss-free bias), or
     the auxiliary losses of ``forward(x, return_aux=True)`` (``MoEAux``), or both.
 

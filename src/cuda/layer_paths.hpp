@@ -1,7 +1,6 @@
 // The CUDA layer's paths (LayerOptions::path) and how one is chosen. The staged layer
 // (layer/cuda_layer.cu) is the single_gpu and all_to_all paths; the megakernel layer
-// (megakernel/layer.cu) runs its forward as one persistent kernel, its backward at
-// EP = 1 as the backward megakernel, and hands other contexts to a staged layer for backward.
+// (megakernel/layer.cu) runs its forward and its backward as persistent kernels.
 #pragma once
 #include <cstdint>
 #include <memory>
@@ -13,21 +12,11 @@
 
 namespace moka::cuda {
 
-class StagedLayer : public MoeLayer {
- public:
-  // The context of a forward that ran on another path (the megakernel): inputs as given to it,
-  // and `expert_rows`, the device counts [E_local] that forward left (they stay valid while its
-  // layer lives). Its backward first runs this path's forward stages on those inputs: the
-  // workspace holds none of that forward's activations.
-  virtual std::unique_ptr<MoeContext> context_to_recompute(const MoeInputs& in, Stream stream,
-                                                           const int32_t* expert_rows) = 0;
-};
-
 // `group` null or of one rank: single_gpu, else all_to_all. `owned`: a group the layer keeps
 // alive (the one `group` points to), or null.
-std::unique_ptr<StagedLayer> make_staged_layer(const MoeShape& shape, DeviceGroup* group,
-                                               std::unique_ptr<DeviceGroup> owned, const LayerOptions& options,
-                                               GemmEngine engine);
+std::unique_ptr<MoeLayer> make_staged_layer(const MoeShape& shape, DeviceGroup* group,
+                                            std::unique_ptr<DeviceGroup> owned, const LayerOptions& options,
+                                            GemmEngine engine);
 std::unique_ptr<MoeLayer> make_megakernel_layer(const MoeShape& shape, DeviceGroup* group,
                                                 std::unique_ptr<DeviceGroup> owned, const LayerOptions& options);
 

@@ -291,38 +291,46 @@ TEST(CudaLayerMemory, ForwardsInFlightGiveTheBitsOfOneAtATime) {
 }
 
 // Four threads, each on a stream of its own, share one layer (and moka's default pool): each
-// gets the results it gets alone, for several rounds.
+// gets the results it gets alone, for several rounds; on the single-GPU path and on the
+// megakernel path (which serializes its calls).
 TEST(CudaLayerMemory, ThreadsSharingALayerGetTheirOwnResults) {
   const MoeShape s = shape(512, 256, 16, 4, 128);
   const uint64_t seed = fresh_seed();
   constexpr int kThreads = 4;
   std::vector<GpuCase> cases;
   for (int t = 0; t < kThreads; ++t) cases.push_back(routed_case(s, 50 + 31 * t, seed + 10 * t));
-  auto layer = cuda_layer(s, SaveMode::gate_up);
-  std::vector<std::vector<uint8_t>> alone;
-  for (auto& c : cases) {
-    run_gpu(*layer, c);
-    alone.push_back(c.output_bytes());
-  }
-  for (auto& c : cases) c.poison();
-  std::vector<std::string> failures(kThreads);
-  std::vector<std::thread> threads;
-  for (int t = 0; t < kThreads; ++t)
-    threads.emplace_back([&, t] {
-      try {
-        cudaStream_t stream;
-        MOKA_CUDA_CHECK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
-        for (int round = 0; round < 3 && failures[t].empty(); ++round) {
-          run_gpu(*layer, cases[t], stream);
-          if (cases[t].output_bytes() != alone[t]) failures[t] = "round " + std::to_string(round) + " differs";
+  const LayerOptions megakernel =
+      gpu_test::megakernel_options(gpu_test::megakernel_config(32, 4096, 131072), 50 + 31 * (kThreads - 1));
+  std::vector<std::unique_ptr<MoeLayer>> layers;
+  layers.push_back(cuda_layer(s, SaveMode::gate_up));
+  layers.push_back(make_moe_layer(s, Backend::cuda, nullptr, megakernel));
+  for (auto& layer : layers) {
+    SCOPED_TRACE(layer->megakernel() ? "megakernel path" : "single-GPU path");
+    std::vector<std::vector<uint8_t>> alone;
+    for (auto& c : cases) {
+      run_gpu(*layer, c);
+      alone.push_back(c.output_bytes());
+    }
+    for (auto& c : cases) c.poison();
+    std::vector<std::string> failures(kThreads);
+    std::vector<std::thread> threads;
+    for (int t = 0; t < kThreads; ++t)
+      threads.emplace_back([&, t] {
+        try {
+          cudaStream_t stream;
+          MOKA_CUDA_CHECK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+          for (int round = 0; round < 3 && failures[t].empty(); ++round) {
+            run_gpu(*layer, cases[t], stream);
+            if (cases[t].output_bytes() != alone[t]) failures[t] = "round " + std::to_string(round) + " differs";
+          }
+          MOKA_CUDA_CHECK(cudaStreamDestroy(stream));
+        } catch (const std::exception& e) {
+          failures[t] = e.what();
         }
-        MOKA_CUDA_CHECK(cudaStreamDestroy(stream));
-      } catch (const std::exception& e) {
-        failures[t] = e.what();
-      }
-    });
-  for (auto& th : threads) th.join();
-  for (int t = 0; t < kThreads; ++t) EXPECT_TRUE(failures[t].empty()) << "thread " << t << ": " << failures[t];
+      });
+    for (auto& th : threads) th.join();
+    for (int t = 0; t < kThreads; ++t) EXPECT_TRUE(failures[t].empty()) << "thread " << t << ": " << failures[t];
+  }
 }
 
 }  // namespace

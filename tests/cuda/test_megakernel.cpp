@@ -337,9 +337,10 @@ namespace {
 // same inputs (and the same routed rows per expert). At EP = 1 the megakernel path's forward has
 // the staged path's bits and its backward runs the backward megakernel (other summation orders:
 // within bf16 tolerance of the staged gradients),
-// with the ring holding every row (resident context) and with a smaller ring (replay). A
-// context whose rows a later forward overwrote takes the staged backward: the staged bits.
-void check_megakernel_path(const MegakernelConfig& config) {
+// with the ring holding every row (resident context) and with a smaller ring (replay). Each
+// context owns what its backward reads: two forwards in flight, their backwards in reverse order
+// (the first on another stream), and consume_backward all give the one-at-a-time bits.
+void check_megakernel_path(const MegakernelConfig& config, SaveMode save = SaveMode::gate_up) {
   const MoeShape s = shape(1024, 512, 32, 4, 256);
   const int64_t T = 700;
   const uint64_t seed = fresh_seed();
@@ -358,9 +359,10 @@ void check_megakernel_path(const MegakernelConfig& config) {
   auto staged = make_moe_layer(s, nullptr, single);
   ASSERT_EQ(staged->megakernel(), nullptr);
   const auto want = run(*staged);
-  const auto want_bytes = c.output_bytes();
   staged.reset();
-  auto mk = make_moe_layer(s, nullptr, gpu_test::megakernel_options(config, T));
+  LayerOptions options = gpu_test::megakernel_options(config, T);
+  options.save = save;
+  auto mk = make_moe_layer(s, nullptr, options);
   ASSERT_NE(mk->megakernel(), nullptr);
   for (int i = 0; i < 2; ++i) {  // twice: the second backward runs over a used workspace
     const auto [got, rows] = run(*mk);
@@ -372,13 +374,42 @@ void check_megakernel_path(const MegakernelConfig& config) {
     }
     EXPECT_EQ(rows, want.second) << "run " << i;
   }
+  const auto one_at_a_time = c.output_bytes();
+
+  // Two forwards in flight (the second on other tokens, routes and a poisoned output), backwards
+  // in reverse order: the first context's backward, on another stream, gives its own bits.
+  GpuCase other(s, T - 77, seed + 2);
+  route_and_upload(other, U, seed + 3);
   c.poison();
+  other.poison();
   auto first = mk->forward(c.inputs(), c.weights(), c.out_view(), Stream{});
-  mk->forward(c.inputs(), c.weights(), c.out_view(), Stream{});
-  mk->backward(*first, c.d_out_view(), c.weights(), c.gradients(), Stream{});
+  auto second = mk->forward(other.inputs(), other.weights(), other.out_view(), Stream{});
+  mk->backward(*second, other.d_out_view(), other.weights(), other.gradients(), Stream{});
+  cudaStream_t side = nullptr;
+  MOKA_CUDA_CHECK(cudaStreamCreateWithFlags(&side, cudaStreamNonBlocking));
+  mk->backward(*first, c.d_out_view(), c.weights(), c.gradients(), Stream{side});
   MOKA_CUDA_CHECK(cudaDeviceSynchronize());
   mk->check_errors();
-  EXPECT_TRUE(c.output_bytes() == want_bytes) << "a context overwritten by a later forward: not the staged bits";
+  EXPECT_TRUE(c.output_bytes() == one_at_a_time) << "the first of two forwards in flight: not its one-at-a-time bits";
+  EXPECT_EQ(first->local_expert_rows(), want.second) << "the first context's rows per expert";
+  // Resident: at least the routed rows' g and u; replay: the schedule only.
+  const int64_t gate_up_bytes = 2 * T * s.top_k * s.intermediate * 2;
+  if (mk->megakernel()->backward_is_resident())
+    EXPECT_GE(first->saved_bytes(), gate_up_bytes);
+  else
+    EXPECT_LT(first->saved_bytes(), gate_up_bytes / 8);
+
+  // consume_backward: the same bits (resident: dg and du over the context's g and u).
+  c.poison();
+  auto consumed = mk->forward(c.inputs(), c.weights(), c.out_view(), Stream{side});
+  mk->consume_backward(std::move(consumed), c.d_out_view(), c.weights(), c.gradients(), Stream{side});
+  MOKA_CUDA_CHECK(cudaStreamSynchronize(side));
+  mk->check_errors();
+  EXPECT_TRUE(c.output_bytes() == one_at_a_time) << "consume_backward: not backward's bits";
+  // The contexts' memory goes back on the stream of its last use: before that stream goes.
+  first.reset();
+  second.reset();
+  MOKA_CUDA_CHECK(cudaStreamDestroy(side));
 }
 
 // A failure found on the device surfaces at the layer's next call, forward or backward (a
@@ -419,8 +450,11 @@ TEST(MegakernelPath, FailuresSurfaceAtTheNextCallWithNaNOutputs) {
   expect_raises([&] { layer->forward(c.inputs(), c.weights(), c.out_view(), Stream{}); }, "forward", "backward");
 }
 
-TEST(MegakernelPath, ResidentBackwardMatchesTheStagedPath) { check_megakernel_path(megakernel_config(4, 512, 1 << 20)); }
-TEST(MegakernelPath, ReplayBackwardMatchesTheStagedPath) { check_megakernel_path(kRingReuse); }
+TEST(MegakernelPath, ResidentBackwardMatchesTheStagedPathAndKeepsContextsApart) { check_megakernel_path(megakernel_config(4, 512, 1 << 20)); }
+TEST(MegakernelPath, ReplayBackwardMatchesTheStagedPathAndKeepsContextsApart) { check_megakernel_path(kRingReuse); }
+TEST(MegakernelPath, SaveNoneReplaysAWholeRingAndKeepsContextsApart) {
+  check_megakernel_path(megakernel_config(4, 512, 1 << 20), SaveMode::none);
+}
 
 // Forward and backward through both megakernels captured in one CUDA graph (EP = 1, replay
 // mode: the ring is smaller than the rows): every replay gives the eager call's bits.

@@ -71,9 +71,6 @@ struct CudaContext final : MoeContext {
   DeviceArray<int32_t> counts, offsets, row_of_slot;
   DeviceArray<bf16> saved[kNumBufs];
   DeviceArray<float> row_weight;  // across ranks: each grouped row's route weight
-  // Set when another path (the megakernel) ran the forward: the device counts it left, and the
-  // backward must first run the staged forward stages (this context holds none of it).
-  const int32_t* recompute_expert_rows = nullptr;
   std::vector<int64_t> local_expert_rows() const override;
   int64_t saved_bytes() const override {
     int64_t bytes = int64_t(counts.bytes() + offsets.bytes() + row_of_slot.bytes() + row_weight.bytes());
@@ -94,7 +91,7 @@ struct RowMap {
   int64_t entries;
 };
 
-class CudaMoeLayer final : public StagedLayer {
+class CudaMoeLayer final : public MoeLayer {
  public:
   // `group` null: one rank. Otherwise the experts are split over it (it must outlive the layer,
   // or be `owned`).
@@ -119,9 +116,6 @@ class CudaMoeLayer final : public StagedLayer {
       control_ = host_collectives(*group);
       exchange_ = std::make_unique<ExpertExchange>(*group, shape_, options_.tile_rows);
     }
-  }
-  ~CudaMoeLayer() override {
-    if (last_call_done_) cudaEventDestroy(last_call_done_);
   }
   CudaMoeLayer(const CudaMoeLayer&) = delete;
   CudaMoeLayer& operator=(const CudaMoeLayer&) = delete;
@@ -148,7 +142,7 @@ class CudaMoeLayer final : public StagedLayer {
     } else {
       check_tensors();
     }
-    order_after_last_call(s);
+    call_order_.before(s);
     auto ctx = std::make_unique<CudaContext>();
     ctx->layer = this;
     ctx->generation = ++generation_;
@@ -156,18 +150,7 @@ class CudaMoeLayer final : public StagedLayer {
     ctx->stream = s;
     ctx->inputs = in;
     run_forward(*ctx, w, out, s);
-    record_last_call(s);
-    return ctx;
-  }
-
-  std::unique_ptr<MoeContext> context_to_recompute(const MoeInputs& in, Stream stream,
-                                                   const int32_t* expert_rows) override {
-    auto ctx = std::make_unique<CudaContext>();
-    ctx->layer = this;
-    ctx->tokens = in.x.dim(0);
-    ctx->stream = to_cuda(stream);
-    ctx->inputs = in;
-    ctx->recompute_expert_rows = expert_rows;
+    call_order_.after(s);
     return ctx;
   }
 
@@ -197,20 +180,6 @@ class CudaMoeLayer final : public StagedLayer {
     const auto* ctx = dynamic_cast<const CudaContext*>(&saved);
     require(ctx != nullptr && ctx->layer == this, ErrorCode::invalid_argument,
             "backward got a context from another layer");
-    if (ctx->recompute_expert_rows) {
-      // The megakernel ran this forward: its activations sit in its ring, laid out for its
-      // tiles. This path's forward stages recompute what backward reads on the same inputs,
-      // into a scratch output: one staged forward more per backward (the megakernel layer's
-      // backward at EP > 1, or for a context a later forward overwrote).
-      const int64_t T = ctx->tokens;
-      DeviceArray<bf16> scratch_out(size_t(T * shape_.hidden), allocator(), to_cuda(stream));
-      const auto fresh = forward(ctx->inputs, w,
-                                 TensorView(scratch_out.data(), DType::bf16, {T, shape_.hidden}, Device::cuda(device_)),
-                                 stream);
-      auto* own = static_cast<CudaContext*>(fresh.get());
-      backward(*own, d_out, w, g, stream, own);  // the fresh context is this call's
-      return;
-    }
     std::lock_guard<std::mutex> lock(mutex_);
     // Across ranks the exchange's plan (send positions, received rows) is the latest forward's.
     require(!exchange_ || ctx->generation == generation_, ErrorCode::invalid_argument,
@@ -226,10 +195,10 @@ class CudaMoeLayer final : public StagedLayer {
     });
     const cudaStream_t s = to_cuda(stream);
     clock_.start(StageClock::Direction::backward, s);
-    order_after_last_call(s);
+    call_order_.before(s);
     ctx->used_on(s);
     run_backward(*ctx, d_out, w, g, s, consumed);
-    record_last_call(s);
+    call_order_.after(s);
   }
 
   DeviceAllocator& allocator() const { return options_.allocator ? *options_.allocator : default_device_allocator(); }
@@ -421,18 +390,6 @@ class CudaMoeLayer final : public StagedLayer {
     clock_.mark(exchange_ ? "combine+reduce" : "reduce", s);
   }
 
-  // Calls on different streams (or threads) share the GEMMs' device scratch: each call's work
-  // waits for the previous call's (not while a stream is captured: a graph orders its own).
-  void order_after_last_call(cudaStream_t s) {
-    if (last_stream_ && last_stream_ != s && !is_capturing(s)) MOKA_CUDA_CHECK(cudaStreamWaitEvent(s, last_call_done_, 0));
-  }
-  void record_last_call(cudaStream_t s) {
-    if (is_capturing(s)) return;
-    if (!last_call_done_) MOKA_CUDA_CHECK(cudaEventCreateWithFlags(&last_call_done_, cudaEventDisableTiming));
-    MOKA_CUDA_CHECK(cudaEventRecord(last_call_done_, s));
-    last_stream_ = s;
-  }
-
   static bf16* ptr(const BufferTable& t, Buf b) { return static_cast<bf16*>(const_cast<void*>(t.ptr[b])); }
 
   core::LayerSignature signature(int64_t tokens) const {
@@ -550,8 +507,9 @@ class CudaMoeLayer final : public StagedLayer {
   // Host state (the GEMMs, the generation, the error word, the last call's stream) is shared by
   // the callers' threads: one call at a time.
   std::mutex mutex_;
-  cudaStream_t last_stream_ = nullptr;
-  cudaEvent_t last_call_done_ = nullptr;
+  // Calls on different streams (or threads) share the GEMMs' device scratch: each call's work
+  // waits for the previous call's.
+  CallOrder call_order_;
   StageClock clock_;  // record_stage_times
 };
 
@@ -559,7 +517,7 @@ class CudaMoeLayer final : public StagedLayer {
 std::vector<int64_t> CudaContext::local_expert_rows() const {
   std::vector<int32_t> c(layer->num_local_experts());
   MOKA_CUDA_CHECK(cudaStreamSynchronize(stream));
-  MOKA_CUDA_CHECK(cudaMemcpy(c.data(), recompute_expert_rows ? recompute_expert_rows : counts.data(),
+  MOKA_CUDA_CHECK(cudaMemcpy(c.data(), counts.data(),
                              c.size() * sizeof(int32_t), cudaMemcpyDeviceToHost));
   return {c.begin(), c.end()};
 }
@@ -575,9 +533,9 @@ int device_count() {
   return n;
 }
 
-std::unique_ptr<StagedLayer> make_staged_layer(const MoeShape& shape, DeviceGroup* group,
-                                               std::unique_ptr<DeviceGroup> owned, const LayerOptions& options,
-                                               GemmEngine engine) {
+std::unique_ptr<MoeLayer> make_staged_layer(const MoeShape& shape, DeviceGroup* group,
+                                            std::unique_ptr<DeviceGroup> owned, const LayerOptions& options,
+                                            GemmEngine engine) {
   return std::make_unique<CudaMoeLayer>(shape, group, std::move(owned), options, engine);
 }
 

@@ -66,7 +66,13 @@ struct MegakernelBackwardIo {
   // Resident context (replay: unread): the forward's grouped rows (row index = grouped row;
   // padding rows finite) and the shared expert's g, u. context_x may be null: x's rows are
   // pulled from their origin (x_peers) as in replay, and only g, u are kept.
-  const bf16 *context_x = nullptr, *context_gate = nullptr, *context_up = nullptr;  // [rows, H], [rows, I] x2
+  const bf16* context_x = nullptr;                        // [rows, H]
+  bf16 *context_gate = nullptr, *context_up = nullptr;  // [rows, I] x2
+  // A context the caller gives up (consume_backward): dg and du are written over context_gate
+  // and context_up, two I-wide ring buffers fewer. Each dgd tile reads its g and u before it
+  // writes the same elements, and nothing reads them after; with one macrobatch (the resident
+  // layer's) ring row r is grouped row r. Otherwise the ring's own buffers are used.
+  bool overwrite_context = false;
   const bf16 *shared_gate = nullptr, *shared_up = nullptr;                          // [T, Is]
 
   const bf16 *w_gate = nullptr, *w_up = nullptr, *w_down = nullptr;     // [E, I, H], [E, I, H], [E, H, I]

@@ -8,8 +8,8 @@
 // With one GPU and no group the "symmetric" buffers are plain allocations and there are no
 // barriers: dispatch pulls from this GPU's own x.
 #include <algorithm>
-#include <atomic>
 #include <cstring>
+#include <mutex>
 
 #include "core/megakernel_plan.hpp"
 #include "core/validate.hpp"
@@ -55,14 +55,35 @@ core::MegakernelDims dims_of(const MoeShape& s, int world, int64_t tokens) {
   return {world, tokens, s.top_k, s.hidden, s.intermediate, s.shared_intermediate, s.num_experts / world};
 }
 
-// The megakernel forward of one layer: its buffers, launch sequence and error reports.
+// What one forward leaves its backward, in the layer's allocator's memory and owned by the
+// forward's context (so any number of forwards may be in flight, their backwards in any order):
+// the schedule (each local expert's padded segment, the slot of every grouped row, the rows per
+// expert) and, when the backward is resident, the grouped g and u rows and the shared expert's.
+struct ForwardSaved {
+  DeviceArray<int32_t> counts, offsets, slot_of_row;
+  DeviceArray<bf16> gate, up, shared_gate, shared_up;
+
+  int64_t bytes() const {
+    return int64_t(counts.bytes() + offsets.bytes() + slot_of_row.bytes() + gate.bytes() + up.bytes() +
+                   shared_gate.bytes() + shared_up.bytes());
+  }
+  // The backward's stream: the memory goes back after its work.
+  void used_on(cudaStream_t s) const {
+    for (const auto* a : {&counts, &offsets, &slot_of_row}) a->release_on(s);
+    for (const auto* a : {&gate, &up, &shared_gate, &shared_up}) a->release_on(s);
+  }
+};
+
+// The megakernel forward of one layer: its buffers, launch sequence and error reports. Its
+// schedule scratch, counters and status words are shared by its calls, which the layer orders.
 class CudaMegakernelForward final : public MegakernelExtension {
  public:
   CudaMegakernelForward(const MoeShape& shape, DeviceGroup* group, const MegakernelConfig& config, int64_t max_tokens,
-                        DeviceAllocator& allocator)
+                        SaveMode save, DeviceAllocator& allocator)
       : shape_(shape), config_(config), group_(group), allocator_(allocator), world_(group ? group->size() : 1),
         rank_(group ? group->rank() : 0), experts_(shape.num_experts / world_), max_tokens_(max_tokens),
         worst_(supported_plan(shape, config, world_, max_tokens)),
+        resident_(save == SaveMode::gate_up && worst_.ring_rows >= worst_.capacity_rows),
         barrier_error_(group ? static_cast<const uint64_t*>(group->device_barrier_error()) : nullptr),
         x_(group, max_tokens * shape.hidden * sizeof(bf16)),
         routing_(group, world_ * routing_region_ints(max_tokens, shape.top_k) * sizeof(int32_t)),
@@ -71,13 +92,7 @@ class CudaMegakernelForward final : public MegakernelExtension {
         status_(group, sizeof(core::MegakernelStatus)),
         ids_(world_ * max_tokens * shape.top_k),
         chunk_counts_(schedule_chunks(world_ * max_tokens * shape.top_k) * experts_ * world_),
-        counts_(experts_), source_counts_(experts_ * world_),
-        offsets_(experts_ + 1), row_of_slot_(world_ * max_tokens * shape.top_k),
-        slot_of_row_(worst_.capacity_rows),
-        ring_gate_(worst_.ring_rows * shape.intermediate),
-        ring_up_(worst_.ring_rows * shape.intermediate),
-        shared_gate_(max_tokens * shape.shared_intermediate),
-        shared_up_(max_tokens * shape.shared_intermediate),
+        source_counts_(experts_ * world_), row_of_slot_(world_ * max_tokens * shape.top_k),
         counters_(core::counter_count(worst_)), control_(1), routing_error_(kNoRoutingError) {
     MOKA_CUDA_CHECK(cudaGetDevice(&device_));
     num_sms_ = context_sm_count();
@@ -89,15 +104,17 @@ class CudaMegakernelForward final : public MegakernelExtension {
 
   const MegakernelConfig& config() const override { return config_; }
 
-  // `clock` gets the call's stages: inputs, schedule, megakernel, combine, status.
-  void forward(const MoeInputs& in, const MoeWeights& w, const TensorView& out, Stream stream, StageClock& clock) {
+  // `clock` gets the call's stages: inputs, schedule, megakernel, combine, status. `saved` gets
+  // what the backward reads.
+  void forward(const MoeInputs& in, const MoeWeights& w, const TensorView& out, Stream stream, StageClock& clock,
+               ForwardSaved& saved) {
     const int64_t T = in.x.rank == 2 ? in.x.dim(0) : 0, H = shape_.hidden, k = shape_.top_k;
     check_inputs(in, w, out, T);
     const cudaStream_t s = to_cuda(stream);
-    last_stream_ = s;
     const core::MegakernelPlan plan = core::build_megakernel_plan(config_, dims_of(shape_, world_, T));
     last_plan_ = plan;
     ++generation_;
+    saved = allocate_saved(plan, T, s);
 
     MOKA_CUDA_CHECK(cudaMemsetAsync(control_.data(), 0, sizeof(MegakernelControl), s));
     MOKA_CUDA_CHECK(cudaMemsetAsync(counters_.data(), 0, core::counter_count(plan) * sizeof(int64_t), s));
@@ -107,16 +124,21 @@ class CudaMegakernelForward final : public MegakernelExtension {
     clock.mark("inputs", s);
 
     const ScheduleCheck check{routing_.local<int32_t>(), world_, T, k, max_tokens_, shape_.num_experts, experts_,
-                              plan.capacity_rows, offsets_.data(), row_of_slot_.data(),
-                              slot_of_row_.data(), control_.data(), barrier_error_};
+                              plan.capacity_rows, saved.offsets.data(), row_of_slot_.data(),
+                              saved.slot_of_row.data(), control_.data(), barrier_error_};
     gather_source_ids(check, ids_.data(), s);
-    build_schedule(device_schedule(T), ids_.data(), world_ == 1 ? in.topk_weights.as<float>() : nullptr, s);
+    build_schedule(device_schedule(T, saved), ids_.data(), world_ == 1 ? in.topk_weights.as<float>() : nullptr, s);
     finish_schedule(check, s);
     clock.mark("schedule", s);
 
     const ForwardScratch scratch(*this, plan, T, s);
-    launch_megakernel(launch(plan, T, w, scratch), s);
+    launch_megakernel(launch(plan, T, w, scratch, saved), s);
     clock.mark("megakernel", s);
+    if (!backward_is_resident())  // the backward recomputes g and u: they were the call's scratch
+      for (DeviceArray<bf16>* a : {&saved.gate, &saved.up, &saved.shared_gate, &saved.shared_up}) a->release();
+    if (timeline_on_)
+      MOKA_CUDA_CHECK(cudaMemcpyAsync(last_rows_.data(), saved.offsets.data() + experts_, sizeof(int32_t),
+                                      cudaMemcpyDeviceToDevice, s));
     publish_status(control_.data(), status_.local<core::MegakernelStatus>(), s);
     barrier(s);
     combine_tokens(scratch.combine, in.topk_weights.as<float>(), shape_.has_shared() ? scratch.shared_out.data() : nullptr,
@@ -166,24 +188,16 @@ class CudaMegakernelForward final : public MegakernelExtension {
     return spans;
   }
 
-  // Routed rows per local expert of the last call (device, [E_local]).
-  const int32_t* expert_rows() const { return counts_.data(); }
-
-  // What the backward megakernel reads of the last forward; valid until the next forward, which
-  // bumps the generation.
+  // Forwards run; at EP > 1 the symmetric x holds the latest one's tokens.
   uint64_t generation() const { return generation_; }
   int device() const { return device_; }
-  const int32_t* offsets() const { return offsets_.data(); }
-  const int32_t* slot_of_row() const { return slot_of_row_.data(); }
   bf16* const* x_peers() const { return x_.peers<bf16>(); }
-  // The ring holds every routed row after any forward (one macrobatch of the worst case): ring
-  // row r is grouped row r, so g and u of every row stay there (the resident context; the
-  // backward pulls x's rows again from the symmetric x, as dispatch did).
-  bool backward_is_resident() const override { return worst_.ring_rows >= worst_.capacity_rows; }
-  const bf16* ring_gate() const { return ring_gate_.data(); }
-  const bf16* ring_up() const { return ring_up_.data(); }
-  const bf16* shared_gate() const { return shared_gate_.data(); }
-  const bf16* shared_up() const { return shared_up_.data(); }
+  bf16* x_local() const { return x_.local<bf16>(); }
+  // Resident: the ring holds every routed row of any call (one macrobatch of the worst case), so
+  // ring row r is grouped row r and g and u of every row are the forward's to keep (the
+  // backward pulls x's rows again from their origin, as dispatch did). Else, or with
+  // SaveMode::none, replay: the backward recomputes g and u.
+  bool backward_is_resident() const override { return resident_; }
   // EP > 1: the combine slots [max_tokens*k, H] of every rank, free between forwards (the
   // backward's d_x slots); null at EP = 1, where each call takes its own.
   bf16* const* combine_peers() const { return combine_ ? combine_->peers<bf16>() : nullptr; }
@@ -201,7 +215,21 @@ class CudaMegakernelForward final : public MegakernelExtension {
     expect_tensor(out, "out", DType::bf16, dev, {T, shape_.hidden});
   }
 
-  DeviceSchedule device_schedule(int64_t T) const {
+  ForwardSaved allocate_saved(const core::MegakernelPlan& plan, int64_t T, cudaStream_t s) const {
+    ForwardSaved saved;
+    saved.counts = DeviceArray<int32_t>(size_t(experts_), allocator_, s);
+    saved.offsets = DeviceArray<int32_t>(size_t(experts_ + 1), allocator_, s);
+    saved.slot_of_row = DeviceArray<int32_t>(size_t(plan.capacity_rows), allocator_, s);
+    saved.gate = DeviceArray<bf16>(size_t(plan.ring_rows * shape_.intermediate), allocator_, s);
+    saved.up = DeviceArray<bf16>(size_t(plan.ring_rows * shape_.intermediate), allocator_, s);
+    if (shape_.has_shared()) {
+      saved.shared_gate = DeviceArray<bf16>(size_t(T * shape_.shared_intermediate), allocator_, s);
+      saved.shared_up = DeviceArray<bf16>(size_t(T * shape_.shared_intermediate), allocator_, s);
+    }
+    return saved;
+  }
+
+  DeviceSchedule device_schedule(int64_t T, const ForwardSaved& saved) const {
     DeviceSchedule d;
     d.slots = T * shape_.top_k;
     d.num_experts = experts_;
@@ -213,9 +241,9 @@ class CudaMegakernelForward final : public MegakernelExtension {
     d.rank = rank_;
     d.row_order = config_.row_order;
     d.chunk_counts = chunk_counts_.data();
-    d.counts = counts_.data();
+    d.counts = saved.counts.data();
     d.source_counts = source_counts_.data();
-    d.offsets = offsets_.data();
+    d.offsets = saved.offsets.data();
     d.row_of_slot = row_of_slot_.data();
     d.error = routing_error_.device();
     return d;
@@ -250,11 +278,11 @@ class CudaMegakernelForward final : public MegakernelExtension {
   };
 
   MegakernelLaunch launch(const core::MegakernelPlan& plan, int64_t T, const MoeWeights& w,
-                          const ForwardScratch& scratch) const {
+                          const ForwardScratch& scratch, const ForwardSaved& saved) const {
     MegakernelLaunch l = sized_launch(plan, shape_, config_, T, experts_, num_sms_);
     l.num_comm_ctas = config_.num_comm_sms;
-    l.offsets = offsets_.data();
-    l.slot_of_row = slot_of_row_.data();
+    l.offsets = saved.offsets.data();
+    l.slot_of_row = saved.slot_of_row.data();
     l.x_peers = x_.peers<bf16>();
     l.combine_peers = combine_ ? combine_->peers<bf16>() : reinterpret_cast<bf16* const*>(own_combine_table_.data());
     l.x_local = x_.local<bf16>();
@@ -267,12 +295,12 @@ class CudaMegakernelForward final : public MegakernelExtension {
       l.ws_down = w.ws_down.as<bf16>();
     }
     l.ring_x = scratch.ring_x.data();
-    l.ring_gate = ring_gate_.data();
-    l.ring_up = ring_up_.data();
+    l.ring_gate = saved.gate.data();
+    l.ring_up = saved.up.data();
     l.ring_hidden = scratch.ring_hidden.data();
     l.ring_y = scratch.ring_y.data();
-    l.shared_gate = shared_gate_.data();
-    l.shared_up = shared_up_.data();
+    l.shared_gate = saved.shared_gate.data();
+    l.shared_up = saved.shared_up.data();
     l.shared_hidden = scratch.shared_hidden.data();
     l.shared_out = scratch.shared_out.data();
     l.counters = counters_.data();
@@ -309,9 +337,9 @@ class CudaMegakernelForward final : public MegakernelExtension {
   }
 
   core::MegakernelPlan trimmed_last_plan() const {
-    std::vector<int32_t> offsets(experts_ + 1);
-    MOKA_CUDA_CHECK(cudaMemcpy(offsets.data(), offsets_.data(), offsets.size() * sizeof(int32_t), cudaMemcpyDeviceToHost));
-    return core::trim_to_rows(last_plan_, offsets.back());
+    int32_t rows = 0;
+    MOKA_CUDA_CHECK(cudaMemcpy(&rows, last_rows_.data(), sizeof(int32_t), cudaMemcpyDeviceToHost));
+    return core::trim_to_rows(last_plan_, rows);
   }
 
   static void append_spans(const DeviceArray<TimelineRecord>& records, int64_t count,
@@ -330,15 +358,14 @@ class CudaMegakernelForward final : public MegakernelExtension {
   const int world_, rank_;
   const int64_t experts_, max_tokens_;
   const core::MegakernelPlan worst_;
+  const bool resident_;
   const uint64_t* const barrier_error_;  // the group's device-barrier error word, or null
   int device_ = 0, num_sms_ = 0;
   SymmetricBuffers x_, routing_;
   std::unique_ptr<SymmetricBuffers> combine_;  // EP > 1 (the pushes' targets); EP = 1: each call's
   SymmetricBuffers status_;
-  DeviceArray<int32_t> ids_, chunk_counts_, counts_, source_counts_, offsets_, row_of_slot_, slot_of_row_;
-  // The forward's grouped g and u rows and the shared expert's: the resident backward's context,
-  // kept until the next forward.
-  DeviceArray<bf16> ring_gate_, ring_up_, shared_gate_, shared_up_;
+  DeviceArray<int32_t> ids_, chunk_counts_, source_counts_, row_of_slot_;
+  DeviceArray<int32_t> last_rows_{1};  // the last forward's grouped rows, while a timeline is recorded
   DeviceArray<void*> own_combine_table_{1};  // EP = 1: the call's combine slots as a one-entry peer table
   DeviceArray<int64_t> counters_;
   DeviceArray<MegakernelControl> control_;
@@ -350,18 +377,25 @@ class CudaMegakernelForward final : public MegakernelExtension {
   core::MegakernelPlan last_plan_;  // the last forward's worst-case plan (trimmed by its row count)
   uint64_t generation_ = 0;         // forwards run
   cudaEvent_t done_ = nullptr;
-  cudaStream_t last_stream_ = nullptr;  // the last forward's
 };
 
-// A forward's context on the megakernel path: the staged layer's (for a backward that
-// recomputes), the forward's generation and its inputs.
+// A forward's context on the megakernel path: what it saved, its inputs and its generation.
 struct MegakernelContext final : MoeContext {
-  std::unique_ptr<MoeContext> staged;
   const void* layer = nullptr;
   uint64_t generation = 0;
   MoeInputs inputs;
   int64_t tokens = 0;
-  std::vector<int64_t> local_expert_rows() const override { return staged->local_expert_rows(); }
+  cudaStream_t stream = nullptr;  // the forward's
+  ForwardSaved saved;
+  int64_t saved_bytes() const override { return saved.bytes(); }
+  // Reads the routed row counts after the forward's stream (a synchronization: for tests and
+  // statistics only).
+  std::vector<int64_t> local_expert_rows() const override {
+    std::vector<int32_t> rows(saved.counts.size());
+    MOKA_CUDA_CHECK(cudaStreamSynchronize(stream));
+    MOKA_CUDA_CHECK(cudaMemcpy(rows.data(), saved.counts.data(), saved.counts.bytes(), cudaMemcpyDeviceToHost));
+    return {rows.begin(), rows.end()};
+  }
 };
 
 // EP > 1: what the backward megakernel's ranks share besides the forward's buffers (its d_x
@@ -375,26 +409,25 @@ struct BackwardSymmetric {
   SymmetricBuffers d_out, weights, d_topk_weights, status;
 };
 
-// The megakernel path of MoeLayer: forward through the megakernel. Backward, while no later
-// forward ran, through the backward megakernel (resident context when the forward's ring holds
-// every row, else replay; at EP > 1 a collective call, which every rank makes alike because
-// every rank runs the same forwards); else through a staged layer over the same group, which
-// recomputes its forward stages from the context first.
+// The megakernel path of MoeLayer: forward and backward through the megakernels, for any context
+// (resident: the backward reads the g and u rows the context saved; replay: it recomputes them).
+// At EP > 1 both are collective calls, which every rank makes alike. Calls from several threads
+// or streams are serialized: the kernels' schedule scratch, counters and status words are the
+// layer's.
 class MegakernelMoeLayer final : public MoeLayer {
  public:
   MegakernelMoeLayer(const MoeShape& shape, DeviceGroup* group, std::unique_ptr<DeviceGroup> owned,
                      const LayerOptions& options)
-      : owned_group_(std::move(owned)),
-        kernel_(shape, group, config_of(options), options.max_tokens,
-                options.allocator ? *options.allocator : default_device_allocator()),
-        stages_(make_staged_layer(shape, group, nullptr, options, GemmEngine::cutlass)) {
-    const int world = stages_->world_size();
+      : owned_group_(std::move(owned)), shape_(shape), world_(group ? group->size() : 1),
+        rank_(group ? group->rank() : 0),
+        kernel_(shape, group, config_of(options), options.max_tokens, options.save,
+                options.allocator ? *options.allocator : default_device_allocator()) {
     const auto mode = kernel_.backward_is_resident() ? core::ContextMode::resident : core::ContextMode::replay;
     const MegakernelConfig config = config_of(options);
-    if (world == 1) {
+    if (world_ == 1) {
       backward_ = std::make_unique<MegakernelBackward>(shape, config, 1, options.max_tokens, mode, 0, BackwardRanks{},
                                                        &kernel_.allocator());
-      peer_tables_ = DeviceArray<void*>(4);
+      peer_tables_ = DeviceArray<void*>(5);
       return;
     }
     symmetric_ = std::make_unique<BackwardSymmetric>(group, shape, options.max_tokens);
@@ -405,75 +438,71 @@ class MegakernelMoeLayer final : public MoeLayer {
     ranks.barrier_error = static_cast<const uint64_t*>(group->device_barrier_error());
     ranks.status_peers = symmetric_->status.peers<BackwardStatus>();
     ranks.own_status = symmetric_->status.local<BackwardStatus>();
-    backward_ = std::make_unique<MegakernelBackward>(shape, config, world, options.max_tokens, mode, 0,
+    backward_ = std::make_unique<MegakernelBackward>(shape, config, world_, options.max_tokens, mode, 0,
                                                      std::move(ranks), &kernel_.allocator());
   }
 
-  const MoeShape& shape() const override { return stages_->shape(); }
-  int rank() const override { return stages_->rank(); }
-  int world_size() const override { return stages_->world_size(); }
+  const MoeShape& shape() const override { return shape_; }
+  int rank() const override { return rank_; }
+  int world_size() const override { return world_; }
   const char* backend_name() const override { return "cuda"; }
 
   std::unique_ptr<MoeContext> forward(const MoeInputs& in, const MoeWeights& w, const TensorView& out,
                                       Stream stream) override {
-    clock_.start(StageClock::Direction::forward, to_cuda(stream));
-    raise_finished_errors(stream);
-    kernel_.forward(in, w, out, stream, clock_);
+    std::lock_guard<std::mutex> lock(mutex_);
+    const cudaStream_t s = to_cuda(stream);
+    clock_.start(StageClock::Direction::forward, s);
+    raise_finished_errors(s);
+    call_order_.before(s);
     auto ctx = std::make_unique<MegakernelContext>();
-    ctx->staged = stages_->context_to_recompute(in, stream, kernel_.expert_rows());
+    kernel_.forward(in, w, out, stream, clock_, ctx->saved);
+    call_order_.after(s);
     ctx->layer = this;
     ctx->generation = kernel_.generation();
     ctx->inputs = in;
     ctx->tokens = in.x.dim(0);
+    ctx->stream = s;
     return ctx;
   }
   void backward(const MoeContext& saved, const TensorView& d_out, const MoeWeights& w, const MoeGradients& g,
                 Stream stream) override {
-    const auto* ctx = dynamic_cast<const MegakernelContext*>(&saved);
-    require(ctx != nullptr && ctx->layer == this, ErrorCode::invalid_argument,
-            "backward got a context from another layer");
-    raise_finished_errors(stream);
-    last_backward_staged_ = !(backward_ && ctx->generation == kernel_.generation());
-    if (!last_backward_staged_) {
-      clock_.start(StageClock::Direction::backward, to_cuda(stream));
-      backward_megakernel(*ctx, d_out, w, g, to_cuda(stream));
-    } else {
-      // Several ranks, or a later forward overwrote this one's rows and schedule.
-      stages_->backward(*ctx->staged, d_out, w, g, stream);
-    }
+    run_backward(saved, d_out, w, g, to_cuda(stream), false);
   }
-  void record_stage_times(bool on) override {
-    clock_.set_on(on);
-    stages_->record_stage_times(on);
-  }
-  // The last forward's stages, and the last backward's: the megakernel's or, where the staged
-  // path ran it, that path's (its forward stages recomputed first).
-  std::vector<StageTime> stage_times() const override {
-    std::vector<StageTime> times = clock_.read();
-    if (last_backward_staged_) {
-      times.erase(std::remove_if(times.begin(), times.end(), [](const StageTime& t) { return t.direction == "backward"; }),
-                  times.end());
-      for (StageTime& t : stages_->stage_times()) {
-        if (t.direction == "forward") t.stage = "recompute " + t.stage;
-        t.direction = "backward";
-        times.push_back(t);
-      }
-    }
-    return times;
-  }
+  void record_stage_times(bool on) override { clock_.set_on(on); }
+  std::vector<StageTime> stage_times() const override { return clock_.read(); }
   void check_errors() override {
+    std::lock_guard<std::mutex> lock(mutex_);
     kernel_.check_errors();
-    stages_->check_errors();
-    if (backward_) backward_->check_errors();
+    backward_->check_errors();
   }
   MegakernelExtension* megakernel() override { return &kernel_; }
 
+ protected:
+  // A resident context's g and u become the backward's dg and du.
+  void backward_overwriting(MoeContext& saved, const TensorView& d_out, const MoeWeights& w, const MoeGradients& g,
+                            Stream stream) override {
+    run_backward(saved, d_out, w, g, to_cuda(stream), true);
+  }
+
  private:
+  void run_backward(const MoeContext& saved, const TensorView& d_out, const MoeWeights& w, const MoeGradients& g,
+                    cudaStream_t s, bool consume) {
+    const auto* ctx = dynamic_cast<const MegakernelContext*>(&saved);
+    require(ctx != nullptr && ctx->layer == this, ErrorCode::invalid_argument,
+            "backward got a context from another layer");
+    std::lock_guard<std::mutex> lock(mutex_);
+    raise_finished_errors(s);
+    clock_.start(StageClock::Direction::backward, s);
+    call_order_.before(s);
+    backward_megakernel(*ctx, d_out, w, g, s, consume);
+    call_order_.after(s);
+  }
+
   // Either direction raises the failures of earlier calls of both whose work has finished (a
   // training loop that never calls check_errors() stops at the next call).
-  void raise_finished_errors(Stream stream) {
-    kernel_.raise_finished_errors(to_cuda(stream));
-    if (backward_) backward_->raise_finished_errors(to_cuda(stream));
+  void raise_finished_errors(cudaStream_t s) {
+    kernel_.raise_finished_errors(s);
+    backward_->raise_finished_errors(s);
   }
 
   static MegakernelConfig config_of(const LayerOptions& o) {
@@ -483,30 +512,34 @@ class MegakernelMoeLayer final : public MoeLayer {
     return c;
   }
 
-  // The pulls read every row's d_out, route weight and (replay) x from its origin rank; the
-  // pushes write its d_x slots and d_topk_weights. EP = 1: the rank's own tensors and d_x slots
-  // of the call's own, through one-entry tables; EP > 1: d_out and the route weights copied into
-  // symmetric buffers first, the d_x slots are the forward's combine buffers (free until the next
-  // forward), d_topk_weights copied out after.
+  // The pulls read every row's d_out, route weight and x from its origin rank; the pushes write
+  // its d_x slots and d_topk_weights. EP = 1: the call's own tensors and d_x slots of its own,
+  // through one-entry tables; EP > 1: d_out and the route weights copied into symmetric buffers
+  // first (x too when a later forward replaced it), the d_x slots are the forward's combine
+  // buffers (free between calls), d_topk_weights copied out after.
   void backward_megakernel(const MegakernelContext& ctx, const TensorView& d_out, const MoeWeights& w,
-                           const MoeGradients& g, cudaStream_t s) {
-    const MoeShape& sh = shape();
-    const int64_t T = ctx.tokens, world = world_size();
+                           const MoeGradients& g, cudaStream_t s, bool consume) {
+    const MoeShape& sh = shape_;
+    const int64_t T = ctx.tokens;
     const Device dev = Device::cuda(kernel_.device());
-    core::validate_layer_tensors(sh, world, ctx.inputs, w, DType::bf16, dev);
-    core::validate_layer_gradients(sh, world, T, g, DType::bf16, dev);
+    core::validate_layer_tensors(sh, world_, ctx.inputs, w, DType::bf16, dev);
+    core::validate_layer_gradients(sh, world_, T, g, DType::bf16, dev);
     expect_tensor(d_out, "d_out", DType::bf16, dev, {T, sh.hidden});
+    ctx.saved.used_on(s);
     MegakernelBackwardIo io;
     DeviceArray<bf16> dx_slots;  // EP = 1
     if (symmetric_) {
-      MOKA_CUDA_CHECK(cudaMemcpyAsync(symmetric_->d_out.local<bf16>(), d_out.data, T * sh.hidden * sizeof(bf16),
-                                      cudaMemcpyDeviceToDevice, s));
-      MOKA_CUDA_CHECK(cudaMemcpyAsync(symmetric_->weights.local<float>(), ctx.inputs.topk_weights.data,
-                                      T * sh.top_k * sizeof(float), cudaMemcpyDeviceToDevice, s));
+      auto copy = [s](void* to, const void* from, size_t bytes) {
+        MOKA_CUDA_CHECK(cudaMemcpyAsync(to, from, bytes, cudaMemcpyDeviceToDevice, s));
+      };
+      if (ctx.generation != kernel_.generation()) copy(kernel_.x_local(), ctx.inputs.x.data, ctx.inputs.x.bytes());
+      copy(symmetric_->d_out.local<bf16>(), d_out.data, T * sh.hidden * sizeof(bf16));
+      copy(symmetric_->weights.local<float>(), ctx.inputs.topk_weights.data, T * sh.top_k * sizeof(float));
       io.d_out_peers = symmetric_->d_out.peers<const bf16>();
       io.weight_peers = symmetric_->weights.peers<const float>();
       io.dx_slot_peers = kernel_.combine_peers();
       io.dw_slot_peers = symmetric_->d_topk_weights.peers<float>();
+      io.x_peers = kernel_.x_peers();
     } else {
       PointerValues tables;
       tables.at[0] = d_out.data;
@@ -514,24 +547,26 @@ class MegakernelMoeLayer final : public MoeLayer {
       dx_slots = DeviceArray<bf16>(size_t(T * sh.top_k * sh.hidden), kernel_.allocator(), s);
       tables.at[2] = dx_slots.data();
       tables.at[3] = g.d_topk_weights.data;
-      tables.count = 4;
+      tables.at[4] = ctx.inputs.x.data;
+      tables.count = 5;
       write_pointer_table(peer_tables_.data(), tables, s);
       void* const* t = peer_tables_.data();
       io.d_out_peers = reinterpret_cast<const bf16* const*>(t);
       io.weight_peers = reinterpret_cast<const float* const*>(t + 1);
       io.dx_slot_peers = reinterpret_cast<bf16* const*>(t + 2);
       io.dw_slot_peers = reinterpret_cast<float* const*>(t + 3);
+      io.x_peers = reinterpret_cast<const bf16* const*>(t + 4);
     }
-    io.offsets = kernel_.offsets();
-    io.slot_of_row = kernel_.slot_of_row();
-    io.x_peers = kernel_.x_peers();
+    io.offsets = ctx.saved.offsets.data();
+    io.slot_of_row = ctx.saved.slot_of_row.data();
     io.x = ctx.inputs.x.as<bf16>();
     io.d_out = d_out.as<bf16>();
     io.dx_slots = symmetric_ ? kernel_.combine_slots() : dx_slots.data();
-    io.context_gate = kernel_.ring_gate();
-    io.context_up = kernel_.ring_up();
-    io.shared_gate = kernel_.shared_gate();
-    io.shared_up = kernel_.shared_up();
+    io.context_gate = ctx.saved.gate.data();
+    io.context_up = ctx.saved.up.data();
+    io.overwrite_context = consume;
+    io.shared_gate = ctx.saved.shared_gate.data();
+    io.shared_up = ctx.saved.shared_up.data();
     io.w_gate = w.w_gate.as<bf16>();
     io.w_up = w.w_up.as<bf16>();
     io.w_down = w.w_down.as<bf16>();
@@ -559,15 +594,17 @@ class MegakernelMoeLayer final : public MoeLayer {
     clock_.mark("status", s);
   }
 
-  std::unique_ptr<DeviceGroup> owned_group_;  // destroyed last: both parts use it
+  std::unique_ptr<DeviceGroup> owned_group_;  // destroyed last: the kernels' buffers use it
+  const MoeShape shape_;
+  const int world_, rank_;
   CudaMegakernelForward kernel_;
-  std::unique_ptr<StagedLayer> stages_;
   StageClock clock_;  // record_stage_times
   DeviceArray<int> backward_failed_{1};  // fill_nan_on_failure's flag
-  std::atomic<bool> last_backward_staged_{false};
   std::unique_ptr<BackwardSymmetric> symmetric_;  // EP > 1
   std::unique_ptr<MegakernelBackward> backward_;
-  DeviceArray<void*> peer_tables_;  // EP = 1: d_out, route weights, d_x slots, d_topk_weights
+  DeviceArray<void*> peer_tables_;  // EP = 1: d_out, route weights, d_x slots, d_topk_weights, x
+  std::mutex mutex_;                // one call at a time
+  CallOrder call_order_;            // ... on whichever stream
 };
 
 }  // namespace
