@@ -296,29 +296,9 @@ __global__ void zero_empty_kernel(const int32_t* counts, bf16* a, bf16* b, bf16*
   }
 }
 
-__device__ __forceinline__ uint64_t mix64(uint64_t z) {  // splitmix64 finalizer
-  z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
-  z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
-  return z ^ (z >> 31);
-}
-
-__global__ void fill_normal_kernel(bf16* data, int64_t n, uint64_t seed, float stddev) {
-  for (int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < n; i += int64_t(gridDim.x) * blockDim.x) {
-    const uint64_t h = mix64(seed * 0x9e3779b97f4a7c15ull + uint64_t(i));
-    const float u1 = (float(h >> 40) + 1.0f) / 16777217.0f, u2 = float((h >> 16) & 0xFFFFFF) / 16777216.0f;
-    data[i] = __float2bfloat16(stddev * sqrtf(-2.0f * logf(u1)) * cospif(2.0f * u2));
-  }
-}
-
 unsigned grid_of(int64_t blocks) { return static_cast<unsigned>(blocks); }
 
 }  // namespace
-
-void fill_normal_bf16(bf16* data, int64_t n, uint64_t seed, float stddev, cudaStream_t stream) {
-  if (n == 0) return;
-  fill_normal_kernel<<<1024, 256, 0, stream>>>(data, n, seed, stddev);
-  MOKA_CUDA_CHECK_LAUNCH();
-}
 
 int64_t schedule_chunks(int64_t slots) { return (slots + kScheduleChunk - 1) / kScheduleChunk; }
 

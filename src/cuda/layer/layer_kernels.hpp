@@ -97,7 +97,4 @@ void reduce_input_grads(const bf16* ra, const bf16* rb, const bf16* sa, const bf
 void zero_empty_experts(const int32_t* counts, int64_t experts, bf16* a, bf16* b, bf16* c, int64_t per_expert,
                         cudaStream_t stream);
 
-// N(0, stddev) bf16 from a counter-based hash (benchmarks fill gigabytes; never zeros).
-void fill_normal_bf16(bf16* data, int64_t n, uint64_t seed, float stddev, cudaStream_t stream);
-
 }  // namespace moka::cuda
