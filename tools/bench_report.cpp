@@ -42,8 +42,8 @@ LayerFloor layer_floor(const MoeShape& sh, int64_t tokens, const std::vector<int
     most_rows = std::max(most_rows, rows);
     most_inbound = std::max(most_inbound, inbound);
   }
-  const double flops = 6.0 * double(most_rows) * sh.hidden * sh.intermediate +
-                       6.0 * double(tokens) * sh.hidden * sh.shared_intermediate;
+  const double flops =
+      6.0 * double(most_rows) * sh.hidden * sh.intermediate + 6.0 * double(tokens) * sh.hidden * sh.shared_intermediate;
   LayerFloor f;
   f.flops_ms = flops / (peak_tflops * 1e12) * 1e3;
   if (link_gbs) f.bytes_ms = double(most_inbound) * sh.hidden * 2 / (*link_gbs * 1e9) * 1e3;
@@ -74,7 +74,9 @@ TorchResult torch_result(const std::string& path, const std::string& shape, int6
     if (j.value("shape", "") != shape || j.value("tokens_per_rank", int64_t(0)) != tokens || j.value("ep", 1) != ep)
       continue;
     r = TorchResult{j.value("fwdbwd_ms", 0.0), j.value("fwd_ms", 0.0), j.value("peak_memory_bytes", int64_t(0))};
-    auto bytes = [&](const char* field) { return j.contains(field) && j[field].is_number() ? j[field].get<int64_t>() : 0; };
+    auto bytes = [&](const char* field) {
+      return j.contains(field) && j[field].is_number() ? j[field].get<int64_t>() : 0;
+    };
     r.stack_peak_memory_bytes = bytes("stack_peak_memory_bytes");
     r.saved_bytes_per_layer = bytes("saved_bytes_per_layer");
     r.depth = j.value("depth", 1);
@@ -121,8 +123,8 @@ std::string bench_json(const BenchRow& r) {
   j["fwdbwd_vs_floor"] = floor ? nlohmann::ordered_json(r.fwdbwd_ms / *r.floor_fwdbwd_ms) : nlohmann::ordered_json();
   j["peak_memory_bytes"] = or_null(r.peak_memory_bytes);
   j["torch_fwdbwd_ms"] = or_null(r.torch_fwdbwd_ms);
-  j["speedup_vs_torch"] = r.torch_fwdbwd_ms ? nlohmann::ordered_json(*r.torch_fwdbwd_ms / r.fwdbwd_ms)
-                                            : nlohmann::ordered_json();
+  j["speedup_vs_torch"] =
+      r.torch_fwdbwd_ms ? nlohmann::ordered_json(*r.torch_fwdbwd_ms / r.fwdbwd_ms) : nlohmann::ordered_json();
   j["torch_peak_memory_bytes"] = or_null(r.torch_peak_memory_bytes);
   j["commit"] = build_commit();
   j["device"] = r.device;
@@ -157,10 +159,11 @@ void print_stage_breakdown(std::ostream& os, const std::vector<BenchRow>& rows) 
     if (stages == r.extra.end()) continue;
     for (const auto& [direction, list] : stages->items()) {
       char head[96];
-      std::snprintf(head, sizeof(head), "%-16s %7lld %-11s %-8s", r.shape.c_str(), static_cast<long long>(r.tokens_per_rank),
-                    r.path.c_str(), direction.c_str());
+      std::snprintf(head, sizeof(head), "%-16s %7lld %-11s %-8s", r.shape.c_str(),
+                    static_cast<long long>(r.tokens_per_rank), r.path.c_str(), direction.c_str());
       os << head;
-      for (const auto& [stage, ms] : list.items()) os << " " << stage << " " << std::fixed << std::setprecision(3) << ms.get<double>();
+      for (const auto& [stage, ms] : list.items())
+        os << " " << stage << " " << std::fixed << std::setprecision(3) << ms.get<double>();
       os << "\n";
     }
   }
@@ -195,16 +198,15 @@ void print_floor_comparison(std::ostream& os, const std::vector<BenchRow>& rows)
 }
 
 void print_table(std::ostream& os, const std::vector<BenchRow>& rows) {
-  os << std::left << std::setw(16) << "shape" << std::setw(10) << "path" << std::setw(8) << "backend"
-     << std::setw(4) << "ep" << std::right << std::setw(8) << "tokens" << std::setw(11) << "fwd ms"
-     << std::setw(11) << "bwd ms" << std::setw(11) << "fwd+bwd ms" << std::setw(10) << "TFLOP/s"
-     << std::setw(12) << "max rel err" << "\n";
+  os << std::left << std::setw(16) << "shape" << std::setw(10) << "path" << std::setw(8) << "backend" << std::setw(4)
+     << "ep" << std::right << std::setw(8) << "tokens" << std::setw(11) << "fwd ms" << std::setw(11) << "bwd ms"
+     << std::setw(11) << "fwd+bwd ms" << std::setw(10) << "TFLOP/s" << std::setw(12) << "max rel err"
+     << "\n";
   for (const auto& r : rows) {
-    os << std::left << std::setw(16) << r.shape << std::setw(10) << r.path << std::setw(8) << r.backend
-       << std::setw(4) << r.ep << std::right << std::setw(8) << r.tokens_per_rank << std::fixed
-       << std::setprecision(3) << std::setw(11) << r.fwd_ms << std::setw(11) << r.bwd_ms << std::setw(11)
-       << r.fwdbwd_ms << std::setprecision(4) << std::setw(10) << r.tflops << std::scientific
-       << std::setprecision(2) << std::setw(12);
+    os << std::left << std::setw(16) << r.shape << std::setw(10) << r.path << std::setw(8) << r.backend << std::setw(4)
+       << r.ep << std::right << std::setw(8) << r.tokens_per_rank << std::fixed << std::setprecision(3) << std::setw(11)
+       << r.fwd_ms << std::setw(11) << r.bwd_ms << std::setw(11) << r.fwdbwd_ms << std::setprecision(4) << std::setw(10)
+       << r.tflops << std::scientific << std::setprecision(2) << std::setw(12);
     if (r.max_rel_error) {
       os << *r.max_rel_error;
     } else {

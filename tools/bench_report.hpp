@@ -19,7 +19,7 @@ struct BenchRow {
   int64_t tokens_per_rank = 0;
   int iters = 0;
   double fwd_ms = 0, bwd_ms = 0, fwdbwd_ms = 0;
-  double tflops = 0;          // useful FLOPs of forward+backward per rank / fwdbwd time
+  double tflops = 0;                    // useful FLOPs of forward+backward per rank / fwdbwd time
   std::optional<double> max_rel_error;  // against the reference; none: not checked (JSON null, table "-")
   // Layer rows (JSON null where none): the floor of this case's forward plus backward
   // (LayerFloor::fwdbwd_ms), the device memory the path's layer holds at its peak around one

@@ -79,7 +79,8 @@ void make_routing(const NamedShape& ns, const BenchOptions& o, int rank, LayerBu
     std::normal_distribution<double> nd(0.0, 1.0 / std::sqrt(double(s.hidden)));
     for (auto& v : w_router) v = nd(rng);
     RouterOutputs out{TensorView(b.topk_ids.data(), DType::i32, {b.tokens, s.top_k}),
-                      TensorView(b.topk_weights.data(), DType::f64, {b.tokens, s.top_k}), {}};
+                      TensorView(b.topk_weights.data(), DType::f64, {b.tokens, s.top_k}),
+                      {}};
     router->forward(TensorView(b.x.data(), DType::f64, {b.tokens, s.hidden}),
                     TensorView(w_router.data(), DType::f64, {s.num_experts, s.hidden}), {}, out, Stream{});
     return;
@@ -110,9 +111,7 @@ void fail_on_purpose(const std::string& mode, LayerBuffers<double>& b, const Moe
 }
 
 using Clock = std::chrono::steady_clock;
-double ms_since(Clock::time_point t0) {
-  return std::chrono::duration<double, std::milli>(Clock::now() - t0).count();
-}
+double ms_since(Clock::time_point t0) { return std::chrono::duration<double, std::milli>(Clock::now() - t0).count(); }
 
 // The CPU reference's dense rate on this machine, now: a 256^3 f32 product in the form of its
 // fastest row loop (the weight gradients' acc[i] += d * row[i], which the compiler vectorizes; the
@@ -149,8 +148,8 @@ double cpu_dense_peak_tflops(int threads) {
 
 // One rank's part of a case, collective over `g` (threads of one process or worker processes).
 // Rank 0 returns the row.
-std::optional<BenchRow> run_cpu_case_on(ProcessGroup& g, const NamedShape& ns, int64_t tokens,
-                                        const BenchOptions& o, Progress& progress) {
+std::optional<BenchRow> run_cpu_case_on(ProcessGroup& g, const NamedShape& ns, int64_t tokens, const BenchOptions& o,
+                                        Progress& progress) {
   const MoeShape& s = ns.shape;
   const int rank = g.rank(), world = g.size();
   std::vector<double> fwd, bwd, total;
@@ -223,8 +222,8 @@ std::optional<BenchRow> run_cpu_case_on(ProcessGroup& g, const NamedShape& ns, i
 }
 
 // A case on the worker processes' group, or on `ep` emulated ranks of this process.
-std::optional<BenchRow> run_cpu_case(ProcessGroup* workers, const NamedShape& ns, int64_t tokens,
-                                     const BenchOptions& o, Progress& progress) {
+std::optional<BenchRow> run_cpu_case(ProcessGroup* workers, const NamedShape& ns, int64_t tokens, const BenchOptions& o,
+                                     Progress& progress) {
   if (workers) return run_cpu_case_on(*workers, ns, tokens, o, progress);
   std::optional<BenchRow> row;
   run_emulated_ranks(o.ep, [&](ProcessGroup& g) {
@@ -312,9 +311,8 @@ void run_bench(const BenchOptions& o) {
     for (const auto& name : o.shapes) shapes.push_back(named_shape(name));
   }
   const bool automatic = parse_backend(o.backend) == Backend::automatic;
-  const auto [backend, backend_choice] =
-      automatic ? automatic_backend(parse_precision(o.precision))
-                : std::pair<Backend, std::string>{parse_backend(o.backend), ""};
+  const auto [backend, backend_choice] = automatic ? automatic_backend(parse_precision(o.precision))
+                                                   : std::pair<Backend, std::string>{parse_backend(o.backend), ""};
   require(backend == Backend::cpu || o.precision == "bf16", ErrorCode::invalid_argument,
           "--precision fp8 runs on the CPU backend (the FP8 recipe's emulation) until the CUDA backend has FP8 "
           "kernels: use --backend cpu");
@@ -325,7 +323,8 @@ void run_bench(const BenchOptions& o) {
   // Worker processes (started by --gpus N or `moka launch`) form one group over TCP.
   std::unique_ptr<ProcessGroup> workers = join_workers(backend == Backend::cuda);
   const bool root = !workers || workers->rank() == 0;
-  require(!workers || o.ep == 1, ErrorCode::invalid_argument, "--ep (emulated ranks) cannot be combined with worker processes");
+  require(!workers || o.ep == 1, ErrorCode::invalid_argument,
+          "--ep (emulated ranks) cannot be combined with worker processes");
   const int world = workers ? workers->size() : o.ep;
   require(o.fail_rank < world, ErrorCode::invalid_argument,
           "--fail-rank " + std::to_string(o.fail_rank) + " is not one of the " + std::to_string(world) + " ranks");
@@ -361,7 +360,8 @@ void run_bench(const BenchOptions& o) {
   std::cout << "\n";
   print_floor_comparison(std::cout, rows);
   std::vector<BenchRow> staged;  // the megakernel rows have none of the comparison's columns
-  std::copy_if(rows.begin(), rows.end(), std::back_inserter(staged), [](const BenchRow& r) { return r.path != "megakernel"; });
+  std::copy_if(rows.begin(), rows.end(), std::back_inserter(staged),
+               [](const BenchRow& r) { return r.path != "megakernel"; });
   if (backend == Backend::cuda) print_cuda_comparison(std::cout, staged);
   if (o.breakdown) print_stage_breakdown(std::cout, rows);
 }
@@ -371,8 +371,9 @@ void run_bench(const BenchOptions& o) {
 void register_bench(CLI::App& app) {
   auto o = std::make_shared<BenchOptions>();
   auto* cmd = app.add_subcommand("bench", "Run the MoE layer forward+backward, check and time it");
-  auto* shape = cmd->add_option("--shape", o->shapes, "Named shape(s): qwen3-30b-a3b, qwen3-235b-a22b, deepseek-v3, "
-                                                      "gpt-oss-120b, mixtral-8x7b, tiny")
+  auto* shape = cmd->add_option("--shape", o->shapes,
+                                "Named shape(s): qwen3-30b-a3b, qwen3-235b-a22b, deepseek-v3, "
+                                "gpt-oss-120b, mixtral-8x7b, tiny")
                     ->delimiter(',');
   cmd->add_option("--tokens", o->tokens, "Tokens per rank (comma list)")
       ->delimiter(',')
@@ -400,8 +401,8 @@ void register_bench(CLI::App& app) {
   };
   auto* hidden = custom("--hidden", o->hidden, "Custom shape: hidden size", 1)->excludes(shape);
   for (CLI::Option* option : {custom("--intermediate", o->intermediate, "Custom shape: expert intermediate size", 1),
-                               custom("--experts", o->experts, "Custom shape: number of experts", 1),
-                               custom("--top-k", o->top_k, "Custom shape: experts per token", 1)}) {
+                              custom("--experts", o->experts, "Custom shape: number of experts", 1),
+                              custom("--top-k", o->top_k, "Custom shape: experts per token", 1)}) {
     hidden->needs(option);
     option->needs(hidden);
   }

@@ -58,8 +58,7 @@ void register_launch(CLI::App& app) {
   cmd->callback([o, &app] {
     std::vector<std::string> args = o->args;
     bool is_moka_command = false;
-    for (const auto* sub : app.get_subcommands({}))
-      is_moka_command |= sub->get_name() == args.front();
+    for (const auto* sub : app.get_subcommands({})) is_moka_command |= sub->get_name() == args.front();
     if (is_moka_command) args.insert(args.begin(), self_executable());
     const int rc = launch_workers(args, LaunchOptions{o->workers, o->grace});
     if (rc != 0) std::exit(rc);

@@ -56,10 +56,10 @@ nlohmann::json result_json(const LrHorizonCommand& c, const train::LrHorizonConf
                      {"runs_seed_lr_budget", r.runs}};
   if (config.holdout > 0) doc["holdout_fit"] = power_law_json(r.holdout_fit);
   for (const auto& b : r.budgets) {
-    nlohmann::json j{{"steps", b.steps},       {"tokens", b.tokens},     {"loss", b.loss},
-                     {"loss_std", b.loss_std}, {"usable", b.usable},     {"fitted", b.fitted},
-                     {"held_out", b.held_out},
-                     {"ln_eta_star_over_seeds", spread_json(b.log_eta_star_seeds)}};
+    nlohmann::json j{{"steps", b.steps},       {"tokens", b.tokens},
+                     {"loss", b.loss},         {"loss_std", b.loss_std},
+                     {"usable", b.usable},     {"fitted", b.fitted},
+                     {"held_out", b.held_out}, {"ln_eta_star_over_seeds", spread_json(b.log_eta_star_seeds)}};
     if (b.usable) {
       j["eta_star"] = b.optimum.eta_star;
       j["parabola"] = {{"a", b.optimum.fit.a}, {"b", b.optimum.fit.b}, {"c", b.optimum.fit.c}};
@@ -70,14 +70,17 @@ nlohmann::json result_json(const LrHorizonCommand& c, const train::LrHorizonConf
   }
   doc["held_out"] = nlohmann::json::array();
   for (const auto& h : r.held_out)
-    doc["held_out"].push_back({{"tokens", h.tokens}, {"measured", h.measured}, {"predicted", h.predicted},
+    doc["held_out"].push_back({{"tokens", h.tokens},
+                               {"measured", h.measured},
+                               {"predicted", h.predicted},
                                {"relative_error", h.relative_error}});
   doc["extrapolated"] = nlohmann::json::array();
-  for (const auto& [tokens, eta] : r.extrapolated) doc["extrapolated"].push_back({{"tokens", tokens}, {"eta_star", eta}});
+  for (const auto& [tokens, eta] : r.extrapolated)
+    doc["extrapolated"].push_back({{"tokens", tokens}, {"eta_star", eta}});
   doc["wsd_checks"] = nlohmann::json::array();
   for (const auto& w : r.wsd_checks) {
-    nlohmann::json j{{"steps", w.steps},       {"tokens", w.tokens},       {"wsd_loss", w.wsd_loss},
-                     {"ema_loss", w.ema_loss}, {"usable", w.usable},       {"mean_loss_gap_ema_minus_wsd", w.mean_loss_gap}};
+    nlohmann::json j{{"steps", w.steps},       {"tokens", w.tokens}, {"wsd_loss", w.wsd_loss},
+                     {"ema_loss", w.ema_loss}, {"usable", w.usable}, {"mean_loss_gap_ema_minus_wsd", w.mean_loss_gap}};
     if (w.usable) {
       j["wsd_eta_star"] = w.wsd_eta_star;
       j["ema_eta_star"] = w.ema_eta_star;
@@ -97,16 +100,14 @@ void print_result(const train::LrHorizonConfig& config, const train::LrHorizonRe
   std::printf("\n");
   for (const auto& b : r.budgets) {
     std::printf("%-8lld %12lld ", (long long)b.steps, (long long)b.tokens);
-    if (b.usable)
-      std::printf("%12.3e", b.optimum.eta_star);
-    else
-      std::printf("%12s", "-");
-    if (seeded) std::printf("  %.3f +- %.3f (%d)", b.log_eta_star_seeds.mean, b.log_eta_star_seeds.std, b.log_eta_star_seeds.count);
+    if (b.usable) std::printf("%12.3e", b.optimum.eta_star);
+    else std::printf("%12s", "-");
+    if (seeded)
+      std::printf("  %.3f +- %.3f (%d)", b.log_eta_star_seeds.mean, b.log_eta_star_seeds.std,
+                  b.log_eta_star_seeds.count);
     if (b.held_out) std::printf("  held out");
-    if (!b.usable)
-      std::printf("  left out: %s", b.why_not.c_str());
-    else if (!b.fitted)
-      std::printf("  not fitted (before --fit-from)");
+    if (!b.usable) std::printf("  left out: %s", b.why_not.c_str());
+    else if (!b.fitted) std::printf("  not fitted (before --fit-from)");
     std::printf("\n");
   }
   std::printf("fit log eta* = beta log B + gamma over %d budgets: beta %.4f, gamma %.4f, R^2 %.4f\n", r.fit.points,
@@ -124,8 +125,9 @@ void print_result(const train::LrHorizonConfig& config, const train::LrHorizonRe
   for (const auto& [tokens, eta] : r.extrapolated) std::printf("extrapolated eta*(%.3g tokens) = %.3e\n", tokens, eta);
   for (const auto& w : r.wsd_checks) {
     if (w.usable)
-      std::printf("WSD check at %lld steps: decayed runs' eta* %.3e, EMA's %.3e (ratio %.3f); EMA loss - WSD loss %.4f\n",
-                  (long long)w.steps, w.wsd_eta_star, w.ema_eta_star, w.eta_ratio, w.mean_loss_gap);
+      std::printf(
+          "WSD check at %lld steps: decayed runs' eta* %.3e, EMA's %.3e (ratio %.3f); EMA loss - WSD loss %.4f\n",
+          (long long)w.steps, w.wsd_eta_star, w.ema_eta_star, w.eta_ratio, w.mean_loss_gap);
     else
       std::printf("WSD check at %lld steps: no optimum (%s); EMA loss - WSD loss %.4f\n", (long long)w.steps,
                   w.why_not.c_str(), w.mean_loss_gap);
@@ -139,7 +141,8 @@ void run(LrHorizonCommand& c) {
   train::LrHorizonConfig config;
   config.lrs = c.sweep.lrs();
   config.wsd_check_steps = parse_positive_list("--wsd-check", c.wsd_check);
-  for (int64_t t : parse_positive_list("--predict-tokens", c.predict_tokens)) config.predict_tokens.push_back(double(t));
+  for (int64_t t : parse_positive_list("--predict-tokens", c.predict_tokens))
+    config.predict_tokens.push_back(double(t));
   if (!c.json.empty()) check_output_path("--json", c.json);
   require(c.plot.empty() || !c.json.empty(), ErrorCode::invalid_argument, "--plot draws from --json: give both");
   if (!c.plot.empty()) check_plotter(c.plot);

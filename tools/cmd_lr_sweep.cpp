@@ -42,17 +42,20 @@ void write_csv(const std::string& path, const std::string& param, const train::L
 }
 
 nlohmann::json result_json(const LrSweepCommand& c, const train::LrSweepResult& r) {
-  nlohmann::json doc{{"command", "lr-sweep"}, {"param", c.options.parameterization}, {"seeds", c.sweep.seeds},
-                     {"lrs", c.sweep.lrs()}, {"drift_log2", r.drift_log2},
-                     {"drift_log2_over_seeds", spread_json(r.drift_spread)}};
+  nlohmann::json doc{{"command", "lr-sweep"},      {"param", c.options.parameterization},
+                     {"seeds", c.sweep.seeds},     {"lrs", c.sweep.lrs()},
+                     {"drift_log2", r.drift_log2}, {"drift_log2_over_seeds", spread_json(r.drift_spread)}};
   for (const auto& p : r.points)
     doc["points"].push_back({{"width", p.width}, {"lr", p.lr}, {"seed", p.seed}, {"loss", p.loss}});
   for (size_t w = 0; w < r.optima.size(); ++w) {
     const auto& o = r.optima[w];
     nlohmann::json per_seed = nlohmann::json::array();
     for (const auto& s : r.per_seed) per_seed.push_back(s.optima[w].eta_star);
-    doc["optima"].push_back({{"width", o.width}, {"eta_star", o.eta_star}, {"from_fit", o.from_fit},
-                             {"best_grid_lr", o.best_grid_lr}, {"best_grid_loss", o.best_grid_loss},
+    doc["optima"].push_back({{"width", o.width},
+                             {"eta_star", o.eta_star},
+                             {"from_fit", o.from_fit},
+                             {"best_grid_lr", o.best_grid_lr},
+                             {"best_grid_loss", o.best_grid_loss},
                              {"eta_star_per_seed", per_seed},
                              {"log2_eta_star_over_seeds", spread_json(r.log2_eta_star_spread[w])}});
   }

@@ -90,8 +90,9 @@ std::vector<sched::TrafficMatrix> epochs(SimulateOptions& o) {
   auto out = o.replay.empty() ? std::vector<sched::TrafficMatrix>{synthetic_epoch(o, mode)} : replayed_epochs(o, mode);
   for (size_t e = 0; e < out.size(); ++e)
     require(out[e].total() > 0, ErrorCode::invalid_argument,
-            "epoch " + std::to_string(e) + " sends no bytes between GPUs (every route stays on its own GPU): "
-            "nothing to schedule");
+            "epoch " + std::to_string(e) +
+                " sends no bytes between GPUs (every route stays on its own GPU): "
+                "nothing to schedule");
   return out;
 }
 
@@ -171,9 +172,10 @@ void print_row(const nlohmann::ordered_json& j, bool json) {
     std::cout << j.dump() << std::endl;
     return;
   }
-  std::cout << std::left << std::setw(18) << j["policy"].get<std::string>() << std::setw(7) << j["model"].get<std::string>()
-            << std::right << std::fixed << std::setprecision(4) << std::setw(10) << j["completion_over_tstar"].get<double>()
-            << std::setprecision(2) << std::setw(14) << j["peak_hot_queue"].get<double>() / (1 << 20) << std::setw(14)
+  std::cout << std::left << std::setw(18) << j["policy"].get<std::string>() << std::setw(7)
+            << j["model"].get<std::string>() << std::right << std::fixed << std::setprecision(4) << std::setw(10)
+            << j["completion_over_tstar"].get<double>() << std::setprecision(2) << std::setw(14)
+            << j["peak_hot_queue"].get<double>() / (1 << 20) << std::setw(14)
             << j["mean_hot_queue"].get<double>() / (1 << 20) << std::setprecision(1) << std::setw(12)
             << j["pause_s"].get<double>() * 1e6 << std::setw(8) << j["phases"].get<int>() << "\n";
 }
@@ -195,8 +197,8 @@ void print_two_tier(const sched::TwoTierResult& r, int epoch, bool json) {
     return;
   }
   std::cout << "two-tier: completion / server-level bound " << r.completion_s / r.server_bound_s << " (bound "
-            << r.server_bound_s * 1e6 << " us, direct NIC bound " << r.direct_nic_bound_s * 1e6 << " us, "
-            << r.phases << " server phases)\n";
+            << r.server_bound_s * 1e6 << " us, direct NIC bound " << r.direct_nic_bound_s * 1e6 << " us, " << r.phases
+            << " server phases)\n";
 }
 
 // --shape: the named shape's row width and top-k, and its experts spread over --gpus.
@@ -265,9 +267,9 @@ void register_simulate(CLI::App& app) {
                    ->check(gini_range());
   auto* routing = cmd->add_option("--routing", o->routing, "uniform | zipf | one-expert")
                       ->check(CLI::IsMember({"uniform", "zipf", "one-expert"}));
-  auto* locality = cmd->add_option("--locality", o->traffic.routing.locality,
-                                   "share of choices drawn from the rank's own experts")
-                       ->check(finite_range(0.0, 1.0));
+  auto* locality =
+      cmd->add_option("--locality", o->traffic.routing.locality, "share of choices drawn from the rank's own experts")
+          ->check(finite_range(0.0, 1.0));
   auto* seed = cmd->add_option("--seed", o->traffic.routing.seed, "routing seed");
   auto* tokens = cmd->add_option("--tokens", o->traffic.tokens_per_rank, "tokens per rank")
                      ->check(CLI::Range(int64_t{1}, int64_t{1} << 30));
@@ -305,8 +307,7 @@ void register_simulate(CLI::App& app) {
       ->check(CLI::Range(0, sched::kMaxRanks));
   cmd->add_option("--nic-gbps", o->nic_gbps, "two-tier fabric: per-GPU NIC bandwidth per direction, GB/s")
       ->check(finite_range(1e-3, 1e6));
-  cmd->add_option("--chunk-kb", o->chunk_kb, "packet model: chunk size, KiB")
-      ->check(finite_range(1.0, double(1 << 20)));
+  cmd->add_option("--chunk-kb", o->chunk_kb, "packet model: chunk size, KiB")->check(finite_range(1.0, double(1 << 20)));
   cmd->add_option("--buffer-mb", o->buffer_mb, "packet model: buffer per output port, MiB (0: unbounded)")
       ->check(finite_range(0.0, 1e6));
   cmd->add_option("--back-pressure", o->back_pressure, "packet model: credit | pfc")

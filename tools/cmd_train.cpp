@@ -59,7 +59,8 @@ class StopOnSignal {
   int signal() const { return stop_signal; }
 
  private:
-  struct sigaction previous_int_ {}, previous_term_ {};
+  struct sigaction previous_int_ {
+  }, previous_term_{};
 };
 
 std::string progress_text(const train::StepReport& r, double tokens_per_s) {

@@ -106,7 +106,8 @@ struct LayerBuffers {
 
   MoeInputs inputs() {
     const int64_t H = shape.hidden, k = shape.top_k;
-    return {view(x, {tokens, H}), TensorView(topk_ids.data(), DType::i32, {tokens, k}), view(topk_weights, {tokens, k})};
+    return {view(x, {tokens, H}), TensorView(topk_ids.data(), DType::i32, {tokens, k}),
+            view(topk_weights, {tokens, k})};
   }
   MoeWeights weights() {
     const int64_t H = shape.hidden, I = shape.intermediate, El = shape.num_experts / world_size;
@@ -122,8 +123,14 @@ struct LayerBuffers {
   MoeGradients gradients() {
     const int64_t H = shape.hidden, I = shape.intermediate, El = shape.num_experts / world_size, k = shape.top_k;
     const int64_t Is = shape.shared_intermediate;
-    MoeGradients g{view(d_x, {tokens, H}), view(d_topk_weights, {tokens, k}), view(d_w_gate, {El, I, H}),
-                   view(d_w_up, {El, I, H}), view(d_w_down, {El, H, I}), {}, {}, {}};
+    MoeGradients g{view(d_x, {tokens, H}),
+                   view(d_topk_weights, {tokens, k}),
+                   view(d_w_gate, {El, I, H}),
+                   view(d_w_up, {El, I, H}),
+                   view(d_w_down, {El, H, I}),
+                   {},
+                   {},
+                   {}};
     if (shape.has_shared()) {
       g.d_ws_gate = view(d_ws_gate, {Is, H});
       g.d_ws_up = view(d_ws_up, {Is, H});

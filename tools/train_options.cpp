@@ -140,7 +140,9 @@ void add_train_options(CLI::App* cmd, TrainCliOptions& o, SharedOptions which) {
   cmd->add_option("--attention", o.attention, "mla | mha")->capture_default_str()->check(CLI::IsMember({"mla", "mha"}));
   cmd->add_option("--q-rank", b.q_rank, "MLA query latent rank")->capture_default_str()->check(one_or_more);
   cmd->add_option("--kv-rank", b.kv_rank, "MLA key/value latent rank")->capture_default_str()->check(one_or_more);
-  cmd->add_option("--layers", b.num_layers, "layers (the first has a dense FFN)")->capture_default_str()->check(one_or_more);
+  cmd->add_option("--layers", b.num_layers, "layers (the first has a dense FFN)")
+      ->capture_default_str()
+      ->check(one_or_more);
   cmd->add_option("--dense-intermediate", b.dense_intermediate, "dense FFN size of layer 0")
       ->capture_default_str()
       ->check(one_or_more);
@@ -265,7 +267,8 @@ train::TextSplit TrainCliOptions::load_text() const {
   const auto shortest = int64_t(std::min(text.train.size(), text.validation.size()));
   require(shortest > train.seq + 1, ErrorCode::invalid_argument,
           "--seq " + std::to_string(train.seq) + " needs more text than the " + std::to_string(text.train.size()) +
-              " train / " + std::to_string(text.validation.size()) + " validation bytes loaded (see --max-bytes, --data)");
+              " train / " + std::to_string(text.validation.size()) +
+              " validation bytes loaded (see --max-bytes, --data)");
   return text;
 }
 
@@ -324,7 +327,8 @@ void add_sweep_options(CLI::App* cmd, SweepCliOptions& o) {
       ->capture_default_str()
       ->check(at_least(2))
       ->check(at_most(double(SweepCliOptions::kMaxGridAxis)));
-  cmd->add_option("--seeds", o.seeds, "runs per grid point (seeds --seed, --seed + 1, ...); spreads over seeds are reported")
+  cmd->add_option("--seeds", o.seeds,
+                  "runs per grid point (seeds --seed, --seed + 1, ...); spreads over seeds are reported")
       ->capture_default_str()
       ->check(at_least(1))
       ->check(at_most(double(SweepCliOptions::kMaxGridAxis)));

@@ -92,7 +92,7 @@ struct SweepCliOptions {
   int seeds = 1;
   int workers = 0;
   int eval_batches = 8;
-  std::vector<double> lrs() const;  // lr_points LRs evenly spaced in log between lr_min and lr_max
+  std::vector<double> lrs() const;              // lr_points LRs evenly spaced in log between lr_min and lr_max
   int resolved_workers(Backend backend) const;  // 0 = one per hardware thread on the CPU, 4 on the GPU
 };
 void add_sweep_options(CLI::App* cmd, SweepCliOptions& o);

@@ -17,8 +17,9 @@
 namespace moka::lab {
 
 void add_case_options(CLI::App& app, CaseOptions& o) {
-  app.add_option("--shape", o.shapes, "Named shape(s): qwen3-30b-a3b, qwen3-235b-a22b, deepseek-v3, gpt-oss-120b, "
-                                      "mixtral-8x7b, tiny")
+  app.add_option("--shape", o.shapes,
+                 "Named shape(s): qwen3-30b-a3b, qwen3-235b-a22b, deepseek-v3, gpt-oss-120b, "
+                 "mixtral-8x7b, tiny")
       ->delimiter(',');
   app.add_option("--tokens", o.tokens, "Tokens per rank (comma list)")
       ->delimiter(',')

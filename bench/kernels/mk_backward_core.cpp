@@ -27,8 +27,8 @@ Dev peer_table(T* p) {
 // slot_of_row: the inverse of the schedule's row_of_slot (padding rows -1).
 Dev slot_of_row(const GroupedRowsCase& in, int64_t rows) {
   std::vector<int32_t> row_of_slot(in.tokens * in.shape.top_k), slots(rows, -1);
-  MOKA_CUDA_CHECK(cudaMemcpy(row_of_slot.data(), in.sched.row_of_slot.data(), row_of_slot.size() * 4,
-                             cudaMemcpyDeviceToHost));
+  MOKA_CUDA_CHECK(
+      cudaMemcpy(row_of_slot.data(), in.sched.row_of_slot.data(), row_of_slot.size() * 4, cudaMemcpyDeviceToHost));
   for (size_t slot = 0; slot < row_of_slot.size(); ++slot) slots[row_of_slot[slot]] = int32_t(slot);
   Dev d(rows * 4);
   MOKA_CUDA_CHECK(cudaMemcpy(d.data(), slots.data(), d.bytes(), cudaMemcpyHostToDevice));

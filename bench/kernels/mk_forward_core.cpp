@@ -93,7 +93,8 @@ BenchRow run_case(const NamedShape& ns, int64_t tokens, const Options& o) {
   MOKA_CUDA_CHECK(cudaStreamSynchronize(s));
   core.check_errors();
   const auto counts = in.counts(), offsets = in.offsets();
-  const auto mk_hidden = routed_rows(mk.hidden, I, counts, offsets), cl_hidden = routed_rows(cl.hidden, I, counts, offsets);
+  const auto mk_hidden = routed_rows(mk.hidden, I, counts, offsets),
+             cl_hidden = routed_rows(cl.hidden, I, counts, offsets);
   const auto mk_y = routed_rows(mk.y, H, counts, offsets), cl_y = routed_rows(cl.y, H, counts, offsets);
   const bool identical = std::memcmp(mk_hidden.data(), cl_hidden.data(), mk_hidden.size() * 2) == 0 &&
                          std::memcmp(mk_y.data(), cl_y.data(), mk_y.size() * 2) == 0;

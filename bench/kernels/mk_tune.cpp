@@ -28,8 +28,8 @@ std::vector<BenchRow> sweep(ProcessGroup* workers, const Options& o) {
   const cli::CaseStream stream("mk_tune");
   const cudaStream_t s = stream.s;
   cli::LayerTensors t(sh, o.tokens, R);
-  t.randomize(o.seed * 1000 + rank, core::sample_topk_ids({core::RoutingKind::uniform, 0.3, o.seed}, o.tokens,
-                                                          sh.top_k, sh.num_experts, static_cast<uint64_t>(rank)));
+  t.randomize(o.seed * 1000 + rank, core::sample_topk_ids({core::RoutingKind::uniform, 0.3, o.seed}, o.tokens, sh.top_k,
+                                                          sh.num_experts, static_cast<uint64_t>(rank)));
   std::unique_ptr<DeviceGroup> group;
   if (workers) group = make_nccl_group(*workers, t.device);
   std::vector<BenchRow> rows;
@@ -40,13 +40,14 @@ std::vector<BenchRow> sweep(ProcessGroup* workers, const Options& o) {
       cfg.minibatch_size = minibatch;
       cfg.macrobatch_size = std::max(o.macrobatch / minibatch, int64_t(1)) * minibatch;
       auto mk = cli::megakernel_layer(sh, group.get(), cfg, o.tokens);
-      double ms = cli::time_ms([&] { mk->forward(t.inputs(), t.weights(), t.out_view(), Stream{s}); }, o.warmup,
-                               o.iters, s);
+      double ms =
+          cli::time_ms([&] { mk->forward(t.inputs(), t.weights(), t.out_view(), Stream{s}); }, o.warmup, o.iters, s);
       MOKA_CUDA_CHECK(cudaStreamSynchronize(s));
       mk->check_errors();
       if (workers) ms = cli::max_over_ranks(*workers, ms);
-      BenchRow row = cli::cuda_row(ns, "megakernel comm_sms=" + std::to_string(comm) + " minibatch=" +
-                                           std::to_string(minibatch), t.device, R, o.tokens, o.iters);
+      BenchRow row =
+          cli::cuda_row(ns, "megakernel comm_sms=" + std::to_string(comm) + " minibatch=" + std::to_string(minibatch),
+                        t.device, R, o.tokens, o.iters);
       row.fwd_ms = ms;
       row.tflops = sh.forward_flops(o.tokens) / (ms * 1e-3) / 1e12;
       row.extra = {{"num_comm_sms", comm}, {"minibatch_size", minibatch}, {"tflops_note", "forward only"}};

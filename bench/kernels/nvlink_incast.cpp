@@ -67,7 +67,7 @@ std::vector<IncastRow> measure(ProcessGroup& workers, size_t bytes, int iters) {
     const bool sends = rank >= 1 && rank <= k, victim = rank == 1;
     std::vector<double> incast_ms, victim_ms;
     for (int i = 0; i < iters + 1; ++i) {  // the first round warms up
-      workers.barrier();  // the flows start together (host barrier: tens of us against ms copies)
+      workers.barrier();                   // the flows start together (host barrier: tens of us against ms copies)
       // Both of rank 1's flows are in flight together, each timed on its own stream.
       Flow incast, victim_flow;
       if (sends) incast.start(incast_stream.s), copy_to(0, src, incast_stream.s), incast.stop(incast_stream.s);
@@ -97,10 +97,10 @@ void run(const Options& o) {
     throw;
   }
   for (const IncastRow& r : rows)
-    std::printf("{\"gpus\": %d, \"megabytes\": %lld, \"iters\": %d, \"senders\": %d, \"receiver_gbs\": %.2f, "
-                "\"victim_gbs\": %.2f}\n",
-                workers->size(), static_cast<long long>(o.megabytes), o.iters, r.senders, r.receiver_gbs,
-                r.victim_gbs);
+    std::printf(
+        "{\"gpus\": %d, \"megabytes\": %lld, \"iters\": %d, \"senders\": %d, \"receiver_gbs\": %.2f, "
+        "\"victim_gbs\": %.2f}\n",
+        workers->size(), static_cast<long long>(o.megabytes), o.iters, r.senders, r.receiver_gbs, r.victim_gbs);
 }
 
 }  // namespace

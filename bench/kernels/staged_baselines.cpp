@@ -18,8 +18,8 @@ LayerTimes time_layer(MoeLayer& layer, const cli::LayerTensors& t, const CaseOpt
   std::unique_ptr<MoeContext> ctx;
   r.fwd = cli::time_ms([&] { ctx = layer.forward(t.inputs(), t.weights(), t.out_view(), Stream{s}); }, o.warmup,
                        o.iters, s);
-  r.bwd = cli::time_ms([&] { layer.backward(*ctx, t.d_out_view(), t.weights(), t.gradients(), Stream{s}); },
-                       o.warmup, o.iters, s);
+  r.bwd = cli::time_ms([&] { layer.backward(*ctx, t.d_out_view(), t.weights(), t.gradients(), Stream{s}); }, o.warmup,
+                       o.iters, s);
   r.fwdbwd = cli::time_ms(
       [&] {
         layer.consume_backward(layer.forward(t.inputs(), t.weights(), t.out_view(), Stream{s}), t.d_out_view(),
@@ -35,8 +35,8 @@ struct StepOutputs {
   std::vector<__nv_bfloat16> out, d_x, d_w_down;
 };
 StepOutputs step_outputs(MoeLayer& layer, const cli::LayerTensors& t, cudaStream_t s) {
-  layer.consume_backward(layer.forward(t.inputs(), t.weights(), t.out_view(), Stream{s}), t.d_out_view(),
-                         t.weights(), t.gradients(), Stream{s});
+  layer.consume_backward(layer.forward(t.inputs(), t.weights(), t.out_view(), Stream{s}), t.d_out_view(), t.weights(),
+                         t.gradients(), Stream{s});
   MOKA_CUDA_CHECK(cudaStreamSynchronize(s));
   layer.check_errors();
   return {cli::read_bf16(t.out), cli::read_bf16(t.d_x), cli::read_bf16(t.dwd)};

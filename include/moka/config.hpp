@@ -18,7 +18,7 @@ struct MoeShape {
   int64_t top_k = 0;                // k
   int64_t shared_intermediate = 0;  // Is; 0 = no shared expert
   Activation activation = Activation::swiglu;
-  float clamp_limit = 7.0f;         // used by swiglu_clamped only
+  float clamp_limit = 7.0f;  // used by swiglu_clamped only
 
   bool has_shared() const { return shared_intermediate > 0; }
   // Useful FLOPs of a forward pass over `tokens` tokens: 6*T*k*H*I routed + 6*T*H*Is shared.

@@ -7,15 +7,15 @@
 namespace moka {
 
 enum class ErrorCode {
-  invalid_argument,   // a config value or option outside its valid range
-  shape_mismatch,     // tensors (or ranks) disagree on a dimension
+  invalid_argument,  // a config value or option outside its valid range
+  shape_mismatch,    // tensors (or ranks) disagree on a dimension
   expert_out_of_range,
-  duplicate_expert,   // the same expert twice in one token's top-k
-  non_finite,         // NaN/Inf in router weights or logits
-  unsupported_size,   // a size this backend cannot take (e.g. not a tile multiple)
+  duplicate_expert,  // the same expert twice in one token's top-k
+  non_finite,        // NaN/Inf in router weights or logits
+  unsupported_size,  // a size this backend cannot take (e.g. not a tile multiple)
   capacity_exceeded,
-  timeout,            // a bounded wait expired (device spin-wait, peer that stopped answering)
-  peer_failure,       // another rank reported an error
+  timeout,       // a bounded wait expired (device spin-wait, peer that stopped answering)
+  peer_failure,  // another rank reported an error
   backend_unavailable,
   cuda,
   nccl,

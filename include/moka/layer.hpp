@@ -75,7 +75,7 @@ struct LayerOptions {
   // megakernel path (which needs 128) and the all-to-all path's row blocks; the single-GPU path
   // packs the experts' rows back to back (its grouped GEMMs bound every tile by its expert's rows).
   int64_t tile_rows = 128;
-  int num_threads = 0;      // CPU backend worker threads per rank; 0 = hardware concurrency
+  int num_threads = 0;                        // CPU backend worker threads per rank; 0 = hardware concurrency
   RowOrder row_order = RowOrder::rate_based;  // order of the rows from different sources
   // CUDA backend: SwiGLU in the gate GEMM's epilogue (an up launch, then a gate launch whose
   // epilogue writes G and H) instead of one gate|up launch and a separate activation pass. Same
@@ -131,10 +131,10 @@ class MoeLayer {
   // out: [T, H], same dtype as x. Collective over the group: every rank calls it. GPU work is
   // enqueued on `stream`; backward of a context must use the stream of its forward (or one
   // ordered after it).
-  virtual std::unique_ptr<MoeContext> forward(const MoeInputs& in, const MoeWeights& weights,
-                                              const TensorView& out, Stream stream) = 0;
-  virtual void backward(const MoeContext& saved, const TensorView& d_out,
-                        const MoeWeights& weights, const MoeGradients& grads, Stream stream) = 0;
+  virtual std::unique_ptr<MoeContext> forward(const MoeInputs& in, const MoeWeights& weights, const TensorView& out,
+                                              Stream stream) = 0;
+  virtual void backward(const MoeContext& saved, const TensorView& d_out, const MoeWeights& weights,
+                        const MoeGradients& grads, Stream stream) = 0;
   // The same backward, the same bits, consuming its context: it may write its own scratch over
   // what the context saved (on the CUDA staged paths the saved gate and up products become dU and
   // w·h: two rows x I buffers fewer at the backward's peak). What a training step wants, with
@@ -169,8 +169,7 @@ class MoeLayer {
 };
 
 // `group` may be null for a single rank. The layer keeps a reference to it.
-std::unique_ptr<MoeLayer> make_moe_layer(const MoeShape& shape, Backend backend,
-                                         ProcessGroup* group = nullptr,
+std::unique_ptr<MoeLayer> make_moe_layer(const MoeShape& shape, Backend backend, ProcessGroup* group = nullptr,
                                          const LayerOptions& options = {});
 
 }  // namespace moka

@@ -18,8 +18,8 @@ class ProcessGroup {
   virtual void all_gather(const void* send, void* recv, size_t bytes) = 0;
   // Rank r sends send_bytes[p] bytes starting at send + send_offsets[p] to every peer p and
   // receives recv_bytes[p] bytes from p at recv + recv_offsets[p] (all in bytes).
-  virtual void all_to_all_v(const void* send, const size_t* send_bytes, const size_t* send_offsets,
-                            void* recv, const size_t* recv_bytes, const size_t* recv_offsets) = 0;
+  virtual void all_to_all_v(const void* send, const size_t* send_bytes, const size_t* send_offsets, void* recv,
+                            const size_t* recv_bytes, const size_t* recv_offsets) = 0;
   virtual void barrier() = 0;
   // Marks this rank failed so that peers waiting in a collective stop with peer_failure
   // instead of hanging. Called by run_emulated_ranks when a rank's body throws.

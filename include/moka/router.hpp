@@ -45,19 +45,17 @@ class Router {
   virtual const RouterConfig& config() const = 0;
   // x: [T, H]; w_router: [E, H]; selection_bias: [E] or empty. GPU work goes on `stream`.
   virtual std::unique_ptr<RouterContext> forward(const TensorView& x, const TensorView& w_router,
-                                                 const TensorView& selection_bias,
-                                                 const RouterOutputs& out, Stream stream) = 0;
+                                                 const TensorView& selection_bias, const RouterOutputs& out,
+                                                 Stream stream) = 0;
   // d_topk_weights: [T, k]. The auxiliary losses enter with gradient 1 (they are added to the
   // training loss). Overwrites d_w_router [E, H], and d_x [T, H] unless add_to_d_x, which adds
   // the router's part to what d_x holds (the experts' part of x's gradient, with no separate
   // sum by the caller). `stream`: the forward's (its scratch is freed in that stream's order).
-  virtual void backward(const RouterContext& saved, const TensorView& d_topk_weights,
-                        const TensorView& d_x, const TensorView& d_w_router, Stream stream,
-                        bool add_to_d_x = false) = 0;
+  virtual void backward(const RouterContext& saved, const TensorView& d_topk_weights, const TensorView& d_x,
+                        const TensorView& d_w_router, Stream stream, bool add_to_d_x = false) = 0;
 };
 
-std::unique_ptr<Router> make_router(const RouterConfig& config, Backend backend,
-                                    const LayerOptions& options = {});
+std::unique_ptr<Router> make_router(const RouterConfig& config, Backend backend, const LayerOptions& options = {});
 
 // Per-expert load: counts, the busiest expert over the mean, and the Gini coefficient.
 struct LoadStats {
@@ -68,7 +66,6 @@ struct LoadStats {
 LoadStats load_stats(const std::vector<int64_t>& counts);
 
 // Auxiliary-loss-free balancing (DeepSeek-V3): bias_e += rate * sign(mean_count - count_e).
-void update_selection_bias(std::vector<double>& bias, const std::vector<int64_t>& counts,
-                           double rate);
+void update_selection_bias(std::vector<double>& bias, const std::vector<int64_t>& counts, double rate);
 
 }  // namespace moka

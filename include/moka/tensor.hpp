@@ -46,7 +46,9 @@ struct TensorView {
   std::string shape_string() const;
 
   template <typename T>
-  T* as() const { return static_cast<T*>(data); }
+  T* as() const {
+    return static_cast<T*>(data);
+  }
 };
 
 // Checks a view's dtype, device and shape; `name` appears in the error message.

@@ -43,12 +43,14 @@ moka::DType dtype_of(const Array& a, const char* name, bool takes_int64) {
   static const char* codes[] = {"int", "uint", "float", "?", "bfloat"};
   const std::string kind = t.code < 5 ? codes[t.code] : "code " + std::to_string(t.code);
   throw nb::type_error((std::string(name) + " has dtype " + kind + std::to_string(t.bits) +
-                        "; moka takes bfloat16, float32 or float64 (int32 or int64 for topk_ids)").c_str());
+                        "; moka takes bfloat16, float32 or float64 (int32 or int64 for topk_ids)")
+                           .c_str());
 }
 
 moka::TensorView view_of(const Array& a, const char* name, bool takes_int64 = false) {
   if (a.ndim() < 1 || a.ndim() > size_t(moka::kMaxRank))
-    throw nb::value_error((std::string(name) + " must have 1 to 4 dimensions, got " + std::to_string(a.ndim())).c_str());
+    throw nb::value_error(
+        (std::string(name) + " must have 1 to 4 dimensions, got " + std::to_string(a.ndim())).c_str());
   // A tensor without elements has no layout to check (an empty batch's gradient may come with
   // the zero strides of an expanded tensor).
   bool empty = false;
@@ -156,7 +158,8 @@ class PythonAllocator final : public moka::DeviceAllocator {
     for (auto [name, f] : {std::pair{"alloc", alloc_.ptr()}, std::pair{"free", free_.ptr()}})
       if (!PyCallable_Check(f))
         throw nb::type_error((std::string("PythonAllocator(): ") + name + " must be callable, got " +
-                              nb::type_name(nb::handle(f).type()).c_str()).c_str());
+                              nb::type_name(nb::handle(f).type()).c_str())
+                                 .c_str());
   }
 
   // A Python exception becomes a moka::Error naming it, which the layer call raises as moka.Error.
@@ -166,8 +169,8 @@ class PythonAllocator final : public moka::DeviceAllocator {
     try {
       return reinterpret_cast<void*>(nb::cast<uintptr_t>(alloc_(bytes, reinterpret_cast<uintptr_t>(stream.handle))));
     } catch (const nb::python_error& e) {
-      throw moka::Error(moka::ErrorCode::cuda, call + " raised " + nb::type_name(e.type()).c_str() + ": " +
-                                                   nb::str(e.value()).c_str());
+      throw moka::Error(moka::ErrorCode::cuda,
+                        call + " raised " + nb::type_name(e.type()).c_str() + ": " + nb::str(e.value()).c_str());
     } catch (const nb::cast_error&) {
       throw moka::Error(moka::ErrorCode::invalid_argument, call + " returned no device pointer (a non-negative int)");
     }
@@ -201,7 +204,8 @@ struct LayerOptions : moka::LayerOptions {
   void set_allocator(nb::handle value) {
     if (!value.is_none() && !nb::isinstance<PythonAllocator>(value))
       throw nb::type_error((std::string("LayerOptions.allocator must be a moka._moka.PythonAllocator or None, got ") +
-                            nb::type_name(value.type()).c_str()).c_str());
+                            nb::type_name(value.type()).c_str())
+                               .c_str());
     allocator = value.is_none() ? nullptr : nb::inst_ptr<PythonAllocator>(value);
     allocator_object = value.is_none() ? nb::object() : nb::borrow(value);
   }
@@ -215,7 +219,7 @@ struct LayerContext {
 struct Weights {
   OptionalArray w_gate, w_up, w_down, ws_gate, ws_up, ws_down;
   moka::MoeWeights view() const {
-    return {view_of(w_gate, "w_gate"), view_of(w_up, "w_up"), view_of(w_down, "w_down"),
+    return {view_of(w_gate, "w_gate"),   view_of(w_up, "w_up"),   view_of(w_down, "w_down"),
             view_of(ws_gate, "ws_gate"), view_of(ws_up, "ws_up"), view_of(ws_down, "ws_down")};
   }
 };
@@ -225,9 +229,8 @@ class Layer {
   friend class Moe;
   Layer(const moka::MoeShape& shape, const std::string& backend, Group* group, const LayerOptions& options)
       : on_rank_{group ? group->get() : nullptr}, allocator_(options.allocator_object) {
-    layer_ = on_rank_.run([&] {
-      return moka::make_moe_layer(shape, moka::parse_backend(backend), on_rank_.group, options);
-    });
+    layer_ = on_rank_.run(
+        [&] { return moka::make_moe_layer(shape, moka::parse_backend(backend), on_rank_.group, options); });
   }
 
   std::unique_ptr<LayerContext> forward(const Array& x, const Array& topk_ids, const Array& topk_weights,
@@ -244,8 +247,14 @@ class Layer {
                 const Array& d_topk_weights, const Weights& grads, uintptr_t stream, bool consume) {
     on_rank_.run([&] {
       const moka::MoeWeights weights = w.view(), g = grads.view();
-      const moka::MoeGradients gradients{view_of(d_x, "d_x"), view_of(d_topk_weights, "d_topk_weights"),
-                                         g.w_gate, g.w_up, g.w_down, g.ws_gate, g.ws_up, g.ws_down};
+      const moka::MoeGradients gradients{view_of(d_x, "d_x"),
+                                         view_of(d_topk_weights, "d_topk_weights"),
+                                         g.w_gate,
+                                         g.w_up,
+                                         g.w_down,
+                                         g.ws_gate,
+                                         g.ws_up,
+                                         g.ws_down};
       const moka::TensorView d_out_view = view_of(d_out, "d_out");
       layer_backward(*layer_, saved.saved, consume, d_out_view, weights, gradients, stream_of(stream));
     });
@@ -359,8 +368,8 @@ class Moe {
       const moka::RouterOutputs routes{ids, weights, {}, view_of(expert_load, "expert_load", true)};
       saved->router_saved = router_.router_->forward(x_view, view_of(w_router, "w_router"),
                                                      view_of(bias, "selection_bias"), routes, stream_of(stream));
-      saved->layer_saved = layer_.layer_->forward({x_view, ids, weights}, saved->weights.view(), view_of(out, "out"),
-                                                  stream_of(stream));
+      saved->layer_saved =
+          layer_.layer_->forward({x_view, ids, weights}, saved->weights.view(), view_of(out, "out"), stream_of(stream));
       return saved;
     });
   }
@@ -371,12 +380,18 @@ class Moe {
     if (release_gil_) unlocked.emplace();
     layer_.on_rank_.run([&] {
       const moka::MoeWeights g = d_weights.view();
-      const moka::MoeGradients grads{view_of(d_x, "d_x"), view_of(d_topk_weights, "d_topk_weights"),
-                                     g.w_gate, g.w_up, g.w_down, g.ws_gate, g.ws_up, g.ws_down};
+      const moka::MoeGradients grads{view_of(d_x, "d_x"),
+                                     view_of(d_topk_weights, "d_topk_weights"),
+                                     g.w_gate,
+                                     g.w_up,
+                                     g.w_down,
+                                     g.ws_gate,
+                                     g.ws_up,
+                                     g.ws_down};
       layer_backward(*layer_.layer_, saved.layer_saved, consume, view_of(d_out, "d_out"), saved.weights.view(), grads,
                      stream);
-      router_.router_->backward(*saved.router_saved, grads.d_topk_weights, grads.d_x,
-                                view_of(d_w_router, "d_w_router"), stream, /*add_to_d_x=*/true);
+      router_.router_->backward(*saved.router_saved, grads.d_topk_weights, grads.d_x, view_of(d_w_router, "d_w_router"),
+                                stream, /*add_to_d_x=*/true);
     });
   }
 
@@ -388,8 +403,8 @@ class Moe {
 
 void MoeForward::backward(const Array& d_out, const Array& d_x, const Array& d_topk_weights, const Array& d_w_router,
                           const Array& d_w_gate, const Array& d_w_up, const Array& d_w_down,
-                          const OptionalArray& d_ws_gate, const OptionalArray& d_ws_up,
-                          const OptionalArray& d_ws_down, bool consume) {
+                          const OptionalArray& d_ws_gate, const OptionalArray& d_ws_up, const OptionalArray& d_ws_down,
+                          bool consume) {
   moe_.backward(*this, stream_, d_out, d_x, d_topk_weights, d_w_router,
                 Weights{d_w_gate, d_w_up, d_w_down, d_ws_gate, d_ws_up, d_ws_down}, consume);
 }
@@ -403,18 +418,19 @@ template <typename Options>
 void keyword_init(Options* options, const nb::kwargs& fields) {
   nb::object scratch = nb::cast(Options{});
   for (auto [name, value] : fields) {
-    const bool field = nb::hasattr(scratch.type(), name) &&
-                       PyObject_TypeCheck(scratch.type().attr(name).ptr(), &PyProperty_Type);
+    const bool field =
+        nb::hasattr(scratch.type(), name) && PyObject_TypeCheck(scratch.type().attr(name).ptr(), &PyProperty_Type);
     if (!field)
       throw nb::type_error((std::string(nb::type_name(scratch.type()).c_str()) +
-                            "() got an unexpected keyword argument '" + nb::str(name).c_str() + "'").c_str());
+                            "() got an unexpected keyword argument '" + nb::str(name).c_str() + "'")
+                               .c_str());
     try {
       nb::setattr(scratch, name, value);
     } catch (const nb::python_error& e) {
       if (!e.matches(PyExc_TypeError) || scratch.attr(name).is_none()) throw;
-      throw nb::type_error((std::string(nb::type_name(scratch.type()).c_str()) + "(): " + nb::str(name).c_str() +
-                            "=" + nb::repr(value).c_str() + " is not a " +
-                            nb::type_name(scratch.attr(name).type()).c_str()).c_str());
+      throw nb::type_error((std::string(nb::type_name(scratch.type()).c_str()) + "(): " + nb::str(name).c_str() + "=" +
+                            nb::repr(value).c_str() + " is not a " + nb::type_name(scratch.attr(name).type()).c_str())
+                               .c_str());
     }
   }
   new (options) Options(nb::cast<const Options&>(scratch));
@@ -558,8 +574,8 @@ NB_MODULE(_moka, m) {
 
   nb::class_<LayerContext>(m, "LayerContext").def("local_expert_rows", &LayerContext::local_expert_rows);
   nb::class_<Layer>(m, "Layer", "moka's MoE layer (moka::MoeLayer): the experts for routed tokens.")
-      .def(nb::init<const moka::MoeShape&, const std::string&, Group*, const LayerOptions&>(), "shape"_a,
-           "backend"_a, "group"_a.none(), "options"_a = LayerOptions{}, nb::keep_alive<1, 4>())
+      .def(nb::init<const moka::MoeShape&, const std::string&, Group*, const LayerOptions&>(), "shape"_a, "backend"_a,
+           "group"_a.none(), "options"_a = LayerOptions{}, nb::keep_alive<1, 4>())
       .def("forward", &Layer::forward, "x"_a.noconvert(), "topk_ids"_a.noconvert(), "topk_weights"_a.noconvert(),
            "weights"_a, "out"_a.noconvert(), "stream"_a, nb::keep_alive<0, 1>(),
            nb::call_guard<nb::gil_scoped_release>())
@@ -579,28 +595,28 @@ NB_MODULE(_moka, m) {
   nb::class_<Router>(m, "Router", "moka's router (moka::Router): top-k routes from x.")
       .def(nb::init<const moka::RouterConfig&, const std::string&, Group*, const LayerOptions&>(), "config"_a,
            "backend"_a, "group"_a.none(), "options"_a = LayerOptions{}, nb::keep_alive<1, 4>())
-      .def("forward", &Router::forward, "x"_a.noconvert(), "w_router"_a.noconvert(), "selection_bias"_a.noconvert().none(),
-           "topk_ids"_a.noconvert(), "topk_weights"_a.noconvert(), "expert_counts"_a.noconvert().none(),
-           "expert_load"_a.noconvert().none(), "stream"_a,
-           nb::keep_alive<0, 1>(), nb::call_guard<nb::gil_scoped_release>())
+      .def("forward", &Router::forward, "x"_a.noconvert(), "w_router"_a.noconvert(),
+           "selection_bias"_a.noconvert().none(), "topk_ids"_a.noconvert(), "topk_weights"_a.noconvert(),
+           "expert_counts"_a.noconvert().none(), "expert_load"_a.noconvert().none(), "stream"_a, nb::keep_alive<0, 1>(),
+           nb::call_guard<nb::gil_scoped_release>())
       .def("backward", &Router::backward, "saved"_a, "d_topk_weights"_a.noconvert(), "d_x"_a.noconvert(),
            "d_w_router"_a.noconvert(), "stream"_a, "add_to_d_x"_a = false, nb::call_guard<nb::gil_scoped_release>(),
            "Writes d_w_router, and d_x (or adds to it with add_to_d_x).");
 
   nb::class_<MoeForward>(m, "MoeForward", "What one Moe.forward saved for its backward.")
       .def("backward", &MoeForward::backward, "d_out"_a.noconvert(), "d_x"_a.noconvert(),
-           "d_topk_weights"_a.noconvert(), "d_w_router"_a.noconvert(), "d_w_gate"_a.noconvert(),
-           "d_w_up"_a.noconvert(), "d_w_down"_a.noconvert(), "d_ws_gate"_a.noconvert().none(),
-           "d_ws_up"_a.noconvert().none(), "d_ws_down"_a.noconvert().none(), "consume"_a = false,
+           "d_topk_weights"_a.noconvert(), "d_w_router"_a.noconvert(), "d_w_gate"_a.noconvert(), "d_w_up"_a.noconvert(),
+           "d_w_down"_a.noconvert(), "d_ws_gate"_a.noconvert().none(), "d_ws_up"_a.noconvert().none(),
+           "d_ws_down"_a.noconvert().none(), "consume"_a = false,
            "Writes d_x and every weight's gradient (d_topk_weights: scratch), on the forward's stream; consume: "
            "the layer's saved state goes to this backward (its memory reused as scratch), none is run again.");
   nb::class_<Moe>(m, "Moe", "A router and a layer run as one call each way (routing through combine).")
       .def(nb::init<Router&, Layer&, bool>(), "router"_a, "layer"_a, "release_gil"_a = true, nb::keep_alive<1, 2>(),
            nb::keep_alive<1, 3>())
-      .def("forward", &Moe::forward, "x"_a.noconvert(), "w_router"_a.noconvert(),
-           "selection_bias"_a.noconvert().none(), "expert_load"_a.noconvert().none(), "w_gate"_a.noconvert(),
-           "w_up"_a.noconvert(), "w_down"_a.noconvert(), "ws_gate"_a.noconvert().none(),
-           "ws_up"_a.noconvert().none(), "ws_down"_a.noconvert().none(), "topk_ids"_a.noconvert(),
-           "topk_weights"_a.noconvert(), "out"_a.noconvert(), "stream"_a, nb::keep_alive<0, 1>(),
+      .def("forward", &Moe::forward, "x"_a.noconvert(), "w_router"_a.noconvert(), "selection_bias"_a.noconvert().none(),
+           "expert_load"_a.noconvert().none(), "w_gate"_a.noconvert(), "w_up"_a.noconvert(), "w_down"_a.noconvert(),
+           "ws_gate"_a.noconvert().none(), "ws_up"_a.noconvert().none(), "ws_down"_a.noconvert().none(),
+           "topk_ids"_a.noconvert(), "topk_weights"_a.noconvert(), "out"_a.noconvert(), "stream"_a,
+           nb::keep_alive<0, 1>(),
            "Routes x (adding the routes per expert to expert_load), runs the experts into out.");
 }

@@ -62,6 +62,8 @@ class DeviceStagedGroup final : public ProcessGroup {
 
 }  // namespace
 
-std::unique_ptr<ProcessGroup> host_collectives(DeviceGroup& group) { return std::make_unique<DeviceStagedGroup>(group); }
+std::unique_ptr<ProcessGroup> host_collectives(DeviceGroup& group) {
+  return std::make_unique<DeviceStagedGroup>(group);
+}
 
 }  // namespace moka

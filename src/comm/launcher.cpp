@@ -82,9 +82,9 @@ std::string describe(int status) {
 struct Worker {
   pid_t pid;
   bool running = true;
-  bool killed = false;       // by the launcher, after the first failure
-  int stop_status = 0;       // while stopped (SIGSTOP, SIGTSTP): its waitpid status
-  uint64_t stopped_at = 0;   // order of the stop among all events, 0 while not stopped
+  bool killed = false;      // by the launcher, after the first failure
+  int stop_status = 0;      // while stopped (SIGSTOP, SIGTSTP): its waitpid status
+  uint64_t stopped_at = 0;  // order of the stop among all events, 0 while not stopped
 };
 
 struct StatusChange {
@@ -150,8 +150,8 @@ std::vector<Worker> spawn_workers(const std::vector<std::string>& args, int coun
     for (const Worker& w : workers) signal_worker(w, SIGKILL);
     for (const Worker& w : workers) ::waitpid(w.pid, nullptr, 0);
     throw Error(ErrorCode::io, "moka launch: cannot start worker " + std::to_string(r) + " of " +
-                                   std::to_string(count) + " (fork: " + std::strerror(error) +
-                                   "); stopped the " + std::to_string(r) + " started");
+                                   std::to_string(count) + " (fork: " + std::strerror(error) + "); stopped the " +
+                                   std::to_string(r) + " started");
   }
   return workers;
 }
@@ -192,8 +192,8 @@ int launch_workers(const std::vector<std::string>& args, const LaunchOptions& o)
     ::pthread_sigmask(SIG_SETMASK, &caller_mask, nullptr);
     throw;
   }
-  const auto grace = std::chrono::duration_cast<std::chrono::steady_clock::duration>(
-      std::chrono::duration<double>(o.grace_seconds));
+  const auto grace =
+      std::chrono::duration_cast<std::chrono::steady_clock::duration>(std::chrono::duration<double>(o.grace_seconds));
   bool passed_on = false;  // the launcher's SIGINT or SIGTERM, to every worker
 
   using Clock = std::chrono::steady_clock;

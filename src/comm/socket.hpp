@@ -56,9 +56,9 @@ class Socket {
   int fd_ = -1;
 };
 
-Socket listen_on(const std::string& addr, int port);          // bound, listening socket
-Socket accept_one(Socket& listener);  // blocks until a connection arrives (see readable_within)
-std::string peer_name(const Socket& s);  // "ADDRESS:PORT" of the other end, for messages
+Socket listen_on(const std::string& addr, int port);  // bound, listening socket
+Socket accept_one(Socket& listener);                  // blocks until a connection arrives (see readable_within)
+std::string peer_name(const Socket& s);               // "ADDRESS:PORT" of the other end, for messages
 // Closes `s` after its last frame reached the peer: shuts down this side, then discards what the
 // peer still sends until it closes or `timeout_s` passes. A plain close with the peer's data
 // unread resets the connection, and a reset can discard the last frame before the peer reads it.

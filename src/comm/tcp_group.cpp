@@ -84,9 +84,7 @@ std::string seconds_text(double s) {
 class TcpGroup final : public ProcessGroup {
  public:
   explicit TcpGroup(const Rendezvous& rv)
-      : rank_(rv.rank),
-        size_(rv.world_size),
-        timeout_(rv.timeout_seconds),
+      : rank_(rv.rank), size_(rv.world_size), timeout_(rv.timeout_seconds),
         report_every_(std::min(kMaxReportInterval, rv.timeout_seconds / 4)) {
     peers_.resize(size_);
     job_key_ = rv.job_key;
@@ -113,8 +111,8 @@ class TcpGroup final : public ProcessGroup {
       peers_[0].send_frame(FrameType::data, send, bytes, "rank 0", timeout_);
       const auto all = receive_from(0);
       require(all.size() == bytes * size_, ErrorCode::shape_mismatch,
-              "all_gather: rank 0 relayed " + std::to_string(all.size()) + " bytes, " + name(rank_) +
-                  " expected " + std::to_string(size_) + " x " + std::to_string(bytes));
+              "all_gather: rank 0 relayed " + std::to_string(all.size()) + " bytes, " + name(rank_) + " expected " +
+                  std::to_string(size_) + " x " + std::to_string(bytes));
       std::memcpy(out, all.data(), all.size());
       return;
     }
@@ -252,8 +250,8 @@ class TcpGroup final : public ProcessGroup {
         } else {
           std::memcpy(&hello, f.payload.data(), sizeof(hello));
           const bool proven =
-              job_key_.empty() || comm::digests_equal(hello.proof, hello_proof(job_key_, challenge, hello.rank,
-                                                                                 hello.world_size));
+              job_key_.empty() ||
+              comm::digests_equal(hello.proof, hello_proof(job_key_, challenge, hello.rank, hello.world_size));
           if (!proven) {
             why = "its proof of the job key is wrong (every rank needs the same MOKA_JOB_KEY)";
           } else if (hello.world_size != size_) {
@@ -372,9 +370,9 @@ class TcpGroup final : public ProcessGroup {
   [[noreturn]] void throw_silent(int p, int rank_0_waits_for) {
     const std::string silent = name(p) + " sent nothing for MOKA_COMM_TIMEOUT_S=" + seconds_text(timeout_);
     if (rank_ == 0) give_up(silent + " in a collective: it stalled or was stopped");
-    throw Error(ErrorCode::timeout, silent + (rank_0_waits_for > 0 ? " (it last said it waits for " +
-                                                                      name(rank_0_waits_for) + ")"
-                                                                : ": it stalled or was stopped"));
+    throw Error(ErrorCode::timeout,
+                silent + (rank_0_waits_for > 0 ? " (it last said it waits for " + name(rank_0_waits_for) + ")"
+                                               : ": it stalled or was stopped"));
   }
 
   // Rank 0 stops waiting for a rank: every peer (the stalled one too, should it wake up) gets
@@ -404,12 +402,13 @@ class TcpGroup final : public ProcessGroup {
     for (int q = 0; q < size_; ++q) {
       const uint64_t b = segment_bytes(msg.data(), q);
       require(b <= left, ErrorCode::io,
-              "all_to_all_v: " + name(sender) + " lists a segment of " + std::to_string(b) + " bytes for " +
-                  name(q) + " but only " + std::to_string(left) + " bytes follow");
+              "all_to_all_v: " + name(sender) + " lists a segment of " + std::to_string(b) + " bytes for " + name(q) +
+                  " but only " + std::to_string(left) + " bytes follow");
       left -= b;
     }
     require(left == 0, ErrorCode::io,
-            "all_to_all_v: " + name(sender) + " sent " + std::to_string(left) + " bytes more than its segment table lists");
+            "all_to_all_v: " + name(sender) + " sent " + std::to_string(left) +
+                " bytes more than its segment table lists");
   }
 
   std::vector<char> pack(const char* data, const size_t* bytes, const size_t* offsets) const {
@@ -494,7 +493,8 @@ Rendezvous rendezvous_from_env() {
   const char* local_var = first_env({"LOCAL_RANK", "SLURM_LOCALID", "OMPI_COMM_WORLD_LOCAL_RANK"});
   rv.world_size = size_var ? env_int(size_var, 1, kMaxWorldSize) : 0;
   const int max_rank = size_var ? rv.world_size - 1 : kMaxWorldSize - 1;
-  const std::string rank_bound = size_var ? std::string(" (") + size_var + "=" + std::to_string(rv.world_size) + ")" : "";
+  const std::string rank_bound =
+      size_var ? std::string(" (") + size_var + "=" + std::to_string(rv.world_size) + ")" : "";
   rv.rank = rank_var ? env_int(rank_var, 0, max_rank, rank_bound) : 0;
   rv.local_rank = local_var ? env_int(local_var, 0, max_rank, rank_bound) : rv.rank;
   if (const char* a = env_value("MASTER_ADDR")) rv.master_addr = a;

@@ -54,8 +54,7 @@ void remove_stale_temporaries(const std::string& path) {
   std::error_code ec;
   for (fs::directory_iterator it(dir, ec), end; !ec && it != end; it.increment(ec)) {
     const auto writer = temporary_writer(it->path().filename().string(), file_name);
-    if (writer && it->symlink_status(ec).type() == fs::file_type::regular && ::kill(*writer, 0) != 0 &&
-        errno == ESRCH)
+    if (writer && it->symlink_status(ec).type() == fs::file_type::regular && ::kill(*writer, 0) != 0 && errno == ESRCH)
       fs::remove(it->path(), ec);
     ec.clear();
   }

@@ -17,10 +17,10 @@ struct TransferBlock {
 };
 
 struct ExchangeBlocks {
-  std::vector<TransferBlock> sends;    // runs of the send-ordered buffer, expert by expert
-  std::vector<TransferBlock> receives; // runs of the grouped buffer, expert by expert, then by source
-  std::vector<int64_t> expert_rows;    // [E_local] real rows
-  std::vector<int64_t> expert_offset;  // [E_local + 1] padded segment starts
+  std::vector<TransferBlock> sends;     // runs of the send-ordered buffer, expert by expert
+  std::vector<TransferBlock> receives;  // runs of the grouped buffer, expert by expert, then by source
+  std::vector<int64_t> expert_rows;     // [E_local] real rows
+  std::vector<int64_t> expert_offset;   // [E_local + 1] padded segment starts
 };
 
 // sent_per_expert: [E] this rank's routes per global expert; received: [world][E_local] routes

@@ -20,10 +20,10 @@
 namespace moka::core {
 
 inline constexpr float kE4m3Max = 448.0f;
-inline constexpr uint8_t kE4m3NaN = 0x7F;  // the NaN NVIDIA's cvt writes (S.1111.111, S = 0)
-inline constexpr int64_t kFp8TileCols = 128;          // tile width along K, and the promotion interval
-inline constexpr int64_t kFp8RowTileRows = 1;         // activations and gradients: 1x128
-inline constexpr int64_t kFp8BlockRows = 128;         // weights: 128x128
+inline constexpr uint8_t kE4m3NaN = 0x7F;               // the NaN NVIDIA's cvt writes (S.1111.111, S = 0)
+inline constexpr int64_t kFp8TileCols = 128;            // tile width along K, and the promotion interval
+inline constexpr int64_t kFp8RowTileRows = 1;           // activations and gradients: 1x128
+inline constexpr int64_t kFp8BlockRows = 128;           // weights: 128x128
 inline constexpr float kFp8MinScale = 1.17549435e-38f;  // FLT_MIN: the smallest normal float
 
 MOKA_HD int64_t fp8_tiles(int64_t n, int64_t tile) { return (n + tile - 1) / tile; }

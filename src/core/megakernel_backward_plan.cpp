@@ -121,9 +121,11 @@ const char* to_string(ContextMode mode) { return mode == ContextMode::resident ?
 
 std::string describe(const MegakernelBackwardPlan& p, const BackwardTask& t) {
   std::string s = to_string(t.kind);
-  if (t.kind == BackwardTaskKind::wgrad) return s + " of segment " + std::to_string(t.segment) + ", tile " + std::to_string(t.col_tile);
-  if (t.step < 0) return s + " of the shared expert, row tile " + std::to_string(t.row_tile) + ", column tile " +
-                         std::to_string(t.col_tile);
+  if (t.kind == BackwardTaskKind::wgrad)
+    return s + " of segment " + std::to_string(t.segment) + ", tile " + std::to_string(t.col_tile);
+  if (t.step < 0)
+    return s + " of the shared expert, row tile " + std::to_string(t.row_tile) + ", column tile " +
+           std::to_string(t.col_tile);
   return s + " of minibatch " + std::to_string(t.step) + " (macrobatch " +
          std::to_string(t.step / p.minibatches_per_macrobatch) + "), row tile " + std::to_string(t.row_tile) +
          ", column tile " + std::to_string(t.col_tile);

@@ -76,7 +76,7 @@ struct MegakernelBackwardPlan {
   int64_t hidden = 0, intermediate = 0, shared_intermediate = 0, tokens = 0;
   int64_t gate_up_col_tiles = 0, dgd_col_tiles = 0, dx_col_tiles = 0;
   int64_t wgrad_gate_up_tiles = 0, wgrad_down_tiles = 0;  // per segment
-  int64_t shared_row_tiles = 0;                            // 0: no shared expert
+  int64_t shared_row_tiles = 0;                           // 0: no shared expert
   int64_t shared_gate_up_col_tiles = 0, shared_dgd_col_tiles = 0;
   int64_t shared_wgrad_gate_up_tiles = 0, shared_wgrad_down_tiles = 0;
   // Run time.
@@ -100,7 +100,17 @@ struct SegmentTable {
 };
 
 enum class BackwardTaskKind : int32_t {
-  none, shared_gate_up, shared_dgd, shared_dx, shared_wgrad, pull, gate_up, dgd, dx, push, wgrad
+  none,
+  shared_gate_up,
+  shared_dgd,
+  shared_dx,
+  shared_wgrad,
+  pull,
+  gate_up,
+  dgd,
+  dx,
+  push,
+  wgrad
 };
 
 // Routed tasks: `step` in processing order (= minibatch index), `row_tile` inside the step (or
@@ -153,7 +163,9 @@ MOKA_HD MegakernelBackwardPlan backward_trim_to_rows(MegakernelBackwardPlan p, i
   return p;
 }
 
-MOKA_HD bool fits_capacity(const MegakernelBackwardPlan& p, int64_t total_rows) { return total_rows <= p.capacity_rows; }
+MOKA_HD bool fits_capacity(const MegakernelBackwardPlan& p, int64_t total_rows) {
+  return total_rows <= p.capacity_rows;
+}
 MOKA_HD int64_t ring_row(const MegakernelBackwardPlan& p, int64_t row) { return row % p.macrobatch_rows; }
 MOKA_HD int64_t step_of_tile(const MegakernelBackwardPlan& p, int64_t tile) { return tile / p.row_tiles_per_minibatch; }
 MOKA_HD int64_t macrobatch_of_tile(const MegakernelBackwardPlan& p, int64_t tile) {
@@ -213,8 +225,8 @@ MOKA_HD int64_t segment_of_tile(const MegakernelBackwardPlan& p, const SegmentTa
 // Segments with rows in step s: those ending in it, and the one running on past its end.
 MOKA_HD int64_t segments_touching_step(const MegakernelBackwardPlan& p, const SegmentTable& s, int64_t step) {
   const int64_t next = s.first_of_step[step + 1];
-  const bool runs_on = next < segment_count(p, s) &&
-                       s.segments[next].first_tile < (step + 1) * p.row_tiles_per_minibatch;
+  const bool runs_on =
+      next < segment_count(p, s) && s.segments[next].first_tile < (step + 1) * p.row_tiles_per_minibatch;
   return next - s.first_of_step[step] + (runs_on ? 1 : 0);
 }
 
@@ -376,7 +388,8 @@ MOKA_HD BackwardTask compute_task(const MegakernelBackwardPlan& p, const Segment
   int64_t lo = 0, hi = p.num_steps - 1;  // the last step starting at or before the ticket
   while (lo < hi) {
     const int64_t mid = (lo + hi + 1) / 2;
-    if (step_first_ticket(p, s, mid) <= ticket) lo = mid; else hi = mid - 1;
+    if (step_first_ticket(p, s, mid) <= ticket) lo = mid;
+    else hi = mid - 1;
   }
   const int64_t step = lo, rows = p.row_tiles_per_minibatch;
   int64_t i = ticket - step_first_ticket(p, s, step);

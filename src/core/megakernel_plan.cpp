@@ -8,7 +8,9 @@
 namespace moka::core {
 namespace {
 
-void require_config(bool ok, const std::string& message) { require(ok, ErrorCode::invalid_argument, "megakernel config: " + message); }
+void require_config(bool ok, const std::string& message) {
+  require(ok, ErrorCode::invalid_argument, "megakernel config: " + message);
+}
 
 // Routed rows the schedule tables hold: the design's T*k*max(2, ceil(EP*multiplier)), capped
 // at EP*T*k (no rank can receive more), plus the worst-case padding of every local expert.
@@ -35,29 +37,30 @@ std::string where(int64_t minibatch, int64_t minibatches_per_macrobatch) {
 // A GEMM's tiles in the compute decoder's band order (dispatch and combine blocks: col_tiles 1).
 void add_tiles(std::vector<Task>& order, TaskKind kind, int64_t step, int64_t row_tiles, int64_t col_tiles,
                int64_t band = 1) {
-  for (int64_t i = 0; i < row_tiles * col_tiles; ++i) order.push_back(banded_tile(kind, step, i, row_tiles, col_tiles, band));
+  for (int64_t i = 0; i < row_tiles * col_tiles; ++i)
+    order.push_back(banded_tile(kind, step, i, row_tiles, col_tiles, band));
 }
 
 }  // namespace
 
 void validate_megakernel_config(const MegakernelConfig& c) {
-  require_config(c.num_comm_sms >= 1, "num_comm_sms must be >= 1 (dispatch and combine need a CTA), got " +
-                                          std::to_string(c.num_comm_sms));
+  require_config(c.num_comm_sms >= 1,
+                 "num_comm_sms must be >= 1 (dispatch and combine need a CTA), got " + std::to_string(c.num_comm_sms));
   require_config(c.band_row_tiles >= 1, "band_row_tiles must be >= 1, got " + std::to_string(c.band_row_tiles));
   require_config(c.tile_rows >= 1 && c.tile_n >= 1 && c.down_tile_n >= 1,
                  "tile_rows, tile_n and down_tile_n must be >= 1, got " + std::to_string(c.tile_rows) + ", " +
                      std::to_string(c.tile_n) + " and " + std::to_string(c.down_tile_n));
   require_config(c.minibatch_size >= c.tile_rows && c.minibatch_size % c.tile_rows == 0,
-                 "minibatch_size (" + std::to_string(c.minibatch_size) + ") must be a positive multiple of tile_rows (" +
-                     std::to_string(c.tile_rows) + ")");
+                 "minibatch_size (" + std::to_string(c.minibatch_size) +
+                     ") must be a positive multiple of tile_rows (" + std::to_string(c.tile_rows) + ")");
   require_config(c.macrobatch_size >= c.minibatch_size && c.macrobatch_size % c.minibatch_size == 0,
                  "macrobatch_size (" + std::to_string(c.macrobatch_size) +
                      ") must be a positive multiple of minibatch_size (" + std::to_string(c.minibatch_size) + ")");
   require_config(c.capacity_multiplier > 0 && c.capacity_multiplier <= 1,
                  "capacity_multiplier is the worst-case share of all routes landing on one rank and must be in "
-                 "(0, 1], got " + number(c.capacity_multiplier));
-  require_config(c.spin_timeout_seconds > 0, "spin_timeout_seconds must be > 0, got " +
-                                                 number(c.spin_timeout_seconds));
+                 "(0, 1], got " +
+                     number(c.capacity_multiplier));
+  require_config(c.spin_timeout_seconds > 0, "spin_timeout_seconds must be > 0, got " + number(c.spin_timeout_seconds));
 }
 
 void validate_megakernel_grid(const MegakernelConfig& c, int num_sms) {
@@ -173,20 +176,20 @@ void throw_megakernel_status(const MegakernelStatus& s, const MegakernelConfig& 
                       ", row tile " + std::to_string(s.row_tile) + " did not complete within " +
                       number(c.spin_timeout_seconds) + " s (a TMA fault or a kernel protocol error)");
     case StatusCode::invalid_expert:
-      throw Error(ErrorCode::invalid_argument,
-                  who + "routing of rank " + std::to_string(s.source_rank) + ": expert id " +
-                      std::to_string(s.value) + " out of range [0, " + std::to_string(s.limit) + ") at token " +
-                      std::to_string(s.token) + ", choice " + std::to_string(s.choice));
+      throw Error(ErrorCode::invalid_argument, who + "routing of rank " + std::to_string(s.source_rank) +
+                                                   ": expert id " + std::to_string(s.value) + " out of range [0, " +
+                                                   std::to_string(s.limit) + ") at token " + std::to_string(s.token) +
+                                                   ", choice " + std::to_string(s.choice));
     case StatusCode::tokens_mismatch:
-      throw Error(ErrorCode::invalid_argument,
-                  who + "token counts disagree across ranks: rank " + std::to_string(s.source_rank) + " has " +
-                      std::to_string(s.value) + " tokens, this rank " + std::to_string(s.limit) +
-                      " (the megakernel needs the same count on every rank)");
+      throw Error(ErrorCode::invalid_argument, who + "token counts disagree across ranks: rank " +
+                                                   std::to_string(s.source_rank) + " has " + std::to_string(s.value) +
+                                                   " tokens, this rank " + std::to_string(s.limit) +
+                                                   " (the megakernel needs the same count on every rank)");
     case StatusCode::peer_missing:
-      throw Error(ErrorCode::timeout,
-                  who + "did not run: rank " + std::to_string(s.source_rank) + " did not arrive at the device "
-                      "barrier before the pulls within " + number(c.spin_timeout_seconds) +
-                      " s, so no peer rows were read");
+      throw Error(ErrorCode::timeout, who + "did not run: rank " + std::to_string(s.source_rank) +
+                                          " did not arrive at the device "
+                                          "barrier before the pulls within " +
+                                          number(c.spin_timeout_seconds) + " s, so no peer rows were read");
   }
 }
 

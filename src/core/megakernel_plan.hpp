@@ -70,7 +70,7 @@ struct MegakernelPlan {
   int64_t minibatches_per_macrobatch = 0;
   int64_t gate_up_col_tiles = 0, down_col_tiles = 0;
   int64_t tokens = 0, shared_row_tiles = 0, shared_gate_up_col_tiles = 0;  // 0 tiles: no shared expert
-  int64_t max_steps = 0;                // minibatches of a full-capacity schedule
+  int64_t max_steps = 0;                                                   // minibatches of a full-capacity schedule
   // Run time.
   int64_t total_rows = 0, num_steps = 0, num_macrobatches = 0;
   int64_t first_macrobatch_steps = 0;  // minibatches of the last macrobatch, processed first
@@ -305,7 +305,15 @@ MOKA_HD Task comm_task(const MegakernelPlan& p, int64_t ticket) {
 // changing; the kernel then reads no peer memory.
 // pipeline_timeout: a compute CTA's shared-memory pipeline (its mbarriers) stopped advancing,
 // which only a TMA fault or a protocol error in the kernel causes.
-enum class StatusCode : int32_t { ok, capacity_exceeded, timeout, invalid_expert, tokens_mismatch, peer_missing, pipeline_timeout };
+enum class StatusCode : int32_t {
+  ok,
+  capacity_exceeded,
+  timeout,
+  invalid_expert,
+  tokens_mismatch,
+  peer_missing,
+  pipeline_timeout
+};
 
 // The mbarrier wait of a compute CTA that timed out.
 enum class PipelineWait : int32_t {
@@ -324,9 +332,9 @@ struct MegakernelStatus {
   StatusCode code = StatusCode::ok;
   TaskKind stage = TaskKind::none;  // timeout: the task that waited, on what, for which rows
   CounterKind counter = CounterKind::none;
-  int64_t minibatch = -1;           // in row order (not the step, which depends on the rank's rows)
+  int64_t minibatch = -1;  // in row order (not the step, which depends on the rank's rows)
   int64_t row_tile = 0, target = 0, observed = 0;
-  int64_t rows = 0, capacity = 0;   // capacity_exceeded: schedule rows needed and held
+  int64_t rows = 0, capacity = 0;  // capacity_exceeded: schedule rows needed and held
   // invalid_expert: the source rank, the entry [token, choice], the id and the expert count;
   // tokens_mismatch: the source rank and its token count, this rank's in `limit`;
   // peer_missing: the rank the barrier waited for in `source_rank`.

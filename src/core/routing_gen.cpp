@@ -61,8 +61,8 @@ namespace {
 // Distinct top-k ids drawn without replacement from `pop`: drawing from the full distribution
 // and redrawing repeats is the same law as renormalising over the remaining experts, and it
 // costs O(k) per token instead of O(num_experts), which replaying 1024 ranks needs.
-std::vector<int32_t> draw_topk(const std::vector<double>& pop, bool first_is_expert0, int64_t tokens,
-                               int64_t k, uint64_t seed) {
+std::vector<int32_t> draw_topk(const std::vector<double>& pop, bool first_is_expert0, int64_t tokens, int64_t k,
+                               uint64_t seed) {
   const auto n = static_cast<int64_t>(pop.size());
   require(k <= n, ErrorCode::invalid_argument, "top_k exceeds the number of experts");
   const auto positive = std::count_if(pop.begin(), pop.end(), [](double p) { return p > 0; });
@@ -87,8 +87,7 @@ std::vector<int32_t> draw_topk(const std::vector<double>& pop, bool first_is_exp
 uint64_t stream_seed(const RoutingSpec& spec, uint64_t stream) { return spec.seed * 1000003ULL + stream * 7919ULL + 1; }
 }  // namespace
 
-std::vector<int32_t> sample_topk_ids(const RoutingSpec& spec, int64_t tokens, int64_t k,
-                                     int64_t n, uint64_t stream) {
+std::vector<int32_t> sample_topk_ids(const RoutingSpec& spec, int64_t tokens, int64_t k, int64_t n, uint64_t stream) {
   return draw_topk(expert_popularity(spec, n), spec.kind == RoutingKind::one_expert, tokens, k,
                    stream_seed(spec, stream));
 }
@@ -108,10 +107,10 @@ std::vector<double> rank_expert_popularity(const RoutingSpec& spec, int64_t n, i
   return p;
 }
 
-std::vector<int32_t> sample_rank_topk_ids(const RoutingSpec& spec, int64_t tokens, int64_t k, int64_t n,
-                                          int rank, int world) {
-  return draw_topk(rank_expert_popularity(spec, n, rank, world), spec.kind == RoutingKind::one_expert,
-                   tokens, k, stream_seed(spec, static_cast<uint64_t>(rank)));
+std::vector<int32_t> sample_rank_topk_ids(const RoutingSpec& spec, int64_t tokens, int64_t k, int64_t n, int rank,
+                                          int world) {
+  return draw_topk(rank_expert_popularity(spec, n, rank, world), spec.kind == RoutingKind::one_expert, tokens, k,
+                   stream_seed(spec, static_cast<uint64_t>(rank)));
 }
 
 }  // namespace moka::core

@@ -32,15 +32,14 @@ double zipf_exponent_for_gini(double target_gini, int64_t num_experts);
 
 // Distinct top-k expert ids per token ([tokens * k]), drawn without replacement by popularity.
 // `stream` separates the draws of different ranks sharing one spec.
-std::vector<int32_t> sample_topk_ids(const RoutingSpec& spec, int64_t tokens, int64_t top_k,
-                                     int64_t num_experts, uint64_t stream = 0);
+std::vector<int32_t> sample_topk_ids(const RoutingSpec& spec, int64_t tokens, int64_t top_k, int64_t num_experts,
+                                     uint64_t stream = 0);
 // Popularity seen by `rank` of `world`: the global popularity mixed with `spec.locality` of
 // the same popularity restricted to the experts hosted by `rank`.
-std::vector<double> rank_expert_popularity(const RoutingSpec& spec, int64_t num_experts, int rank,
-                                           int world);
+std::vector<double> rank_expert_popularity(const RoutingSpec& spec, int64_t num_experts, int rank, int world);
 // Top-k ids of one rank of `world`, with per-rank locality (equals sample_topk_ids when
 // spec.locality is 0).
-std::vector<int32_t> sample_rank_topk_ids(const RoutingSpec& spec, int64_t tokens, int64_t top_k,
-                                          int64_t num_experts, int rank, int world);
+std::vector<int32_t> sample_rank_topk_ids(const RoutingSpec& spec, int64_t tokens, int64_t top_k, int64_t num_experts,
+                                          int rank, int world);
 
 }  // namespace moka::core

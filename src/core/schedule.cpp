@@ -60,8 +60,7 @@ ReceiveSchedule build_receive_schedule(const ScheduleDims& dims, const int32_t* 
   return s;
 }
 
-SendPlan build_send_plan(const int32_t* topk_ids, int64_t tokens, int64_t top_k,
-                         int64_t num_experts, int world_size) {
+SendPlan build_send_plan(const int32_t* topk_ids, int64_t tokens, int64_t top_k, int64_t num_experts, int world_size) {
   const int64_t slots = tokens * top_k;
   // Counting sort by expert keeps slot order inside an expert; experts are contiguous per
   // rank, so this also groups by destination.

@@ -35,8 +35,7 @@ MOKA_HD int64_t round_up(int64_t v, int64_t m) { return (v + m - 1) / m * m; }
 // whose per-source route counts are counts[0..world_size). Round-robin interleave: all rows of
 // smaller index from every source come first, then sources before `source` that still have a
 // row at `index`.
-MOKA_HD int64_t interleaved_position(const int64_t* counts, int world_size, int source,
-                                     int64_t index) {
+MOKA_HD int64_t interleaved_position(const int64_t* counts, int world_size, int source, int64_t index) {
   int64_t pos = 0;
   for (int r = 0; r < world_size; ++r) {
     const int64_t c = counts[r];
@@ -50,16 +49,15 @@ MOKA_HD int64_t interleaved_position(const int64_t* counts, int world_size, int 
 // finish time (index + 1) / counts[source], compared exactly as (i + 1) * c' vs (i' + 1) * c;
 // equal times go to sources in staggered order receiver+1, receiver+2, ... (as
 // sched::chunk_order's rate-based merge, which the tests compare it with).
-MOKA_HD int64_t rate_based_position(const int64_t* counts, int world_size, int receiver, int source,
-                                    int64_t index) {
+MOKA_HD int64_t rate_based_position(const int64_t* counts, int world_size, int receiver, int source, int64_t index) {
   const int64_t c = counts[source];
   const int source_turn = (source - receiver - 1 + 2 * world_size) % world_size;
   int64_t pos = 0;
   for (int r = 0; r < world_size; ++r) {
     const int64_t cr = counts[r];
     if (cr == 0) continue;
-    const int64_t scaled = (index + 1) * cr;           // (i' + 1) * c < scaled: due earlier
-    const int64_t earlier = (scaled - 1) / c;            // number of i' + 1 values strictly below
+    const int64_t scaled = (index + 1) * cr;   // (i' + 1) * c < scaled: due earlier
+    const int64_t earlier = (scaled - 1) / c;  // number of i' + 1 values strictly below
     pos += earlier < cr ? earlier : cr;
     const int turn = (r - receiver - 1 + 2 * world_size) % world_size;
     if (r != source && scaled % c == 0 && scaled / c <= cr && turn < source_turn) ++pos;  // tie
@@ -69,9 +67,8 @@ MOKA_HD int64_t rate_based_position(const int64_t* counts, int world_size, int r
 
 // The position rule `dims.row_order` selects.
 MOKA_HD int64_t row_position(const ScheduleDims& dims, const int64_t* counts, int source, int64_t index) {
-  return dims.row_order == RowOrder::rate_based
-             ? rate_based_position(counts, dims.world_size, dims.rank, source, index)
-             : interleaved_position(counts, dims.world_size, source, index);
+  return dims.row_order == RowOrder::rate_based ? rate_based_position(counts, dims.world_size, dims.rank, source, index)
+                                                : interleaved_position(counts, dims.world_size, source, index);
 }
 
 struct ReceiveSchedule {
@@ -86,9 +83,7 @@ struct ReceiveSchedule {
   std::vector<std::vector<int64_t>> canonical_rows;
 
   int64_t total_rows() const { return expert_offset.back(); }
-  int64_t count(int64_t local_expert, int source) const {
-    return counts[local_expert * dims.world_size + source];
-  }
+  int64_t count(int64_t local_expert, int source) const { return counts[local_expert * dims.world_size + source]; }
   // Local expert owning a row of the grouped buffer.
   int64_t expert_of_row(int64_t row) const;
 };
@@ -100,11 +95,10 @@ ReceiveSchedule build_receive_schedule(const ScheduleDims& dims, const int32_t* 
 // expert, then by slot. This equals the order the receivers list that source's rows in their
 // schedules, so a plain all-to-all-v of rows in this order lands every row on its own.
 struct SendPlan {
-  std::vector<int64_t> slots;          // all T*k slots in send order
-  std::vector<int64_t> rank_offset;    // [world_size + 1] slice of `slots` for each destination
+  std::vector<int64_t> slots;        // all T*k slots in send order
+  std::vector<int64_t> rank_offset;  // [world_size + 1] slice of `slots` for each destination
 };
-SendPlan build_send_plan(const int32_t* topk_ids, int64_t tokens, int64_t top_k,
-                         int64_t num_experts, int world_size);
+SendPlan build_send_plan(const int32_t* topk_ids, int64_t tokens, int64_t top_k, int64_t num_experts, int world_size);
 
 // For a receiving rank: the row of its grouped buffer that holds the n-th route received from
 // `source` (in that source's send order). [world_size][...].

@@ -11,8 +11,8 @@ double MoeShape::forward_flops(int64_t tokens) const {
 }
 
 namespace {
-NamedShape make(const char* name, int64_t h, int64_t i, int64_t e, int64_t k, int64_t is,
-                ScoreFunction score, bool renorm, double scale, bool clamped = false) {
+NamedShape make(const char* name, int64_t h, int64_t i, int64_t e, int64_t k, int64_t is, ScoreFunction score,
+                bool renorm, double scale, bool clamped = false) {
   NamedShape n;
   n.name = name;
   n.shape = MoeShape{h, i, e, k, is, clamped ? Activation::swiglu_clamped : Activation::swiglu, 7.0f};

@@ -55,8 +55,8 @@ void expect_tensor(const TensorView& t, const char* name, DType dtype, Device de
                    std::initializer_list<int64_t> shape) {
   require(!t.empty() || t.rank > 0 || shape.size() == 0, ErrorCode::invalid_argument,
           std::string(name) + " is missing");
-  require(t.data != nullptr || TensorView(nullptr, dtype, shape).numel() == 0,
-          ErrorCode::invalid_argument, std::string(name) + " has no data");
+  require(t.data != nullptr || TensorView(nullptr, dtype, shape).numel() == 0, ErrorCode::invalid_argument,
+          std::string(name) + " has no data");
   require(t.dtype == dtype, ErrorCode::invalid_argument,
           std::string(name) + " has dtype " + to_string(t.dtype) + ", expected " + to_string(dtype));
   require(t.device == device, ErrorCode::invalid_argument,

@@ -21,15 +21,14 @@ void validate_shape(const MoeShape& s, int world_size) {
   require(s.top_k <= s.num_experts, ErrorCode::invalid_argument,
           "top_k " + std::to_string(s.top_k) + " exceeds num_experts " + std::to_string(s.num_experts));
   require(s.num_experts % world_size == 0, ErrorCode::invalid_argument,
-          "num_experts " + std::to_string(s.num_experts) + " is not divisible by the " +
-              std::to_string(world_size) + " expert-parallel ranks");
+          "num_experts " + std::to_string(s.num_experts) + " is not divisible by the " + std::to_string(world_size) +
+              " expert-parallel ranks");
   require(s.activation != Activation::swiglu_clamped || (std::isfinite(s.clamp_limit) && s.clamp_limit > 0),
           ErrorCode::invalid_argument, "clamp_limit must be a positive finite number");
 }
 
 template <typename W>
-void validate_routing(const int32_t* ids, const W* weights, int64_t tokens, int64_t top_k,
-                      int64_t num_experts) {
+void validate_routing(const int32_t* ids, const W* weights, int64_t tokens, int64_t top_k, int64_t num_experts) {
   for (int64_t t = 0; t < tokens; ++t) {
     for (int64_t j = 0; j < top_k; ++j) {
       const int32_t e = ids[t * top_k + j];
@@ -65,14 +64,13 @@ void expect_optional(const TensorView& t, bool present, const char* name, DType 
   if (present) {
     expect_tensor(t, name, dtype, device, shape);
   } else {
-    require(t.empty(), ErrorCode::invalid_argument,
-            std::string(name) + " given but the shape has no shared expert");
+    require(t.empty(), ErrorCode::invalid_argument, std::string(name) + " given but the shape has no shared expert");
   }
 }
 }  // namespace
 
-void validate_layer_tensors(const MoeShape& s, int world_size, const MoeInputs& in,
-                            const MoeWeights& w, DType act, Device device) {
+void validate_layer_tensors(const MoeShape& s, int world_size, const MoeInputs& in, const MoeWeights& w, DType act,
+                            Device device) {
   require(in.x.rank == 2, ErrorCode::shape_mismatch, "x must be [T, H], got " + in.x.shape_string());
   const int64_t T = in.x.dim(0), H = s.hidden, I = s.intermediate, k = s.top_k;
   const int64_t El = s.num_experts / world_size, Is = s.shared_intermediate;
@@ -87,8 +85,8 @@ void validate_layer_tensors(const MoeShape& s, int world_size, const MoeInputs& 
   expect_optional(w.ws_down, s.has_shared(), "ws_down", act, device, {H, Is});
 }
 
-void validate_layer_gradients(const MoeShape& s, int world_size, int64_t T, const MoeGradients& g,
-                              DType act, Device device) {
+void validate_layer_gradients(const MoeShape& s, int world_size, int64_t T, const MoeGradients& g, DType act,
+                              Device device) {
   const int64_t H = s.hidden, I = s.intermediate, k = s.top_k;
   const int64_t El = s.num_experts / world_size, Is = s.shared_intermediate;
   expect_tensor(g.d_x, "d_x", act, device, {T, H});
@@ -111,8 +109,8 @@ struct Outcome {
 
 std::string describe(const LayerSignature& s) {
   std::ostringstream os;
-  os << "T=" << s.tokens << " H=" << s.hidden << " I=" << s.intermediate << " E=" << s.experts
-     << " k=" << s.top_k << " Is=" << s.shared << " dtype=" << to_string(static_cast<DType>(s.dtype));
+  os << "T=" << s.tokens << " H=" << s.hidden << " I=" << s.intermediate << " E=" << s.experts << " k=" << s.top_k
+     << " Is=" << s.shared << " dtype=" << to_string(static_cast<DType>(s.dtype));
   return os.str();
 }
 }  // namespace
@@ -146,8 +144,8 @@ void validate_collectively(ProcessGroup* group, const LayerSignature& signature,
   }
   for (int r = 1; r < group->size(); ++r) {
     require(all[r].signature == all[0].signature, ErrorCode::shape_mismatch,
-            "ranks disagree on the layer: rank 0 has " + describe(all[0].signature) + ", rank " +
-                std::to_string(r) + " has " + describe(all[r].signature));
+            "ranks disagree on the layer: rank 0 has " + describe(all[0].signature) + ", rank " + std::to_string(r) +
+                " has " + describe(all[r].signature));
   }
 }
 

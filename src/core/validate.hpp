@@ -14,15 +14,14 @@ void validate_shape(const MoeShape& shape, int world_size);
 // One rank's routing: ids in [0, E), no expert twice in a token's top-k, finite weights.
 // The error names the token, the slot and the value.
 template <typename W>
-void validate_routing(const int32_t* ids, const W* weights, int64_t tokens, int64_t top_k,
-                      int64_t num_experts);
+void validate_routing(const int32_t* ids, const W* weights, int64_t tokens, int64_t top_k, int64_t num_experts);
 
 // Shapes, dtypes and devices of a rank's tensors. `act` is the dtype of x/out; weights share it
 // except topk_weights (f64 with f64 activations, else f32).
-void validate_layer_tensors(const MoeShape& shape, int world_size, const MoeInputs& in,
-                            const MoeWeights& weights, DType act, Device device);
-void validate_layer_gradients(const MoeShape& shape, int world_size, int64_t tokens,
-                              const MoeGradients& grads, DType act, Device device);
+void validate_layer_tensors(const MoeShape& shape, int world_size, const MoeInputs& in, const MoeWeights& weights,
+                            DType act, Device device);
+void validate_layer_gradients(const MoeShape& shape, int world_size, int64_t tokens, const MoeGradients& grads,
+                              DType act, Device device);
 DType router_weight_dtype(DType act);
 
 // What every rank of a group must agree on.

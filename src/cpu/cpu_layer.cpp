@@ -29,7 +29,7 @@ struct CpuContext final : MoeContext {
   ReceiveSchedule schedule;
   SendPlan send_plan;
   std::vector<std::vector<int64_t>> rows_by_source;
-  std::vector<T> x_grouped, gate, up, hidden;   // [rows, H] / [rows, I]
+  std::vector<T> x_grouped, gate, up, hidden;            // [rows, H] / [rows, I]
   std::vector<T> shared_gate, shared_up, shared_hidden;  // [T, Is]
   const T* x = nullptr;  // the caller's x, which must outlive backward (as autograd keeps it)
 
@@ -133,8 +133,7 @@ class CpuMoeLayer final : public MoeLayer {
     core::validate_collectively(group_, signature(T_), [&] {
       core::validate_layer_tensors(shape_, world_size(), in, w, dt, Device::cpu());
       expect_tensor(out, "out", dt, Device::cpu(), {T_, shape_.hidden});
-      core::validate_routing(in.topk_ids.as<int32_t>(), in.topk_weights.as<T>(), T_, shape_.top_k,
-                             shape_.num_experts);
+      core::validate_routing(in.topk_ids.as<int32_t>(), in.topk_weights.as<T>(), T_, shape_.top_k, shape_.num_experts);
     });
     auto ctx = std::make_unique<CpuContext<T>>();
     ctx->tokens = T_;
@@ -161,8 +160,8 @@ class CpuMoeLayer final : public MoeLayer {
     return ctx;
   }
 
-  void backward(const MoeContext& saved, const TensorView& d_out_view, const MoeWeights& w,
-                const MoeGradients& g, Stream) override {
+  void backward(const MoeContext& saved, const TensorView& d_out_view, const MoeWeights& w, const MoeGradients& g,
+                Stream) override {
     const auto* ctx_ptr = dynamic_cast<const CpuContext<T>*>(&saved);
     require(ctx_ptr != nullptr, ErrorCode::invalid_argument, "backward got a context from another layer type");
     const auto& ctx = *ctx_ptr;
@@ -212,8 +211,13 @@ class CpuMoeLayer final : public MoeLayer {
  private:
   static DType dtype() { return std::is_same_v<T, double> ? DType::f64 : DType::f32; }
   core::LayerSignature signature(int64_t tokens) const {
-    return {tokens, shape_.hidden, shape_.intermediate, shape_.num_experts, shape_.top_k,
-            shape_.shared_intermediate, static_cast<int32_t>(dtype())};
+    return {tokens,
+            shape_.hidden,
+            shape_.intermediate,
+            shape_.num_experts,
+            shape_.top_k,
+            shape_.shared_intermediate,
+            static_cast<int32_t>(dtype())};
   }
 
   // Calls fn(experts, shared): the local experts' and the shared expert's products (expert_math.hpp)
@@ -250,11 +254,11 @@ class CpuMoeLayer final : public MoeLayer {
   }
 
   void build_schedule(CpuContext<T>& ctx) const {
-    core::ScheduleDims dims{world_size(), ctx.tokens, shape_.top_k, num_local_experts(),
+    core::ScheduleDims dims{world_size(),         ctx.tokens,         shape_.top_k,       num_local_experts(),
                             first_local_expert(), options_.tile_rows, options_.row_order, rank()};
     ctx.schedule = core::build_receive_schedule(dims, ctx.all_ids.data());
-    ctx.send_plan = core::build_send_plan(ctx.all_ids.data() + rank() * ctx.tokens * shape_.top_k,
-                                          ctx.tokens, shape_.top_k, shape_.num_experts, world_size());
+    ctx.send_plan = core::build_send_plan(ctx.all_ids.data() + rank() * ctx.tokens * shape_.top_k, ctx.tokens,
+                                          shape_.top_k, shape_.num_experts, world_size());
     ctx.rows_by_source = core::rows_by_source(ctx.schedule);
   }
 
@@ -297,15 +301,14 @@ class CpuMoeLayer final : public MoeLayer {
     for_routed_rows(ctx, [&](int64_t r, int64_t e) {
       std::vector<T> dh(I);
       d_weight[r] = backward_row(experts[e], act, &ctx.gate[r * I], &ctx.up[r * I], &ctx.hidden[r * I],
-                                 d_out_grouped + r * H, route_weight[r], dh.data(), dg + r * I, du + r * I,
-                                 dx + r * H);
+                                 d_out_grouped + r * H, route_weight[r], dh.data(), dg + r * I, du + r * I, dx + r * H);
     });
   }
 
   // dW per local expert over its rows in canonical (source, slot) order: bitwise independent of
   // how many ranks the experts are split over. Empty experts get exact zeros.
-  void experts_weight_grads(const CpuContext<T>& ctx, const T* d_out_grouped, const T* route_weight,
-                            const T* dg, const T* du, const MoeGradients& g) const {
+  void experts_weight_grads(const CpuContext<T>& ctx, const T* d_out_grouped, const T* route_weight, const T* dg,
+                            const T* du, const MoeGradients& g) const {
     const int64_t H = shape_.hidden, I = shape_.intermediate, E = num_local_experts();
     if (options_.precision == Precision::fp8) {
       for (int64_t e = 0; e < E; ++e)
@@ -320,11 +323,11 @@ class CpuMoeLayer final : public MoeLayer {
         const int64_t e = item / (I + H), q = item % (I + H);
         const auto& rows = ctx.schedule.canonical_rows[e];
         if (q < I) {
-          gate_up_weight_grad_rows(rows, dg, du, ctx.x_grouped.data(), H, I, q, q + 1,
-                                   g.d_w_gate.as<T>() + e * I * H, g.d_w_up.as<T>() + e * I * H);
+          gate_up_weight_grad_rows(rows, dg, du, ctx.x_grouped.data(), H, I, q, q + 1, g.d_w_gate.as<T>() + e * I * H,
+                                   g.d_w_up.as<T>() + e * I * H);
         } else {
-          down_weight_grad_rows(rows, route_weight, d_out_grouped, ctx.hidden.data(), H, I, q - I,
-                                q - I + 1, g.d_w_down.as<T>() + e * H * I);
+          down_weight_grad_rows(rows, route_weight, d_out_grouped, ctx.hidden.data(), H, I, q - I, q - I + 1,
+                                g.d_w_down.as<T>() + e * H * I);
         }
       }
     });
@@ -352,8 +355,8 @@ class CpuMoeLayer final : public MoeLayer {
     std::vector<T> out(T_ * H);
     parallel_for(T_, threads_, [&](int64_t b, int64_t e) {
       for (int64_t t = b; t < e; ++t) {
-        gate_up_row(sw, ActivationSpec::of(shape_), ctx.x + t * H, &ctx.shared_gate[t * Is],
-                    &ctx.shared_up[t * Is], &ctx.shared_hidden[t * Is]);
+        gate_up_row(sw, ActivationSpec::of(shape_), ctx.x + t * H, &ctx.shared_gate[t * Is], &ctx.shared_up[t * Is],
+                    &ctx.shared_hidden[t * Is]);
         down_row(sw, &ctx.shared_hidden[t * Is], &out[t * H]);
       }
     });
@@ -368,8 +371,7 @@ class CpuMoeLayer final : public MoeLayer {
       std::vector<T> dh(Is);
       for (int64_t t = b; t < e; ++t)
         backward_row(sw, ActivationSpec::of(shape_), &ctx.shared_gate[t * Is], &ctx.shared_up[t * Is],
-                     &ctx.shared_hidden[t * Is], d_out + t * H, T(1), dh.data(), &dg[t * Is], &du[t * Is],
-                     &dx[t * H]);
+                     &ctx.shared_hidden[t * Is], d_out + t * H, T(1), dh.data(), &dg[t * Is], &du[t * Is], &dx[t * H]);
     });
     std::vector<int64_t> tokens(T_);
     for (int64_t t = 0; t < T_; ++t) tokens[t] = t;
@@ -394,13 +396,13 @@ class CpuMoeLayer final : public MoeLayer {
   }
 
   // out[t] = shared[t] + sum_j w[t,j] * combined[t*k+j], j in fixed order.
-  void combine_epilogue(const CpuContext<T>& ctx, const T* weights, const T* combined,
-                        const std::vector<T>& shared_out, T* out) const {
+  void combine_epilogue(const CpuContext<T>& ctx, const T* weights, const T* combined, const std::vector<T>& shared_out,
+                        T* out) const {
     const int64_t H = shape_.hidden, k = shape_.top_k;
     parallel_for(ctx.tokens, threads_, [&](int64_t b, int64_t e) {
       for (int64_t t = b; t < e; ++t)
-        weighted_sum_row(shared_out.empty() ? nullptr : &shared_out[t * H], weights + t * k, combined + t * k * H, k,
-                         H, out + t * H);
+        weighted_sum_row(shared_out.empty() ? nullptr : &shared_out[t * H], weights + t * k, combined + t * k * H, k, H,
+                         out + t * H);
     });
   }
 
@@ -441,8 +443,7 @@ class CpuLayerByDtype final : public MoeLayer {
 
 }  // namespace
 
-std::unique_ptr<MoeLayer> make_cpu_moe_layer(const MoeShape& shape, ProcessGroup* group,
-                                             const LayerOptions& options) {
+std::unique_ptr<MoeLayer> make_cpu_moe_layer(const MoeShape& shape, ProcessGroup* group, const LayerOptions& options) {
   return std::make_unique<CpuLayerByDtype>(shape, group, options);
 }
 

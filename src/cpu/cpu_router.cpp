@@ -28,8 +28,8 @@ class CpuRouter {
  public:
   CpuRouter(const RouterConfig& c, int threads) : c_(c), threads_(threads) {}
 
-  std::unique_ptr<RouterContext> forward(const TensorView& x, const TensorView& w_router,
-                                         const TensorView& bias, const RouterOutputs& out) const {
+  std::unique_ptr<RouterContext> forward(const TensorView& x, const TensorView& w_router, const TensorView& bias,
+                                         const RouterOutputs& out) const {
     const DType dt = std::is_same_v<T, double> ? DType::f64 : DType::f32;
     require(x.rank == 2, ErrorCode::shape_mismatch, "router x must be [T, H], got " + x.shape_string());
     const int64_t T_ = x.dim(0), H = c_.hidden, E = c_.num_experts, k = c_.top_k;
@@ -259,8 +259,8 @@ class CpuRouterByDtype final : public Router {
     require(x.dtype == DType::f32, ErrorCode::invalid_argument, "the CPU router computes in f32 or f64");
     return f32_.forward(x, w, bias, out);
   }
-  void backward(const RouterContext& saved, const TensorView& dw, const TensorView& dx, const TensorView& dwr,
-                Stream, bool add_to_d_x) override {
+  void backward(const RouterContext& saved, const TensorView& dw, const TensorView& dx, const TensorView& dwr, Stream,
+                bool add_to_d_x) override {
     if (dx.dtype == DType::f64) return f64_.backward(saved, dw, dx, dwr, add_to_d_x);
     f32_.backward(saved, dw, dx, dwr, add_to_d_x);
   }

@@ -68,9 +68,12 @@ struct Fp8Expert {
   template <typename T>
   static Fp8Expert of(const ExpertWeights<T>& w) {
     const int64_t H = w.hidden, I = w.intermediate, B = core::kFp8BlockRows;
-    return {Fp8Matrix::quantize(w.gate, I, H, B),          Fp8Matrix::quantize(w.up, I, H, B),
-            Fp8Matrix::quantize(w.down, H, I, B),          Fp8Matrix::quantize_transposed(w.gate, I, H, B),
-            Fp8Matrix::quantize_transposed(w.up, I, H, B), Fp8Matrix::quantize_transposed(w.down, H, I, B),
+    return {Fp8Matrix::quantize(w.gate, I, H, B),
+            Fp8Matrix::quantize(w.up, I, H, B),
+            Fp8Matrix::quantize(w.down, H, I, B),
+            Fp8Matrix::quantize_transposed(w.gate, I, H, B),
+            Fp8Matrix::quantize_transposed(w.up, I, H, B),
+            Fp8Matrix::quantize_transposed(w.down, H, I, B),
             H,
             I};
   }
@@ -176,8 +179,7 @@ T backward_row(const W& w, ActivationSpec act, const T* g, const T* u, const T* 
   w.down_dgrad(d_out, dh);
   const T d_weight = dot(dh, h, I);
   for (int64_t i = 0; i < I; ++i) {
-    core::swiglu_backward<T>(g[i], u[i], route_weight * dh[i], act.clamped, static_cast<T>(act.limit),
-                             dg[i], du[i]);
+    core::swiglu_backward<T>(g[i], u[i], route_weight * dh[i], act.clamped, static_cast<T>(act.limit), dg[i], du[i]);
   }
   w.gate_up_dgrad(dg, du, dx);
   return d_weight;
@@ -187,8 +189,8 @@ T backward_row(const W& w, ActivationSpec act, const T* g, const T* u, const T* 
 // row-major activations a[r * width]. `scale[r]` multiplies d_out rows (the route weight).
 // Output rows [row_begin, row_end) of each of the three gradients, so callers can split work.
 template <typename T>
-void gate_up_weight_grad_rows(const std::vector<int64_t>& rows, const T* dg, const T* du, const T* x,
-                              int64_t H, int64_t I, int64_t i_begin, int64_t i_end, T* d_gate, T* d_up) {
+void gate_up_weight_grad_rows(const std::vector<int64_t>& rows, const T* dg, const T* du, const T* x, int64_t H,
+                              int64_t I, int64_t i_begin, int64_t i_end, T* d_gate, T* d_up) {
   for (int64_t i = i_begin; i < i_end; ++i) {
     T* ag = d_gate + i * H;
     T* au = d_up + i * H;
@@ -205,8 +207,8 @@ void gate_up_weight_grad_rows(const std::vector<int64_t>& rows, const T* dg, con
 }
 
 template <typename T>
-void down_weight_grad_rows(const std::vector<int64_t>& rows, const T* scale, const T* d_out, const T* h,
-                           int64_t H, int64_t I, int64_t o_begin, int64_t o_end, T* d_down) {
+void down_weight_grad_rows(const std::vector<int64_t>& rows, const T* scale, const T* d_out, const T* h, int64_t H,
+                           int64_t I, int64_t o_begin, int64_t o_end, T* d_down) {
   for (int64_t o = o_begin; o < o_end; ++o) {
     T* acc = d_down + o * I;
     for (int64_t i = 0; i < I; ++i) acc[i] = 0;

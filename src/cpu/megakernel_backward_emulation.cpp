@@ -60,7 +60,8 @@ template <typename T>
 void dx_row(const ExpertWeights<T>& w, const T* dg, const T* du, int64_t c0, int64_t c1, T* dx) {
   for (int64_t c = c0; c < c1; ++c) {
     T acc = 0;
-    for (int64_t i = 0; i < w.intermediate; ++i) acc += w.gate[i * w.hidden + c] * dg[i] + w.up[i * w.hidden + c] * du[i];
+    for (int64_t i = 0; i < w.intermediate; ++i)
+      acc += w.gate[i * w.hidden + c] * dg[i] + w.up[i * w.hidden + c] * du[i];
     dx[c] = acc;
   }
 }
@@ -362,8 +363,8 @@ class BackwardMegakernel {
     for (int64_t token = 0; token < plan_.tokens; ++token)
       rows.add(in_.x + token * H_, &shared_dg_[token * Is_], &shared_du_[token * Is_], in_.d_out + token * H_,
                &shared_h_[token * Is_], T(1));
-    const WeightGradTarget<T> target{nullptr, in_.grads.d_ws_gate.template as<T>(),
-                                     in_.grads.d_ws_up.template as<T>(), in_.grads.d_ws_down.template as<T>()};
+    const WeightGradTarget<T> target{nullptr, in_.grads.d_ws_gate.template as<T>(), in_.grads.d_ws_up.template as<T>(),
+                                     in_.grads.d_ws_down.template as<T>()};
     weight_grad_tile(t.col_tile, H_, Is_, plan_.tile_m, options_.tiling, rows, target);
   }
 
@@ -398,7 +399,8 @@ void validate_backward(const MoeShape& shape, int world, int64_t tokens, const M
               std::to_string(tokens));
   require(options.mode == ContextMode::replay || saved.plan.num_macrobatches <= 1, ErrorCode::invalid_argument,
           "megakernel backward: resident mode reads every routed row's x, g and u from the forward's ring, which "
-          "held " + std::to_string(saved.plan.ring_rows) + " of " + std::to_string(saved.plan.total_rows) +
+          "held " +
+              std::to_string(saved.plan.ring_rows) + " of " + std::to_string(saved.plan.total_rows) +
               " rows (forward macrobatch_size " + std::to_string(saved.plan.macrobatch_rows) +
               "); use replay mode or a forward macrobatch_size >= the rows");
 }
@@ -425,8 +427,8 @@ MegakernelBackwardResult megakernel_backward(ProcessGroup* group, const MoeShape
   const std::vector<T> x_symmetric(in.x.as<T>(), in.x.as<T>() + tokens * H);
   const std::vector<T> weights_symmetric(in.topk_weights.as<T>(), in.topk_weights.as<T>() + slots);
   std::vector<T> dx_slots(slots * H, T(0)), dw_slots(slots, T(0));
-  const auto peers = publish<BackwardSymmetric<T>>(
-      group, {d_out_symmetric.data(), x_symmetric.data(), weights_symmetric.data(), dx_slots.data(), dw_slots.data()});
+  const auto peers = publish<BackwardSymmetric<T>>(group, {d_out_symmetric.data(), x_symmetric.data(),
+                                                           weights_symmetric.data(), dx_slots.data(), dw_slots.data()});
   barrier(group);
 
   const int64_t rows = saved.schedule.total_rows();
@@ -439,8 +441,8 @@ MegakernelBackwardResult megakernel_backward(ProcessGroup* group, const MoeShape
   result.plan = core::backward_trim_to_rows(worst, rows);
   result.segments = core::build_segment_table(result.plan, saved.schedule.expert_offset);
   std::vector<T> dx_shared(shape.has_shared() ? tokens * H : 0);
-  const BackwardInputs<T> kernel_in{result.plan, result.segments.view(), saved, shape, weights, x_symmetric.data(),
-                                    d_out_symmetric.data(), peers, grads, dx_shared.data()};
+  const BackwardInputs<T> kernel_in{result.plan,        result.segments.view(), saved, shape, weights,
+                                    x_symmetric.data(), d_out_symmetric.data(), peers, grads, dx_shared.data()};
   BackwardMegakernel<T> kernel(kernel_in, options, rank);
   kernel.run();
   result.final_counters = kernel.counter_values();

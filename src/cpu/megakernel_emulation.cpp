@@ -38,9 +38,9 @@ struct KernelInputs {
   const core::ReceiveSchedule& schedule;
   const MoeShape& shape;
   const MoeWeights& weights;
-  const T* x;                                         // this rank's tokens (shared expert)
+  const T* x;                                       // this rank's tokens (shared expert)
   const std::vector<SymmetricAddresses<T>>& peers;  // [EP]
-  T* shared_out;                                      // [T, H]
+  T* shared_out;                                    // [T, H]
 };
 
 // One launch of the persistent kernel: workers take tickets until the task space is exhausted
@@ -50,10 +50,9 @@ class Megakernel {
  public:
   Megakernel(const KernelInputs<T>& in, MegakernelSavedState<T>& saved, const MegakernelEmulationOptions& options,
              int rank)
-      : in_(in), plan_(in.plan), saved_(saved), options_(options), rank_(rank),
-        H_(in.shape.hidden), I_(in.shape.intermediate), Is_(in.shape.shared_intermediate), k_(in.shape.top_k),
-        act_(ActivationSpec::of(in.shape)), counters_(core::counter_count(plan_)),
-        ring_y_(plan_.ring_rows * H_) {}
+      : in_(in), plan_(in.plan), saved_(saved), options_(options), rank_(rank), H_(in.shape.hidden),
+        I_(in.shape.intermediate), Is_(in.shape.shared_intermediate), k_(in.shape.top_k),
+        act_(ActivationSpec::of(in.shape)), counters_(core::counter_count(plan_)), ring_y_(plan_.ring_rows * H_) {}
 
   void run() {
     std::vector<std::jthread> workers;
@@ -81,12 +80,13 @@ class Megakernel {
 
   bool wait(const Task& task, const CounterRef& need) {
     if (need.kind == CounterKind::none) return true;
-    return wait_for_counter(counters_[core::counter_index(plan_, need)], need.target,
-                            options_.config.spin_timeout_seconds, status_, [&](int64_t seen) {
-                              const int64_t minibatch = task.step < 0 ? -1 : core::minibatch_of_step(plan_, task.step);
-                              return core::MegakernelStatus{core::StatusCode::timeout, task.kind, need.kind, minibatch,
-                                                            task.row_tile, need.target, seen, 0, 0};
-                            });
+    return wait_for_counter(
+        counters_[core::counter_index(plan_, need)], need.target, options_.config.spin_timeout_seconds, status_,
+        [&](int64_t seen) {
+          const int64_t minibatch = task.step < 0 ? -1 : core::minibatch_of_step(plan_, task.step);
+          return core::MegakernelStatus{
+              core::StatusCode::timeout, task.kind, need.kind, minibatch, task.row_tile, need.target, seen, 0, 0};
+        });
   }
 
   void release(const CounterRef& done) {
@@ -210,8 +210,8 @@ MegakernelForwardResult<T> megakernel_forward(ProcessGroup* group, const MoeShap
   const int world = world_of(group), rank = rank_of(group);
   const int64_t tokens = in.x.dim(0), H = shape.hidden, k = shape.top_k, slots = tokens * k;
   const int64_t local_experts = shape.num_experts / world;
-  const auto worst = core::build_megakernel_plan(
-      options.config, {world, tokens, k, H, shape.intermediate, shape.shared_intermediate, local_experts});
+  const auto worst = core::build_megakernel_plan(options.config, {world, tokens, k, H, shape.intermediate,
+                                                                  shape.shared_intermediate, local_experts});
 
   // Symmetric buffers; x is copied in so peers read a buffer the layer owns until the end.
   std::vector<T> x_symmetric(in.x.as<T>(), in.x.as<T>() + tokens * H);
@@ -224,9 +224,9 @@ MegakernelForwardResult<T> megakernel_forward(ProcessGroup* group, const MoeShap
 
   MegakernelForwardResult<T> result;
   auto& saved = result.saved;
-  saved.schedule = core::build_receive_schedule(
-      {world, tokens, k, local_experts, rank * local_experts, worst.tile_m, options.config.row_order, rank},
-      ids_symmetric.data());
+  saved.schedule = core::build_receive_schedule({world, tokens, k, local_experts, rank * local_experts, worst.tile_m,
+                                                 options.config.row_order, rank},
+                                                ids_symmetric.data());
   core::MegakernelStatus status;
   saved.plan = core::trim_to_rows(worst, saved.schedule.total_rows());
   std::vector<T> shared_out(shape.has_shared() ? tokens * H : 0);
@@ -241,8 +241,8 @@ MegakernelForwardResult<T> megakernel_forward(ProcessGroup* group, const MoeShap
     status = kernel.status();
     result.final_counters = kernel.counter_values();
   } else {
-    status = {core::StatusCode::capacity_exceeded, TaskKind::none, CounterKind::none, -1, 0, 0, 0,
-              saved.schedule.total_rows(), worst.capacity_rows};
+    status = {core::StatusCode::capacity_exceeded, TaskKind::none,     CounterKind::none, -1, 0, 0, 0,
+              saved.schedule.total_rows(),         worst.capacity_rows};
   }
   barrier(group);  // every push into this rank's combine buffer has landed
   core::validate_collectively(group, layer_signature<T>(shape, tokens),

@@ -87,7 +87,12 @@ constexpr DType emulated_dtype() {
 // What every rank must agree on before the kernel runs (T is float or double).
 template <typename T>
 core::LayerSignature layer_signature(const MoeShape& s, int64_t tokens) {
-  return {tokens, s.hidden, s.intermediate, s.num_experts, s.top_k, s.shared_intermediate,
+  return {tokens,
+          s.hidden,
+          s.intermediate,
+          s.num_experts,
+          s.top_k,
+          s.shared_intermediate,
           static_cast<int32_t>(emulated_dtype<T>())};
 }
 

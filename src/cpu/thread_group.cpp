@@ -63,13 +63,11 @@ class ThreadGroup final : public ProcessGroup {
       state_.cv.notify_all();
       return;
     }
-    const auto deadline = std::chrono::steady_clock::now() +
-                          std::chrono::duration<double>(state_.timeout_seconds);
+    const auto deadline = std::chrono::steady_clock::now() + std::chrono::duration<double>(state_.timeout_seconds);
     while (state_.generation == gen && !state_.aborted) {
-      if (state_.cv.wait_until(lock, deadline) == std::cv_status::timeout &&
-          state_.generation == gen && !state_.aborted) {
-        throw Error(ErrorCode::timeout, "rank " + std::to_string(rank_) +
-                                            ": peers did not reach the barrier within " +
+      if (state_.cv.wait_until(lock, deadline) == std::cv_status::timeout && state_.generation == gen &&
+          !state_.aborted) {
+        throw Error(ErrorCode::timeout, "rank " + std::to_string(rank_) + ": peers did not reach the barrier within " +
                                             std::to_string(state_.timeout_seconds) + " s");
       }
     }
@@ -82,23 +80,22 @@ class ThreadGroup final : public ProcessGroup {
     for (int p = 0; p < state_.size; ++p) {
       const Posted& peer = state_.posted[p];
       require(peer.gather_bytes == bytes, ErrorCode::shape_mismatch,
-              "all_gather: rank " + std::to_string(p) + " sent " + std::to_string(peer.gather_bytes) +
-                  " bytes, rank " + std::to_string(rank_) + " expected " + std::to_string(bytes));
+              "all_gather: rank " + std::to_string(p) + " sent " + std::to_string(peer.gather_bytes) + " bytes, rank " +
+                  std::to_string(rank_) + " expected " + std::to_string(bytes));
       std::memcpy(static_cast<char*>(recv) + p * bytes, peer.send, bytes);
     }
     barrier();
   }
 
-  void all_to_all_v(const void* send, const size_t* send_bytes, const size_t* send_offsets,
-                    void* recv, const size_t* recv_bytes, const size_t* recv_offsets) override {
+  void all_to_all_v(const void* send, const size_t* send_bytes, const size_t* send_offsets, void* recv,
+                    const size_t* recv_bytes, const size_t* recv_offsets) override {
     post({send, send_bytes, send_offsets, 0});
     barrier();
     for (int p = 0; p < state_.size; ++p) {
       const Posted& peer = state_.posted[p];
       require(peer.send_bytes[rank_] == recv_bytes[p], ErrorCode::shape_mismatch,
-              "all_to_all_v: rank " + std::to_string(p) + " sends " +
-                  std::to_string(peer.send_bytes[rank_]) + " bytes to rank " + std::to_string(rank_) +
-                  ", which expects " + std::to_string(recv_bytes[p]));
+              "all_to_all_v: rank " + std::to_string(p) + " sends " + std::to_string(peer.send_bytes[rank_]) +
+                  " bytes to rank " + std::to_string(rank_) + ", which expects " + std::to_string(recv_bytes[p]));
       if (recv_bytes[p] == 0) continue;
       std::memcpy(static_cast<char*>(recv) + recv_offsets[p],
                   static_cast<const char*>(peer.send) + peer.send_offsets[rank_], recv_bytes[p]);

@@ -19,8 +19,7 @@ int device_count();
 // allocates the workspace (not capturable); later calls with that count only launch kernels on
 // the given stream and can be captured in a CUDA graph. Across ranks each call synchronizes once
 // (the exchanged count table), so it is not capturable.
-std::unique_ptr<MoeLayer> make_cuda_moe_layer(const MoeShape& shape, ProcessGroup* group,
-                                              const LayerOptions& options);
+std::unique_ptr<MoeLayer> make_cuda_moe_layer(const MoeShape& shape, ProcessGroup* group, const LayerOptions& options);
 // The same layer with every grouped GEMM replaced by a per-expert cuBLAS loop that reads the
 // group sizes on the host: the comparison baseline of `moka bench`.
 std::unique_ptr<MoeLayer> make_cuda_baseline_layer(const MoeShape& shape, const LayerOptions& options);

@@ -84,8 +84,7 @@ std::unique_ptr<MoeLayer> make_layer(const MoeShape& shape, DeviceGroup* group, 
 }
 }  // namespace
 
-std::unique_ptr<MoeLayer> make_cuda_moe_layer(const MoeShape& shape, ProcessGroup* group,
-                                              const LayerOptions& options) {
+std::unique_ptr<MoeLayer> make_cuda_moe_layer(const MoeShape& shape, ProcessGroup* group, const LayerOptions& options) {
   if (group == nullptr || group->size() == 1) return make_layer(shape, nullptr, nullptr, options);
   int device = 0;
   MOKA_CUDA_CHECK(cudaGetDevice(&device));

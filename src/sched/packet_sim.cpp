@@ -30,8 +30,8 @@ struct Chunk {
 // Row i of `d` as chunks in `order`. With pace_span > 0 each chunk is released at the moment
 // the constant-rate fluid schedule (D_ij / pace_span) starts sending its bytes, so no flow runs
 // ahead of its rate by more than one chunk.
-void append_ordered(std::vector<Chunk>& out, const TrafficMatrix& d, int i, ChunkOrder order, int64_t chunk,
-                    int phase, double pace_span) {
+void append_ordered(std::vector<Chunk>& out, const TrafficMatrix& d, int i, ChunkOrder order, int64_t chunk, int phase,
+                    double pace_span) {
   std::vector<int64_t> row(d.bytes.begin() + static_cast<int64_t>(i) * d.n,
                            d.bytes.begin() + static_cast<int64_t>(i + 1) * d.n);
   for (const PeerChunk& pc : chunk_order(chunks_per_peer(row, chunk), i, order)) {
@@ -70,7 +70,8 @@ int build_chunks(Policy p, const TrafficMatrix& d, const Fabric& f, const Policy
       const auto phases = policy_phases(p, d, o, residual);
       for (size_t k = 0; k < phases.size(); ++k)
         for (int i = 0; i < d.n; ++i)
-          if (phases[k].bytes_of[i] > 0) append_flow(out[i], phases[k].receiver_of[i], phases[k].bytes_of[i], chunk, static_cast<int>(k));
+          if (phases[k].bytes_of[i] > 0)
+            append_flow(out[i], phases[k].receiver_of[i], phases[k].bytes_of[i], chunk, static_cast<int>(k));
       const double tail = lower_bound(residual, f).seconds;
       if (tail == 0) return static_cast<int>(phases.size());
       for (int i = 0; i < d.n; ++i)
@@ -86,11 +87,11 @@ class PacketSim {
  public:
   PacketSim(const TrafficMatrix& d, const Fabric& f, const PacketOptions& o, std::vector<std::vector<Chunk>> chunks,
             int phases, double barrier_s)
-      : d_(d), f_(f), o_(o), n_(d.n), chunks_(std::move(chunks)), barrier_s_(barrier_s),
-        senders_(n_), link_busy_(n_, false), pause_count_(n_, 0), stalled_since_(n_, -1), next_wake_(n_, -1),
+      : d_(d), f_(f), o_(o), n_(d.n), chunks_(std::move(chunks)), barrier_s_(barrier_s), senders_(n_),
+        link_busy_(n_, false), pause_count_(n_, 0), stalled_since_(n_, -1), next_wake_(n_, -1),
         credits_(n_, credit_mode() ? o.buffer_bytes : std::numeric_limits<double>::infinity()),
-        waiting_(static_cast<size_t>(n_) * n_, 0), waiters_(n_), ports_(n_), queued_from_(static_cast<size_t>(n_) * n_, 0),
-        phase_left_(phases, 0), phase_open_at_(phases, 0) {
+        waiting_(static_cast<size_t>(n_) * n_, 0), waiters_(n_), ports_(n_),
+        queued_from_(static_cast<size_t>(n_) * n_, 0), phase_left_(phases, 0), phase_open_at_(phases, 0) {
     for (int i = 0; i < n_; ++i) {
       auto& by_release = senders_[i].by_release;
       by_release.resize(chunks_[i].size());
@@ -249,7 +250,8 @@ class PacketSim {
     if (o_.mode == BackPressure::pfc && o_.buffer_bytes > 0 && !p.pausing && p.bytes >= o_.buffer_bytes) {
       p.pausing = true;
       for (int i = 0; i < n_; ++i)
-        if (queued_from_[static_cast<size_t>(j) * n_ + i] > 0) p.paused.push_back(i), schedule(now_ + o_.propagation_s, Kind::pause, i);
+        if (queued_from_[static_cast<size_t>(j) * n_ + i] > 0)
+          p.paused.push_back(i), schedule(now_ + o_.propagation_s, Kind::pause, i);
     }
     if (!p.busy) start_port(j);
   }

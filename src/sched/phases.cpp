@@ -28,7 +28,8 @@ namespace {
 // Birkhoff's theorem), kept across phases and repaired by augmenting paths (Kuhn).
 class PerfectMatching {
  public:
-  explicit PerfectMatching(const TrafficMatrix& m) : m_(m), adj_(m.n), col_owner_(m.n, -1), row_match_(m.n, -1), seen_(m.n, 0) {
+  explicit PerfectMatching(const TrafficMatrix& m)
+      : m_(m), adj_(m.n), col_owner_(m.n, -1), row_match_(m.n, -1), seen_(m.n, 0) {
     for (int i = 0; i < m.n; ++i)
       for (int j = 0; j < m.n; ++j)
         if (m.at(i, j) > 0) adj_[i].push_back(j);
@@ -94,7 +95,8 @@ std::vector<Phase> bvn_phases(const TrafficMatrix& d) {
     require(matching.complete(), ErrorCode::internal, "BvN: no perfect matching on a balanced matrix");
     std::vector<int> receiver_of(d.n);
     int64_t weight = remaining;
-    for (int i = 0; i < d.n; ++i) receiver_of[i] = matching.receiver_of(i), weight = std::min(weight, left.at(i, receiver_of[i]));
+    for (int i = 0; i < d.n; ++i)
+      receiver_of[i] = matching.receiver_of(i), weight = std::min(weight, left.at(i, receiver_of[i]));
     Phase ph = take_phase(receiver_of, weight, left, real);
     for (int i = 0; i < d.n; ++i)
       if (left.at(i, receiver_of[i]) == 0) matching.remove(i, receiver_of[i]);

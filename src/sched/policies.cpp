@@ -173,7 +173,8 @@ class WaterFilling {
     for (size_t unfrozen = flows.size(); unfrozen > 0;) {
       int bottleneck = -1;
       for (int l = 0; l < 2 * n_; ++l)
-        if (unfrozen_on[l] > 0 && (bottleneck < 0 || left[l] * unfrozen_on[bottleneck] < left[bottleneck] * unfrozen_on[l]))
+        if (unfrozen_on[l] > 0 &&
+            (bottleneck < 0 || left[l] * unfrozen_on[bottleneck] < left[bottleneck] * unfrozen_on[l]))
           bottleneck = l;
       const double step = left[bottleneck] / unfrozen_on[bottleneck];
       level += step;
@@ -228,9 +229,7 @@ std::vector<int> destination_order(Policy p, const TrafficMatrix& d, int i) {
   return order;
 }
 
-bool is_phased(Policy p) {
-  return p == Policy::spreadout_barrier || p == Policy::bvn || p == Policy::greedy_matching;
-}
+bool is_phased(Policy p) { return p == Policy::spreadout_barrier || p == Policy::bvn || p == Policy::greedy_matching; }
 
 std::vector<Phase> policy_phases(Policy p, const TrafficMatrix& d, const PolicyOptions& o, TrafficMatrix& residual) {
   residual = TrafficMatrix(d.n);

@@ -49,7 +49,8 @@ std::vector<int> destination_order(Policy p, const TrafficMatrix& d, int sender)
 // whether the policy runs in matching phases separated by barriers, and those phases
 // (`residual`: what greedy_matching leaves to a final rate-based phase; empty otherwise).
 bool is_phased(Policy p);
-std::vector<Phase> policy_phases(Policy p, const TrafficMatrix& d, const PolicyOptions& options, TrafficMatrix& residual);
+std::vector<Phase> policy_phases(Policy p, const TrafficMatrix& d, const PolicyOptions& options,
+                                 TrafficMatrix& residual);
 
 FluidPlan plan_fluid(Policy p, const TrafficMatrix& d, const Fabric& fabric, const PolicyOptions& options = {});
 

@@ -60,8 +60,8 @@ std::string range_text(int64_t lo, int64_t hi) {
 
 int64_t integer_in(const LineContext& at, const json& value, const std::string& name, int64_t lo, int64_t hi) {
   at.check(value.is_number_integer(), name + " must be an integer, got " + excerpt(value));
-  const bool fits_int64 =
-      !value.is_number_unsigned() || value.get<uint64_t>() <= static_cast<uint64_t>(std::numeric_limits<int64_t>::max());
+  const bool fits_int64 = !value.is_number_unsigned() ||
+                          value.get<uint64_t>() <= static_cast<uint64_t>(std::numeric_limits<int64_t>::max());
   const int64_t v = fits_int64 ? value.get<int64_t>() : hi;
   at.check(fits_int64 && v >= lo && v <= hi, name + " is " + excerpt(value) + ", outside " + range_text(lo, hi));
   return v;
@@ -121,8 +121,8 @@ RoutingEpoch parse_epoch(const LineContext& at, const std::string& text) {
   at.check(world >= 2, "'topk_ids' holds " + std::to_string(world) + " ranks, at least 2 are needed");
   at.check(world <= kMaxRanks, "'topk_ids' holds " + std::to_string(world) + " ranks, at most " +
                                    std::to_string(kMaxRanks) + " are simulated (the cap of --gpus)");
-  at.check(epoch.num_experts % world == 0, std::to_string(epoch.num_experts) + " experts do not divide over " +
-                                               std::to_string(world) + " ranks");
+  at.check(epoch.num_experts % world == 0,
+           std::to_string(epoch.num_experts) + " experts do not divide over " + std::to_string(world) + " ranks");
   if (j.contains("world_size"))
     at.check(integer_in(at, j["world_size"], "'world_size'", 2, world) == world,
              "'world_size' disagrees with the " + std::to_string(world) + " ranks of 'topk_ids'");

@@ -48,8 +48,8 @@ CountMode parse_count_mode(const std::string& name) {
   throw Error(ErrorCode::invalid_argument, "unknown count mode '" + name + "' (route, gpu)");
 }
 
-TrafficMatrix traffic_from_routing(const std::vector<std::vector<int32_t>>& topk_ids, int top_k,
-                                   int num_experts, int64_t bytes_per_row, CountMode mode) {
+TrafficMatrix traffic_from_routing(const std::vector<std::vector<int32_t>>& topk_ids, int top_k, int num_experts,
+                                   int64_t bytes_per_row, CountMode mode) {
   const int world = static_cast<int>(topk_ids.size());
   require(top_k >= 1, ErrorCode::invalid_argument, "top_k must be >= 1, got " + std::to_string(top_k));
   require(world >= 2 && num_experts % world == 0, ErrorCode::invalid_argument,
@@ -60,8 +60,8 @@ TrafficMatrix traffic_from_routing(const std::vector<std::vector<int32_t>>& topk
   for (int src = 0; src < world; ++src) {
     const auto& ids = topk_ids[src];
     require(ids.size() % top_k == 0, ErrorCode::shape_mismatch,
-            "rank " + std::to_string(src) + "'s topk_ids (" + std::to_string(ids.size()) + " ids) is not tokens x top_k " +
-                std::to_string(top_k));
+            "rank " + std::to_string(src) + "'s topk_ids (" + std::to_string(ids.size()) +
+                " ids) is not tokens x top_k " + std::to_string(top_k));
     std::fill(last_token_at.begin(), last_token_at.end(), -1);
     for (size_t r = 0; r < ids.size(); ++r) {
       require(ids[r] >= 0 && ids[r] < num_experts, ErrorCode::expert_out_of_range,
@@ -79,7 +79,8 @@ TrafficMatrix traffic_from_routing(const std::vector<std::vector<int32_t>>& topk
 
 TrafficMatrix synthetic_traffic(const SyntheticTraffic& s) {
   require(s.tokens_per_rank >= 1 && s.top_k >= 1 && s.experts_per_gpu >= 1 && s.bytes_per_row >= 1,
-          ErrorCode::invalid_argument, "synthetic traffic needs tokens_per_rank, top_k, experts_per_gpu and bytes_per_row >= 1");
+          ErrorCode::invalid_argument,
+          "synthetic traffic needs tokens_per_rank, top_k, experts_per_gpu and bytes_per_row >= 1");
   const int experts = s.gpus * s.experts_per_gpu;
   std::vector<std::vector<int32_t>> ids(s.gpus);
   for (int r = 0; r < s.gpus; ++r)

@@ -15,11 +15,11 @@ namespace moka::sched {
 // inter-server network.
 struct Fabric {
   int gpus = 8;
-  double link_bw = 450e9;            // per GPU and direction, when the per-port lists are empty
-  std::vector<double> send_bw;       // optional per-GPU egress bandwidth
-  std::vector<double> recv_bw;       // optional per-GPU ingress bandwidth
-  int gpus_per_server = 0;           // 0: single tier
-  double nic_bw = 50e9;              // per GPU NIC and direction (two tier)
+  double link_bw = 450e9;       // per GPU and direction, when the per-port lists are empty
+  std::vector<double> send_bw;  // optional per-GPU egress bandwidth
+  std::vector<double> recv_bw;  // optional per-GPU ingress bandwidth
+  int gpus_per_server = 0;      // 0: single tier
+  double nic_bw = 50e9;         // per GPU NIC and direction (two tier)
 
   double send_bw_of(int gpu) const { return send_bw.empty() ? link_bw : send_bw.at(gpu); }
   double recv_bw_of(int gpu) const { return recv_bw.empty() ? link_bw : recv_bw.at(gpu); }
@@ -53,8 +53,8 @@ CountMode parse_count_mode(const std::string& name);  // "route" | "gpu"
 
 // Matrix of one dispatch: topk_ids[r] holds rank r's [tokens * top_k] expert ids; experts are
 // laid out contiguously, num_experts / world per rank.
-TrafficMatrix traffic_from_routing(const std::vector<std::vector<int32_t>>& topk_ids, int top_k,
-                                   int num_experts, int64_t bytes_per_row, CountMode mode);
+TrafficMatrix traffic_from_routing(const std::vector<std::vector<int32_t>>& topk_ids, int top_k, int num_experts,
+                                   int64_t bytes_per_row, CountMode mode);
 
 // Most ranks (GPUs) a simulated epoch may hold, synthetic (`moka simulate --gpus`) or replayed
 // from a routing dump: one cap for both, so that a dump cannot declare a fabric (and ranks^2

@@ -48,8 +48,14 @@ NvlinkStep balance_step(const TrafficMatrix& d, const Fabric& f) {
       }
       for (double& s : surplus) s -= total / per;
       for (int giver = 0, taker = 0; giver < per && taker < per;) {
-        if (surplus[giver] <= 0) { ++giver; continue; }
-        if (surplus[taker] >= 0) { ++taker; continue; }
+        if (surplus[giver] <= 0) {
+          ++giver;
+          continue;
+        }
+        if (surplus[taker] >= 0) {
+          ++taker;
+          continue;
+        }
         const double moved = std::min(surplus[giver], -surplus[taker]);
         step.move(a * per + giver, a * per + taker, moved);
         surplus[giver] -= moved, surplus[taker] += moved;
@@ -89,14 +95,16 @@ double direct_nic_bound(const TrafficMatrix& d, const Fabric& f) {
   std::vector<double> out(d.n), in(d.n);
   for (int i = 0; i < d.n; ++i)
     for (int j = 0; j < d.n; ++j)
-      if (f.server_of(i) != f.server_of(j)) out[i] += static_cast<double>(d.at(i, j)), in[j] += static_cast<double>(d.at(i, j));
+      if (f.server_of(i) != f.server_of(j))
+        out[i] += static_cast<double>(d.at(i, j)), in[j] += static_cast<double>(d.at(i, j));
   return std::max(*std::max_element(out.begin(), out.end()), *std::max_element(in.begin(), in.end())) / f.nic_bw;
 }
 
 }  // namespace
 
 TwoTierResult plan_two_tier(const TrafficMatrix& d, const Fabric& f, const PolicyOptions& o) {
-  require(f.two_tier() && d.n == f.gpus, ErrorCode::invalid_argument, "two-tier planning needs gpus_per_server and a matching matrix");
+  require(f.two_tier() && d.n == f.gpus, ErrorCode::invalid_argument,
+          "two-tier planning needs gpus_per_server and a matching matrix");
   f.validate();
   const TrafficMatrix servers = server_matrix(d, f);
   TwoTierResult r;

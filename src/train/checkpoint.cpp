@@ -96,7 +96,7 @@ uint32_t text_crc32c(const std::string& s) { return crc32c(s.data(), s.size()); 
 constexpr const char* kChecksumsKey = "moka.crc32c";
 constexpr const char* kHeaderChecksumKey = "moka.header_crc32c";
 constexpr const char* kFormatKey = "moka.checksum_format";
-constexpr const char* kFormat = "2";  // format 1 (no kFormatKey) checksummed the metadata, not the header
+constexpr const char* kFormat = "2";              // format 1 (no kFormatKey) checksummed the metadata, not the header
 constexpr const char* kReservedPrefix = "moka.";  // the writer's metadata keys
 
 std::string crc_text(uint32_t crc) {
@@ -209,7 +209,8 @@ uint32_t take_header_checksum(const std::string& path, std::map<std::string, std
   const auto format = metadata.extract(kFormatKey);
   if (!format)
     throw corrupt(path, std::string("its checksums are in moka's checksum format 1, which left the header "
-                                    "unchecked; this moka reads format ") + kFormat + " only");
+                                    "unchecked; this moka reads format ") +
+                            kFormat + " only");
   if (format.mapped() != kFormat)
     throw corrupt(path, "its checksums are in moka's checksum format '" + format.mapped() +
                             "'; this moka reads format " + kFormat + " only");
@@ -241,16 +242,16 @@ std::map<std::string, uint32_t> take_tensor_checksums(const std::string& path,
 
 // Refuses a header whose text is not the writer's text of what it holds, or whose content
 // (everything but the header checksum's entry, which `header` loses) fails that checksum.
-void verify_header(const std::string& path, const std::string& text, nlohmann::json& header,
-                   uint32_t recorded_crc) {
+void verify_header(const std::string& path, const std::string& text, nlohmann::json& header, uint32_t recorded_crc) {
   if (header_text(header) != text)
     throw corrupt(path, "its header is not byte for byte as moka writes it (the file is damaged)");
   header["__metadata__"].erase(kHeaderChecksumKey);
   const uint32_t crc = text_crc32c(header.dump());
   if (crc != recorded_crc)
-    throw corrupt(path, "checksum mismatch in the header (tensor names, dtypes, shapes, offsets or metadata): it has "
-                        "CRC-32C " + crc_text(crc) + ", the file records " + crc_text(recorded_crc) +
-                        " (the file is damaged)");
+    throw corrupt(path,
+                  "checksum mismatch in the header (tensor names, dtypes, shapes, offsets or metadata): it has "
+                  "CRC-32C " +
+                      crc_text(crc) + ", the file records " + crc_text(recorded_crc) + " (the file is damaged)");
 }
 
 }  // namespace
@@ -342,13 +343,12 @@ SafetensorsFile read_safetensors(const std::string& path) {
   SafetensorsFile file;
   std::vector<TensorEntry> entries;
   for (const auto& [name, entry] : header.items()) {
-    if (name == "__metadata__")
-      file.metadata = parse_metadata(path, entry);
-    else
-      entries.push_back(parse_entry(path, name, entry, data_size));
+    if (name == "__metadata__") file.metadata = parse_metadata(path, entry);
+    else entries.push_back(parse_entry(path, name, entry, data_size));
   }
-  std::sort(entries.begin(), entries.end(),
-            [](const TensorEntry& a, const TensorEntry& b) { return std::pair(a.begin, a.end) < std::pair(b.begin, b.end); });
+  std::sort(entries.begin(), entries.end(), [](const TensorEntry& a, const TensorEntry& b) {
+    return std::pair(a.begin, a.end) < std::pair(b.begin, b.end);
+  });
   for (size_t i = 1; i < entries.size(); ++i)
     if (entries[i].begin < entries[i - 1].end)
       throw corrupt(path, "tensors '" + entries[i - 1].name + "' and '" + entries[i].name + "' overlap");

@@ -33,8 +33,7 @@ CudaEngine::CudaEngine(const TrainConfig& config, const std::vector<TensorRule>&
 
 CudaEngine::~CudaEngine() = default;
 
-void CudaEngine::step(const Batch& batch, double lr_factor, ActivationStats* stats, bool read_metrics,
-                      StepReport& r) {
+void CudaEngine::step(const Batch& batch, double lr_factor, ActivationStats* stats, bool read_metrics, StepReport& r) {
   impl_->run_step(batch, lr_factor, stats, read_metrics, r);
 }
 
@@ -125,10 +124,8 @@ std::vector<std::vector<int32_t>> CudaEngine::routed_experts() const {
 void CudaEngine::poison_gradients() {
   // All-ones bytes are a NaN in both f32 and bf16.
   for (auto& p : impl_->params) {
-    if (p.bf16_grad())
-      MOKA_CUDA_CHECK(cudaMemset(p.grad16.data(), 0xFF, p.n * sizeof(bf16)));
-    else
-      MOKA_CUDA_CHECK(cudaMemset(p.grad.data(), 0xFF, p.n * sizeof(float)));
+    if (p.bf16_grad()) MOKA_CUDA_CHECK(cudaMemset(p.grad16.data(), 0xFF, p.n * sizeof(bf16)));
+    else MOKA_CUDA_CHECK(cudaMemset(p.grad.data(), 0xFF, p.n * sizeof(float)));
   }
 }
 

@@ -29,8 +29,8 @@ void linear(const T* x, const T* w, T scale, int64_t rows, int64_t in, int64_t o
 
 // dx = scale * dy w (overwritten); dw += scale * dy^T x.
 template <typename T>
-void linear_backward(const T* x, const T* w, const T* dy, T scale, int64_t rows, int64_t in, int64_t out, T* dx,
-                     T* dw, int threads) {
+void linear_backward(const T* x, const T* w, const T* dy, T scale, int64_t rows, int64_t in, int64_t out, T* dx, T* dw,
+                     int threads) {
   parallel_for(rows, threads, [&](int64_t b, int64_t e) {
     for (int64_t r = b; r < e; ++r) {
       T* dxr = dx + r * in;

@@ -120,7 +120,8 @@ LrHorizonResult analyze_horizon(const LrHorizonConfig& config, const std::vector
     for (size_t l = 0; l < n_lr; ++l) {
       std::vector<double> over_seeds;
       for (const auto& seed : runs) over_seeds.push_back(seed[l][b]);
-      const bool all_finite = std::all_of(over_seeds.begin(), over_seeds.end(), [](double v) { return std::isfinite(v); });
+      const bool all_finite =
+          std::all_of(over_seeds.begin(), over_seeds.end(), [](double v) { return std::isfinite(v); });
       const Spread s = spread_of(over_seeds);
       bo.loss.push_back(all_finite ? s.mean : inf);
       bo.loss_std.push_back(all_finite ? s.std : 0.0);
@@ -206,7 +207,7 @@ LrHorizonResult lr_horizon(const LrHorizonConfig& config, const TextSplit& text,
       Job j{config.train, s, l};
       j.train.adam.lr = config.lrs[l];
       j.train.seed = config.train.seed + s;
-      j.train.validation_seed = config.train.seed;  // every seed on the same validation batches
+      j.train.validation_seed = config.train.seed;     // every seed on the same validation batches
       j.train.schedule.kind = ScheduleKind::constant;  // warmup, then stable; never decays
       j.train.threads = 1;
       jobs.push_back(j);
@@ -223,8 +224,7 @@ LrHorizonResult lr_horizon(const LrHorizonConfig& config, const TextSplit& text,
     }
 
   const double inf = std::numeric_limits<double>::infinity();
-  std::vector<std::vector<std::vector<double>>> runs(config.seeds,
-                                                     std::vector<std::vector<double>>(config.lrs.size()));
+  std::vector<std::vector<std::vector<double>>> runs(config.seeds, std::vector<std::vector<double>>(config.lrs.size()));
   std::vector<std::vector<double>> wsd_loss(config.wsd_check_steps.size(), std::vector<double>(config.lrs.size(), inf));
   int done = 0;
   const bool in_processes = config.train.backend == Backend::cuda && config.workers > 1;
@@ -232,9 +232,9 @@ LrHorizonResult lr_horizon(const LrHorizonConfig& config, const TextSplit& text,
       jobs.size(), config.workers, in_processes,
       [&](size_t i) {
         const Job& j = jobs[i];
-        return j.check == SIZE_MAX ? train_and_evaluate_at(j.train, text, budgets, config.eval_batches, true)
-                                   : train_and_evaluate_at(j.train, text, {j.train.schedule.total_steps},
-                                                           config.eval_batches, false);
+        return j.check == SIZE_MAX
+                   ? train_and_evaluate_at(j.train, text, budgets, config.eval_batches, true)
+                   : train_and_evaluate_at(j.train, text, {j.train.schedule.total_steps}, config.eval_batches, false);
       },
       [&](size_t i, std::vector<double> losses) {
         const Job& j = jobs[i];

@@ -25,13 +25,13 @@ struct PowerLaw {
 PowerLaw fit_power_law(const std::vector<double>& x, const std::vector<double>& y);
 
 struct LrHorizonConfig {
-  TrainConfig train;  // the proxy; train.ema_decay > 0; schedule: warmup, then constant
+  TrainConfig train;        // the proxy; train.ema_decay > 0; schedule: warmup, then constant
   std::vector<double> lrs;  // ascending
   int seeds = 1;            // every LR trained with seeds train.seed, train.seed + 1, ...
   int64_t eval_every = 50;  // steps between EMA evaluations (budgets)
   int eval_batches = 8;
-  int64_t fit_from = 0;    // budgets (steps) below this are evaluated and reported, not fitted
-  int holdout = 2;          // the last usable budgets, left out of the fit and predicted
+  int64_t fit_from = 0;                  // budgets (steps) below this are evaluated and reported, not fitted
+  int holdout = 2;                       // the last usable budgets, left out of the fit and predicted
   std::vector<int64_t> wsd_check_steps;  // budgets re-run as real WSD runs with decay
   std::vector<double> predict_tokens;    // budgets to extrapolate eta* to
   int workers = 1;                       // threads on the CPU, processes on the GPU
@@ -47,11 +47,11 @@ std::vector<int64_t> check_horizon_config(const LrHorizonConfig& config);
 // One budget's curve and optimum.
 struct BudgetOptimum {
   int64_t steps = 0, tokens = 0;
-  std::vector<double> loss;   // per LR: EMA validation loss averaged over seeds (inf: diverged)
+  std::vector<double> loss;      // per LR: EMA validation loss averaged over seeds (inf: diverged)
   std::vector<double> loss_std;  // per LR, over seeds (0 with one seed)
-  bool usable = false;        // has a fitted optimum inside the grid
-  std::string why_not;        // when not usable
-  bool fitted = false;        // usable and at or past fit_from: in the power-law fit
+  bool usable = false;           // has a fitted optimum inside the grid
+  std::string why_not;           // when not usable
+  bool fitted = false;           // usable and at or past fit_from: in the power-law fit
   LrOptimum optimum;
   bool held_out = false;      // among the last `holdout` fitted budgets (then not in holdout_fit)
   Spread log_eta_star_seeds;  // ln eta* over the seeds whose curve has an optimum here
@@ -69,7 +69,7 @@ struct WsdCheck {
   bool usable = false;
   std::string why_not;
   double wsd_eta_star = 0, ema_eta_star = 0;
-  double eta_ratio = 0;  // wsd / ema
+  double eta_ratio = 0;      // wsd / ema
   double mean_loss_gap = 0;  // mean over LRs finite in both of (ema - wsd)
 };
 
@@ -82,8 +82,8 @@ struct LrHorizonResult {
   PowerLaw holdout_fit;                // the same without the held-out budgets (holdout > 0)
   std::vector<HeldOutCheck> held_out;  // predictions of the held-out budgets by holdout_fit
   double held_out_max_error = 0;
-  std::vector<double> beta_per_seed;   // NaN where that seed's optima allow no fit
-  Spread beta_spread;                  // over the seeds that have one
+  std::vector<double> beta_per_seed;                    // NaN where that seed's optima allow no fit
+  Spread beta_spread;                                   // over the seeds that have one
   std::vector<std::pair<double, double>> extrapolated;  // (tokens, eta*) by `fit`
   std::vector<WsdCheck> wsd_checks;
 };

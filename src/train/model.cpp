@@ -85,9 +85,9 @@ Model<T>::Model(const ModelConfig& config, const std::vector<TensorRule>& rules,
     layer.is_moe = l > 0;
     layer.attn_norm = &params_.at(p + "attn_norm");
     layer.ffn_norm = &params_.at(p + "ffn_norm");
-    const std::vector<std::string> attn_names = config_.attention == AttentionKind::mla
-        ? std::vector<std::string>{"q_down", "q_up", "kv_down", "k_up", "v_up"}
-        : std::vector<std::string>{"q", "k", "v"};
+    const std::vector<std::string> attn_names =
+        config_.attention == AttentionKind::mla ? std::vector<std::string>{"q_down", "q_up", "kv_down", "k_up", "v_up"}
+                                                : std::vector<std::string>{"q", "k", "v"};
     for (const auto& n : attn_names) layer.attn.push_back(&params_.at(p + "attn." + n));
     layer.attn_out = &params_.at(p + "attn.out");
     const std::string f = layer.is_moe ? p + "moe." : p + "ffn.";
@@ -96,8 +96,13 @@ Model<T>::Model(const ModelConfig& config, const std::vector<TensorRule>& rules,
     layer.down = unscaled(params_.at(f + "down"));
     MoeShape shape{config_.d_model, config_.dense_intermediate, 1, 1, 0, Activation::swiglu, 7.0f};
     if (layer.is_moe) {
-      shape = {config_.d_model, config_.expert_intermediate, config_.num_experts, config_.top_k,
-               config_.shared_intermediate, Activation::swiglu, 7.0f};
+      shape = {config_.d_model,
+               config_.expert_intermediate,
+               config_.num_experts,
+               config_.top_k,
+               config_.shared_intermediate,
+               Activation::swiglu,
+               7.0f};
       layer.router = unscaled(params_.at(f + "router"));
       if (config_.shared_intermediate > 0) {
         layer.shared_gate = unscaled(params_.at(f + "shared_gate"));
@@ -106,8 +111,9 @@ Model<T>::Model(const ModelConfig& config, const std::vector<TensorRule>& rules,
       }
       // DeepSeek-V3 routing: sigmoid scores, renormalized over the k chosen, so route weights do
       // not shrink as the number of experts grows with width.
-      RouterConfig rc{config_.d_model, config_.num_experts, config_.top_k, ScoreFunction::sigmoid, true, true,
-                      1.0, 0.0, config_.z_loss_coef};
+      RouterConfig rc{
+          config_.d_model,    config_.num_experts, config_.top_k, ScoreFunction::sigmoid, true, true, 1.0, 0.0,
+          config_.z_loss_coef};
       layer.router_op = make_router(rc, options.backend, layer_options);
       layer.moe_index = static_cast<int>(selection_bias_.size());
       selection_bias_.emplace_back(config_.num_experts, 0.0);
@@ -135,8 +141,8 @@ std::vector<T> Model<T>::project_backward(const std::vector<T>& x, Param<T>& w, 
   const int64_t out = w.rule.spec.shape[0], in = w.rule.spec.shape[1];
   const int64_t rows = static_cast<int64_t>(x.size()) / in;
   std::vector<T> dx(rows * in);
-  dense::linear_backward(x.data(), w.value.data(), dy.data(), static_cast<T>(w.rule.forward_multiplier), rows, in,
-                         out, dx.data(), w.grad.data(), options_.threads);
+  dense::linear_backward(x.data(), w.value.data(), dy.data(), static_cast<T>(w.rule.forward_multiplier), rows, in, out,
+                         dx.data(), w.grad.data(), options_.threads);
   return dx;
 }
 
@@ -157,8 +163,7 @@ std::vector<T> Model<T>::attention_forward(Layer& L, const std::vector<T>& x) {
   }
   L.probs.assign(b.batch * config_.num_heads * b.seq * b.seq, T(0));
   L.context.assign(L.q.size(), T(0));
-  dense::causal_attention(L.q.data(), L.k.data(), L.v.data(), dims, L.probs.data(), L.context.data(),
-                          options_.threads);
+  dense::causal_attention(L.q.data(), L.k.data(), L.v.data(), dims, L.probs.data(), L.context.data(), options_.threads);
   return project(L.context, *L.attn_out);
 }
 
@@ -227,8 +232,14 @@ std::vector<T> Model<T>::ffn_backward(Layer& L, const std::vector<T>& d_out) {
   const int64_t E = L.is_moe ? config_.num_experts : 1;
   const int64_t I = L.is_moe ? config_.expert_intermediate : config_.dense_intermediate;
   std::vector<T> dx(Tn * H), d_weights(Tn * k);
-  MoeGradients g{view_of(dx, {Tn, H}), view_of(d_weights, {Tn, k}), L.gate->grad_view({E, I, H}),
-                 L.up->grad_view({E, I, H}), L.down->grad_view({E, H, I}), {}, {}, {}};
+  MoeGradients g{view_of(dx, {Tn, H}),
+                 view_of(d_weights, {Tn, k}),
+                 L.gate->grad_view({E, I, H}),
+                 L.up->grad_view({E, I, H}),
+                 L.down->grad_view({E, H, I}),
+                 {},
+                 {},
+                 {}};
   if (L.shared_gate) {
     const int64_t Is = config_.shared_intermediate;
     g.d_ws_gate = L.shared_gate->grad_view({Is, H});
@@ -286,8 +297,8 @@ double Model<T>::forward(const Batch& batch, ActivationStats* stats) {
   mark(Stage::head_loss_forward);
   c.final_x.resize(Tn * H);
   c.final_inv_rms.resize(Tn);
-  dense::rmsnorm(c.residual.data(), params_.at("final_norm").value.data(), Tn, H, config_.norm_eps,
-                 c.final_x.data(), c.final_inv_rms.data());
+  dense::rmsnorm(c.residual.data(), params_.at("final_norm").value.data(), Tn, H, config_.norm_eps, c.final_x.data(),
+                 c.final_inv_rms.data());
   c.logits = project(c.final_x, params_.at("head"));
   c.d_logits.resize(Tn * V);
   cross_entropy_ = dense::cross_entropy(c.logits.data(), batch.targets.data(), Tn, V, c.d_logits.data());
@@ -321,8 +332,8 @@ void Model<T>::backward() {
     mark(Stage::attention_backward);
     const auto d_attn_x = attention_backward(L, L.attn_x, d_residual);
     mark(Stage::norms_backward);
-    dense::rmsnorm_backward(L.attn_in.data(), L.attn_norm->value.data(), L.attn_inv_rms.data(), d_attn_x.data(),
-                            Tn, H, d_branch_in.data(), L.attn_norm->grad.data());
+    dense::rmsnorm_backward(L.attn_in.data(), L.attn_norm->value.data(), L.attn_inv_rms.data(), d_attn_x.data(), Tn, H,
+                            d_branch_in.data(), L.attn_norm->grad.data());
     add_into(d_residual, d_branch_in);
   }
   mark(Stage::embedding_backward);

@@ -12,11 +12,11 @@ struct ModelConfig {
   int64_t vocab = 256;  // byte-level tokens
   int64_t d_model = 64;
   int64_t num_heads = 4;
-  int64_t head_dim = 16;           // fixed as width grows
+  int64_t head_dim = 16;  // fixed as width grows
   AttentionKind attention = AttentionKind::mla;
-  int64_t q_rank = 32;             // MLA latent ranks, fixed as width grows
+  int64_t q_rank = 32;  // MLA latent ranks, fixed as width grows
   int64_t kv_rank = 32;
-  int64_t num_layers = 2;          // layer 0 has a dense FFN, the others MoE FFNs
+  int64_t num_layers = 2;  // layer 0 has a dense FFN, the others MoE FFNs
   int64_t dense_intermediate = 128;
   int64_t num_experts = 8;
   int64_t top_k = 2;
@@ -51,8 +51,8 @@ enum class TensorClass : uint8_t {
   attention_qkv,   // plain MHA d -> heads*head_dim
   attention_out,
   router,
-  expert_fc1,      // routed expert gate/up
-  expert_fc2,      // routed expert down
+  expert_fc1,  // routed expert gate/up
+  expert_fc2,  // routed expert down
   shared_fc1,
   shared_fc2,
   dense_fc1,

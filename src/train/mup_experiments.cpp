@@ -140,13 +140,13 @@ LrOptimum fit_lr_optimum(const std::vector<double>& lrs, const std::vector<doubl
   require(std::is_sorted(lrs.begin(), lrs.end()), ErrorCode::invalid_argument, "LR optimum: LRs must ascend");
   LrOptimum o;
   const auto best = std::min_element(losses.begin(), losses.end());
-  require(best != losses.end() && std::isfinite(*best), ErrorCode::invalid_argument,
-          "LR optimum: every run diverged");
+  require(best != losses.end() && std::isfinite(*best), ErrorCode::invalid_argument, "LR optimum: every run diverged");
   const auto i = best - losses.begin();
   o.best_grid_lr = lrs[i];
   o.best_grid_loss = *best;
   std::vector<double> x, y;
-  for (auto j = std::max<std::ptrdiff_t>(0, i - 2); j <= std::min<std::ptrdiff_t>(std::ptrdiff_t(lrs.size()) - 1, i + 2); ++j) {
+  for (auto j = std::max<std::ptrdiff_t>(0, i - 2);
+       j <= std::min<std::ptrdiff_t>(std::ptrdiff_t(lrs.size()) - 1, i + 2); ++j) {
     if (!std::isfinite(losses[j])) continue;
     x.push_back(std::log(lrs[j]));
     y.push_back(losses[j]);
@@ -187,7 +187,8 @@ WidthOptimum optimum_of(int64_t width, std::vector<SweepPoint> pts) {
     lrs.push_back(p.lr);
     losses.push_back(p.loss);
   }
-  const auto best = std::min_element(pts.begin(), pts.end(), [](const auto& a, const auto& b) { return a.loss < b.loss; });
+  const auto best =
+      std::min_element(pts.begin(), pts.end(), [](const auto& a, const auto& b) { return a.loss < b.loss; });
   WidthOptimum o{width, {}, best->lr, false, best->lr, best->loss};
   try {
     const LrOptimum fitted = fit_lr_optimum(lrs, losses);
@@ -382,10 +383,8 @@ void run_in_threads(size_t count, int workers, const std::function<std::vector<d
 void run_jobs(size_t count, int workers, bool in_processes, const std::function<std::vector<double>(size_t)>& job,
               const std::function<void(size_t, std::vector<double>)>& on_result) {
   workers = int(std::clamp<size_t>(count, 1, size_t(std::max(1, workers))));  // no more workers than runs
-  if (in_processes)
-    run_in_processes(count, workers, job, on_result);
-  else
-    run_in_threads(count, workers, job, on_result);
+  if (in_processes) run_in_processes(count, workers, job, on_result);
+  else run_in_threads(count, workers, job, on_result);
 }
 
 namespace {

@@ -15,7 +15,7 @@ double loglog_slope(const std::vector<double>& x, const std::vector<double>& y);
 struct CoordCheckConfig {
   TrainConfig train;  // train.base is the x1 model; train.model is ignored
   std::vector<int64_t> multipliers{1, 2, 4, 8};
-  int steps = 5;      // activations are recorded after 0..steps updates
+  int steps = 5;  // activations are recorded after 0..steps updates
 };
 
 struct CoordCheckRow {
@@ -65,9 +65,9 @@ struct LrSweepConfig {
   TrainConfig train;  // train.base is the x1 model; train.adam.lr is replaced by each grid LR
   std::vector<int64_t> multipliers{1, 2, 4, 8};
   std::vector<double> lrs;
-  int seeds = 1;        // every (width, LR) is trained with seeds train.seed, train.seed + 1, ...
+  int seeds = 1;  // every (width, LR) is trained with seeds train.seed, train.seed + 1, ...
   int eval_batches = 8;
-  int workers = 1;      // runs trained at once: threads on the CPU, processes on the GPU
+  int workers = 1;  // runs trained at once: threads on the CPU, processes on the GPU
 };
 
 struct SweepPoint {
@@ -95,10 +95,10 @@ struct SeedOptima {
 };
 
 struct LrSweepResult {
-  std::vector<SweepPoint> points;      // every run, every seed
-  std::vector<WidthOptimum> optima;    // from the loss averaged over seeds (diverged in any: inf)
-  double drift_log2 = 0;               // log2(eta*_widest / eta*_base) of `optima`
-  std::vector<SeedOptima> per_seed;    // one entry per seed
+  std::vector<SweepPoint> points;            // every run, every seed
+  std::vector<WidthOptimum> optima;          // from the loss averaged over seeds (diverged in any: inf)
+  double drift_log2 = 0;                     // log2(eta*_widest / eta*_base) of `optima`
+  std::vector<SeedOptima> per_seed;          // one entry per seed
   std::vector<Spread> log2_eta_star_spread;  // per width (order of `optima`), over seeds
   Spread drift_spread;                       // over seeds
 };

@@ -43,9 +43,7 @@ void apply_sp(TensorRule& r) {
 void apply_mup(TensorRule& r, int64_t base_fan_in) {
   const auto& s = r.spec;
   switch (s.cls) {
-    case TensorClass::embedding:
-      r.init_std = 1.0;
-      return;
+    case TensorClass::embedding: r.init_std = 1.0; return;
     case TensorClass::output_head:
       // Constant init and logits x 1/m: the update of W x stays O(1) under Adam's O(1)
       // per-entry steps, and the init part of the logits shrinks as 1/sqrt(m).

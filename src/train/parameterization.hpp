@@ -24,8 +24,8 @@ Parameterization parse_parameterization(const std::string& name);  // "sp" | "mu
 struct TensorRule {
   TensorSpec spec;
   bool fan_in_grows = false, fan_out_grows = false;
-  double width_ratio = 1.0;   // m_in = fan_in / base fan_in (1 for norm gains)
-  bool init_ones = false;     // norm gains start at 1; everything else N(0, init_std^2)
+  double width_ratio = 1.0;  // m_in = fan_in / base fan_in (1 for norm gains)
+  bool init_ones = false;    // norm gains start at 1; everything else N(0, init_std^2)
   double init_std = 0.0;
   double lr_multiplier = 1.0;
   double forward_multiplier = 1.0;  // scales the tensor's matmul output

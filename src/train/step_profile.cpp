@@ -5,10 +5,13 @@
 namespace moka::train {
 
 const char* stage_name(Stage s) {
-  static constexpr std::array<const char*, kStageCount> names{
-      "embedding forward", "norms forward",   "attention forward",  "MoE forward",        "head + loss forward",
-      "head + loss backward", "MoE backward", "norms backward",     "attention backward", "embedding backward",
-      "optimizer",         "EMA",             "router bias",        "inputs"};
+  static constexpr std::array<const char*, kStageCount> names{"embedding forward",   "norms forward",
+                                                              "attention forward",   "MoE forward",
+                                                              "head + loss forward", "head + loss backward",
+                                                              "MoE backward",        "norms backward",
+                                                              "attention backward",  "embedding backward",
+                                                              "optimizer",           "EMA",
+                                                              "router bias",         "inputs"};
   return names[size_t(s)];
 }
 

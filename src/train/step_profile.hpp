@@ -50,8 +50,8 @@ struct StepProfile {
   std::array<int64_t, kStageCount> launches{};
   int64_t launches_per_step = -1;
   int64_t host_syncs = 0;  // waits for the device inside the steps (reads included), profiling's own excluded
-  double host_ms = 0;               // the host's time inside step() (enqueueing, on the GPU)
-  double step_ms = 0;               // the whole step on the engine's clock
+  double host_ms = 0;      // the host's time inside step() (enqueueing, on the GPU)
+  double step_ms = 0;      // the whole step on the engine's clock
 
   void add_stage(Stage s, double milliseconds) { ms[size_t(s)] += milliseconds; }
   nlohmann::json to_json() const;

@@ -142,9 +142,7 @@ std::unique_ptr<TrainEngine> make_cuda_engine(const TrainConfig&, const std::vec
 #endif
 
 Trainer::Trainer(const TrainConfig& config, const TextSplit& text)
-    : config_(config),
-      text_(text),
-      rules_(parameterize(config.base, config.model, config.parameterization)),
+    : config_(config), text_(text), rules_(parameterize(config.base, config.model, config.parameterization)),
       engine_(make_engine(config, rules_)) {}
 
 Trainer::~Trainer() = default;
@@ -184,8 +182,8 @@ double Trainer::evaluate(int batches, bool use_ema) {
   // A seed of its own, so validation batches do not depend on how far training went.
   std::vector<Batch> data;
   for (int i = 0; i < batches; ++i)
-    data.push_back(
-        sample_batch(text_.validation, config_.batch, config_.seq, config_.validation_seed.value_or(config_.seed) + 0x5EED, i));
+    data.push_back(sample_batch(text_.validation, config_.batch, config_.seq,
+                                config_.validation_seed.value_or(config_.seed) + 0x5EED, i));
   try {
     return engine_->evaluate(data, use_ema);
   } catch (const Error& e) {

@@ -65,9 +65,12 @@ TEST(BenchTorchResult, MatchesShapeTokensAndRanks) {
   const std::string path = testing::TempDir() + "bench_torch_results.jsonl";
   {
     std::ofstream f(path);
-    f << R"({"shape":"a","tokens_per_rank":64,"ep":2,"fwd_ms":1,"fwdbwd_ms":3,"peak_memory_bytes":77})" << "\n\n"
-      << R"({"shape":"a","tokens_per_rank":64,"fwd_ms":2,"fwdbwd_ms":5})" << "\n"
-      << R"({"shape":"a","tokens_per_rank":128,"error":"out of memory"})" << "\n";
+    f << R"({"shape":"a","tokens_per_rank":64,"ep":2,"fwd_ms":1,"fwdbwd_ms":3,"peak_memory_bytes":77})"
+      << "\n\n"
+      << R"({"shape":"a","tokens_per_rank":64,"fwd_ms":2,"fwdbwd_ms":5})"
+      << "\n"
+      << R"({"shape":"a","tokens_per_rank":128,"error":"out of memory"})"
+      << "\n";
   }
   const TorchResult two = torch_result(path, "a", 64, 2);
   EXPECT_EQ(two.fwdbwd_ms, 3);
@@ -88,7 +91,8 @@ TEST(BenchTorchResult, NamesTheBadLine) {
   const std::string path = testing::TempDir() + "bench_torch_results_bad.jsonl";
   {
     std::ofstream f(path);
-    f << R"({"shape":"a","tokens_per_rank":64,"fwdbwd_ms":3})" << "\n{\"shape\":\n";
+    f << R"({"shape":"a","tokens_per_rank":64,"fwdbwd_ms":3})"
+      << "\n{\"shape\":\n";
   }
   try {
     torch_result(path, "a", 64, 1);

@@ -146,8 +146,9 @@ struct RankOutcome {
 };
 
 // Runs n ranks of a group with `timeout`; rank r calls body(r, make_group). Returns each rank's error.
-std::vector<RankOutcome> run_ranks_catching(int n, double timeout,
-                                            const std::function<void(int, const std::function<std::unique_ptr<ProcessGroup>()>&)>& body) {
+std::vector<RankOutcome> run_ranks_catching(
+    int n, double timeout,
+    const std::function<void(int, const std::function<std::unique_ptr<ProcessGroup>()>&)>& body) {
   const int port = comm::pick_free_port();
   std::vector<RankOutcome> out(n);
   std::vector<std::thread> threads;

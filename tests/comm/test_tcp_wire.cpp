@@ -226,12 +226,14 @@ TEST(TcpWire, Rank0RelayingAnInconsistentTableIsNamed) {
 }
 
 TEST(TcpWire, Rank0RelayingAWrongAllGatherSizeIsNamed) {
-  expect_error(rank_1_facing(filler_frame(5), gather(4)), ErrorCode::shape_mismatch, "rank 0 relayed 5 bytes, rank 1 expected 2 x 4");
+  expect_error(rank_1_facing(filler_frame(5), gather(4)), ErrorCode::shape_mismatch,
+               "rank 0 relayed 5 bytes, rank 1 expected 2 x 4");
 }
 
 TEST(TcpWire, MalformedWaitingNoticeIsRefused) {
   const int32_t not_a_rank = 7;
-  expect_error(rank_1_facing(frame(bytes_of(&not_a_rank, sizeof(not_a_rank)), FrameType::waiting), empty_all_to_all), ErrorCode::io, "rank 0 sent a malformed waiting notice");
+  expect_error(rank_1_facing(frame(bytes_of(&not_a_rank, sizeof(not_a_rank)), FrameType::waiting), empty_all_to_all),
+               ErrorCode::io, "rank 0 sent a malformed waiting notice");
 }
 
 TEST(TcpWire, SendingMoreThanTheFrameLimitIsRefusedUpFront) {

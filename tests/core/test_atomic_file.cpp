@@ -147,16 +147,16 @@ TEST_F(AtomicFileTest, CommitRemovesOnlyStaleTemporariesOfItsPath) {
   const std::string dead = std::to_string(gone), alive = std::to_string(::getpid());
   const std::string stale = "ckpt.safetensors.tmp." + dead + ".aB3xY9";
   const std::vector<std::string> kept = {
-      "ckpt.safetensors.tmp." + alive + ".aB3xY9",   // a save in progress
-      "other.safetensors.tmp." + dead + ".aB3xY9",   // another path's
-      "xckpt.safetensors.tmp." + dead + ".aB3xY9",   // another path's
-      "ckpt.safetensors.tmp." + dead + ".aB3xY",     // five random characters
-      "ckpt.safetensors.tmp." + dead + ".aB3xY9z",   // seven
-      "ckpt.safetensors.tmp." + dead + ".aB3-Y9",    // not from mkstemp's alphabet
-      "ckpt.safetensors.tmp." + dead + "x.aB3xY9",   // not a pid
-      "ckpt.safetensors.tmp.0" + dead + ".aB3xY9",   // not as the writer spells its pid
-      "ckpt.safetensors.tmp..aB3xY9",                // no pid
-      "ckpt.safetensors.tmp.aB3xY9",                 // no pid
+      "ckpt.safetensors.tmp." + alive + ".aB3xY9",  // a save in progress
+      "other.safetensors.tmp." + dead + ".aB3xY9",  // another path's
+      "xckpt.safetensors.tmp." + dead + ".aB3xY9",  // another path's
+      "ckpt.safetensors.tmp." + dead + ".aB3xY",    // five random characters
+      "ckpt.safetensors.tmp." + dead + ".aB3xY9z",  // seven
+      "ckpt.safetensors.tmp." + dead + ".aB3-Y9",   // not from mkstemp's alphabet
+      "ckpt.safetensors.tmp." + dead + "x.aB3xY9",  // not a pid
+      "ckpt.safetensors.tmp.0" + dead + ".aB3xY9",  // not as the writer spells its pid
+      "ckpt.safetensors.tmp..aB3xY9",               // no pid
+      "ckpt.safetensors.tmp.aB3xY9",                // no pid
       "ckpt.safetensors.bak",
   };
   for (const auto& name : kept) write(name, "keep");

@@ -99,12 +99,12 @@ TEST(E4m3, SubnormalsAndSignedZero) {
   EXPECT_EQ(float_to_e4m3(0.0f), 0x00);
   EXPECT_EQ(float_to_e4m3(-0.0f), 0x80);
   EXPECT_TRUE(std::signbit(e4m3_to_float(0x80)));
-  EXPECT_EQ(float_to_e4m3(std::ldexp(1.0f, -10)), 0x00);              // half the smallest: ties to 0
+  EXPECT_EQ(float_to_e4m3(std::ldexp(1.0f, -10)), 0x00);  // half the smallest: ties to 0
   EXPECT_EQ(float_to_e4m3(std::nextafter(std::ldexp(1.0f, -10), 1.0f)), 0x01);
-  EXPECT_EQ(float_to_e4m3(std::ldexp(3.0f, -10)), 0x02);              // 1.5 * 2^-9 ties to 2 * 2^-9
-  EXPECT_EQ(float_to_e4m3(std::ldexp(15.0f, -10)), 0x08);             // 7.5 * 2^-9 ties to 2^-6
+  EXPECT_EQ(float_to_e4m3(std::ldexp(3.0f, -10)), 0x02);   // 1.5 * 2^-9 ties to 2 * 2^-9
+  EXPECT_EQ(float_to_e4m3(std::ldexp(15.0f, -10)), 0x08);  // 7.5 * 2^-9 ties to 2^-6
   EXPECT_EQ(float_to_e4m3(-std::ldexp(5.0f, -9)), 0x85);
-  EXPECT_EQ(float_to_e4m3(from_bits(1)), 0x00);                        // float subnormals: zero
+  EXPECT_EQ(float_to_e4m3(from_bits(1)), 0x00);  // float subnormals: zero
   EXPECT_EQ(float_to_e4m3(-from_bits(0x007FFFFF)), 0x80);
 }
 

@@ -142,14 +142,16 @@ TEST_P(BackwardPlanInvariants, EveryTileAndSegmentTileRunsOnce) {
     }
   }
   const bool replay = c.mode == ContextMode::replay;
-  std::map<BackwardTaskKind, int64_t> routed{{BackwardTaskKind::pull, 1}, {BackwardTaskKind::push, 1},
+  std::map<BackwardTaskKind, int64_t> routed{{BackwardTaskKind::pull, 1},
+                                             {BackwardTaskKind::push, 1},
                                              {BackwardTaskKind::dgd, p.dgd_col_tiles},
                                              {BackwardTaskKind::dx, p.dx_col_tiles}};
   if (replay) routed[BackwardTaskKind::gate_up] = p.gate_up_col_tiles;
   size_t expected = 0;
   for (const auto& [kind, cols] : routed) {
     for (int64_t row = 0; row < p.total_rows; row += p.tile_m)
-      for (int64_t col = 0; col < cols; ++col) EXPECT_EQ((produced[{kind, row, col}]), 1) << to_string(kind) << " row " << row;
+      for (int64_t col = 0; col < cols; ++col)
+        EXPECT_EQ((produced[{kind, row, col}]), 1) << to_string(kind) << " row " << row;
     expected += p.total_rows / p.tile_m * cols;
   }
   const auto& segments = pt.table.segments;
@@ -258,7 +260,8 @@ TEST_P(BackwardPlanInvariants, DocumentedOrderIsTopological) {
   for (const auto& t : order) (is_comm(t.kind) ? comm : compute).push_back(t);
   ASSERT_EQ(comm.size(), q.comm.size());
   for (size_t i = 0; i < comm.size(); ++i) ASSERT_TRUE(same(comm[i], q.comm[i])) << describe(pt.plan, comm[i]);
-  for (size_t i = 0; i < compute.size(); ++i) ASSERT_TRUE(same(compute[i], q.compute[i])) << describe(pt.plan, compute[i]);
+  for (size_t i = 0; i < compute.size(); ++i)
+    ASSERT_TRUE(same(compute[i], q.compute[i])) << describe(pt.plan, compute[i]);
   const auto by_counter = releasers(pt, order);
   for (size_t i = 0; i < order.size(); ++i) {
     const auto w = task_wait(pt.plan, pt.segments(), order[i]);
@@ -294,8 +297,7 @@ std::vector<Access> accesses(const PlanWithTable& pt, const BackwardTask& t) {
   switch (t.kind) {
     case BackwardTaskKind::pull: return {{'d', slot, -1, true}};
     case BackwardTaskKind::gate_up: return {{'d', slot, -1, false}, {'g', slot, t.col_tile, true}};
-    case BackwardTaskKind::dgd:
-      return {{'d', slot, -1, false}, {'g', slot, -1, false}, {'h', slot, t.col_tile, true}};
+    case BackwardTaskKind::dgd: return {{'d', slot, -1, false}, {'g', slot, -1, false}, {'h', slot, t.col_tile, true}};
     case BackwardTaskKind::dx: return {{'h', slot, -1, false}, {'x', slot, t.col_tile, true}};
     case BackwardTaskKind::push: return {{'x', slot, -1, false}, {'h', slot, -1, false}, {'d', slot, -1, false}};
     default: return {};
@@ -307,7 +309,8 @@ bool conflict(const Access& a, const Access& b) {
 }
 
 // Conflicting (task, task) pairs.
-std::vector<std::pair<size_t, size_t>> conflicting_pairs(const PlanWithTable& pt, const std::vector<BackwardTask>& tasks) {
+std::vector<std::pair<size_t, size_t>> conflicting_pairs(const PlanWithTable& pt,
+                                                         const std::vector<BackwardTask>& tasks) {
   std::map<std::pair<char, int64_t>, std::vector<std::pair<size_t, Access>>> by_slot;
   for (size_t i = 0; i < tasks.size(); ++i)
     for (const auto& a : accesses(pt, tasks[i])) by_slot[{a.buffer, a.slot}].push_back({i, a});
@@ -458,14 +461,14 @@ BackwardCase random_case(uint64_t seed) {
 std::vector<BackwardCase> cases() {
   const auto resident = ContextMode::resident, replay = ContextMode::replay;
   std::vector<BackwardCase> v{
-      {2, 4, 8, {}, resident, true},                 // no routed rows
-      {2, 4, 8, {0, 0, 3}, replay, true},            // empty experts, less than a minibatch
-      {2, 4, 8, {8}, resident, false},               // exactly one macrobatch
-      {2, 4, 8, {20}, replay, false},                // one expert over three macrobatches (carry chain)
-      {2, 4, 8, {5, 7, 1, 9}, resident, true},       // experts straddling steps and macrobatches
-      {2, 2, 2, {3, 4, 0, 5}, replay, true},         // one minibatch per macrobatch: every step reuses
-      {3, 6, 12, {13, 2, 8}, resident, true},        // tile_m 3
-      {2, 4, 1024, {9, 11}, replay, false},          // the ring holds everything
+      {2, 4, 8, {}, resident, true},            // no routed rows
+      {2, 4, 8, {0, 0, 3}, replay, true},       // empty experts, less than a minibatch
+      {2, 4, 8, {8}, resident, false},          // exactly one macrobatch
+      {2, 4, 8, {20}, replay, false},           // one expert over three macrobatches (carry chain)
+      {2, 4, 8, {5, 7, 1, 9}, resident, true},  // experts straddling steps and macrobatches
+      {2, 2, 2, {3, 4, 0, 5}, replay, true},    // one minibatch per macrobatch: every step reuses
+      {3, 6, 12, {13, 2, 8}, resident, true},   // tile_m 3
+      {2, 4, 1024, {9, 11}, replay, false},     // the ring holds everything
   };
   for (uint64_t seed = 1; seed <= 24; ++seed) v.push_back(random_case(seed));
   return v;
@@ -490,7 +493,8 @@ TEST(MegakernelBackwardPlan, BoundedRingCostsLittleAtQwen3Scale) {
   auto run = [&](int64_t macrobatch) {
     config.macrobatch_size = macrobatch;
     PlanWithTable pt;
-    pt.plan = backward_trim_to_rows(build_backward_plan(config, {dims, ContextMode::resident, {256, 128}}), offset.back());
+    pt.plan =
+        backward_trim_to_rows(build_backward_plan(config, {dims, ContextMode::resident, {256, 128}}), offset.back());
     EXPECT_TRUE(fits_capacity(pt.plan, offset.back()));
     pt.table = build_segment_table(pt.plan, offset);
     const double us_per_flop = 36.0 / (2.0 * 128 * 256 * 2048);
@@ -517,16 +521,17 @@ TEST(MegakernelBackwardPlan, BoundedRingCostsLittleAtQwen3Scale) {
   RecordProperty("bounded_over_unbounded", std::to_string(bounded.span / unbounded.span));
   RecordProperty("bounded_over_compute_work", std::to_string(bounded.span / bounded.work));
   EXPECT_LE(bounded.span, 1.05 * unbounded.span) << "bounded " << bounded.span << " us, unbounded " << unbounded.span;
-  EXPECT_LE(bounded.span, 1.15 * bounded.work) << "span " << bounded.span << " us, compute work per CTA " << bounded.work;
+  EXPECT_LE(bounded.span, 1.15 * bounded.work)
+      << "span " << bounded.span << " us, compute work per CTA " << bounded.work;
 }
 
 TEST(MegakernelBackwardPlan, TilesFollowTheTiling) {
   MegakernelConfig config;  // tile_rows 128
   const MegakernelDims dims{2, 16384, 8, 2048, 768, 512, 64};
   const auto p = build_backward_plan(config, {dims, ContextMode::replay, {256, 128}});
-  EXPECT_EQ(p.dgd_col_tiles, 3);        // I 768 / 256
-  EXPECT_EQ(p.dx_col_tiles, 8);         // H 2048 / 256
-  EXPECT_EQ(p.gate_up_col_tiles, 6);    // I 768 / 128 per matrix
+  EXPECT_EQ(p.dgd_col_tiles, 3);      // I 768 / 256
+  EXPECT_EQ(p.dx_col_tiles, 8);       // H 2048 / 256
+  EXPECT_EQ(p.gate_up_col_tiles, 6);  // I 768 / 128 per matrix
   EXPECT_EQ(p.wgrad_gate_up_tiles, 6 * 16);
   EXPECT_EQ(p.wgrad_down_tiles, 16 * 3);
   EXPECT_EQ(p.shared_dgd_col_tiles, 2);

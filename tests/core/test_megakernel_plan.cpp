@@ -20,8 +20,8 @@ struct PlanCase {
   int64_t tile_m, minibatch, macrobatch, total_rows;
   int64_t band_row_tiles = MegakernelConfig{}.band_row_tiles;
   friend std::ostream& operator<<(std::ostream& os, const PlanCase& c) {
-    return os << "tile_m " << c.tile_m << ", minibatch " << c.minibatch << ", macrobatch " << c.macrobatch
-              << ", rows " << c.total_rows << ", band " << c.band_row_tiles;
+    return os << "tile_m " << c.tile_m << ", minibatch " << c.minibatch << ", macrobatch " << c.macrobatch << ", rows "
+              << c.total_rows << ", band " << c.band_row_tiles;
   }
 };
 
@@ -68,7 +68,8 @@ TEST_P(MegakernelPlanInvariants, DecodersFollowTheGlobalOrder) {
   ASSERT_EQ(static_cast<int64_t>(comm.size()), comm_task_count(p));
   ASSERT_EQ(static_cast<int64_t>(compute.size()), compute_task_count(p));
   for (size_t i = 0; i < comm.size(); ++i) EXPECT_TRUE(same(comm_task(p, i), comm[i])) << describe(p, comm[i]);
-  for (size_t i = 0; i < compute.size(); ++i) EXPECT_TRUE(same(compute_task(p, i), compute[i])) << describe(p, compute[i]);
+  for (size_t i = 0; i < compute.size(); ++i)
+    EXPECT_TRUE(same(compute_task(p, i), compute[i])) << describe(p, compute[i]);
   EXPECT_EQ(comm_task(p, comm.size()).kind, TaskKind::none);
   EXPECT_EQ(compute_task(p, compute.size()).kind, TaskKind::none);
 }
@@ -113,7 +114,8 @@ TEST_P(MegakernelPlanInvariants, EveryRowAndTileIsProducedOnce) {
       ++produced[{t.kind, task_first_row(p, t), t.col_tile}];
     }
   }
-  const std::map<TaskKind, int64_t> columns{{TaskKind::dispatch, 1},       {TaskKind::combine, 1},
+  const std::map<TaskKind, int64_t> columns{{TaskKind::dispatch, 1},
+                                            {TaskKind::combine, 1},
                                             {TaskKind::gate_up, p.gate_up_col_tiles},
                                             {TaskKind::down, p.down_col_tiles}};
   size_t expected = 0;
@@ -123,7 +125,8 @@ TEST_P(MegakernelPlanInvariants, EveryRowAndTileIsProducedOnce) {
     expected += p.total_rows / p.tile_m * cols;
   }
   for (int64_t row = 0; row < p.tokens; row += p.tile_m) {
-    for (int64_t c = 0; c < p.shared_gate_up_col_tiles; ++c) EXPECT_EQ((produced[{TaskKind::shared_gate_up, row, c}]), 1);
+    for (int64_t c = 0; c < p.shared_gate_up_col_tiles; ++c)
+      EXPECT_EQ((produced[{TaskKind::shared_gate_up, row, c}]), 1);
     for (int64_t c = 0; c < p.down_col_tiles; ++c) EXPECT_EQ((produced[{TaskKind::shared_down, row, c}]), 1);
   }
   expected += p.shared_row_tiles * (p.shared_gate_up_col_tiles + p.down_col_tiles);
@@ -179,7 +182,8 @@ TEST_P(MegakernelPlanInvariants, CountersOrderEveryConflictingRingAccess) {
     for (size_t a = 0; a < b; ++a)
       for (const auto& x : accesses(p, order[a]))
         for (const auto& y : accesses(p, order[b]))
-          if (conflict(x, y)) EXPECT_TRUE(after[b][a]) << describe(p, order[b]) << " races with " << describe(p, order[a]);
+          if (conflict(x, y))
+            EXPECT_TRUE(after[b][a]) << describe(p, order[b]) << " races with " << describe(p, order[a]);
 }
 
 TEST_P(MegakernelPlanInvariants, MacrobatchZeroStaysInTheRing) {
@@ -245,7 +249,7 @@ PlanRun simulate(const MegakernelPlan& p, int num_comm, int num_compute, Cost&& 
   PlanRun run;
   std::vector<int64_t> counters(counter_count(p), 0);
   std::map<int64_t, std::vector<TaskRun*>> blocked;  // counter index -> runs waiting on it
-  using Event = std::pair<double, TaskRun*>;          // a task ends
+  using Event = std::pair<double, TaskRun*>;         // a task ends
   std::priority_queue<Event, std::vector<Event>, std::greater<>> ends;
   const int64_t comm_total = comm_task_count(p), compute_total = compute_task_count(p);
   run.comm.reserve(comm_total);
@@ -335,33 +339,34 @@ TEST(MegakernelPlan, BoundedRingCostsLittleOverAnUnboundedOneAtTheMacrobatchEdge
     config.macrobatch_size = macrobatch;
     const auto plan = trim_to_rows(build_megakernel_plan(config, dims), rows);
     EXPECT_TRUE(fits_capacity(plan, rows));
-    return simulate(plan, 16, 116, [](const Task& t) {
-             switch (t.kind) {
-               case TaskKind::gate_up: return 36.0;
-               case TaskKind::down: return 10.0;
-               default: return 33.0;
-             }
-           }).span;
+    return simulate(plan, 16, 116,
+                    [](const Task& t) {
+                      switch (t.kind) {
+                        case TaskKind::gate_up: return 36.0;
+                        case TaskKind::down: return 10.0;
+                        default: return 33.0;
+                      }
+                    })
+        .span;
   };
   const double bounded = span(131072), unbounded = span(262144);
   RecordProperty("bounded_over_unbounded", std::to_string(bounded / unbounded));
   EXPECT_LE(bounded, 1.05 * unbounded) << "bounded ring " << bounded << " us, unbounded " << unbounded << " us";
 }
 
-INSTANTIATE_TEST_SUITE_P(
-    Shapes, MegakernelPlanInvariants,
-    ::testing::Values(PlanCase{2, 4, 16, 0},    // no routed rows
-                      PlanCase{2, 4, 16, 2},    // less than a minibatch
-                      PlanCase{2, 4, 16, 16},   // exactly one macrobatch
-                      PlanCase{2, 4, 16, 18},   // partial macrobatch of one partial minibatch
-                      PlanCase{2, 4, 16, 26},   // partial macrobatch of three minibatches
-                      PlanCase{2, 4, 16, 50},   // four macrobatches, the last partial
-                      PlanCase{2, 2, 2, 10},    // one minibatch per macrobatch: every step reuses
-                      PlanCase{3, 6, 12, 27},   // tile_m 3
-                      PlanCase{4, 4, 1024, 40},  // the ring holds everything
-                      PlanCase{1, 8, 16, 26, 1},  // row-major tiles
-                      PlanCase{1, 8, 16, 26, 3}   // bands of 3 row tiles, the last one of 2
-                      ));
+INSTANTIATE_TEST_SUITE_P(Shapes, MegakernelPlanInvariants,
+                         ::testing::Values(PlanCase{2, 4, 16, 0},     // no routed rows
+                                           PlanCase{2, 4, 16, 2},     // less than a minibatch
+                                           PlanCase{2, 4, 16, 16},    // exactly one macrobatch
+                                           PlanCase{2, 4, 16, 18},    // partial macrobatch of one partial minibatch
+                                           PlanCase{2, 4, 16, 26},    // partial macrobatch of three minibatches
+                                           PlanCase{2, 4, 16, 50},    // four macrobatches, the last partial
+                                           PlanCase{2, 2, 2, 10},     // one minibatch per macrobatch: every step reuses
+                                           PlanCase{3, 6, 12, 27},    // tile_m 3
+                                           PlanCase{4, 4, 1024, 40},  // the ring holds everything
+                                           PlanCase{1, 8, 16, 26, 1},  // row-major tiles
+                                           PlanCase{1, 8, 16, 26, 3}   // bands of 3 row tiles, the last one of 2
+                                           ));
 
 TEST(MegakernelPlan, CapacityFollowsTheDesignFormula) {
   MegakernelConfig c;
@@ -373,10 +378,10 @@ TEST(MegakernelPlan, CapacityFollowsTheDesignFormula) {
     c.capacity_multiplier = multiplier;
     return build_megakernel_plan(c, {world, T, k, 8, 6, 0, local_experts}).capacity_rows;
   };
-  EXPECT_EQ(capacity(4, 0.25), T * k * 2 + padding);   // max(2, ceil(1)) = 2
-  EXPECT_EQ(capacity(4, 0.75), T * k * 3 + padding);   // ceil(3)
-  EXPECT_EQ(capacity(4, 1.0), T * k * 4 + padding);    // every route of every rank
-  EXPECT_EQ(capacity(1, 0.5), T * k * 1 + padding);    // capped at EP*T*k
+  EXPECT_EQ(capacity(4, 0.25), T * k * 2 + padding);  // max(2, ceil(1)) = 2
+  EXPECT_EQ(capacity(4, 0.75), T * k * 3 + padding);  // ceil(3)
+  EXPECT_EQ(capacity(4, 1.0), T * k * 4 + padding);   // every route of every rank
+  EXPECT_EQ(capacity(1, 0.5), T * k * 1 + padding);   // capped at EP*T*k
   const auto p = build_megakernel_plan(c, {4, T, k, 8, 6, 0, local_experts});
   EXPECT_TRUE(fits_capacity(p, p.capacity_rows));
   EXPECT_FALSE(fits_capacity(p, p.capacity_rows + 1));
@@ -483,9 +488,9 @@ TEST(MegakernelPlan, GemmTilesRunInBandsOfRowTilesColumnByColumn) {
     EXPECT_EQ(t.step, 7);
     order.emplace_back(t.row_tile, t.col_tile);
   }
-  const std::vector<std::pair<int64_t, int64_t>> expected = {{0, 0}, {1, 0}, {0, 1}, {1, 1}, {0, 2}, {1, 2},
-                                                             {2, 0}, {3, 0}, {2, 1}, {3, 1}, {2, 2}, {3, 2},
-                                                             {4, 0}, {4, 1}, {4, 2}};
+  const std::vector<std::pair<int64_t, int64_t>> expected = {{0, 0}, {1, 0}, {0, 1}, {1, 1}, {0, 2},
+                                                             {1, 2}, {2, 0}, {3, 0}, {2, 1}, {3, 1},
+                                                             {2, 2}, {3, 2}, {4, 0}, {4, 1}, {4, 2}};
   EXPECT_EQ(order, expected);
   for (int64_t i = 0; i < rows * cols; ++i) {  // band 1: row-major
     const Task t = banded_tile(TaskKind::down, 0, i, rows, cols, 1);

@@ -51,13 +51,12 @@ TEST_P(ScheduleInvariants, EveryRoutePlacedOnceWithCorrectPadding) {
   EXPECT_EQ(seen.size(), size_t(R * T * k)) << "every route placed exactly once";
 }
 
-INSTANTIATE_TEST_SUITE_P(Shapes, ScheduleInvariants,
-                         ::testing::Combine(::testing::Values(1, 2, 4, 8), ::testing::Values<int64_t>(0, 1, 37, 256),
-                                            ::testing::Values<int64_t>(1, 8, 128),
-                                            ::testing::Values(RoutingKind::uniform, RoutingKind::zipf,
-                                                              RoutingKind::one_expert),
-                                            ::testing::Values(moka::RowOrder::round_robin,
-                                                              moka::RowOrder::rate_based)));
+INSTANTIATE_TEST_SUITE_P(
+    Shapes, ScheduleInvariants,
+    ::testing::Combine(::testing::Values(1, 2, 4, 8), ::testing::Values<int64_t>(0, 1, 37, 256),
+                       ::testing::Values<int64_t>(1, 8, 128),
+                       ::testing::Values(RoutingKind::uniform, RoutingKind::zipf, RoutingKind::one_expert),
+                       ::testing::Values(moka::RowOrder::round_robin, moka::RowOrder::rate_based)));
 
 TEST(Schedule, InterleavesSourcesRoundRobinAndKeepsSlotOrder) {
   // 2 ranks, T=3, k=1, one expert: rank 0 routes tokens 0,1,2; rank 1 routes token 0 and 2.
@@ -106,8 +105,7 @@ TEST(Schedule, SendPlanMatchesReceiverOrder) {
       const auto plan = build_send_plan(all.data() + src * T * k, T, k, E, R);
       const int64_t n = plan.rank_offset[dst % R + 1] - plan.rank_offset[dst % R];
       ASSERT_EQ(n, int64_t(by_src[src].size()));
-      for (int64_t i = 0; i < n; ++i)
-        EXPECT_EQ(s.row_slot[by_src[src][i]], plan.slots[plan.rank_offset[dst % R] + i]);
+      for (int64_t i = 0; i < n; ++i) EXPECT_EQ(s.row_slot[by_src[src][i]], plan.slots[plan.rank_offset[dst % R] + i]);
     }
   }
 }

@@ -171,9 +171,12 @@ TEST(Validation, ARankThatThrowsDoesNotHangItsPeers) {
 
 TEST(Validation, APeerThatNeverArrivesTimesOut) {
   try {
-    run_emulated_ranks(2, [&](ProcessGroup& g) {
-        if (g.rank() == 0) g.barrier();
-      }, EmulationOptions{0.2});
+    run_emulated_ranks(
+        2,
+        [&](ProcessGroup& g) {
+          if (g.rank() == 0) g.barrier();
+        },
+        EmulationOptions{0.2});
     FAIL();
   } catch (const Error& e) {
     expect_error(e, ErrorCode::timeout, "rank 0");

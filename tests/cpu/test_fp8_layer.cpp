@@ -85,7 +85,8 @@ TEST(Fp8Layer, SameBitsTwiceAndOnAnyThreadCount) {
   for (size_t r = 1; r < runs.size(); ++r) {
     const auto a = runs[0].outputs(), b = runs[r].outputs();
     for (size_t t = 0; t < a.size(); ++t)
-      EXPECT_EQ(0, std::memcmp(a[t]->data(), b[t]->data(), a[t]->size() * sizeof(float))) << kOutputNames[t] << " run " << r;
+      EXPECT_EQ(0, std::memcmp(a[t]->data(), b[t]->data(), a[t]->size() * sizeof(float)))
+          << kOutputNames[t] << " run " << r;
   }
 }
 

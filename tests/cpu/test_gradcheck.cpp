@@ -58,8 +58,7 @@ TEST_P(GradCheck, EveryGradientMatchesFiniteDifferences) {
   check_gradient("ws_down", s, b, b.ws_down, grads.d_ws_down);
 }
 
-INSTANTIATE_TEST_SUITE_P(Activations, GradCheck,
-                         ::testing::Values(Activation::swiglu, Activation::swiglu_clamped));
+INSTANTIATE_TEST_SUITE_P(Activations, GradCheck, ::testing::Values(Activation::swiglu, Activation::swiglu_clamped));
 
 TEST(GradCheck, ClampedVariantActuallyClamps) {
   // Guards the test above: with limit 0.6 and these inputs some pre-activations exceed it.

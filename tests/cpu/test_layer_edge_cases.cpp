@@ -15,8 +15,8 @@ double silu_glu(double g, double u) { return g / (1 + std::exp(-g)) * u; }
 std::vector<double> naive_forward(const MoeShape& s, const Buffers<double>& b) {
   const int64_t H = s.hidden, I = s.intermediate, k = s.top_k, Is = s.shared_intermediate;
   std::vector<double> out(b.tokens * H, 0.0);
-  auto expert = [&](const double* wg, const double* wu, const double* wd, int64_t inner, const double* x,
-                    double scale, double* y) {
+  auto expert = [&](const double* wg, const double* wu, const double* wd, int64_t inner, const double* x, double scale,
+                    double* y) {
     for (int64_t i = 0; i < inner; ++i) {
       double g = 0, u = 0;
       for (int64_t c = 0; c < H; ++c) {

@@ -60,8 +60,8 @@ std::vector<cpu::MegakernelBackwardResult> run_megakernel(const MoeShape& s, std
 
 // LayerBuffers::outputs(), in order.
 enum Output : size_t { kOut, kDx, kDTopkWeights, kDwGate, kDwUp, kDwDown, kDwsGate, kDwsUp, kDwsDown };
-const char* const kOutputNames[] = {"out", "d_x", "d_topk_weights", "d_w_gate", "d_w_up", "d_w_down",
-                                    "d_ws_gate", "d_ws_up", "d_ws_down"};
+const char* const kOutputNames[] = {"out",      "d_x",       "d_topk_weights", "d_w_gate", "d_w_up",
+                                    "d_w_down", "d_ws_gate", "d_ws_up",        "d_ws_down"};
 
 // Which outputs besides d_x, out and the shared expert's gradients must be bitwise equal.
 struct Exact {

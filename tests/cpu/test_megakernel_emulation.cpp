@@ -51,7 +51,8 @@ std::vector<cpu::MegakernelForwardResult<T>> run_megakernel(const MoeShape& s, s
 }
 
 template <typename T>
-void expect_same_outputs(const std::vector<Buffers<T>>& got, const std::vector<Buffers<T>>& want, const std::string& what) {
+void expect_same_outputs(const std::vector<Buffers<T>>& got, const std::vector<Buffers<T>>& want,
+                         const std::string& what) {
   for (size_t r = 0; r < got.size(); ++r)
     EXPECT_EQ(std::memcmp(got[r].out.data(), want[r].out.data(), got[r].out.size() * sizeof(T)), 0)
         << what << ", rank " << r;
@@ -81,8 +82,7 @@ void expect_matches_reference(const MoeShape& s, int world, int64_t tokens, core
   for (const auto& result : results) expect_counters_at_targets(result);
 }
 
-class MegakernelMatchesReference
-    : public ::testing::TestWithParam<std::tuple<int, core::RoutingKind>> {};
+class MegakernelMatchesReference : public ::testing::TestWithParam<std::tuple<int, core::RoutingKind>> {};
 
 TEST_P(MegakernelMatchesReference, Bitwise) {
   const auto [world, routing] = GetParam();

@@ -32,14 +32,15 @@ struct RouterCase {
     weights.resize(tokens * c.top_k);
     counts.resize(c.num_experts);
   }
-  TensorView bias_view() { return config.use_selection_bias ? TensorView(bias.data(), DType::f64, {config.num_experts}) : TensorView{}; }
+  TensorView bias_view() {
+    return config.use_selection_bias ? TensorView(bias.data(), DType::f64, {config.num_experts}) : TensorView{};
+  }
   std::unique_ptr<RouterContext> forward(Router& r) {
     RouterOutputs out{TensorView(ids.data(), DType::i32, {tokens, config.top_k}),
                       TensorView(weights.data(), DType::f64, {tokens, config.top_k}),
                       TensorView(counts.data(), DType::i32, {config.num_experts})};
     return r.forward(TensorView(x.data(), DType::f64, {tokens, config.hidden}),
-                     TensorView(w.data(), DType::f64, {config.num_experts, config.hidden}), bias_view(), out,
-                     Stream{});
+                     TensorView(w.data(), DType::f64, {config.num_experts, config.hidden}), bias_view(), out, Stream{});
   }
   // Training loss the router contributes: <weights, g> + aux + z.
   double loss(Router& r) {
@@ -74,7 +75,8 @@ TEST_P(RouterGradCheck, BackwardMatchesFiniteDifferences) {
   EXPECT_GT(ctx->losses().z_loss, 0);
   std::vector<double> dx(rc.x.size()), dw(rc.w.size());
   router->backward(*ctx, TensorView(rc.g.data(), DType::f64, {rc.tokens, 3}),
-                   TensorView(dx.data(), DType::f64, {rc.tokens, 6}), TensorView(dw.data(), DType::f64, {8, 6}), Stream{});
+                   TensorView(dx.data(), DType::f64, {rc.tokens, 6}), TensorView(dw.data(), DType::f64, {8, 6}),
+                   Stream{});
   const auto selected = rc.ids;
   auto check = [&](std::vector<double>& param, const std::vector<double>& analytic, const char* name) {
     for (size_t i = 0; i < param.size(); ++i) {
@@ -141,8 +143,8 @@ TEST(Router, BackwardAddsToDxWhenAsked) {
   auto ctx = rc.forward(*router);
   const TensorView g(rc.g.data(), DType::f64, {rc.tokens, 3});
   std::vector<double> dx(rc.x.size()), dw(rc.w.size()), dw_added(rc.w.size());
-  router->backward(*ctx, g, TensorView(dx.data(), DType::f64, {rc.tokens, 6}), TensorView(dw.data(), DType::f64, {8, 6}),
-                   Stream{});
+  router->backward(*ctx, g, TensorView(dx.data(), DType::f64, {rc.tokens, 6}),
+                   TensorView(dw.data(), DType::f64, {8, 6}), Stream{});
   std::vector<double> experts_part(rc.x.size()), sum(rc.x.size());
   std::mt19937_64 rng(5);
   std::normal_distribution<double> nd(0, 1);

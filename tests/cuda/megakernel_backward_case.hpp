@@ -103,7 +103,7 @@ bool same_bits(const Gradients& a, const Gradients& b) {
 
 // How the ranks of a run are launched.
 struct RankLaunch {
-  int num_ctas = 0;  // CTAs per rank (0: one per SM)
+  int num_ctas = 0;    // CTAs per rank (0: one per SM)
   int late_rank = -1;  // the host sleeps late_ms before it enqueues this rank's call (a rank that stops)
   int late_ms = 0;
   int impatient_rank = -1;  // this rank's kernel bounds its waits by 1 ns (its barriers keep the config's bound)
@@ -128,8 +128,8 @@ class BackwardCase {
     const int64_t H = s_.hidden, I = s_.intermediate, Is = s_.shared_intermediate, E = s_.num_experts, k = s_.top_k;
     const int64_t El = E / world_;
     for (int r = 0; r < world_; ++r)
-      schedule_.push_back(core::build_receive_schedule({world_, T_, k, El, r * El, 128, RowOrder::round_robin, r},
-                                                       ids_.data()));
+      schedule_.push_back(
+          core::build_receive_schedule({world_, T_, k, El, r * El, 128, RowOrder::round_robin, r}, ids_.data()));
     x_ = random_bf16(world_ * T_ * H, 1.0, rng_);
     d_out_ = random_bf16(world_ * T_ * H, 1.0, rng_);
     std::uniform_real_distribution<float> w01(0.05f, 1.f);
@@ -170,11 +170,10 @@ class BackwardCase {
     std::vector<bf16*> dx_peers;
     std::vector<float*> dw_peers;
     for (int r = 0; r < world_; ++r) {
-      out.push_back(std::unique_ptr<Outputs>(new Outputs{Poisoned<bf16>(T_ * H), Poisoned<bf16>(El * I * H),
-                                                         Poisoned<bf16>(El * I * H), Poisoned<bf16>(El * H * I),
-                                                         Poisoned<bf16>(Is * H), Poisoned<bf16>(Is * H),
-                                                         Poisoned<bf16>(H * Is), Poisoned<bf16>(T_ * k * H),
-                                                         Poisoned<float>(T_ * k)}));
+      out.push_back(std::unique_ptr<Outputs>(
+          new Outputs{Poisoned<bf16>(T_ * H), Poisoned<bf16>(El * I * H), Poisoned<bf16>(El * I * H),
+                      Poisoned<bf16>(El * H * I), Poisoned<bf16>(Is * H), Poisoned<bf16>(Is * H),
+                      Poisoned<bf16>(H * Is), Poisoned<bf16>(T_ * k * H), Poisoned<float>(T_ * k)}));
       Outputs& o = *out.back();
       for (auto* p : {&o.d_x, &o.dg, &o.du, &o.dd, &o.dsg, &o.dsu, &o.dsd, &o.dx_slots}) p->poison();
       o.d_topk.poison();
@@ -268,8 +267,8 @@ class BackwardCase {
         results[r].error = std::current_exception();
       }
       const Outputs& o = *out[r];
-      results[r].grads = {o.d_x.device.download(), o.dg.device.download(),  o.du.device.download(),
-                          o.dd.device.download(),  o.dsg.device.download(), o.dsu.device.download(),
+      results[r].grads = {o.d_x.device.download(), o.dg.device.download(),    o.du.device.download(),
+                          o.dd.device.download(),  o.dsg.device.download(),   o.dsu.device.download(),
                           o.dsd.device.download(), o.d_topk.device.download()};
     }
     return results;
@@ -330,10 +329,12 @@ class BackwardCase {
     int64_t bad = 0;
     for (size_t i = 0; i < want.size(); ++i) {
       double v;
-      if constexpr (std::is_same_v<T, bf16>) v = to_float(got[i]); else v = got[i];
+      if constexpr (std::is_same_v<T, bf16>) v = to_float(got[i]);
+      else v = got[i];
       const double tol = std::fabs(want[i]) * 0x1p-5 + scale * 0x1p-7;
       if (!(std::fabs(v - want[i]) <= tol) && bad++ < 5)
-        ADD_FAILURE() << name << "[" << i << "]: got " << v << ", expected " << want[i] << " (max |ref| " << scale << ")";
+        ADD_FAILURE() << name << "[" << i << "]: got " << v << ", expected " << want[i] << " (max |ref| " << scale
+                      << ")";
     }
     EXPECT_EQ(bad, 0) << name << ": elements off the reference";
   }
@@ -379,7 +380,8 @@ class BackwardCase {
     d.slot_of_row = on_device(slot_of_row);
     d.x = on_device(bf16_of(std::vector<double>(token_x(r, 0), token_x(r, 0) + T_ * H)));
     d.d_out = on_device(bf16_of(std::vector<double>(d_out_.begin() + r * T_ * H, d_out_.begin() + (r + 1) * T_ * H)));
-    d.weights = on_device(std::vector<float>(route_weight_.begin() + r * T_ * k, route_weight_.begin() + (r + 1) * T_ * k));
+    d.weights =
+        on_device(std::vector<float>(route_weight_.begin() + r * T_ * k, route_weight_.begin() + (r + 1) * T_ * k));
     d.ctx_x = on_device(bf16_of(cx));
     d.ctx_g = on_device(bf16_of(cg));
     d.ctx_u = on_device(bf16_of(cu));
@@ -441,15 +443,15 @@ class BackwardCase {
         Reference& origin = ref_[source];
         origin.d_topk_weights[slot] =
             row_backward(e, I, token_x(source, t), &d_out_[(source * T_ + t) * H], &ctx_g_[r][row * I],
-                         &ctx_u_[r][row * I], route_weight_[source * T_ * k + slot], wg, wu, wd,
-                         &origin.d_x[t * H], dst.d_w_gate.data(), dst.d_w_up.data(), dst.d_w_down.data());
+                         &ctx_u_[r][row * I], route_weight_[source * T_ * k + slot], wg, wu, wd, &origin.d_x[t * H],
+                         dst.d_w_gate.data(), dst.d_w_up.data(), dst.d_w_down.data());
       }
     }
     for (int r = 0; r < world_; ++r)
       for (int64_t t = 0; t < T_; ++t)
-        row_backward(0, Is, token_x(r, t), &d_out_[(r * T_ + t) * H], &sg_[r][t * Is], &su_[r][t * Is], 1.0,
-                     ws_gate_, ws_up_, ws_down_, &ref_[r].d_x[t * H], ref_[r].d_ws_gate.data(),
-                     ref_[r].d_ws_up.data(), ref_[r].d_ws_down.data());
+        row_backward(0, Is, token_x(r, t), &d_out_[(r * T_ + t) * H], &sg_[r][t * Is], &su_[r][t * Is], 1.0, ws_gate_,
+                     ws_up_, ws_down_, &ref_[r].d_x[t * H], ref_[r].d_ws_gate.data(), ref_[r].d_ws_up.data(),
+                     ref_[r].d_ws_down.data());
   }
 
   MoeShape s_;
@@ -467,7 +469,8 @@ class BackwardCase {
   DeviceArray<bf16> wg_dev_, wu_dev_, wd_dev_, wsg_dev_, wsu_dev_, wsd_dev_;
 };
 
-MegakernelConfig config(int comm, int64_t minibatch, int64_t macrobatch, double timeout = fixtures::test_spin_timeout()) {
+MegakernelConfig config(int comm, int64_t minibatch, int64_t macrobatch,
+                        double timeout = fixtures::test_spin_timeout()) {
   MegakernelConfig c;
   c.num_comm_sms = comm;
   c.minibatch_size = minibatch;

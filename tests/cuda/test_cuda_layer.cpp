@@ -52,21 +52,20 @@ const auto U = core::RoutingKind::uniform;
 const auto Z = core::RoutingKind::zipf;
 const auto ONE = core::RoutingKind::one_expert;
 
-INSTANTIATE_TEST_SUITE_P(
-    Shapes, CudaLayerVsReference,
-    ::testing::Values(
-        Case{"tiny_T1", shape(256, 128, 16, 4, 128), 1, U},
-        Case{"tiny_T37", shape(256, 128, 16, 4, 128), 37, U},
-        Case{"tiny_T300_zipf", shape(256, 128, 16, 4, 128), 300, Z},
-        Case{"k1_all_on_one_expert", shape(256, 128, 16, 1), 200, ONE},  // 15 empty experts
-        Case{"k8", shape(256, 192, 16, 8), 129, U},
-        Case{"clamped", shape(512, 256, 8, 2, 0, true), 100, U},
-        Case{"qwen3_30b_dims", shape(2048, 768, 8, 8), 48, U},
-        Case{"qwen3_235b_dims", shape(4096, 1536, 4, 2), 40, U},
-        Case{"deepseek_v3_dims", shape(7168, 2048, 4, 2, 2048), 24, U},
-        Case{"gpt_oss_dims", shape(2880, 2880, 4, 2, 0, true), 40, U},
-        Case{"mixtral_dims", shape(4096, 14336, 2, 1), 20, U}),
-    [](const auto& info) { return std::string(info.param.name); });
+INSTANTIATE_TEST_SUITE_P(Shapes, CudaLayerVsReference,
+                         ::testing::Values(Case{"tiny_T1", shape(256, 128, 16, 4, 128), 1, U},
+                                           Case{"tiny_T37", shape(256, 128, 16, 4, 128), 37, U},
+                                           Case{"tiny_T300_zipf", shape(256, 128, 16, 4, 128), 300, Z},
+                                           Case{"k1_all_on_one_expert", shape(256, 128, 16, 1), 200,
+                                                ONE},  // 15 empty experts
+                                           Case{"k8", shape(256, 192, 16, 8), 129, U},
+                                           Case{"clamped", shape(512, 256, 8, 2, 0, true), 100, U},
+                                           Case{"qwen3_30b_dims", shape(2048, 768, 8, 8), 48, U},
+                                           Case{"qwen3_235b_dims", shape(4096, 1536, 4, 2), 40, U},
+                                           Case{"deepseek_v3_dims", shape(7168, 2048, 4, 2, 2048), 24, U},
+                                           Case{"gpt_oss_dims", shape(2880, 2880, 4, 2, 0, true), 40, U},
+                                           Case{"mixtral_dims", shape(4096, 14336, 2, 1), 20, U}),
+                         [](const auto& info) { return std::string(info.param.name); });
 
 std::vector<double> download_bf16(const void* p, int64_t n) {
   std::vector<__nv_bfloat16> b(n);
@@ -136,9 +135,9 @@ TEST(CudaLayer, NamedShapesMatchBaselineAndSampledReference) {
     auto base = cuda::make_cuda_baseline_layer(sh, {});
     run(*base);
     const auto want = snapshot();
-    const char* names[] = {"out",      "d_x",      "d_ws_gate", "d_ws_up",  "d_ws_down", "d_w_gate[0]",
-                           "d_w_gate[E/2]", "d_w_gate[E-1]", "d_w_up[0]", "d_w_up[E/2]", "d_w_up[E-1]",
-                           "d_w_down[0]", "d_w_down[E/2]", "d_w_down[E-1]", "d_topk_weights"};
+    const char* names[] = {"out",         "d_x",           "d_ws_gate",     "d_ws_up",       "d_ws_down",
+                           "d_w_gate[0]", "d_w_gate[E/2]", "d_w_gate[E-1]", "d_w_up[0]",     "d_w_up[E/2]",
+                           "d_w_up[E-1]", "d_w_down[0]",   "d_w_down[E/2]", "d_w_down[E-1]", "d_topk_weights"};
     for (size_t i = 0; i < got.size(); ++i) {
       if (!want[i].empty()) {
         EXPECT_LE(cli::max_rel_error(got[i], want[i]), 1e-2) << names[i] << " vs cuBLAS loop";
@@ -182,8 +181,8 @@ TEST(CudaLayer, NamedShapesMatchBaselineAndSampledReference) {
       EXPECT_LE(cli::max_rel_error(dx_t, r.d_x), 2e-2) << "d_x of token " << tok;
       const std::vector<double> sizes = d_topk_weight_term_sizes(r, one);
       for (int64_t j = 0; j < k; ++j) {
-        EXPECT_LE(std::abs(dw_t[j] - r.d_topk_weights[j]), 2e-3 * sizes[j]) << "d_topk_weights of token " << tok
-                                                                             << ", route " << j;
+        EXPECT_LE(std::abs(dw_t[j] - r.d_topk_weights[j]), 2e-3 * sizes[j])
+            << "d_topk_weights of token " << tok << ", route " << j;
       }
     }
   }
@@ -310,7 +309,8 @@ TEST(CudaRouter, NanScoresGiveValidIdsAndNanWeights) {
   MOKA_CUDA_CHECK(cudaMemcpy(gw.data(), wb.data(), gw.bytes(), cudaMemcpyHostToDevice));
   const Device d = Device::cuda(0);
   auto gpu = make_router(rc, Backend::cuda);
-  gpu->forward(TensorView(gx.data(), DType::bf16, {T, H}, d), TensorView(gw.data(), DType::bf16, {E, H}, d), TensorView(),
+  gpu->forward(TensorView(gx.data(), DType::bf16, {T, H}, d), TensorView(gw.data(), DType::bf16, {E, H}, d),
+               TensorView(),
                {TensorView(gids.data(), DType::i32, {T, k}, d), TensorView(gwt.data(), DType::f32, {T, k}, d),
                 TensorView(gc.data(), DType::i32, {E}, d)},
                Stream{});
@@ -426,11 +426,12 @@ TEST(CudaRouter, MatchesReferenceForEveryNamedStyle) {
     MOKA_CUDA_CHECK(cudaMemcpy(gdwt.data(), dwf.data(), gdwt.bytes(), cudaMemcpyHostToDevice));
     const Device d = Device::cuda(0);
     auto gpu = make_router(rc, Backend::cuda);
-    auto gctx = gpu->forward(TensorView(gx.data(), DType::bf16, {T, H}, d), TensorView(gw.data(), DType::bf16, {E, H}, d),
-                             rc.use_selection_bias ? TensorView(gb.data(), DType::f32, {E}, d) : TensorView(),
-                             {TensorView(gids.data(), DType::i32, {T, k}, d), TensorView(gwt.data(), DType::f32, {T, k}, d),
-                              TensorView(gc.data(), DType::i32, {E}, d)},
-                             Stream{});
+    auto gctx =
+        gpu->forward(TensorView(gx.data(), DType::bf16, {T, H}, d), TensorView(gw.data(), DType::bf16, {E, H}, d),
+                     rc.use_selection_bias ? TensorView(gb.data(), DType::f32, {E}, d) : TensorView(),
+                     {TensorView(gids.data(), DType::i32, {T, k}, d), TensorView(gwt.data(), DType::f32, {T, k}, d),
+                      TensorView(gc.data(), DType::i32, {E}, d)},
+                     Stream{});
     std::vector<int32_t> hid(T * k), hc(E);
     std::vector<float> hw(T * k);
     MOKA_CUDA_CHECK(cudaMemcpy(hid.data(), gids.data(), gids.bytes(), cudaMemcpyDeviceToHost));

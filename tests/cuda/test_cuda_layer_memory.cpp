@@ -249,7 +249,8 @@ TEST(CudaLayerMemory, MegakernelScratchComesFromTheCallersAllocatorAndIsWrittenB
     const auto pool_bits = c.output_bytes();
     PoisoningAllocator poisoning;
     CountingAllocator counting;
-    for (DeviceAllocator* allocator : {static_cast<DeviceAllocator*>(&poisoning), static_cast<DeviceAllocator*>(&counting)}) {
+    for (DeviceAllocator* allocator :
+         {static_cast<DeviceAllocator*>(&poisoning), static_cast<DeviceAllocator*>(&counting)}) {
       c.poison();
       o.allocator = allocator;
       auto layer = make_moe_layer(p.shape, Backend::cuda, nullptr, o);

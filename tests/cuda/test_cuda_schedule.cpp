@@ -25,8 +25,8 @@ TEST_P(DeviceSchedule, EqualsTheCpuSchedule) {
   const auto ref = core::build_receive_schedule({1, T, k, E, 0, tile}, ids.data());
 
   const int64_t slots = T * k;
-  gpu_test::DeviceTensor d_ids(slots * 4), d_w(slots * 4), chunk(cuda::schedule_chunks(slots) * E * 4),
-      counts(E * 4), offsets((E + 1) * 4), rows(slots * 4);
+  gpu_test::DeviceTensor d_ids(slots * 4), d_w(slots * 4), chunk(cuda::schedule_chunks(slots) * E * 4), counts(E * 4),
+      offsets((E + 1) * 4), rows(slots * 4);
   std::vector<float> w(slots, 0.5f);
   MOKA_CUDA_CHECK(cudaMemcpy(d_ids.data(), ids.data(), slots * 4, cudaMemcpyHostToDevice));
   MOKA_CUDA_CHECK(cudaMemcpy(d_w.data(), w.data(), slots * 4, cudaMemcpyHostToDevice));
@@ -77,8 +77,8 @@ TEST_P(DeviceScheduleAcrossRanks, EqualsTheCpuSchedule) {
   }
   for (int rank : {0, R - 1}) {
     const auto ref = core::build_receive_schedule({R, T, k, El, rank * El, tile, order, rank}, all.data());
-    gpu_test::DeviceTensor d_ids(R * slots * 4), chunk(cuda::schedule_chunks(R * slots) * El * R * 4),
-        counts(El * 4), source_counts(El * R * 4), offsets((El + 1) * 4), rows(R * slots * 4);
+    gpu_test::DeviceTensor d_ids(R * slots * 4), chunk(cuda::schedule_chunks(R * slots) * El * R * 4), counts(El * 4),
+        source_counts(El * R * 4), offsets((El + 1) * 4), rows(R * slots * 4);
     MOKA_CUDA_CHECK(cudaMemcpy(d_ids.data(), all.data(), R * slots * 4, cudaMemcpyHostToDevice));
     cuda::DeviceSchedule s;
     s.slots = slots, s.num_experts = El, s.first_expert = rank * El, s.global_experts = E, s.tile_rows = tile;
@@ -139,8 +139,7 @@ TEST(GatherRows, CopiesEveryRoutedRowAndNothingElse) {
       constexpr uint16_t kPoison = 0x7FC1;
       std::vector<uint16_t> expect(slots * width, kPoison);
       for (int64_t s = 0; s < slots; ++s)
-        if (row_of_slot[s] >= 0)
-          std::copy_n(&src[(s / k) * width], width, &expect[int64_t(row_of_slot[s]) * width]);
+        if (row_of_slot[s] >= 0) std::copy_n(&src[(s / k) * width], width, &expect[int64_t(row_of_slot[s]) * width]);
 
       gpu_test::DeviceTensor d_src(src.size() * 2), d_dst(expect.size() * 2), d_rows(slots * 4);
       MOKA_CUDA_CHECK(cudaMemcpy(d_src.data(), src.data(), src.size() * 2, cudaMemcpyHostToDevice));

@@ -186,12 +186,11 @@ TEST_P(GroupedGemmLayouts, MatchCpuReference) {
   }
 }
 
-INSTANTIATE_TEST_SUITE_P(
-    Layouts, GroupedGemmLayouts,
-    ::testing::Values(LayoutCase{"KK_forward", {Major::k, Major::k}, CountDim::m},
-                      LayoutCase{"KMN_data_grad", {Major::k, Major::mn}, CountDim::m},
-                      LayoutCase{"MNMN_weight_grad", {Major::mn, Major::mn}, CountDim::k}),
-    [](const ::testing::TestParamInfo<LayoutCase>& i) { return std::string(i.param.name); });
+INSTANTIATE_TEST_SUITE_P(Layouts, GroupedGemmLayouts,
+                         ::testing::Values(LayoutCase{"KK_forward", {Major::k, Major::k}, CountDim::m},
+                                           LayoutCase{"KMN_data_grad", {Major::k, Major::mn}, CountDim::m},
+                                           LayoutCase{"MNMN_weight_grad", {Major::mn, Major::mn}, CountDim::k}),
+                         [](const ::testing::TestParamInfo<LayoutCase>& i) { return std::string(i.param.name); });
 
 // --- the SwiGLU epilogue ------------------------------------------------------------------
 
@@ -205,8 +204,22 @@ struct SwigluCase {
 // kFixedRows rows, width kSharedN, other strides) in the same launches. Fused: D = H, C = U,
 // aux = G; unfused: the plain gate product into kGPlain, then the activation into kHPlain.
 enum SwigluSlot {
-  sX, sWG, sWU, sU, sG, sH, sGPlain, sHPlain,
-  sXS, sWSG, sWSU, sSU, sSG, sSH, sSGPlain, sSHPlain,
+  sX,
+  sWG,
+  sWU,
+  sU,
+  sG,
+  sH,
+  sGPlain,
+  sHPlain,
+  sXS,
+  sWSG,
+  sWSU,
+  sSU,
+  sSG,
+  sSH,
+  sSGPlain,
+  sSHPlain,
   kSwigluSlots
 };
 constexpr int64_t kSharedN = 520;
@@ -260,7 +273,10 @@ TEST_P(GroupedGemmSwiglu, EqualsUnfusedBitsAndMatchesCpuReference) {
     }
     return g;
   };
-  auto fused = [](GroupSpec g, int c_, int aux, int h) { g.c = c_, g.aux = aux, g.d = h; return g; };
+  auto fused = [](GroupSpec g, int c_, int aux, int h) {
+    g.c = c_, g.aux = aux, g.d = h;
+    return g;
+  };
   for (int e = 0; e < E; ++e) {
     up.push_back(group(e, sX, P, sWU, sU, N));
     gate_plain.push_back(group(e, sX, P, sWG, sGPlain, N));
@@ -369,13 +385,13 @@ TEST_P(GroupedGemmSwiglu, EqualsUnfusedBitsAndMatchesCpuReference) {
   }
 }
 
-INSTANTIATE_TEST_SUITE_P(
-    Widths, GroupedGemmSwiglu,
-    ::testing::Values(SwigluCase{"n264", 264, false}, SwigluCase{"n264_clamped", 264, true},
-                      SwigluCase{"qwen3_30b_n768", 768, false}, SwigluCase{"n768_clamped", 768, true},
-                      SwigluCase{"n1408", 1408, false}, SwigluCase{"n1408_clamped", 1408, true},
-                      SwigluCase{"n2880", 2880, false}, SwigluCase{"gpt_oss_n2880_clamped", 2880, true}),
-    [](const ::testing::TestParamInfo<SwigluCase>& i) { return std::string(i.param.name); });
+INSTANTIATE_TEST_SUITE_P(Widths, GroupedGemmSwiglu,
+                         ::testing::Values(SwigluCase{"n264", 264, false}, SwigluCase{"n264_clamped", 264, true},
+                                           SwigluCase{"qwen3_30b_n768", 768, false},
+                                           SwigluCase{"n768_clamped", 768, true}, SwigluCase{"n1408", 1408, false},
+                                           SwigluCase{"n1408_clamped", 1408, true}, SwigluCase{"n2880", 2880, false},
+                                           SwigluCase{"gpt_oss_n2880_clamped", 2880, true}),
+                         [](const ::testing::TestParamInfo<SwigluCase>& i) { return std::string(i.param.name); });
 
 TEST(GroupedGemmChecks, RejectUnbuiltKernelsAndBadOperands) {
   GroupSpec g;

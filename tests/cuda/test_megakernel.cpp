@@ -90,24 +90,24 @@ const MegakernelConfig kRingReuse = megakernel_config(4, 256, 512);
 
 INSTANTIATE_TEST_SUITE_P(
     Shapes, MegakernelVsReference,
-    ::testing::Values(
-        Case{"tiny_T1", shape(256, 128, 16, 4, 128), 1, U, kDefault},
-        Case{"tiny_T37", shape(256, 128, 16, 4, 128), 37, U, kDefault},
-        Case{"tiny_T300_zipf_ring_reuse", shape(256, 128, 16, 4, 128), 300, Z, kRingReuse},
-        Case{"k1_all_on_one_expert", shape(256, 128, 16, 1), 200, ONE, kRingReuse},  // 15 empty experts
-        Case{"k8_ring_reuse", shape(256, 192, 16, 8), 129, U, kRingReuse},
-        Case{"clamped", shape(512, 256, 8, 2, 0, true), 100, U, kDefault},
-        // H = 384: the last down tile's second 128-row weight box lies past H (reloads the last).
-        Case{"half_down_tile", shape(384, 256, 8, 2, 128), 70, U, kRingReuse},
-        // H = 264, I = 136, Is = 72: the last 64-column output box of y, of gate, up and hidden and
-        // of the shared expert's outputs lies partly past the matrix (the TMA store clips it).
-        Case{"ragged_widths", shape(264, 136, 8, 2, 72), 45, U, kDefault},
-        Case{"qwen3_30b_dims", shape(2048, 768, 8, 8), 48, U, kDefault},
-        Case{"qwen3_235b_dims", shape(4096, 1536, 4, 2), 40, U, kRingReuse},
-        Case{"deepseek_v3_dims", shape(7168, 2048, 4, 2, 2048), 24, U, kDefault},
-        Case{"gpt_oss_dims", shape(2880, 2880, 4, 2, 0, true), 40, U, kRingReuse},
-        Case{"mixtral_dims", shape(4096, 14336, 2, 1), 20, U, kDefault},
-        Case{"many_tokens_zipf", shape(1024, 512, 32, 4, 256), 3000, Z, megakernel_config(16, 1024, 4096)}),
+    ::testing::Values(Case{"tiny_T1", shape(256, 128, 16, 4, 128), 1, U, kDefault},
+                      Case{"tiny_T37", shape(256, 128, 16, 4, 128), 37, U, kDefault},
+                      Case{"tiny_T300_zipf_ring_reuse", shape(256, 128, 16, 4, 128), 300, Z, kRingReuse},
+                      Case{"k1_all_on_one_expert", shape(256, 128, 16, 1), 200, ONE, kRingReuse},  // 15 empty experts
+                      Case{"k8_ring_reuse", shape(256, 192, 16, 8), 129, U, kRingReuse},
+                      Case{"clamped", shape(512, 256, 8, 2, 0, true), 100, U, kDefault},
+                      // H = 384: the last down tile's second 128-row weight box lies past H (reloads the last).
+                      Case{"half_down_tile", shape(384, 256, 8, 2, 128), 70, U, kRingReuse},
+                      // H = 264, I = 136, Is = 72: the last 64-column output box of y, of gate, up and hidden and
+                      // of the shared expert's outputs lies partly past the matrix (the TMA store clips it).
+                      Case{"ragged_widths", shape(264, 136, 8, 2, 72), 45, U, kDefault},
+                      Case{"qwen3_30b_dims", shape(2048, 768, 8, 8), 48, U, kDefault},
+                      Case{"qwen3_235b_dims", shape(4096, 1536, 4, 2), 40, U, kRingReuse},
+                      Case{"deepseek_v3_dims", shape(7168, 2048, 4, 2, 2048), 24, U, kDefault},
+                      Case{"gpt_oss_dims", shape(2880, 2880, 4, 2, 0, true), 40, U, kRingReuse},
+                      Case{"mixtral_dims", shape(4096, 14336, 2, 1), 20, U, kDefault},
+                      Case{"many_tokens_zipf", shape(1024, 512, 32, 4, 256), 3000, Z,
+                           megakernel_config(16, 1024, 4096)}),
     [](const auto& info) { return std::string(info.param.name); });
 
 // Same bits for 10 runs and for every SM split / minibatch / macrobatch (the ring reused or not).
@@ -130,7 +130,7 @@ TEST(Megakernel, BitsDoNotDependOnRunsSplitsOrBatchSizes) {
     auto mk = make_moe_layer(s, nullptr, gpu_test::megakernel_options(cfg, T));
     forward(*mk, c);
     EXPECT_EQ(bytes_of(c.out), bits) << "comm " << cfg.num_comm_sms << " minibatch " << cfg.minibatch_size
-                                  << " macrobatch " << cfg.macrobatch_size;
+                                     << " macrobatch " << cfg.macrobatch_size;
   }
 }
 
@@ -143,11 +143,12 @@ TEST(Megakernel, GraphCaptureReplays) {
   forward(*mk, c);
   const auto eager = bytes_of(c.out);
   c.poison();
-  gpu_test::replay_in_graph([&](Stream s) { mk->forward(c.inputs(), c.weights(), c.out_view(), s); }, 3, [&](int i) {
-    mk->check_errors();
-    EXPECT_EQ(bytes_of(c.out), eager) << "replay " << i;
-    c.poison();
-  });
+  gpu_test::replay_in_graph([&](Stream s) { mk->forward(c.inputs(), c.weights(), c.out_view(), s); }, 3,
+                            [&](int i) {
+                              mk->check_errors();
+                              EXPECT_EQ(bytes_of(c.out), eager) << "replay " << i;
+                              c.poison();
+                            });
 }
 
 // Every task appears once in the timeline, with sane stamps, and compute overlaps communication.
@@ -190,11 +191,12 @@ TEST(MegakernelCore, MatchesReferenceOnGroupedRows) {
   cuda::MegakernelCore core(s, megakernel_config(1, 256, 256), T);
   const int64_t rows = core.rows(), H = s.hidden, I = s.intermediate;
   ASSERT_GE(rows, sched.rows);
-  gpu_test::DeviceTensor grouped(rows * H * 2), gate(rows * I * 2), up(gate.bytes()), hidden(gate.bytes()), y(rows * H * 2);
+  gpu_test::DeviceTensor grouped(rows * H * 2), gate(rows * I * 2), up(gate.bytes()), hidden(gate.bytes()),
+      y(rows * H * 2);
   MOKA_CUDA_CHECK(cudaMemset(grouped.data(), 0, grouped.bytes()));
   cuda::gather_rows(c.x.as<cuda::bf16>(), grouped.as<cuda::bf16>(), sched.row_of_slot.as<int32_t>(), T, 1, H, nullptr);
   const cuda::GroupedExpertRows g{grouped.as<cuda::bf16>(), sched.offsets.as<int32_t>(), gate.as<cuda::bf16>(),
-                                  up.as<cuda::bf16>(), hidden.as<cuda::bf16>(), y.as<cuda::bf16>()};
+                                  up.as<cuda::bf16>(),      hidden.as<cuda::bf16>(),     y.as<cuda::bf16>()};
   auto run = [&] {
     MOKA_CUDA_CHECK(cudaMemset(y.data(), 0xFF, y.bytes()));
     core.run(g, c.wg.as<cuda::bf16>(), c.wu.as<cuda::bf16>(), c.wd.as<cuda::bf16>(), nullptr);
@@ -394,10 +396,8 @@ void check_megakernel_path(const MegakernelConfig& config, SaveMode save = SaveM
   EXPECT_EQ(first->local_expert_rows(), want.second) << "the first context's rows per expert";
   // Resident: at least the routed rows' g and u; replay: the schedule only.
   const int64_t gate_up_bytes = 2 * T * s.top_k * s.intermediate * 2;
-  if (mk->megakernel()->backward_is_resident())
-    EXPECT_GE(first->saved_bytes(), gate_up_bytes);
-  else
-    EXPECT_LT(first->saved_bytes(), gate_up_bytes / 8);
+  if (mk->megakernel()->backward_is_resident()) EXPECT_GE(first->saved_bytes(), gate_up_bytes);
+  else EXPECT_LT(first->saved_bytes(), gate_up_bytes / 8);
 
   // consume_backward: the same bits (resident: dg and du over the context's g and u).
   c.poison();
@@ -450,7 +450,9 @@ TEST(MegakernelPath, FailuresSurfaceAtTheNextCallWithNaNOutputs) {
   expect_raises([&] { layer->forward(c.inputs(), c.weights(), c.out_view(), Stream{}); }, "forward", "backward");
 }
 
-TEST(MegakernelPath, ResidentBackwardMatchesTheStagedPathAndKeepsContextsApart) { check_megakernel_path(megakernel_config(4, 512, 1 << 20)); }
+TEST(MegakernelPath, ResidentBackwardMatchesTheStagedPathAndKeepsContextsApart) {
+  check_megakernel_path(megakernel_config(4, 512, 1 << 20));
+}
 TEST(MegakernelPath, ReplayBackwardMatchesTheStagedPathAndKeepsContextsApart) { check_megakernel_path(kRingReuse); }
 TEST(MegakernelPath, SaveNoneReplaysAWholeRingAndKeepsContextsApart) {
   check_megakernel_path(megakernel_config(4, 512, 1 << 20), SaveMode::none);

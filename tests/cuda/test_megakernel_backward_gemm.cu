@@ -116,8 +116,8 @@ __device__ TileLoadsOf<MA, MB> product_loads(const CoreGemmParams<MA, MB, Epilog
 // Tiles blockIdx.x, blockIdx.x + gridDim.x, ...: with fewer CTAs than tiles the TMA thread
 // loads the next tile's k-blocks while the consumers finish a tile, as in the megakernel.
 template <Major MA, Major MB, class Epilogue>
-__global__ void __launch_bounds__(kThreads, 1) core_gemm_kernel(
-    const __grid_constant__ CoreGemmParams<MA, MB, Epilogue> p) {
+__global__ void __launch_bounds__(kThreads, 1)
+    core_gemm_kernel(const __grid_constant__ CoreGemmParams<MA, MB, Epilogue> p) {
   extern __shared__ char smem_raw[];
   auto& sm = *reinterpret_cast<TileSmem*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t(1023));
   if (threadIdx.x == 0) {
@@ -299,7 +299,8 @@ struct Mismatches {
   const char* what;
   int64_t count = 0;
   void check(bool ok, int64_t r, int64_t c, double got, double want) {
-    if (!ok && count++ < 5) ADD_FAILURE() << what << " (" << r << ", " << c << "): got " << got << ", expected " << want;
+    if (!ok && count++ < 5)
+      ADD_FAILURE() << what << " (" << r << ", " << c << "): got " << got << ", expected " << want;
   }
   ~Mismatches() { EXPECT_EQ(count, 0) << what << ": elements off the reference"; }
 };
@@ -343,22 +344,22 @@ void check_gemm(const GemmShape& s, bool transposed = false) {
 // The forward's layout (both K-major) through the same harness: the baseline that tells a
 // harness fault from an MN-major one; K from k-block 1 on (kblock0 in the contiguous dimension).
 TEST(MegakernelBackwardGemm, ForwardLayoutBaseline) {
-  check_gemm<Major::K, Major::K>({.m = 200, .n = 264, .k = 320, .products = 1, .pair = false, .kblock0 = 1,
-                                  .batch = 2, .expert = 1});
+  check_gemm<Major::K, Major::K>(
+      {.m = 200, .n = 264, .k = 320, .products = 1, .pair = false, .kblock0 = 1, .batch = 2, .expert = 1});
 }
 
 // dH = d_out . W_down[e]: m = rows (partial last row tile), k = H, n = I = 264 (the last
 // 256-column tile's second B box lies wholly past W_down's rows, its first partly).
 TEST(MegakernelBackwardGemm, DgdWithMnMajorDownWeights) {
-  check_gemm<Major::K, Major::MN>({.m = 200, .n = 264, .k = 320, .products = 1, .pair = false, .kblock0 = 0,
-                                   .batch = 2, .expert = 1});
+  check_gemm<Major::K, Major::MN>(
+      {.m = 200, .n = 264, .k = 320, .products = 1, .pair = false, .kblock0 = 0, .batch = 2, .expert = 1});
 }
 
 // d_x = dg . W_gate[e] + du . W_up[e]: one accumulator over both products, K = I = 136 (the
 // last k-block of each product partial).
 TEST(MegakernelBackwardGemm, DxAccumulatesTwoProducts) {
-  check_gemm<Major::K, Major::MN>({.m = 200, .n = 320, .k = 136, .products = 2, .pair = false, .kblock0 = 0,
-                                   .batch = 2, .expert = 1});
+  check_gemm<Major::K, Major::MN>(
+      {.m = 200, .n = 320, .k = 136, .products = 2, .pair = false, .kblock0 = 0, .batch = 2, .expert = 1});
 }
 
 // dW_down = d_out^T . h: m = H, n = I, K = 197 rows (not a multiple of the k-block).
@@ -433,7 +434,13 @@ void check_dgd_epilogue(core::ActParams act) {
                 reinterpret_cast<__nv_bfloat16*>(du.device.data()),
                 reinterpret_cast<__nv_bfloat16*>(hs.device.data()),
                 partials.device.data(),
-                0, rows, 0, I, 0, col_tiles, act};
+                0,
+                rows,
+                0,
+                I,
+                0,
+                col_tiles,
+                act};
   auto run = [&](int ctas) {
     for (auto* o : {&dg, &du, &hs}) o->poison();
     partials.poison();

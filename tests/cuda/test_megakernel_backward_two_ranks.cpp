@@ -100,7 +100,8 @@ void expect_timeouts(const std::vector<RankResult>& results, std::initializer_li
     } catch (const Error& e) {
       EXPECT_EQ(e.code(), ErrorCode::timeout) << "rank " << r << ": " << e.what();
       for (const char* part : parts)
-        EXPECT_NE(std::string(e.what()).find(part), std::string::npos) << "rank " << r << ", no '" << part << "' in: " << e.what();
+        EXPECT_NE(std::string(e.what()).find(part), std::string::npos)
+            << "rank " << r << ", no '" << part << "' in: " << e.what();
     }
   }
 }

@@ -108,9 +108,10 @@ TEST(StageTimes, SingleGpuPathNamesEveryStage) {
     // gate and up weight gradients.
     std::vector<std::string> backward =
         save == SaveMode::none
-            ? std::vector<std::string>{"gather_x", "recompute_gate_up", "gather_d_out", "dh", "swiglu_backward",
-                                       "weight_grads_down", "weight_grads_gate_up", "dx", "reduce"}
-            : std::vector<std::string>{"gather_d_out", "dh", "swiglu_backward", "weight_grads_down", "gather_x",
+            ? std::vector<std::string>{"gather_x",        "recompute_gate_up", "gather_d_out",         "dh",
+                                       "swiglu_backward", "weight_grads_down", "weight_grads_gate_up", "dx",
+                                       "reduce"}
+            : std::vector<std::string>{"gather_d_out",         "dh", "swiglu_backward", "weight_grads_down", "gather_x",
                                        "weight_grads_gate_up", "dx", "reduce"};
     check_path(*layer, c, {"schedule", "gather", "gate_up", "swiglu", "down", "combine"}, backward);
   }
@@ -122,7 +123,8 @@ TEST(StageTimes, MegakernelPathNamesEveryStage) {
   GpuCase c = routed_case(s, T, gpu_test::fresh_seed());
   auto layer = make_moe_layer(s, nullptr, gpu_test::megakernel_options(gpu_test::megakernel_config(8, 1024, 4096), T));
   ASSERT_NE(layer->megakernel(), nullptr);
-  check_path(*layer, c, {"inputs", "schedule", "megakernel", "combine", "status"}, {"setup", "megakernel", "epilogue", "status"});
+  check_path(*layer, c, {"inputs", "schedule", "megakernel", "combine", "status"},
+             {"setup", "megakernel", "epilogue", "status"});
 }
 
 }  // namespace

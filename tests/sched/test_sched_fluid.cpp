@@ -106,7 +106,8 @@ TEST(SchedFluid, EveryPlanIsDeterministic) {
       const auto plan = plan_fluid(p, d, f, {1e-6, 4});
       auto& flat = out[p];
       flat = {plan.injection_end, double(plan.phases)};
-      for (const auto& s : plan.segments) flat.insert(flat.end(), {s.start, s.end, double(s.src), double(s.dst), s.rate});
+      for (const auto& s : plan.segments)
+        flat.insert(flat.end(), {s.start, s.end, double(s.src), double(s.dst), s.rate});
     }
     return out;
   };

@@ -38,7 +38,8 @@ TEST(SchedPeerPlan, RateBasedOrderKeepsEveryFlowOnItsRate) {
     for (size_t m = 0; m < order.size(); ++m) {
       EXPECT_EQ(order[m].index, done[order[m].peer]++);  // in order within a flow
       for (size_t p = 0; p < chunks.size(); ++p)
-        worst = std::max(worst, std::abs(static_cast<double>(done[p]) - static_cast<double>((m + 1) * chunks[p]) / total));
+        worst =
+            std::max(worst, std::abs(static_cast<double>(done[p]) - static_cast<double>((m + 1) * chunks[p]) / total));
     }
     EXPECT_EQ(done, chunks);
     return worst;

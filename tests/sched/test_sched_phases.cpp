@@ -63,7 +63,7 @@ TEST(SchedPhases, GreedyPhasesPlusResidualIsTheMatrix) {
 TEST(SchedPhases, TwoTierStaysWithinTenPercentOfItsServerBound) {
   Fabric f;
   f.gpus = 64, f.gpus_per_server = 8;
-  const auto d = zipf_matrix(64, 0.3, 7, 4096);  // the default epoch: ~10 ms at 50 GB/s NICs
+  const auto d = zipf_matrix(64, 0.3, 7, 4096);   // the default epoch: ~10 ms at 50 GB/s NICs
   const auto r = plan_two_tier(d, f, {1e-6, 0});  // 1 us per server phase
   EXPECT_GE(r.completion_s, r.server_bound_s);
   EXPECT_LT(r.completion_s, 1.10 * r.server_bound_s);

@@ -13,9 +13,8 @@ using namespace moka::sched;
 namespace {
 
 // A dump line as `moka bench --dump-routing` writes it: 2 ranks, 2 tokens, top-2 of 4 experts.
-const std::string kEpoch =
-    R"({"shape":"tiny","world_size":2,"tokens_per_rank":2,"top_k":2,"num_experts":4,"hidden":8,)"
-    R"("topk_ids":[[0,2,1,3],[3,0,2,1]]})";
+const std::string kEpoch = R"({"shape":"tiny","world_size":2,"tokens_per_rank":2,"top_k":2,"num_experts":4,"hidden":8,)"
+                           R"("topk_ids":[[0,2,1,3],[3,0,2,1]]})";
 
 // kEpoch with `from` replaced by `to` (which must occur).
 std::string edited(const std::string& from, const std::string& to) {
@@ -60,7 +59,8 @@ void expect_read_errors(const std::vector<BadDump>& cases) {
 }  // namespace
 
 TEST(SchedRoutingDump, ReadsEveryEpoch) {
-  const auto epochs = read_routing_dump(write_dump("valid", kEpoch + "\n\n" + edited("\"hidden\":8", "\"hidden\":16") + "\n"));
+  const auto epochs =
+      read_routing_dump(write_dump("valid", kEpoch + "\n\n" + edited("\"hidden\":8", "\"hidden\":16") + "\n"));
   ASSERT_EQ(epochs.size(), 2u);
   EXPECT_EQ(epochs[0].shape, "tiny");
   EXPECT_EQ(epochs[0].top_k, 2);
@@ -100,7 +100,8 @@ TEST(SchedRoutingDump, CountsOutOfRange) {
       {"experts_huge", edited("\"num_experts\":4", "\"num_experts\":9223372036854775807"), "'num_experts' is"},
       {"hidden_zero", edited("\"hidden\":8", "\"hidden\":0"), "'hidden' is 0"},
       {"experts_uneven", edited("\"num_experts\":4", "\"num_experts\":5"), "5 experts do not divide over 2 ranks"},
-      {"tokens_huge", edited("\"tokens_per_rank\":2", "\"tokens_per_rank\":99999999999"), "'tokens_per_rank' disagrees"},
+      {"tokens_huge", edited("\"tokens_per_rank\":2", "\"tokens_per_rank\":99999999999"),
+       "'tokens_per_rank' disagrees"},
       {"world_wrong", edited("\"world_size\":2", "\"world_size\":-2"), "'world_size' is -2"},
       {"one_rank", edited("[[0,2,1,3],[3,0,2,1]]", "[[0,2,1,3]]"), "holds 1 ranks, at least 2"},
   });
@@ -110,7 +111,8 @@ TEST(SchedRoutingDump, IdsAndTokenCounts) {
   expect_read_errors({
       {"id_high", edited("[3,0,2,1]", "[3,0,2,4]"), "topk_ids[1][3] (an expert id) is 4, outside [0, 3]"},
       {"id_negative", edited("[0,2,1,3]", "[0,-1,1,3]"), "topk_ids[0][1] (an expert id) is -1"},
-      {"ids_not_tokens_x_k", edited("[[0,2,1,3],[3,0,2,1]]", "[[0,2,1],[3,0,2]]"), "topk_ids[0] holds 3 ids, not a positive multiple of top_k 2"},
+      {"ids_not_tokens_x_k", edited("[[0,2,1,3],[3,0,2,1]]", "[[0,2,1],[3,0,2]]"),
+       "topk_ids[0] holds 3 ids, not a positive multiple of top_k 2"},
       {"no_tokens", edited("[[0,2,1,3],[3,0,2,1]]", "[[],[]]"), "topk_ids[0] holds 0 ids"},
       {"ranks_disagree", edited("[3,0,2,1]", "[3,0]"), "topk_ids[1] holds 2 ids, rank 0 holds 4"},
   });

@@ -121,8 +121,7 @@ struct GpuCase {
 
   // A case from given buffers (one rank's, for any world size), rounded to what the GPU stores.
   explicit GpuCase(cli::LayerBuffers<double> buffers) : ref(std::move(buffers)) {
-    for (auto* v : {&ref.x, &ref.d_out, &ref.w_gate, &ref.w_up, &ref.w_down, &ref.ws_gate, &ref.ws_up,
-                    &ref.ws_down})
+    for (auto* v : {&ref.x, &ref.d_out, &ref.w_gate, &ref.w_up, &ref.w_down, &ref.ws_gate, &ref.ws_up, &ref.ws_down})
       round_bf16(*v);
     for (auto& v : ref.topk_weights) v = static_cast<double>(static_cast<float>(v));
   }
@@ -186,16 +185,16 @@ struct GpuCase {
   }
   MoeWeights weights() {
     const MoeWeights h = ref.weights();
-    return {on_device(h.w_gate, wg, DType::bf16),   on_device(h.w_up, wu, DType::bf16),
-            on_device(h.w_down, wd, DType::bf16),   on_device(h.ws_gate, wsg, DType::bf16),
-            on_device(h.ws_up, wsu, DType::bf16),   on_device(h.ws_down, wsd, DType::bf16)};
+    return {on_device(h.w_gate, wg, DType::bf16), on_device(h.w_up, wu, DType::bf16),
+            on_device(h.w_down, wd, DType::bf16), on_device(h.ws_gate, wsg, DType::bf16),
+            on_device(h.ws_up, wsu, DType::bf16), on_device(h.ws_down, wsd, DType::bf16)};
   }
   MoeGradients gradients() {
     const MoeGradients h = ref.gradients();
-    return {on_device(h.d_x, d_x, DType::bf16),         on_device(h.d_topk_weights, d_w, DType::f32),
-            on_device(h.d_w_gate, dwg, DType::bf16),    on_device(h.d_w_up, dwu, DType::bf16),
-            on_device(h.d_w_down, dwd, DType::bf16),    on_device(h.d_ws_gate, dwsg, DType::bf16),
-            on_device(h.d_ws_up, dwsu, DType::bf16),    on_device(h.d_ws_down, dwsd, DType::bf16)};
+    return {on_device(h.d_x, d_x, DType::bf16),      on_device(h.d_topk_weights, d_w, DType::f32),
+            on_device(h.d_w_gate, dwg, DType::bf16), on_device(h.d_w_up, dwu, DType::bf16),
+            on_device(h.d_w_down, dwd, DType::bf16), on_device(h.d_ws_gate, dwsg, DType::bf16),
+            on_device(h.d_ws_up, dwsu, DType::bf16), on_device(h.d_ws_down, dwsd, DType::bf16)};
   }
   TensorView out_view() { return on_device(ref.out_view(), out, DType::bf16); }
   TensorView d_out_view() { return on_device(ref.d_out_view(), d_out, DType::bf16); }

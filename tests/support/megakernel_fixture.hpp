@@ -43,7 +43,8 @@ void expect_prompt_error(Run&& run, ErrorCode code, std::initializer_list<const 
   } catch (const Error& e) {
     EXPECT_EQ(e.code(), code) << e.what();
     const std::string what = e.what();
-    for (const char* part : parts) EXPECT_NE(what.find(part), std::string::npos) << "missing '" << part << "' in: " << what;
+    for (const char* part : parts)
+      EXPECT_NE(what.find(part), std::string::npos) << "missing '" << part << "' in: " << what;
   }
   EXPECT_LT(std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count(), 10.0);
 }

@@ -20,10 +20,13 @@ namespace moka::testing {
 
 // Numbers and values that no count, length, offset or id of a file may take, as JSON text (the
 // first ones are not JSON at all). Zero is left out: an expert id or a byte offset may be 0.
+// A table, several values a line (clang-format would put one a line).
+// clang-format off
 inline const std::vector<std::string> kHostileJsonValues = {
     "NaN", "Infinity", "-Infinity", "nan", "0x10", "-1", "-9223372036854775808", "9223372036854775807",
     "9223372036854775808", "18446744073709551615", "99999999999999999999999", "1e308", "-1e308", "1e999",
     "2.5", "1e2", "\"2\"", "null", "true", "[]", "{}", "[[[[1]]]]"};
+// clang-format on
 
 // A test with a fresh folder, removed with everything in it when the test ends.
 class ScratchFolder : public ::testing::Test {

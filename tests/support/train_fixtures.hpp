@@ -33,7 +33,7 @@ inline ModelConfig tiny_config() {
 // The first ~200 KB of the fortunes corpus, loaded once; null when scripts/fetch_data.sh has not
 // installed it (the caller skips).
 inline const TextSplit* corpus_slice() {
-  static const TextSplit* slice = [] () -> const TextSplit* {
+  static const TextSplit* slice = []() -> const TextSplit* {
     if (!std::filesystem::is_directory(default_text_dir())) return nullptr;
     static TextSplit s = load_fortune_corpus(default_text_dir(), 200'000);
     return &s;
@@ -41,8 +41,8 @@ inline const TextSplit* corpus_slice() {
   return slice;
 }
 
-#define MOKA_REQUIRE_CORPUS(var)                                                              \
-  const ::moka::train::TextSplit* var = ::moka::train::testing::corpus_slice();              \
+#define MOKA_REQUIRE_CORPUS(var)                                                \
+  const ::moka::train::TextSplit* var = ::moka::train::testing::corpus_slice(); \
   if (!var) GTEST_SKIP() << "text corpus not installed: run scripts/fetch_data.sh"
 
 inline TrainConfig tiny_train_config(Parameterization p, double lr) {

@@ -104,8 +104,7 @@ TEST_F(Checkpoint, ByteCountMustMatchDtypeTimesShape) {
   // Five bytes for one F32: the reader once copied them into a four-byte buffer.
   expect_refused(write_raw(R"({"w":{"dtype":"F32","shape":[1],"data_offsets":[0,5]}})", "12345"),
                  "tensor 'w' holds 5 bytes, but F32 [1] needs 4");
-  expect_refused(write_raw(R"({"w":{"dtype":"F64","shape":[2],"data_offsets":[0,8]}})", "12345678"),
-                 "needs 16");
+  expect_refused(write_raw(R"({"w":{"dtype":"F64","shape":[2],"data_offsets":[0,8]}})", "12345678"), "needs 16");
   expect_refused(write_raw(R"({"w":{"dtype":"F32","shape":[1099511627776,1099511627776,16],)"
                            R"("data_offsets":[0,4]}})",
                            "1234"),
@@ -118,10 +117,8 @@ TEST_F(Checkpoint, ByteCountMustMatchDtypeTimesShape) {
 TEST_F(Checkpoint, OffsetsMustLieInsideTheFileWithoutOverlap) {
   expect_refused(write_raw(R"({"w":{"dtype":"F32","shape":[2],"data_offsets":[0,1000]}})", "12345678"),
                  "tensor 'w' at bytes [0, 1000) lies outside the 8-byte data section");
-  expect_refused(write_raw(R"({"w":{"dtype":"F32","shape":[0],"data_offsets":[8,4]}})", "12345678"),
-                 "lies outside");
-  expect_refused(write_raw(R"({"w":{"dtype":"F32","shape":[1],"data_offsets":[-4,0]}})", "12345678"),
-                 "lies outside");
+  expect_refused(write_raw(R"({"w":{"dtype":"F32","shape":[0],"data_offsets":[8,4]}})", "12345678"), "lies outside");
+  expect_refused(write_raw(R"({"w":{"dtype":"F32","shape":[1],"data_offsets":[-4,0]}})", "12345678"), "lies outside");
   expect_refused(write_raw(R"({"w":{"dtype":"F32","shape":[1],"data_offsets":[0]}})", "1234"),
                  "data_offsets must be [begin, end]");
   expect_refused(write_raw(R"({"a":{"dtype":"F32","shape":[2],"data_offsets":[0,8]},)"
@@ -262,8 +259,7 @@ TEST_F(Checkpoint, ChecksumsAreCrc32c) {
   const auto file = path("ckpt.safetensors");
   write_safetensors(file, f);
   const std::string bytes = read_bytes(file);
-  for (const char* crc : {R"(\"zeros\":\"8a9136aa\")", R"(\"ones\":\"62a8ab43\")",
-                          R"(\"ascending\":\"46dd794e\")"})
+  for (const char* crc : {R"(\"zeros\":\"8a9136aa\")", R"(\"ones\":\"62a8ab43\")", R"(\"ascending\":\"46dd794e\")"})
     EXPECT_NE(bytes.find(crc), std::string::npos) << crc << " in " << bytes.substr(0, data_start(bytes));
   EXPECT_EQ(crc32c("123456789", 9), 0xE3069283u);
 }

@@ -122,8 +122,8 @@ TEST_F(CheckpointFuzz, EveryFlippedBitIsRefused) {
     for (int bit = 0; bit < 8; ++bit) {
       std::string flipped = bytes_;
       flipped[at] = static_cast<char>(static_cast<uint8_t>(flipped[at]) ^ (1u << bit));
-      const std::string mutation = "bit " + std::to_string(bit) + " of byte " + std::to_string(at) + " (" +
-                                   region_of(parts, at) + ")";
+      const std::string mutation =
+          "bit " + std::to_string(bit) + " of byte " + std::to_string(at) + " (" + region_of(parts, at) + ")";
       EXPECT_FALSE(read(flipped, mutation).value) << mutation << " was read back";
     }
 }

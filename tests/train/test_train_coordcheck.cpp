@@ -80,8 +80,7 @@ TEST(MupMath, ProcessRunnerCountsFailedAndCrashedRunsAsDiverged) {
       },
       [&](size_t i, std::vector<double> v) { got[i] = std::move(v); });
   for (size_t i = 0; i < got.size(); ++i) {
-    if (i == 3 || i == 5)
-      EXPECT_TRUE(got[i].empty()) << i;
+    if (i == 3 || i == 5) EXPECT_TRUE(got[i].empty()) << i;
     else
       EXPECT_EQ(got[i], (std::vector<double>{double(i) * 0.5, std::numeric_limits<double>::infinity(), -double(i)}))
           << i;

@@ -99,8 +99,9 @@ TEST(TrainGradients, CrossEntropy) {
   const std::vector<int32_t> targets{0, 3, 6, 3};
   std::vector<double> d(rows * vocab), scratch(rows * vocab);
   dense::cross_entropy(logits.data(), targets.data(), rows, vocab, d.data());
-  expect_gradient(logits, d, [&] { return dense::cross_entropy(logits.data(), targets.data(), rows, vocab, scratch.data()); },
-                  "logits");
+  expect_gradient(
+      logits, d, [&] { return dense::cross_entropy(logits.data(), targets.data(), rows, vocab, scratch.data()); },
+      "logits");
 }
 
 class ModelGradients : public ::testing::TestWithParam<AttentionKind> {};

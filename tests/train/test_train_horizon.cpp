@@ -169,8 +169,7 @@ TEST(HorizonMath, AnalysisLeavesOutBudgetsWithoutAnOptimumAndRefusesTooFew) {
   EXPECT_EQ(r.fit.points, 5);
   auto more_held_out = c;
   more_held_out.holdout = 4;
-  EXPECT_NE(error_of([&] { analyze_horizon(more_held_out, budgets, runs); }).find("5 of 6 budgets"),
-            std::string::npos);
+  EXPECT_NE(error_of([&] { analyze_horizon(more_held_out, budgets, runs); }).find("5 of 6 budgets"), std::string::npos);
 }
 
 TEST(HorizonMath, FitFromLeavesTheEarlyBudgetsOutOfTheFit) {
@@ -234,7 +233,8 @@ TEST(LrHorizon, TinyCpuStudyWithAWsdCheck) {
   const auto r = lr_horizon(c, *text, [&](const std::string&, int, int) { ++reported; });
   ASSERT_EQ(r.budgets.size(), 3u);
   EXPECT_EQ(r.runs.size(), 1u);
-  EXPECT_EQ(r.fit.points, int(std::count_if(r.budgets.begin(), r.budgets.end(), [](const auto& b) { return b.usable; })));
+  EXPECT_EQ(r.fit.points,
+            int(std::count_if(r.budgets.begin(), r.budgets.end(), [](const auto& b) { return b.usable; })));
   EXPECT_TRUE(std::isfinite(r.fit.beta));
   ASSERT_EQ(r.wsd_checks.size(), 1u);
   EXPECT_EQ(r.wsd_checks[0].steps, 40);

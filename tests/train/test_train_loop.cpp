@@ -77,10 +77,10 @@ TEST(TrainLoop, CpuProfileTimesEveryStage) {
   EXPECT_EQ(p.launches_per_step, -1);
   double staged = 0;
   for (int i = 0; i < kStageCount; ++i) staged += p.ms[i];
-  for (Stage s : {Stage::embedding_forward, Stage::norms_forward, Stage::attention_forward, Stage::moe_forward,
-                  Stage::head_loss_forward, Stage::head_loss_backward, Stage::moe_backward, Stage::norms_backward,
-                  Stage::attention_backward, Stage::embedding_backward, Stage::optimizer, Stage::ema,
-                  Stage::router_bias})
+  for (Stage s :
+       {Stage::embedding_forward, Stage::norms_forward, Stage::attention_forward, Stage::moe_forward,
+        Stage::head_loss_forward, Stage::head_loss_backward, Stage::moe_backward, Stage::norms_backward,
+        Stage::attention_backward, Stage::embedding_backward, Stage::optimizer, Stage::ema, Stage::router_bias})
     EXPECT_GT(p.ms[size_t(s)], 0.0) << stage_name(s);
   EXPECT_LE(staged, p.step_ms * (1 + 1e-9));
   EXPECT_GT(staged, 0.9 * p.step_ms);  // the marks cover the step

@@ -75,7 +75,8 @@ PairedSteps time_paired_steps(MoeLayer& a, MoeLayer& b, const LayerTensors& t, c
       x.bwd.push_back(r.bwd_ms);
       x.step.push_back(r.fwd_ms + r.bwd_ms);
     }
-    if (workers) x = {max_over_ranks(*workers, x.fwd), max_over_ranks(*workers, x.bwd), max_over_ranks(*workers, x.step)};
+    if (workers)
+      x = {max_over_ranks(*workers, x.fwd), max_over_ranks(*workers, x.bwd), max_over_ranks(*workers, x.step)};
     return x;
   };
   const Series sa = series(runs_a), sb = series(runs_b);
@@ -141,7 +142,8 @@ bool same_bits(const StepOutputs& a, const StepOutputs& b) {
 // capacity include/moka/megakernel.hpp states (capacity_multiplier's comment).
 int64_t megakernel_capacity_rows(const MegakernelConfig& c, const MoeShape& sh, int ranks, int64_t tokens) {
   const int64_t shares = std::max<int64_t>(2, int64_t(std::ceil(ranks * c.capacity_multiplier)));
-  const int64_t rows = tokens * sh.top_k * std::min<int64_t>(ranks, shares) + sh.num_experts / ranks * (c.tile_rows - 1);
+  const int64_t rows =
+      tokens * sh.top_k * std::min<int64_t>(ranks, shares) + sh.num_experts / ranks * (c.tile_rows - 1);
   return (rows + c.minibatch_size - 1) / c.minibatch_size * c.minibatch_size;
 }
 
@@ -170,9 +172,15 @@ void write_timeline(const std::string& path, const std::string& shape, int64_t t
   for (const auto& t : spans) t0 = std::min(t0, t.start_ns);
   std::string lines;
   for (const auto& t : spans)
-    lines += nlohmann::json{{"shape", shape}, {"tokens_per_rank", tokens}, {"ep", ep}, {"cta", t.cta},
-                            {"kind", t.kind}, {"step", t.step}, {"row_tile", t.row_tile},
-                            {"start_us", (t.start_ns - t0) / 1e3}, {"end_us", (t.end_ns - t0) / 1e3}}
+    lines += nlohmann::json{{"shape", shape},
+                            {"tokens_per_rank", tokens},
+                            {"ep", ep},
+                            {"cta", t.cta},
+                            {"kind", t.kind},
+                            {"step", t.step},
+                            {"row_tile", t.row_tile},
+                            {"start_us", (t.start_ns - t0) / 1e3},
+                            {"end_us", (t.end_ns - t0) / 1e3}}
                  .dump() +
              "\n";
   core::write_file_atomically(path, lines);
@@ -247,9 +255,8 @@ std::vector<BenchRow> path_rows(BenchRow staged, const CaseResults& r, const Lay
 // times the two alternately on the same tensors, then frees both and measures each path's memory
 // on a fresh layer (`make_staged` builds the staged path's layer again).
 CaseResults run_paths(std::unique_ptr<MoeLayer> staged, const StepOutputs& want, const MakeLayer& make_staged,
-                      DeviceGroup* group,
-                      ProcessGroup* workers, const NamedShape& ns, const LayerTensors& t, const CudaBenchOptions& o,
-                      cudaStream_t s) {
+                      DeviceGroup* group, ProcessGroup* workers, const NamedShape& ns, const LayerTensors& t,
+                      const CudaBenchOptions& o, cudaStream_t s) {
   const MoeShape& sh = ns.shape;
   const int ranks = group ? group->size() : 1;
   CaseResults r;
@@ -290,9 +297,9 @@ void compare_fused_swiglu(MoeLayer& layer, const StepOutputs& moka, const LayerO
   auto fused = make_moe_layer(sh, Backend::cuda, nullptr, fused_options);
   auto& e = row.extra;
   e["fused_swiglu_identical"] = same_bits(step_outputs(*fused, t, s), moka);
-  const Paired fwd = time_paired([&] { fused->forward(t.inputs(), t.weights(), t.out_view(), Stream{s}); },
-                                 [&] { layer.forward(t.inputs(), t.weights(), t.out_view(), Stream{s}); }, o.warmup,
-                                 o.iters, s);
+  const Paired fwd =
+      time_paired([&] { fused->forward(t.inputs(), t.weights(), t.out_view(), Stream{s}); },
+                  [&] { layer.forward(t.inputs(), t.weights(), t.out_view(), Stream{s}); }, o.warmup, o.iters, s);
   e["fused_swiglu_fwd_ms"] = fwd.a_ms;
   e["unfused_swiglu_fwd_ms"] = fwd.b_ms;
   e["fused_swiglu_fwd_speedup"] = fwd.ratio;
@@ -350,14 +357,20 @@ LinkTiming time_links(DeviceGroup& g, size_t bytes_per_peer, const CudaBenchOpti
   DeviceBuffer send(bytes_per_peer * R), recv(bytes_per_peer * R);
   std::vector<size_t> counts(R, bytes_per_peer), offsets(R);
   for (int p = 0; p < R; ++p) offsets[p] = p * bytes_per_peer;
-  t.all_to_all_ms = time_ms([&] { g.all_to_all_v(send.data(), counts.data(), offsets.data(), recv.data(), counts.data(), offsets.data(), s); },
-                            o.warmup, o.iters, s);
+  t.all_to_all_ms = time_ms(
+      [&] {
+        g.all_to_all_v(send.data(), counts.data(), offsets.data(), recv.data(), counts.data(), offsets.data(), s);
+      },
+      o.warmup, o.iters, s);
   const SymmetricBuffer& peer = g.allocate_symmetric(bytes_per_peer * (R - 1));
   const int next = (g.rank() + 1) % R;
   g.device_barrier(s, 30.0);
-  t.peer_copy_ms = time_ms([&] {
-    BENCH_CHECK(cudaMemcpyAsync(recv.data(), peer.peers[next], bytes_per_peer * (R - 1), cudaMemcpyDeviceToDevice, s));
-  }, o.warmup, o.iters, s);
+  t.peer_copy_ms = time_ms(
+      [&] {
+        BENCH_CHECK(
+            cudaMemcpyAsync(recv.data(), peer.peers[next], bytes_per_peer * (R - 1), cudaMemcpyDeviceToDevice, s));
+      },
+      o.warmup, o.iters, s);
   g.device_barrier(s, 30.0);
   BENCH_CHECK(cudaStreamSynchronize(s));
   g.check_device_errors();
@@ -367,8 +380,9 @@ LinkTiming time_links(DeviceGroup& g, size_t bytes_per_peer, const CudaBenchOpti
 // This rank's top-k ids for an expert-parallel case (o.routing; see CudaBenchOptions).
 std::vector<int32_t> ep_routing(const CudaBenchOptions& o, const MoeShape& sh, int64_t tokens, int rank, int ranks) {
   const auto stream = static_cast<uint64_t>(rank);
-  if (o.routing == "one-rank") return core::sample_topk_ids({core::RoutingKind::uniform, 0, o.seed}, tokens,
-                                                            sh.top_k, sh.num_experts / ranks, stream);
+  if (o.routing == "one-rank")
+    return core::sample_topk_ids({core::RoutingKind::uniform, 0, o.seed}, tokens, sh.top_k, sh.num_experts / ranks,
+                                 stream);
   const auto kind = o.routing == "zipf" ? core::RoutingKind::zipf : core::parse_routing_kind(o.routing);
   return core::sample_topk_ids({kind, o.gini, o.seed}, tokens, sh.top_k, sh.num_experts, stream);
 }

@@ -131,8 +131,8 @@ void set_memory(BenchRow& row, const LayerMemory& m, int depth, const TorchResul
   e["saved_bytes_per_layer"] = m.saved_per_layer;
   e["workspace_peak_bytes"] = m.workspace_peak;
   e["stack_peak_memory_bytes"] = m.stack_peak;
-  e["torch_saved_bytes_per_layer"] = torch.saved_bytes_per_layer > 0 ? nlohmann::ordered_json(torch.saved_bytes_per_layer)
-                                                                      : nlohmann::ordered_json();
+  e["torch_saved_bytes_per_layer"] =
+      torch.saved_bytes_per_layer > 0 ? nlohmann::ordered_json(torch.saved_bytes_per_layer) : nlohmann::ordered_json();
   const bool same_depth = torch.depth == depth && torch.stack_peak_memory_bytes > 0;
   e["torch_stack_peak_memory_bytes"] =
       same_depth ? nlohmann::ordered_json(torch.stack_peak_memory_bytes) : nlohmann::ordered_json();

@@ -27,9 +27,7 @@ DeviceBuffer& DeviceBuffer::operator=(DeviceBuffer&& other) noexcept {
   std::swap(bytes_, other.bytes_);
   return *this;
 }
-void DeviceBuffer::upload(const void* host) {
-  BENCH_CHECK(cudaMemcpy(data_, host, bytes_, cudaMemcpyHostToDevice));
-}
+void DeviceBuffer::upload(const void* host) { BENCH_CHECK(cudaMemcpy(data_, host, bytes_, cudaMemcpyHostToDevice)); }
 
 namespace {
 int current_device() {
@@ -91,8 +89,14 @@ MoeWeights LayerTensors::weights() const {
 
 MoeGradients LayerTensors::gradients() const {
   const int64_t H = s.hidden, I = s.intermediate, Is = s.shared_intermediate;
-  MoeGradients g{bf16(d_x.data(), {T, H}), TensorView(d_w.data(), DType::f32, {T, s.top_k}, Device::cuda(device)),
-                 bf16(dwg.data(), {E, I, H}), bf16(dwu.data(), {E, I, H}), bf16(dwd.data(), {E, H, I}), {}, {}, {}};
+  MoeGradients g{bf16(d_x.data(), {T, H}),
+                 TensorView(d_w.data(), DType::f32, {T, s.top_k}, Device::cuda(device)),
+                 bf16(dwg.data(), {E, I, H}),
+                 bf16(dwu.data(), {E, I, H}),
+                 bf16(dwd.data(), {E, H, I}),
+                 {},
+                 {},
+                 {}};
   if (s.has_shared()) {
     g.d_ws_gate = bf16(dwsg.data(), {Is, H});
     g.d_ws_up = bf16(dwsu.data(), {Is, H});

@@ -63,8 +63,8 @@ struct KernelParts {
 
   using EpilogueOp = typename cutlass::epilogue::collective::CollectiveBuilder<
       cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, TileShape, ClusterShape,
-      cutlass::epilogue::collective::EpilogueTileAuto, float, float, void, LayoutD*, kAlign, Element, LayoutD*,
-      kAlign, EpilogueSchedule, cutlass::epilogue::fusion::LinearCombination<Element, float>>::CollectiveOp;
+      cutlass::epilogue::collective::EpilogueTileAuto, float, float, void, LayoutD*, kAlign, Element, LayoutD*, kAlign,
+      EpilogueSchedule, cutlass::epilogue::fusion::LinearCombination<Element, float>>::CollectiveOp;
   static constexpr int kEpilogueSmem = static_cast<int>(sizeof(typename EpilogueOp::SharedStorage));
 };
 
@@ -74,8 +74,8 @@ struct KernelParts {
 struct SwigluParts {
   using P = KernelParts;
   using StrideD = cute::remove_pointer_t<cutlass::detail::TagToStrideC_t<P::LayoutD*>>;  // (pitch, 1, 0)
-  using Fusion = cutlass::epilogue::fusion::Sm90EVT<SwigluGateStore<StrideD>,
-                                                    cutlass::epilogue::fusion::Sm90SrcFetch<P::Element>>;
+  using Fusion =
+      cutlass::epilogue::fusion::Sm90EVT<SwigluGateStore<StrideD>, cutlass::epilogue::fusion::Sm90SrcFetch<P::Element>>;
   using EpilogueOp = typename cutlass::epilogue::collective::CollectiveBuilder<
       cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, P::TileShape, P::ClusterShape,
       cutlass::epilogue::collective::EpilogueTileAuto, float, float, P::Element, P::LayoutD*, P::kAlign, P::Element,
@@ -140,8 +140,7 @@ class CutlassGemmRunner final : public GemmRunner {
   using EpilogueArguments = typename Kernel::CollectiveEpilogue::Arguments;
 
  public:
-  CutlassGemmRunner(const GroupArrays& arrays, const std::vector<GroupSpec>& specs, GemmEpilogue epilogue,
-                    int device) {
+  CutlassGemmRunner(const GroupArrays& arrays, const std::vector<GroupSpec>& specs, GemmEpilogue epilogue, int device) {
     static_assert(sizeof(Shape3) == 3 * sizeof(int), "problem sizes are written as int[3]");
     const size_t G = specs.size();
     std::vector<StrideA> sa(G);
@@ -161,13 +160,12 @@ class CutlassGemmRunner final : public GemmRunner {
 
     cutlass::KernelHardwareInfo hw = cutlass::KernelHardwareInfo::make_kernel_hardware_info<Kernel>(device);
     // Host problem shapes are null: the scheduler reads the sizes on the device.
-    const typename Gemm::Arguments args{
-        cutlass::gemm::GemmUniversalMode::kGrouped,
-        {static_cast<int>(G), reinterpret_cast<Shape3*>(arrays.problems), nullptr},
-        {reinterpret_cast<const Element**>(arrays.a), strides_a_.data(), reinterpret_cast<const Element**>(arrays.b),
-         strides_b_.data()},
-        epilogue_arguments(arrays, epilogue),
-        hw};
+    const typename Gemm::Arguments args{cutlass::gemm::GemmUniversalMode::kGrouped,
+                                        {static_cast<int>(G), reinterpret_cast<Shape3*>(arrays.problems), nullptr},
+                                        {reinterpret_cast<const Element**>(arrays.a), strides_a_.data(),
+                                         reinterpret_cast<const Element**>(arrays.b), strides_b_.data()},
+                                        epilogue_arguments(arrays, epilogue),
+                                        hw};
     const cutlass::Status ok = gemm_.can_implement(args);
     require(ok == cutlass::Status::kSuccess, ErrorCode::unsupported_size,
             std::string("grouped GEMM cannot take these operands: ") + cutlassGetStatusString(ok));
@@ -183,8 +181,9 @@ class CutlassGemmRunner final : public GemmRunner {
     EpilogueArguments e{};
     if constexpr (kEpilogue == GemmEpilogue::swiglu) {
       static_assert(cute::is_same_v<StrideD, SwigluParts::StrideD>);
-      e.thread = {{}, {reinterpret_cast<Element* const*>(arrays.aux), strides_d_.data(), epilogue.act.clamped,
-                       epilogue.act.limit}};  // {Sm90SrcFetch's, SwigluGateStore's}
+      e.thread = {{},
+                  {reinterpret_cast<Element* const*>(arrays.aux), strides_d_.data(), epilogue.act.clamped,
+                   epilogue.act.limit}};  // {Sm90SrcFetch's, SwigluGateStore's}
       e.ptr_C = reinterpret_cast<const Element**>(arrays.c);
       e.dC = strides_d_.data();
     } else {

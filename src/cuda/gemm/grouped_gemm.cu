@@ -56,8 +56,7 @@ struct GroupedGemm::Impl {
   PinnedArray<int32_t> host_counts;  // [2][max expert + 2]: counts, then offsets
   int experts = 0;
 
-  void run_cublas_loop(const BufferTable& buffers, const int32_t* counts, const int32_t* offsets,
-                       cudaStream_t stream);
+  void run_cublas_loop(const BufferTable& buffers, const int32_t* counts, const int32_t* offsets, cudaStream_t stream);
   ~Impl() {
     if (cublas) cublasDestroy(cublas);
   }
@@ -79,8 +78,8 @@ GroupedGemm::GroupedGemm(const std::vector<GroupSpec>& groups, GemmLayout layout
     // TMA needs 16-byte aligned rows and bases.
     require(g.lda % 8 == 0 && g.ldb % 8 == 0 && g.ldd % 8 == 0 && g.n % 8 == 0, ErrorCode::unsupported_size,
             "the CUDA backend needs hidden and intermediate sizes that are multiples of 8, got a GEMM with n=" +
-                std::to_string(g.n) + " and row pitches " + std::to_string(g.lda) + "/" + std::to_string(g.ldb) +
-                "/" + std::to_string(g.ldd));
+                std::to_string(g.n) + " and row pitches " + std::to_string(g.lda) + "/" + std::to_string(g.ldb) + "/" +
+                std::to_string(g.ldd));
     // An MN-major operand is read in 16-byte runs along m or n, so that extent must be fixed
     // (never the routed count: its tiles' pointers step along k only) and a multiple of 8.
     require(layout.a == Major::k || (g.count_dim != CountDim::m && g.m % 8 == 0), ErrorCode::unsupported_size,
@@ -142,13 +141,11 @@ void GroupedGemm::Impl::run_cublas_loop(const BufferTable& buffers, const int32_
     const cublasOperation_t op_a = layout.a == Major::k ? CUBLAS_OP_N : CUBLAS_OP_T;
     MOKA_CUBLAS_CHECK(cublasGemmEx(cublas, op_b, op_a, dims[1], dims[0], dims[2], &one, b, CUDA_R_16BF,
                                    static_cast<int>(s.ldb), a, CUDA_R_16BF, static_cast<int>(s.lda), &zero, d,
-                                   CUDA_R_16BF, static_cast<int>(s.ldd), CUBLAS_COMPUTE_32F,
-                                   CUBLAS_GEMM_DEFAULT));
+                                   CUDA_R_16BF, static_cast<int>(s.ldd), CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT));
   }
 }
 
-void GroupedGemm::run(const BufferTable& buffers, const int32_t* counts, const int32_t* offsets,
-                      cudaStream_t stream) {
+void GroupedGemm::run(const BufferTable& buffers, const int32_t* counts, const int32_t* offsets, cudaStream_t stream) {
   if (impl_->cublas) {
     impl_->run_cublas_loop(buffers, counts, offsets, stream);
     return;

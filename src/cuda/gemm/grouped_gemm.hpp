@@ -60,10 +60,10 @@ struct BufferTable {
 // outputs themselves where needed. With the SwiGLU epilogue the group also reads C (U) and
 // writes aux (G): both are laid out like D (the same offset, step and pitch, in their buffers).
 struct GroupSpec {
-  int a = 0, b = 0, d = 0;                      // BufferTable indices
-  int c = -1, aux = -1;                         // SwiGLU epilogue only: BufferTable indices
-  int64_t a_off = 0, b_off = 0, d_off = 0;      // elements
-  int64_t a_step = 0, b_step = 0, d_step = 0;   // elements per grouped row; 0 = fixed
+  int a = 0, b = 0, d = 0;                     // BufferTable indices
+  int c = -1, aux = -1;                        // SwiGLU epilogue only: BufferTable indices
+  int64_t a_off = 0, b_off = 0, d_off = 0;     // elements
+  int64_t a_step = 0, b_step = 0, d_step = 0;  // elements per grouped row; 0 = fixed
   int64_t lda = 0, ldb = 0, ldd = 0;           // row pitch (elements) of each stored operand
   int m = 0, n = 0, k = 0;
   int expert = -1;

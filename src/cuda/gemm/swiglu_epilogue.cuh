@@ -114,7 +114,8 @@ struct SwigluGateStore {
       Tensor tC_gG_vec = recast<cutlass::Array<ElementG, V>>(coalesce(tC_gG(_, _, _, epi_m, epi_n)));
       Tensor tC_rG_vec = recast<cutlass::Array<ElementG, V>>(coalesce(tC_rG));
       Tensor tC_cG_vec = tensor<1>(zipped_divide(coalesce(tC_cG(_, _, _, epi_m, epi_n)), MCL.compose(Int<V>{})));
-      Tensor tC_pG_vec = cute::lazy::transform(tC_cG_vec, [&](auto const& c) { return elem_less(c, problem_shape_mnl); });
+      Tensor tC_pG_vec =
+          cute::lazy::transform(tC_cG_vec, [&](auto const& c) { return elem_less(c, problem_shape_mnl); });
       copy_if(tC_pG_vec, tC_rG_vec, tC_gG_vec);
     }
   };
@@ -129,8 +130,10 @@ struct SwigluGateStore {
     auto problem_shape_mnl = make_shape(M, N, _1{});
     Tensor mG = make_tensor(make_gmem_ptr(params_ptr->ptr_g[group]), problem_shape_mnl, params_ptr->d_g[group]);
     auto tile_coord = make_coord(m, n, k, _0{});
-    Tensor tC_gG = cutlass::epilogue::fusion::detail::sm90_partition_for_epilogue<ReferenceSrc>(
-        mG, args.tile_shape_mnk, tile_coord, args.epi_tile, args.tiled_copy, args.thread_idx);
+    Tensor tC_gG =
+        cutlass::epilogue::fusion::detail::sm90_partition_for_epilogue<ReferenceSrc>(mG, args.tile_shape_mnk,
+                                                                                     tile_coord, args.epi_tile,
+                                                                                     args.tiled_copy, args.thread_idx);
     Tensor tC_rG = make_tensor<ElementG>(take<0, 3>(shape(tC_gG)));
     Tensor tC_cG = cutlass::epilogue::fusion::detail::sm90_partition_for_epilogue<ReferenceSrc>(
         make_identity_tensor(problem_shape_mnl), args.tile_shape_mnk, tile_coord, args.epi_tile, args.tiled_copy,

@@ -65,9 +65,9 @@ struct CallBuffers {
 struct CudaContext final : MoeContext {
   const class CudaMoeLayer* layer = nullptr;  // the staged layer that runs the backward
   uint64_t generation = 0;
-  int64_t tokens = 0, rows = 0;  // rows: the grouped buffers' (one rank: the worst case)
+  int64_t tokens = 0, rows = 0;   // rows: the grouped buffers' (one rank: the worst case)
   cudaStream_t stream = nullptr;  // the forward's
-  MoeInputs inputs;  // the forward's views (the caller keeps them alive, as autograd does)
+  MoeInputs inputs;               // the forward's views (the caller keeps them alive, as autograd does)
   DeviceArray<int32_t> counts, offsets, row_of_slot;
   DeviceArray<bf16> saved[kNumBufs];
   DeviceArray<float> row_weight;  // across ranks: each grouped row's route weight
@@ -256,8 +256,8 @@ class CudaMoeLayer final : public MoeLayer {
       swiglu_forward_rows(ptr(table, kGateOut), ptr(table, kUpOut), ptr(table, kHidden), routed_rows(ctx).rows,
                           routed_rows(ctx).entries, I, act_, s);
       if (shared)
-        swiglu_forward_rows(ptr(table, kSharedGateOut), ptr(table, kSharedUpOut), ptr(table, kSharedHidden), nullptr,
-                            T, Is, act_, s);
+        swiglu_forward_rows(ptr(table, kSharedGateOut), ptr(table, kSharedUpOut), ptr(table, kSharedHidden), nullptr, T,
+                            Is, act_, s);
       clock_.mark("swiglu", s);
     }
     call.release({kGroupedInput});
@@ -345,16 +345,16 @@ class CudaMoeLayer final : public MoeLayer {
     written_over(kUpGrad, kUpOut, R * I);
     table.ptr[kGateGrad] = table.ptr[kHiddenGradUnweighted];
     const RowMap map = routed_rows(ctx);
-    swiglu_backward_rows(ptr(table, kGateOut), ptr(table, kUpOut), ptr(table, kHiddenGradUnweighted), route_w,
-                         route_dw, ptr(table, kWeightedHidden), ptr(table, kGateGrad), ptr(table, kUpGrad), map.rows,
-                         map.entries, I, act_, s);
+    swiglu_backward_rows(ptr(table, kGateOut), ptr(table, kUpOut), ptr(table, kHiddenGradUnweighted), route_w, route_dw,
+                         ptr(table, kWeightedHidden), ptr(table, kGateGrad), ptr(table, kUpGrad), map.rows, map.entries,
+                         I, act_, s);
     if (shared) {
       written_over(kSharedHidden, kSharedGateOut, T * Is);
       written_over(kSharedUpGrad, kSharedUpOut, T * Is);
       table.ptr[kSharedGateGrad] = table.ptr[kSharedHiddenGrad];
-      swiglu_backward_rows(ptr(table, kSharedGateOut), ptr(table, kSharedUpOut), ptr(table, kSharedHiddenGrad),
-                           nullptr, nullptr, ptr(table, kSharedHidden), ptr(table, kSharedGateGrad),
-                           ptr(table, kSharedUpGrad), nullptr, T, Is, act_, s);
+      swiglu_backward_rows(ptr(table, kSharedGateOut), ptr(table, kSharedUpOut), ptr(table, kSharedHiddenGrad), nullptr,
+                           nullptr, ptr(table, kSharedHidden), ptr(table, kSharedGateGrad), ptr(table, kSharedUpGrad),
+                           nullptr, T, Is, act_, s);
     }
     if (!in_place) call.release({kGateOut, kUpOut, kSharedGateOut, kSharedUpOut});
     clock_.mark("swiglu_backward", s);
@@ -393,8 +393,13 @@ class CudaMoeLayer final : public MoeLayer {
   static bf16* ptr(const BufferTable& t, Buf b) { return static_cast<bf16*>(const_cast<void*>(t.ptr[b])); }
 
   core::LayerSignature signature(int64_t tokens) const {
-    return {tokens, shape_.hidden, shape_.intermediate, shape_.num_experts, shape_.top_k,
-            shape_.shared_intermediate, static_cast<int32_t>(DType::bf16)};
+    return {tokens,
+            shape_.hidden,
+            shape_.intermediate,
+            shape_.num_experts,
+            shape_.top_k,
+            shape_.shared_intermediate,
+            static_cast<int32_t>(DType::bf16)};
   }
 
   // Across ranks: the tensors are checked on every rank at once; then the exchange plans the
@@ -498,8 +503,8 @@ class CudaMoeLayer final : public MoeLayer {
   int world_, rank_;
   int64_t local_experts_;
   std::unique_ptr<DeviceGroup> owned_group_;
-  std::unique_ptr<ProcessGroup> control_;        // host collectives over the device group (ranks > 1)
-  std::unique_ptr<ExpertExchange> exchange_;     // null on one rank
+  std::unique_ptr<ProcessGroup> control_;     // host collectives over the device group (ranks > 1)
+  std::unique_ptr<ExpertExchange> exchange_;  // null on one rank
   int device_ = 0;
   PinnedWord<unsigned long long> error_{kNoRoutingError};  // the device routing check's first bad slot
   uint64_t generation_ = 0;
@@ -517,8 +522,7 @@ class CudaMoeLayer final : public MoeLayer {
 std::vector<int64_t> CudaContext::local_expert_rows() const {
   std::vector<int32_t> c(layer->num_local_experts());
   MOKA_CUDA_CHECK(cudaStreamSynchronize(stream));
-  MOKA_CUDA_CHECK(cudaMemcpy(c.data(), counts.data(),
-                             c.size() * sizeof(int32_t), cudaMemcpyDeviceToHost));
+  MOKA_CUDA_CHECK(cudaMemcpy(c.data(), counts.data(), c.size() * sizeof(int32_t), cudaMemcpyDeviceToHost));
   return {c.begin(), c.end()};
 }
 

@@ -64,9 +64,9 @@ __device__ T block_reduce(T v, bool is_max) {
 
 // One block per token. scores/p: [T, E]; lse: [T]. The ids go to the caller's topk_ids and to
 // saved_ids, the copy backward reads (the caller may reuse its buffer).
-__global__ void __launch_bounds__(kThreads) route_tokens(RouterParams P, const float* logits, const float* bias,
-                                                         float* scores, float* p, float* lse, int32_t* ids,
-                                                         int32_t* saved_ids, float* weights, int32_t* counts) {
+__global__ void __launch_bounds__(kThreads)
+    route_tokens(RouterParams P, const float* logits, const float* bias, float* scores, float* p, float* lse,
+                 int32_t* ids, int32_t* saved_ids, float* weights, int32_t* counts) {
   const int64_t t = blockIdx.x, E = P.experts;
   const float* lg = logits + t * E;
   float* sc = scores + t * E;
@@ -152,11 +152,10 @@ __global__ void router_aux_loss(RouterParams P, const int32_t* counts, const dou
 }
 
 // d_logits of one token (bf16 for the cuBLAS products), mirroring the CPU router's backward.
-__global__ void __launch_bounds__(kThreads) router_backward_tokens(RouterParams P, const float* logits,
-                                                                   const float* scores, const float* lse,
-                                                                   const int32_t* ids, const int32_t* counts,
-                                                                   const float* d_weights, float* ds_scratch,
-                                                                   bf16* d_logits) {
+__global__ void __launch_bounds__(kThreads)
+    router_backward_tokens(RouterParams P, const float* logits, const float* scores, const float* lse,
+                           const int32_t* ids, const int32_t* counts, const float* d_weights, float* ds_scratch,
+                           bf16* d_logits) {
   const int64_t t = blockIdx.x, E = P.experts, k = P.top_k;
   const float* sc = scores + t * E;
   float* ds = ds_scratch + t * E;
@@ -247,8 +246,14 @@ class CudaRouter final : public Router {
     if (!out.expert_load.empty()) expect_tensor(out.expert_load, "expert_load", DType::i64, dev, {E});
 
     auto st = std::make_unique<CudaRouterState>();
-    st->params = {T, E, k, c_.score == ScoreFunction::sigmoid, c_.renormalize, float(c_.route_scale),
-                  c_.aux_loss_coef, c_.z_loss_coef};
+    st->params = {T,
+                  E,
+                  k,
+                  c_.score == ScoreFunction::sigmoid,
+                  c_.renormalize,
+                  float(c_.route_scale),
+                  c_.aux_loss_coef,
+                  c_.z_loss_coef};
     st->x = x.data;
     st->w_router = w.data;
     const cudaStream_t s = to_cuda(stream);
@@ -264,9 +269,9 @@ class CudaRouter final : public Router {
     use_stream(s);
     const float one = 1.0f, zero = 0.0f;
     // Column-major logits^T [E, T] = W (as [H, E])^T x (as [H, T]).
-    MOKA_CUBLAS_CHECK(cublasGemmEx(cublas_, CUBLAS_OP_T, CUBLAS_OP_N, int(E), int(T), int(H), &one, w.data,
-                                   CUDA_R_16BF, int(H), x.data, CUDA_R_16BF, int(H), &zero, st->logits->data(),
-                                   CUDA_R_32F, int(E), CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT));
+    MOKA_CUBLAS_CHECK(cublasGemmEx(cublas_, CUBLAS_OP_T, CUBLAS_OP_N, int(E), int(T), int(H), &one, w.data, CUDA_R_16BF,
+                                   int(H), x.data, CUDA_R_16BF, int(H), &zero, st->logits->data(), CUDA_R_32F, int(E),
+                                   CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT));
     MOKA_CUDA_CHECK(cudaMemsetAsync(st->counts->data(), 0, E * sizeof(int32_t), s));
     route_tokens<<<unsigned(T), kThreads, 0, s>>>(st->params, st->logits->data(),
                                                   c_.use_selection_bias ? bias.as<float>() : nullptr,
@@ -275,7 +280,7 @@ class CudaRouter final : public Router {
                                                   out.topk_weights.as<float>(), st->counts->data());
     MOKA_CUDA_CHECK_LAUNCH();
     router_loss_sums<<<unsigned(E + 1), kThreads, 0, s>>>(st->params, st->p->data(), st->lse->data(),
-                                                        st->mean_p->data(), st->losses_dev->data());
+                                                          st->mean_p->data(), st->losses_dev->data());
     MOKA_CUDA_CHECK_LAUNCH();
     router_aux_loss<<<1, kThreads, 0, s>>>(st->params, st->counts->data(), st->mean_p->data(), st->losses_dev->data(),
                                            out.expert_counts.as<int32_t>(), out.expert_load.as<int64_t>());
@@ -283,8 +288,8 @@ class CudaRouter final : public Router {
     return st;
   }
 
-  void backward(const RouterContext& saved, const TensorView& d_weights, const TensorView& d_x,
-                const TensorView& d_w, Stream stream, bool add_to_d_x) override {
+  void backward(const RouterContext& saved, const TensorView& d_weights, const TensorView& d_x, const TensorView& d_w,
+                Stream stream, bool add_to_d_x) override {
     const auto* st = dynamic_cast<const CudaRouterState*>(&saved);
     require(st != nullptr, ErrorCode::invalid_argument, "router backward got a context from another router");
     const Device dev = Device::cuda(device_);
@@ -295,11 +300,9 @@ class CudaRouter final : public Router {
     const cudaStream_t s = to_cuda(stream);
     StreamScratch<float> ds(T * E, s);
     StreamScratch<bf16> d_logits(T * E, s);
-    router_backward_tokens<<<unsigned(T), kThreads, 0, s>>>(st->params, st->logits->data(),
-                                                            st->scores->data(), st->lse->data(),
-                                                            st->ids->data(), st->counts->data(),
-                                                            d_weights.as<float>(), ds.data(),
-                                                            d_logits.data());
+    router_backward_tokens<<<unsigned(T), kThreads, 0, s>>>(st->params, st->logits->data(), st->scores->data(),
+                                                            st->lse->data(), st->ids->data(), st->counts->data(),
+                                                            d_weights.as<float>(), ds.data(), d_logits.data());
     MOKA_CUDA_CHECK_LAUNCH();
     use_stream(s);
     const float one = 1.0f, zero = 0.0f;
@@ -309,9 +312,9 @@ class CudaRouter final : public Router {
                                    CUDA_R_16BF, int(H), d_logits.data(), CUDA_R_16BF, int(E), add_to_d_x ? &one : &zero,
                                    d_x.data, CUDA_R_16BF, int(H), CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT));
     // d_W^T [H, E] = x^T (as [H, T]) d_logits (as [E, T])^T.
-    MOKA_CUBLAS_CHECK(cublasGemmEx(cublas_, CUBLAS_OP_N, CUBLAS_OP_T, int(H), int(E), int(T), &one, st->x,
-                                   CUDA_R_16BF, int(H), d_logits.data(), CUDA_R_16BF, int(E), &zero, d_w.data, CUDA_R_16BF,
-                                   int(H), CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT));
+    MOKA_CUBLAS_CHECK(cublasGemmEx(cublas_, CUBLAS_OP_N, CUBLAS_OP_T, int(H), int(E), int(T), &one, st->x, CUDA_R_16BF,
+                                   int(H), d_logits.data(), CUDA_R_16BF, int(E), &zero, d_w.data, CUDA_R_16BF, int(H),
+                                   CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT));
     // The scratch is freed at scope exit in stream order, after the kernels above.
   }
 

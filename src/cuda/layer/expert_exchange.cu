@@ -43,8 +43,8 @@ void ExpertExchange::plan(const int32_t* topk_ids, const float* topk_weights, in
   group_.all_to_all_v(sort_counts_.data(), bytes.data(), offsets.data(), received_counts_.data(), bytes.data(),
                       offsets.data(), stream);
   int32_t* host_counts = host_counts_.host();
-  MOKA_CUDA_CHECK(cudaMemcpyAsync(host_counts, sort_counts_.data(), E * sizeof(int32_t), cudaMemcpyDeviceToHost,
-                                  stream));
+  MOKA_CUDA_CHECK(
+      cudaMemcpyAsync(host_counts, sort_counts_.data(), E * sizeof(int32_t), cudaMemcpyDeviceToHost, stream));
   MOKA_CUDA_CHECK(cudaMemcpyAsync(host_counts + E, received_counts_.data(), R * El * sizeof(int32_t),
                                   cudaMemcpyDeviceToHost, stream));
   MOKA_CUDA_CHECK(cudaStreamSynchronize(stream));
@@ -74,7 +74,9 @@ void ExpertExchange::move(const void* src, const std::vector<core::TransferBlock
                           const std::vector<core::TransferBlock>& to_blocks, size_t row_bytes, cudaStream_t stream) {
   std::vector<DeviceGroup::Transfer> sends, recvs;
   for (const core::TransferBlock& b : from_blocks)
-    if (b.rows) sends.push_back({b.peer, const_cast<char*>(static_cast<const char*>(src)) + b.first * row_bytes, b.rows * row_bytes});
+    if (b.rows)
+      sends.push_back(
+          {b.peer, const_cast<char*>(static_cast<const char*>(src)) + b.first * row_bytes, b.rows * row_bytes});
   for (const core::TransferBlock& b : to_blocks)
     if (b.rows) recvs.push_back({b.peer, static_cast<char*>(dst) + b.first * row_bytes, b.rows * row_bytes});
   group_.send_recv(sends, recvs, stream);

@@ -14,12 +14,10 @@ std::unique_ptr<LayerGemms> build_layer_gemms(const MoeShape& shape, int64_t loc
   ws.tokens = tokens;
   const int64_t H = shape.hidden, I = shape.intermediate, E = local_experts, T = tokens;
   const int64_t Is = shape.shared_intermediate;
-  const int Ti = static_cast<int>(T), Hi = static_cast<int>(H), Ii = static_cast<int>(I),
-            Isi = static_cast<int>(Is);
+  const int Ti = static_cast<int>(T), Hi = static_cast<int>(H), Ii = static_cast<int>(I), Isi = static_cast<int>(Is);
   // A product over a routed expert's rows: m = the expert's row count, A = its segment of a
   // grouped buffer [rows, k], B = its weights at b_off with stored row pitch ldb.
-  auto rows_of = [](int e, int a, int64_t lda, int b, int64_t b_off, int64_t ldb, int d, int64_t ldd, int n,
-                    int k) {
+  auto rows_of = [](int e, int a, int64_t lda, int b, int64_t b_off, int64_t ldb, int d, int64_t ldd, int n, int k) {
     GroupSpec g;
     g.a = a, g.a_step = lda, g.lda = lda;
     g.b = b, g.b_off = b_off, g.ldb = ldb;
@@ -80,7 +78,8 @@ std::unique_ptr<LayerGemms> build_layer_gemms(const MoeShape& shape, int64_t loc
       g.aux = g.d, g.c = routed ? kUpOut : kSharedUpOut, g.d = routed ? kHidden : kSharedHidden;
     }
     ws.up = std::make_unique<GroupedGemm>(up, forward, device, engine);
-    ws.gate = std::make_unique<GroupedGemm>(gate, forward, device, engine, GemmEpilogue{GemmEpilogue::swiglu, *fused_swiglu});
+    ws.gate =
+        std::make_unique<GroupedGemm>(gate, forward, device, engine, GemmEpilogue{GemmEpilogue::swiglu, *fused_swiglu});
   } else {
     std::vector<GroupSpec> gate_up;  // one launch, each expert's two groups side by side
     for (size_t i = 0; i < gate.size(); ++i) gate_up.insert(gate_up.end(), {gate[i], up[i]});

@@ -12,6 +12,8 @@ namespace moka::cuda::staged {
 
 // Indices of the BufferTable every grouped GEMM of the layer shares. "Grouped" buffers hold one
 // row per routed (token, expert) pair in expert segments; "Shared" names the shared expert.
+// The buffers in the groups the stages use them in (clang-format would put one a line).
+// clang-format off
 enum Buf : int {
   // Forward: the caller's x and weights, then what the stages write.
   kInput, kGroupedInput, kGateWeight, kUpWeight, kDownWeight,
@@ -28,6 +30,7 @@ enum Buf : int {
   kSharedGateWeightGrad, kSharedUpWeightGrad, kSharedDownWeightGrad,
   kNumBufs
 };
+// clang-format on
 static_assert(kNumBufs <= kMaxGemmBuffers);
 
 // The grouped GEMMs of a layer for one token count (the shared expert's dense groups take T).

@@ -209,9 +209,10 @@ __device__ float block_sum(float v) {
   return total;
 }
 
-__global__ void __launch_bounds__(kRowThreads) swiglu_backward_kernel(
-    const bf16* gate, const bf16* up, const bf16* dh_u, const float* weights, float* d_weight,
-    bf16* scaled_hidden, bf16* d_gate, bf16* d_up, const int32_t* row_of_slot, int64_t width, ActParams act) {
+__global__ void __launch_bounds__(kRowThreads)
+    swiglu_backward_kernel(const bf16* gate, const bf16* up, const bf16* dh_u, const float* weights, float* d_weight,
+                           bf16* scaled_hidden, bf16* d_gate, bf16* d_up, const int32_t* row_of_slot, int64_t width,
+                           ActParams act) {
   const int64_t row = row_of(row_of_slot, blockIdx.x);
   if (row < 0) return;
   const float w = weights ? weights[blockIdx.x] : 1.0f;
@@ -302,8 +303,7 @@ unsigned grid_of(int64_t blocks) { return static_cast<unsigned>(blocks); }
 
 int64_t schedule_chunks(int64_t slots) { return (slots + kScheduleChunk - 1) / kScheduleChunk; }
 
-void build_schedule(const DeviceSchedule& s, const int32_t* topk_ids, const float* topk_weights,
-                    cudaStream_t stream) {
+void build_schedule(const DeviceSchedule& s, const int32_t* topk_ids, const float* topk_weights, cudaStream_t stream) {
   require(s.world_size >= 1 && s.world_size <= kMaxScheduleSources, ErrorCode::unsupported_size,
           "the device schedule takes 1 to " + std::to_string(kMaxScheduleSources) + " source ranks");
   require(s.world_size == 1 || s.source_counts != nullptr, ErrorCode::invalid_argument,
@@ -329,11 +329,13 @@ void build_schedule(const DeviceSchedule& s, const int32_t* topk_ids, const floa
   }
 }
 
-void gather_rows(const bf16* src, bf16* dst, const int32_t* row_of_slot, int64_t slots, int64_t top_k,
-                 int64_t width, cudaStream_t stream) {
+void gather_rows(const bf16* src, bf16* dst, const int32_t* row_of_slot, int64_t slots, int64_t top_k, int64_t width,
+                 cudaStream_t stream) {
   if (slots == 0) return;
-  gather_rows_kernel<<<grid_of((slots + kGatherWarps - 1) / kGatherWarps), 32 * kGatherWarps, 0, stream>>>(
-      src, dst, row_of_slot, slots, top_k, width);
+  gather_rows_kernel<<<grid_of((slots + kGatherWarps - 1) / kGatherWarps), 32 * kGatherWarps, 0, stream>>>(src, dst,
+                                                                                                           row_of_slot,
+                                                                                                           slots, top_k,
+                                                                                                           width);
   MOKA_CUDA_CHECK_LAUNCH();
 }
 
@@ -353,7 +355,8 @@ Error routing_error(unsigned long long code, int64_t top_k, int64_t num_experts,
   const int64_t slot = static_cast<int64_t>(code >> 2), t = slot / top_k, j = slot % top_k;
   const std::string what = context + "topk_ids/topk_weights[" + std::to_string(t) + ", " + std::to_string(j) + "]: ";
   switch (code & 3) {
-    case 1: return Error(ErrorCode::expert_out_of_range, what + "expert id outside [0, " + std::to_string(num_experts) + ")");
+    case 1:
+      return Error(ErrorCode::expert_out_of_range, what + "expert id outside [0, " + std::to_string(num_experts) + ")");
     case 2: return Error(ErrorCode::duplicate_expert, what + "the same expert twice in one token's top-k");
     default: return Error(ErrorCode::non_finite, what + "non-finite weight");
   }
@@ -366,14 +369,12 @@ void swiglu_forward_rows(const bf16* gate, const bf16* up, bf16* hidden, const i
   MOKA_CUDA_CHECK_LAUNCH();
 }
 
-void swiglu_backward_rows(const bf16* gate, const bf16* up, const bf16* dh_u,
-                          const float* weights, float* d_weight, bf16* scaled_hidden, bf16* d_gate, bf16* d_up,
-                          const int32_t* row_of_slot, int64_t rows, int64_t width, ActParams act,
-                          cudaStream_t stream) {
+void swiglu_backward_rows(const bf16* gate, const bf16* up, const bf16* dh_u, const float* weights, float* d_weight,
+                          bf16* scaled_hidden, bf16* d_gate, bf16* d_up, const int32_t* row_of_slot, int64_t rows,
+                          int64_t width, ActParams act, cudaStream_t stream) {
   if (rows == 0) return;
-  swiglu_backward_kernel<<<grid_of(rows), kRowThreads, 0, stream>>>(gate, up, dh_u, weights, d_weight,
-                                                                    scaled_hidden, d_gate, d_up, row_of_slot,
-                                                                    width, act);
+  swiglu_backward_kernel<<<grid_of(rows), kRowThreads, 0, stream>>>(gate, up, dh_u, weights, d_weight, scaled_hidden,
+                                                                    d_gate, d_up, row_of_slot, width, act);
   MOKA_CUDA_CHECK_LAUNCH();
 }
 
@@ -385,8 +386,7 @@ void combine_tokens(const bf16* y, const float* weights, const bf16* shared, bf1
 }
 
 void reduce_input_grads(const bf16* ra, const bf16* rb, const bf16* sa, const bf16* sb, bf16* d_x,
-                        const int32_t* row_of_slot, int64_t tokens, int64_t top_k, int64_t width,
-                        cudaStream_t stream) {
+                        const int32_t* row_of_slot, int64_t tokens, int64_t top_k, int64_t width, cudaStream_t stream) {
   if (tokens == 0) return;
   reduce_grads_kernel<<<grid_of(tokens), kRowThreads, 0, stream>>>(ra, rb, sa, sb, d_x, row_of_slot, top_k, width);
   MOKA_CUDA_CHECK_LAUNCH();

@@ -20,8 +20,8 @@ core::MegakernelBackwardPlan gpu_backward_plan(const MoeShape& s, const Megakern
   require(config.tile_rows == 128, ErrorCode::unsupported_size,
           "megakernel backward: tile_rows must be 128 (the GEMM core's tile), got " + std::to_string(config.tile_rows));
   require(tokens >= 1, ErrorCode::invalid_argument, "megakernel backward: needs at least one token");
-  const core::MegakernelDims dims{world, tokens, s.top_k, s.hidden, s.intermediate, s.shared_intermediate,
-                                  s.num_experts / world};
+  const core::MegakernelDims dims{
+      world, tokens, s.top_k, s.hidden, s.intermediate, s.shared_intermediate, s.num_experts / world};
   return core::build_backward_plan(config, {dims, mode, kBackwardGpuTiling});
 }
 
@@ -83,10 +83,12 @@ struct CallWorkspace {
     const int64_t shared_i_rows = plan.mode == core::ContextMode::replay ? 5 : 3;
     const int64_t i_rows = overwrite ? 1 : shared_i_rows;
     ring_bf16 = DeviceArray<bf16>(size_t(ring * (3 * H + i_rows * I)), from, stream);
-    shared_bf16 = DeviceArray<bf16>(
-        size_t(std::max<int64_t>(shared_rows * shared_i_rows * Is + (Is > 0 ? tokens * H : 0), 1)), from, stream);
+    shared_bf16 =
+        DeviceArray<bf16>(size_t(std::max<int64_t>(shared_rows * shared_i_rows * Is + (Is > 0 ? tokens * H : 0), 1)),
+                          from, stream);
     ring_float = DeviceArray<float>(size_t(ring * (1 + plan.dgd_col_tiles)), from, stream);
-    shared_partials = DeviceArray<float>(size_t(std::max<int64_t>(tokens * plan.shared_dgd_col_tiles, 1)), from, stream);
+    shared_partials =
+        DeviceArray<float>(size_t(std::max<int64_t>(tokens * plan.shared_dgd_col_tiles, 1)), from, stream);
     if (plan.max_macrobatches > 1)  // a weight-gradient carry per macrobatch boundary
       carries = DeviceArray<float>(size_t((plan.max_macrobatches - 1) * backward_carry_floats(H, I)), from, stream);
   }
@@ -111,15 +113,15 @@ MegakernelBackward::MegakernelBackward(const MoeShape& shape, const MegakernelCo
           ErrorCode::invalid_argument,
           "megakernel backward over " + std::to_string(world_size) +
               " ranks needs the ranks' barrier, its error word and every rank's status slot");
-  require(megakernel_backward_ctas_per_sm() >= 1, ErrorCode::cuda, "the backward megakernel's CTA does not fit on an SM");
+  require(megakernel_backward_ctas_per_sm() >= 1, ErrorCode::cuda,
+          "the backward megakernel's CTA does not fit on an SM");
   // Every kernel a call enqueues is loaded now, not at its first launch after a barrier
   // (load_megakernel_backward_kernels says why).
   load_megakernel_backward_kernels();
   cudaFuncAttributes attributes;
-  for (const void* kernel : {reinterpret_cast<const void*>(publish_status_kernel),
-                             reinterpret_cast<const void*>(note_missing_peer_kernel),
-                             reinterpret_cast<const void*>(own_status_kernel),
-                             reinterpret_cast<const void*>(merge_status_kernel)})
+  for (const void* kernel :
+       {reinterpret_cast<const void*>(publish_status_kernel), reinterpret_cast<const void*>(note_missing_peer_kernel),
+        reinterpret_cast<const void*>(own_status_kernel), reinterpret_cast<const void*>(merge_status_kernel)})
     MOKA_CUDA_CHECK(cudaFuncGetAttributes(&attributes, kernel));
   require(config.num_comm_sms >= 1 && config.num_comm_sms < num_ctas_, ErrorCode::invalid_argument,
           "megakernel backward: num_comm_sms " + std::to_string(config.num_comm_sms) +
@@ -137,8 +139,7 @@ MegakernelBackward::MegakernelBackward(const MoeShape& shape, const MegakernelCo
 
 MegakernelBackward::~MegakernelBackward() { cudaEventDestroy(done_); }
 
-void MegakernelBackward::run(const MegakernelBackwardIo& io, int64_t tokens, cudaStream_t stream,
-                             StageClock* clock) {
+void MegakernelBackward::run(const MegakernelBackwardIo& io, int64_t tokens, cudaStream_t stream, StageClock* clock) {
   auto mark = [&](const char* stage) {
     if (clock) clock->mark(stage, stream);
   };
@@ -228,8 +229,8 @@ void MegakernelBackward::throw_failure(const BackwardStatus& failure, const std:
   os << prefix;
   if (s.code == core::StatusCode::timeout && w.kind != core::BackwardTaskKind::none) {
     os << core::describe(last_plan_, {w.kind, w.step, w.row_tile, w.col_tile, w.segment}) << " timed out after "
-       << config_.spin_timeout_seconds << " s waiting for " << core::to_string(w.counter) << " " << w.at
-       << " to reach " << w.target << ", saw " << w.observed;
+       << config_.spin_timeout_seconds << " s waiting for " << core::to_string(w.counter) << " " << w.at << " to reach "
+       << w.target << ", saw " << w.observed;
     throw Error(ErrorCode::timeout, os.str());
   }
   if (s.code == core::StatusCode::peer_missing) {

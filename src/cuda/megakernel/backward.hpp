@@ -54,26 +54,26 @@ struct MegakernelBackwardIo {
   const int32_t* offsets = nullptr;      // [E_local + 1] the forward's padded expert segments
   const int32_t* slot_of_row = nullptr;  // [capacity rows] source * T*k + token*k + j, -1 = padding
 
-  const bf16* const* d_out_peers = nullptr;   // [world] every rank's d_out [T, H] (pull)
+  const bf16* const* d_out_peers = nullptr;    // [world] every rank's d_out [T, H] (pull)
   const float* const* weight_peers = nullptr;  // [world] every rank's route weights [T*k] (pull)
-  bf16* const* dx_slot_peers = nullptr;       // [world] every rank's d_x slots [T*k, H] (push)
-  float* const* dw_slot_peers = nullptr;      // [world] every rank's d_topk_weights [T*k] (push)
+  bf16* const* dx_slot_peers = nullptr;        // [world] every rank's d_x slots [T*k, H] (push)
+  float* const* dw_slot_peers = nullptr;       // [world] every rank's d_topk_weights [T*k] (push)
 
   const bf16* const* x_peers = nullptr;  // [world] every rank's x [T, H] (replay: pulled again)
-  const bf16* x = nullptr;      // this rank's tokens [T, H] (shared expert)
-  const bf16* d_out = nullptr;  // this rank's d_out [T, H] (shared expert)
-  const bf16* dx_slots = nullptr;  // this rank's own d_x slots (dx_slot_peers[rank])
+  const bf16* x = nullptr;               // this rank's tokens [T, H] (shared expert)
+  const bf16* d_out = nullptr;           // this rank's d_out [T, H] (shared expert)
+  const bf16* dx_slots = nullptr;        // this rank's own d_x slots (dx_slot_peers[rank])
   // Resident context (replay: unread): the forward's grouped rows (row index = grouped row;
   // padding rows finite) and the shared expert's g, u. context_x may be null: x's rows are
   // pulled from their origin (x_peers) as in replay, and only g, u are kept.
-  const bf16* context_x = nullptr;                        // [rows, H]
+  const bf16* context_x = nullptr;                      // [rows, H]
   bf16 *context_gate = nullptr, *context_up = nullptr;  // [rows, I] x2
   // A context the caller gives up (consume_backward): dg and du are written over context_gate
   // and context_up, two I-wide ring buffers fewer. Each dgd tile reads its g and u before it
   // writes the same elements, and nothing reads them after; with one macrobatch (the resident
   // layer's) ring row r is grouped row r. Otherwise the ring's own buffers are used.
   bool overwrite_context = false;
-  const bf16 *shared_gate = nullptr, *shared_up = nullptr;                          // [T, Is]
+  const bf16 *shared_gate = nullptr, *shared_up = nullptr;  // [T, Is]
 
   const bf16 *w_gate = nullptr, *w_up = nullptr, *w_down = nullptr;     // [E, I, H], [E, I, H], [E, H, I]
   const bf16 *ws_gate = nullptr, *ws_up = nullptr, *ws_down = nullptr;  // [Is, H], [Is, H], [H, Is]
@@ -93,17 +93,17 @@ struct MegakernelBackwardLaunch {
   MegakernelBackwardIo io;
 
   // Ring ([ring_rows, width]) and the shared expert's rows ([T rounded up to tile_m, width]).
-  bf16 *ring_d_out = nullptr, *ring_x = nullptr, *ring_dx = nullptr;         // H wide
-  bf16 *ring_dg = nullptr, *ring_du = nullptr, *ring_hs = nullptr;           // I wide
-  bf16 *ring_gate = nullptr, *ring_up = nullptr;                             // I wide, replay only
-  float *ring_weight = nullptr, *ring_partials = nullptr;                    // 1, dgd_col_tiles wide
-  bf16 *shared_dg = nullptr, *shared_du = nullptr, *shared_hs = nullptr;     // Is wide
-  bf16 *recomputed_shared_gate = nullptr, *recomputed_shared_up = nullptr;   // Is wide, replay only
-  bf16* shared_dx = nullptr;                                                 // [T, H]
-  float* shared_partials = nullptr;  // [T, shared dgd column tiles]: written, not read
-  const float* ones = nullptr;       // [T]: the shared expert's route weight
-  float* carries = nullptr;          // (max_macrobatches - 1) x backward_carry_floats
-  int64_t* expert_offset = nullptr;  // [E_local + 1] offsets as int64 (the segment builder's input)
+  bf16 *ring_d_out = nullptr, *ring_x = nullptr, *ring_dx = nullptr;        // H wide
+  bf16 *ring_dg = nullptr, *ring_du = nullptr, *ring_hs = nullptr;          // I wide
+  bf16 *ring_gate = nullptr, *ring_up = nullptr;                            // I wide, replay only
+  float *ring_weight = nullptr, *ring_partials = nullptr;                   // 1, dgd_col_tiles wide
+  bf16 *shared_dg = nullptr, *shared_du = nullptr, *shared_hs = nullptr;    // Is wide
+  bf16 *recomputed_shared_gate = nullptr, *recomputed_shared_up = nullptr;  // Is wide, replay only
+  bf16* shared_dx = nullptr;                                                // [T, H]
+  float* shared_partials = nullptr;             // [T, shared dgd column tiles]: written, not read
+  const float* ones = nullptr;                  // [T]: the shared expert's route weight
+  float* carries = nullptr;                     // (max_macrobatches - 1) x backward_carry_floats
+  int64_t* expert_offset = nullptr;             // [E_local + 1] offsets as int64 (the segment builder's input)
   core::WeightGradSegment* segments = nullptr;  // [max_segments]
   int64_t* first_of_step = nullptr;             // [max_steps + 1]
   int64_t* counters = nullptr;                  // core::counter_count(plan), zeroed per launch
@@ -156,7 +156,7 @@ void write_pointer_table(void** table, const PointerValues& values, cudaStream_t
 struct BackwardRanks {
   // Enqueues a bounded device barrier among the ranks on the stream (capturable).
   std::function<void(cudaStream_t)> barrier;
-  const uint64_t* barrier_error = nullptr;  // device: the barrier's error word (0, or 1 + missing rank)
+  const uint64_t* barrier_error = nullptr;        // device: the barrier's error word (0, or 1 + missing rank)
   BackwardStatus* const* status_peers = nullptr;  // device table [world]: every rank's status slot
   BackwardStatus* own_status = nullptr;           // this rank's slot (status_peers[rank])
 };
@@ -179,8 +179,8 @@ class MegakernelBackward {
   // num_ctas 0: one CTA per SM. config.tile_rows must be 128 (the GEMM core's tile). world_size
   // > 1 needs `ranks` (barrier, error word, status slots).
   MegakernelBackward(const MoeShape& shape, const MegakernelConfig& config, int world_size, int64_t max_tokens,
-                     core::ContextMode mode = core::ContextMode::resident, int num_ctas = 0,
-                     BackwardRanks ranks = {}, DeviceAllocator* allocator = nullptr);
+                     core::ContextMode mode = core::ContextMode::resident, int num_ctas = 0, BackwardRanks ranks = {},
+                     DeviceAllocator* allocator = nullptr);
   // The workspace's plan (max_tokens).
   const core::MegakernelBackwardPlan& plan() const { return plan_; }
   bool replay() const { return plan_.mode == core::ContextMode::replay; }

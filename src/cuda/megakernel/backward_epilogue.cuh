@@ -134,8 +134,8 @@ __device__ inline void store_rows(const Accumulator& acc, int first, __nv_bfloat
 // One element of the epilogue; returns dH * bf16(h), the element's term of the partial. Both
 // directions of the activation share one sigmoid.
 // Multiplications and additions are rounded separately (no FMA contraction), as on the CPU.
-__device__ inline float dgd_element(float dh, float g, float u, float w, const core::ActParams& act, float& dg, float& du,
-                                    float& hs) {
+__device__ inline float dgd_element(float dh, float g, float u, float w, const core::ActParams& act, float& dg,
+                                    float& du, float& hs) {
   const float s = core::swiglu_sigmoid<float>(g, act.clamped, act.limit);
   const float h =
       __bfloat162float(__float2bfloat16_rn(core::swiglu_forward_given<float>(g, u, s, act.clamped, act.limit)));
@@ -220,9 +220,8 @@ __device__ __forceinline__ void store_dgd_tile(const Accumulator& acc, const Dgd
     row_of[half] = r;
     if (r < t.valid_rows) w[half] = t.weight[t.row0 + r];
   });
-  [&]<int... Batch>(std::integer_sequence<int, Batch...>) {
-    (dgd_batch<Batch * kDgdBatch>(acc, t, w, partial), ...);
-  }(std::make_integer_sequence<int, kAccumulatorSize / kDgdBatch>{});
+  [&]<int... Batch>(std::integer_sequence<int, Batch...>) { (dgd_batch<Batch * kDgdBatch>(acc, t, w, partial), ...); }
+  (std::make_integer_sequence<int, kAccumulatorSize / kDgdBatch>{});
   CUTE_UNROLL
   for (int half = 0; half < 2; ++half) {
     float p = partial[half];
@@ -250,8 +249,9 @@ __device__ inline uint32_t transpose_block(uint32_t pair) {
 // [cols, rows] matrix (rows = H, a multiple of 8; cols = I), as bf16. Each 8 x 8 block is
 // transposed in registers; the two blocks of a thread's rows r and r + 8 then make runs along
 // H: a quad writes 32 bytes of a destination row.
-__device__ __forceinline__ void store_transposed_halves(const Accumulator& acc, __nv_bfloat16* left, __nv_bfloat16* right,
-                                               int64_t row0, int64_t col0, int64_t rows, int64_t cols) {
+__device__ __forceinline__ void store_transposed_halves(const Accumulator& acc, __nv_bfloat16* left,
+                                                        __nv_bfloat16* right, int64_t row0, int64_t col0, int64_t rows,
+                                                        int64_t cols) {
   constexpr int half = kAccumulatorSize / 2;
   TiledMma mma;
   ThrMMA thr = mma.get_thread_slice(consumer_thread());
@@ -261,7 +261,7 @@ __device__ __forceinline__ void store_transposed_halves(const Accumulator& acc, 
   for (int i = 0; i < half; i += 4) {
     // Elements i, i + 1 (row r) and i + 2, i + 3 (row r + 8) of one 8-column block.
     const auto [r, c] = coords(i);
-    const int64_t row = row0 + int(r) - lane_row + run_column();  // the run's first H index
+    const int64_t row = row0 + int(r) - lane_row + run_column();     // the run's first H index
     const int64_t col = col0 + int(c) - 2 * quad_lane() + lane_row;  // the destination row (I)
     const bool inside = row < rows && col < cols;
     CUTE_UNROLL

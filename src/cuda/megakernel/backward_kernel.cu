@@ -66,8 +66,8 @@ __device__ inline bool wait_task(const MegakernelBackwardLaunch& p, const Megake
     s.target = need.target;
     s.observed = seen;
     report(control, s, [&] {
-      p.control->wait = {task.kind, need.kind, task.step, task.row_tile, task.col_tile, task.segment,
-                         need.at, need.target, seen};
+      p.control->wait = {task.kind,    need.kind, task.step,   task.row_tile, task.col_tile,
+                         task.segment, need.at,   need.target, seen};
     });
   }
   return outcome == WaitOutcome::reached;
@@ -192,9 +192,9 @@ struct BackwardJob {
   DgdTile dgd;
   // rows, weight_down: out0; weight_pair: dW_gate, dW_up; gate_up: g, u
   bf16 *out0 = nullptr, *out1 = nullptr;
-  TileOut o{};                            // weight_pair: row0 = H row, col0 = I column, width = I, rows H
-  const float* carry_in = nullptr;        // start from this carry (continue_acc)
-  float* carry_out = nullptr;             // leave the accumulator here instead of storing
+  TileOut o{};                      // weight_pair: row0 = H row, col0 = I column, width = I, rows H
+  const float* carry_in = nullptr;  // start from this carry (continue_acc)
+  float* carry_out = nullptr;       // leave the accumulator here instead of storing
   TileOut carry_o{};
 };
 
@@ -279,10 +279,10 @@ __device__ inline void make_job(BackwardJob& j, const MegakernelBackwardLaunch& 
       j.products = 1;
       j.k_mn[0] = tile_loads(ops.d_out_local, int(t.row_tile), ops.ws_down, nullptr, col, 0);
       j.store = JobStore::dgd;
-      j.dgd = dgd_tile(replay ? p.recomputed_shared_gate : p.io.shared_gate,
-                       replay ? p.recomputed_shared_up : p.io.shared_up, p.ones, p.shared_dg, p.shared_du,
-                       p.shared_hs, p.shared_partials, t.row_tile * tm, T - t.row_tile * tm, col, Is,
-                       plan.shared_dgd_col_tiles, p.act);
+      j.dgd =
+          dgd_tile(replay ? p.recomputed_shared_gate : p.io.shared_gate,
+                   replay ? p.recomputed_shared_up : p.io.shared_up, p.ones, p.shared_dg, p.shared_du, p.shared_hs,
+                   p.shared_partials, t.row_tile * tm, T - t.row_tile * tm, col, Is, plan.shared_dgd_col_tiles, p.act);
       break;
     case BackwardTaskKind::shared_dx:
       j.products = 2;
@@ -293,10 +293,10 @@ __device__ inline void make_job(BackwardJob& j, const MegakernelBackwardLaunch& 
       j.o = {t.row_tile * tm, T - t.row_tile * tm, int64_t(col) * kTileN, H};
       break;
     case BackwardTaskKind::shared_wgrad:
-      weight_grad_job(j, p, {&ops.x_local_t, &ops.shared_dg_t, &ops.shared_du_t, &ops.d_out_local_t, &ops.shared_hs_t,
-                             p.io.d_ws_gate, p.io.d_ws_up, p.io.d_ws_down, Is},
-                      t.col_tile, plan.shared_wgrad_gate_up_tiles, 0, int(core::ceil_div(T, kTileK)), nullptr,
-                      nullptr);
+      weight_grad_job(j, p,
+                      {&ops.x_local_t, &ops.shared_dg_t, &ops.shared_du_t, &ops.d_out_local_t, &ops.shared_hs_t,
+                       p.io.d_ws_gate, p.io.d_ws_up, p.io.d_ws_down, Is},
+                      t.col_tile, plan.shared_wgrad_gate_up_tiles, 0, int(core::ceil_div(T, kTileK)), nullptr, nullptr);
       break;
     case BackwardTaskKind::gate_up:
     case BackwardTaskKind::dgd:
@@ -341,8 +341,9 @@ __device__ inline void make_job(BackwardJob& j, const MegakernelBackwardLaunch& 
       const int64_t carry = backward_carry_floats(H, I);
       if (g.carry_in) carry_in = p.carries + (core::macrobatch_of_tile(plan, g.first_tile) - 1) * carry;
       if (g.carry_out) carry_out = p.carries + core::macrobatch_of_tile(plan, g.last_tile) * carry;
-      weight_grad_job(j, p, {&ops.ring_x_t, &ops.ring_dg_t, &ops.ring_du_t, &ops.ring_d_out_t, &ops.ring_hs_t,
-                             p.io.d_w_gate + e * I * H, p.io.d_w_up + e * I * H, p.io.d_w_down + e * H * I, I},
+      weight_grad_job(j, p,
+                      {&ops.ring_x_t, &ops.ring_dg_t, &ops.ring_du_t, &ops.ring_d_out_t, &ops.ring_hs_t,
+                       p.io.d_w_gate + e * I * H, p.io.d_w_up + e * I * H, p.io.d_w_down + e * H * I, I},
                       t.col_tile, plan.wgrad_gate_up_tiles, int(core::ring_row(plan, first) / kTileK),
                       int((g.last_tile - g.first_tile + 1) * tm / kTileK), carry_in, carry_out);
       break;
@@ -381,7 +382,8 @@ __device__ inline void schedule_backward(BackwardSmem& sm, const MegakernelBackw
                                          const SegmentTable& segments, const PipelineWatch& watch) {
   const uint64_t task_count = core::compute_task_count(plan, segments);
   schedule_jobs(sm.queue, &p.control->base.compute_ticket, watch, [&](uint64_t ticket, BackwardJob& job) {
-    const BackwardTask task = ticket < task_count ? core::compute_task(plan, segments, int64_t(ticket)) : BackwardTask{};
+    const BackwardTask task =
+        ticket < task_count ? core::compute_task(plan, segments, int64_t(ticket)) : BackwardTask{};
     if (task.kind != BackwardTaskKind::none && wait_task(p, plan, segments, task))
       make_job(job, p, ops, plan, segments, task);
   });
@@ -399,7 +401,8 @@ __device__ inline void load_backward(BackwardSmem& sm, const PipelineWatch& watc
     } else if (job.layout == JobLayout::mn_mn) {
       if (job.products > 0) issuing = load_tile(sm.tile, loads, job.mn_mn, watch, job.site);
     } else {
-      for (int i = 0; i < job.products && issuing; ++i) issuing = load_tile(sm.tile, loads, job.k_mn[i], watch, job.site);
+      for (int i = 0; i < job.products && issuing; ++i)
+        issuing = load_tile(sm.tile, loads, job.k_mn[i], watch, job.site);
       if (job.store == JobStore::dgd) prefetch_dgd_inputs(job.dgd);
     }
   });
@@ -469,8 +472,9 @@ __device__ __forceinline__ void compute_backward(BackwardSmem& sm, const Megaker
 
 // Inlined into the kernel: a call between the wgmma instructions and their waits makes ptxas
 // serialize every wgmma.
-__device__ __forceinline__ void run_compute_cta(BackwardSmem& sm, const MegakernelBackwardLaunch& p, const BackwardOperands& ops,
-                                       const MegakernelBackwardPlan& plan, const SegmentTable& segments) {
+__device__ __forceinline__ void run_compute_cta(BackwardSmem& sm, const MegakernelBackwardLaunch& p,
+                                                const BackwardOperands& ops, const MegakernelBackwardPlan& plan,
+                                                const SegmentTable& segments) {
   init_backward_smem(sm);
   const PipelineWatch watch = make_watch(&p.control->base, p.timeout_ns);
   const int warp = int(threadIdx.x / 32);

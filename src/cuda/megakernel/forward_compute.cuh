@@ -67,9 +67,9 @@ inline Output make_output(void* base, int64_t rows, int64_t width) {
 // Descriptors of every operand the compute tiles read and every output they write (kernel
 // parameters, __grid_constant__).
 struct Operands {
-  Operand x_local, ring_x, ring_hidden, shared_hidden;  // activations: [rows, K]
-  Operand w_gate, w_up, w_down, ws_gate, ws_up, ws_down;  // weights: [E or 1, N, K]
-  Output ring_gate, ring_up, ring_hidden_out, ring_y;     // [ring rows, I] x 3, [ring rows, H]
+  Operand x_local, ring_x, ring_hidden, shared_hidden;           // activations: [rows, K]
+  Operand w_gate, w_up, w_down, ws_gate, ws_up, ws_down;         // weights: [E or 1, N, K]
+  Output ring_gate, ring_up, ring_hidden_out, ring_y;            // [ring rows, I] x 3, [ring rows, H]
   Output shared_gate, shared_up, shared_hidden_out, shared_out;  // [tokens, Is] x 3, [tokens, H]
 };
 
@@ -139,7 +139,8 @@ __device__ inline int expert_of_row(const int32_t* offsets, int64_t experts, int
   int lo = 0, hi = int(experts) - 1;
   while (lo < hi) {
     const int mid = (lo + hi + 1) / 2;
-    if (offsets[mid] <= row) lo = mid; else hi = mid - 1;
+    if (offsets[mid] <= row) lo = mid;
+    else hi = mid - 1;
   }
   return lo;
 }
@@ -152,8 +153,7 @@ __device__ inline int expert_of_row(const int32_t* offsets, int64_t experts, int
 // same shapes with MN-major operands.
 template <Major MA, Major MB>
 __device__ inline TileLoadsOf<MA, MB> tile_loads(const OperandOf<MA>& a, int row_tile, const OperandOf<MB>& b0,
-                                                 const std::type_identity_t<OperandOf<MB>>* b1, int col,
-                                                 int batch) {
+                                                 const std::type_identity_t<OperandOf<MB>>* b1, int col, int batch) {
   TileLoadsOf<MA, MB> l;
   l.a = {&a, row_tile, 0};
   if (b1) {
@@ -293,12 +293,14 @@ __device__ inline void write_job(EpilogueSync& epi, Element (&buffers)[kEpilogue
         hand_off([&](Element* box) { write_box<Half>(box, up_value); }),
         hand_off([&](Element* box) { write_box<Half>(box, hidden); })),
        ...);
-    }(std::make_integer_sequence<int, kHalfN / kTileK>{});
+    }
+    (std::make_integer_sequence<int, kHalfN / kTileK>{});
   } else {
     auto y = [&](int i) { return make_float2(acc(i), acc(i + 1)); };
     [&]<int... Box>(std::integer_sequence<int, Box...>) {
       (hand_off([&](Element* box) { write_box<Box>(box, y); }), ...);
-    }(std::make_integer_sequence<int, kTileN / kTileK>{});
+    }
+    (std::make_integer_sequence<int, kTileN / kTileK>{});
   }
 }
 

@@ -25,8 +25,8 @@ __global__ void __launch_bounds__(mk::kThreads, 1) megakernel(const __grid_const
   extern __shared__ char smem_raw[];
   if (cta < p.num_comm_ctas) {
     auto& table = *reinterpret_cast<mk::RowTable*>(smem_raw);
-    mk::task_loop(p, plan, cta, &p.control->comm_ticket, core::comm_task_count(plan), p.timeline_comm,
-                  core::comm_task, [&](const core::Task& t) { mk::run_comm_task(p, plan, t, table); });
+    mk::task_loop(p, plan, cta, &p.control->comm_ticket, core::comm_task_count(plan), p.timeline_comm, core::comm_task,
+                  [&](const core::Task& t) { mk::run_comm_task(p, plan, t, table); });
     return;
   }
   // The swizzled operand tiles need 1024-byte alignment.

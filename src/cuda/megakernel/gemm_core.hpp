@@ -19,10 +19,10 @@ namespace moka::cuda {
 // Expert-grouped rows (each expert's segment padded to 128 rows, as build_schedule lays them
 // out) and where the core writes; every buffer holds MegakernelCore::rows() rows.
 struct GroupedExpertRows {
-  const bf16* x = nullptr;        // [rows, H] grouped input
-  const int32_t* offsets = nullptr;  // [E + 1] padded segment starts
+  const bf16* x = nullptr;                                 // [rows, H] grouped input
+  const int32_t* offsets = nullptr;                        // [E + 1] padded segment starts
   bf16 *gate = nullptr, *up = nullptr, *hidden = nullptr;  // [rows, I] each
-  bf16* y = nullptr;              // [rows, H]
+  bf16* y = nullptr;                                       // [rows, H]
 };
 
 class MegakernelCore {

@@ -133,8 +133,7 @@ struct MergedStatus {
 void publish_status(const MegakernelControl* control, core::MegakernelStatus* own_slot, cudaStream_t stream);
 // After the closing barrier: the lowest failing rank's status of all slots, into `merged`
 // (mapped host memory).
-void merge_status(core::MegakernelStatus* const* peer_slots, int world_size, MergedStatus* merged,
-                  cudaStream_t stream);
+void merge_status(core::MegakernelStatus* const* peer_slots, int world_size, MergedStatus* merged, cudaStream_t stream);
 
 // The outputs of one call (device buffers of bf16 or fp32 values) that fill_nan_on_failure fills
 // with NaN when the call failed.

@@ -41,9 +41,13 @@ class SymmetricBuffers {
     table_.upload(&local, 1);
   }
   template <typename T>
-  T* local() const { return static_cast<T*>(buffer_ ? buffer_->local : static_cast<void*>(local_.data())); }
+  T* local() const {
+    return static_cast<T*>(buffer_ ? buffer_->local : static_cast<void*>(local_.data()));
+  }
   template <typename T>
-  T* const* peers() const { return reinterpret_cast<T* const*>(buffer_ ? buffer_->peers_device : table_.data()); }
+  T* const* peers() const {
+    return reinterpret_cast<T* const*>(buffer_ ? buffer_->peers_device : table_.data());
+  }
 
  private:
   const SymmetricBuffer* buffer_ = nullptr;
@@ -87,10 +91,10 @@ class CudaMegakernelForward final : public MegakernelExtension {
         barrier_error_(group ? static_cast<const uint64_t*>(group->device_barrier_error()) : nullptr),
         x_(group, max_tokens * shape.hidden * sizeof(bf16)),
         routing_(group, world_ * routing_region_ints(max_tokens, shape.top_k) * sizeof(int32_t)),
-        combine_(group ? std::make_unique<SymmetricBuffers>(group, max_tokens * shape.top_k * shape.hidden * sizeof(bf16))
-                       : nullptr),
-        status_(group, sizeof(core::MegakernelStatus)),
-        ids_(world_ * max_tokens * shape.top_k),
+        combine_(group
+                     ? std::make_unique<SymmetricBuffers>(group, max_tokens * shape.top_k * shape.hidden * sizeof(bf16))
+                     : nullptr),
+        status_(group, sizeof(core::MegakernelStatus)), ids_(world_ * max_tokens * shape.top_k),
         chunk_counts_(schedule_chunks(world_ * max_tokens * shape.top_k) * experts_ * world_),
         source_counts_(experts_ * world_), row_of_slot_(world_ * max_tokens * shape.top_k),
         counters_(core::counter_count(worst_)), control_(1), routing_error_(kNoRoutingError) {
@@ -123,9 +127,19 @@ class CudaMegakernelForward final : public MegakernelExtension {
     barrier(s);
     clock.mark("inputs", s);
 
-    const ScheduleCheck check{routing_.local<int32_t>(), world_, T, k, max_tokens_, shape_.num_experts, experts_,
-                              plan.capacity_rows, saved.offsets.data(), row_of_slot_.data(),
-                              saved.slot_of_row.data(), control_.data(), barrier_error_};
+    const ScheduleCheck check{routing_.local<int32_t>(),
+                              world_,
+                              T,
+                              k,
+                              max_tokens_,
+                              shape_.num_experts,
+                              experts_,
+                              plan.capacity_rows,
+                              saved.offsets.data(),
+                              row_of_slot_.data(),
+                              saved.slot_of_row.data(),
+                              control_.data(),
+                              barrier_error_};
     gather_source_ids(check, ids_.data(), s);
     build_schedule(device_schedule(T, saved), ids_.data(), world_ == 1 ? in.topk_weights.as<float>() : nullptr, s);
     finish_schedule(check, s);
@@ -141,8 +155,8 @@ class CudaMegakernelForward final : public MegakernelExtension {
                                       cudaMemcpyDeviceToDevice, s));
     publish_status(control_.data(), status_.local<core::MegakernelStatus>(), s);
     barrier(s);
-    combine_tokens(scratch.combine, in.topk_weights.as<float>(), shape_.has_shared() ? scratch.shared_out.data() : nullptr,
-                   out.as<bf16>(), nullptr, T, k, H, s);
+    combine_tokens(scratch.combine, in.topk_weights.as<float>(),
+                   shape_.has_shared() ? scratch.shared_out.data() : nullptr, out.as<bf16>(), nullptr, T, k, H, s);
     clock.mark("combine", s);
     merge_status(status_.peers<core::MegakernelStatus>(), world_, merged_.device(), s);
     CallOutputs outputs;
@@ -347,8 +361,8 @@ class CudaMegakernelForward final : public MegakernelExtension {
     std::vector<TimelineRecord> host(count);
     MOKA_CUDA_CHECK(cudaMemcpy(host.data(), records.data(), count * sizeof(TimelineRecord), cudaMemcpyDeviceToHost));
     for (const TimelineRecord& r : host)
-      spans.push_back({r.start_ns, r.end_ns, r.cta, core::to_string(static_cast<core::TaskKind>(r.kind)), r.step,
-                       r.row_tile});
+      spans.push_back(
+          {r.start_ns, r.end_ns, r.cta, core::to_string(static_cast<core::TaskKind>(r.kind)), r.step, r.row_tile});
   }
 
   const MoeShape shape_;
@@ -365,13 +379,13 @@ class CudaMegakernelForward final : public MegakernelExtension {
   std::unique_ptr<SymmetricBuffers> combine_;  // EP > 1 (the pushes' targets); EP = 1: each call's
   SymmetricBuffers status_;
   DeviceArray<int32_t> ids_, chunk_counts_, source_counts_, row_of_slot_;
-  DeviceArray<int32_t> last_rows_{1};  // the last forward's grouped rows, while a timeline is recorded
+  DeviceArray<int32_t> last_rows_{1};        // the last forward's grouped rows, while a timeline is recorded
   DeviceArray<void*> own_combine_table_{1};  // EP = 1: the call's combine slots as a one-entry peer table
   DeviceArray<int64_t> counters_;
   DeviceArray<MegakernelControl> control_;
   PinnedWord<MergedStatus> merged_;
   PinnedWord<unsigned long long> routing_error_;
-  DeviceArray<int> failed_{1};  // fill_nan_on_failure's flag
+  DeviceArray<int> failed_{1};                                    // fill_nan_on_failure's flag
   DeviceArray<TimelineRecord> timeline_compute_, timeline_comm_;  // empty until a timeline is asked for
   bool timeline_on_ = false, pending_ = false;
   core::MegakernelPlan last_plan_;  // the last forward's worst-case plan (trimmed by its row count)
@@ -419,9 +433,8 @@ class MegakernelMoeLayer final : public MoeLayer {
   MegakernelMoeLayer(const MoeShape& shape, DeviceGroup* group, std::unique_ptr<DeviceGroup> owned,
                      const LayerOptions& options)
       : owned_group_(std::move(owned)), shape_(shape), world_(group ? group->size() : 1),
-        rank_(group ? group->rank() : 0),
-        kernel_(shape, group, config_of(options), options.max_tokens, options.save,
-                options.allocator ? *options.allocator : default_device_allocator()) {
+        rank_(group ? group->rank() : 0), kernel_(shape, group, config_of(options), options.max_tokens, options.save,
+                                                  options.allocator ? *options.allocator : default_device_allocator()) {
     const auto mode = kernel_.backward_is_resident() ? core::ContextMode::resident : core::ContextMode::replay;
     const MegakernelConfig config = config_of(options);
     if (world_ == 1) {
@@ -587,8 +600,8 @@ class MegakernelMoeLayer final : public MoeLayer {
       MOKA_CUDA_CHECK(cudaMemcpyAsync(g.d_topk_weights.data, symmetric_->d_topk_weights.local<float>(),
                                       T * sh.top_k * sizeof(float), cudaMemcpyDeviceToDevice, s));
     CallOutputs outputs;
-    for (const TensorView* v : {&g.d_x, &g.d_topk_weights, &g.d_w_gate, &g.d_w_up, &g.d_w_down, &g.d_ws_gate,
-                                &g.d_ws_up, &g.d_ws_down})
+    for (const TensorView* v :
+         {&g.d_x, &g.d_topk_weights, &g.d_w_gate, &g.d_w_up, &g.d_w_down, &g.d_ws_gate, &g.d_ws_up, &g.d_ws_down})
       outputs.add(v->data, v->bytes());
     fill_nan_on_failure(backward_->failure_code(), nullptr, backward_failed_.data(), outputs, s);
     clock_.mark("status", s);
@@ -598,8 +611,8 @@ class MegakernelMoeLayer final : public MoeLayer {
   const MoeShape shape_;
   const int world_, rank_;
   CudaMegakernelForward kernel_;
-  StageClock clock_;  // record_stage_times
-  DeviceArray<int> backward_failed_{1};  // fill_nan_on_failure's flag
+  StageClock clock_;                              // record_stage_times
+  DeviceArray<int> backward_failed_{1};           // fill_nan_on_failure's flag
   std::unique_ptr<BackwardSymmetric> symmetric_;  // EP > 1
   std::unique_ptr<MegakernelBackward> backward_;
   DeviceArray<void*> peer_tables_;  // EP = 1: d_out, route weights, d_x slots, d_topk_weights, x
@@ -617,8 +630,7 @@ core::MegakernelPlan supported_plan(const MoeShape& s, const MegakernelConfig& c
   require(c.tile_rows == 128 && c.tile_n == 128 && c.down_tile_n == 256, ErrorCode::unsupported_size,
           "the GPU megakernel's GEMM tiles are 128 x (128 gate + 128 up) and 128 x 256 (down): tile_rows and "
           "megakernel.tile_n must be 128, megakernel.down_tile_n 256");
-  require(s.hidden % 8 == 0 && s.intermediate % 8 == 0 && s.shared_intermediate % 8 == 0,
-          ErrorCode::unsupported_size,
+  require(s.hidden % 8 == 0 && s.intermediate % 8 == 0 && s.shared_intermediate % 8 == 0, ErrorCode::unsupported_size,
           "the megakernel needs hidden, intermediate and shared sizes that are multiples of 8 (16-byte rows)");
   require(world <= kMaxScheduleSources, ErrorCode::unsupported_size,
           "the megakernel takes at most " + std::to_string(kMaxScheduleSources) + " ranks");

@@ -117,7 +117,8 @@ __device__ inline bool wait_for(const MegakernelLaunch& p, const core::Megakerne
 }
 
 // One thread, after the barrier that ends the task for every thread that stored its outputs.
-__device__ inline void release_done(const MegakernelLaunch& p, const core::MegakernelPlan& plan, const core::Task& task) {
+__device__ inline void release_done(const MegakernelLaunch& p, const core::MegakernelPlan& plan,
+                                    const core::Task& task) {
   const core::CounterRef done = core::task_release(plan, task);
   if (done.kind != core::CounterKind::none) release_add(p.counters + core::counter_index(plan, done));
 }
@@ -133,8 +134,8 @@ __device__ inline void record(TimelineRecord* timeline, uint64_t ticket, uint64_
 // that still release, so counter targets never depend on the routing. `cta`: arrival index.
 template <class Decode, class Run>
 __device__ void task_loop(const MegakernelLaunch& p, const core::MegakernelPlan& plan, int cta,
-                          unsigned long long* ticket_word,
-                          uint64_t task_count, TimelineRecord* timeline, Decode decode, Run run) {
+                          unsigned long long* ticket_word, uint64_t task_count, TimelineRecord* timeline, Decode decode,
+                          Run run) {
   __shared__ core::Task shared_task;
   __shared__ uint64_t shared_ticket;
   __shared__ bool proceed;

@@ -118,9 +118,11 @@ using TiledMma = TiledMmaOf<Major::K, Major::K>;
 template <Major M>
 inline auto operand_tensor(const Element* base, int rows, int k, int batch) {
   if constexpr (M == Major::K) {
-    return make_tensor(make_gmem_ptr(base), make_shape(rows, k, batch), make_stride(int64_t(k), _1{}, int64_t(rows) * k));
+    return make_tensor(make_gmem_ptr(base), make_shape(rows, k, batch),
+                       make_stride(int64_t(k), _1{}, int64_t(rows) * k));
   } else {
-    return make_tensor(make_gmem_ptr(base), make_shape(rows, k, batch), make_stride(_1{}, int64_t(rows), int64_t(rows) * k));
+    return make_tensor(make_gmem_ptr(base), make_shape(rows, k, batch),
+                       make_stride(_1{}, int64_t(rows), int64_t(rows) * k));
   }
 }
 template <Major M>
@@ -179,7 +181,7 @@ using EmptyBarrier = cutlass::arch::ClusterBarrier;
 // Accumulator fragment of one consumer thread for a 128 x 256 tile (every majorness's).
 using Accumulator = decltype(partition_fragment_C(TiledMma{}, Shape<Int<kTileM>, Int<kTileN>>{}));
 static_assert(std::is_same_v<Accumulator, decltype(partition_fragment_C(TiledMmaOf<Major::MN, Major::MN>{},
-                                                                         Shape<Int<kTileM>, Int<kTileN>>{}))>,
+                                                                        Shape<Int<kTileM>, Int<kTileN>>{}))>,
               "the epilogues assume one accumulator layout for every majorness");
 inline constexpr int kAccumulatorSize = decltype(size(std::declval<Accumulator>()))::value;
 
@@ -315,9 +317,8 @@ __device__ inline bool load_tile(TileSmem& sm, uint32_t& loads, const TileLoadsO
                                  const PipelineWatch& watch, const TaskSite& site) {
   for (int kb = l.kblock0; kb < l.kblock0 + l.kblocks; ++kb, ++loads) {
     const int stage = int(loads % kStages);
-    if (loads >= uint32_t(kStages) &&
-        !wait_phase(&sm.empty[stage], ((loads / kStages) - 1) & 1u, watch, watch.stage_bound_ns,
-                    core::PipelineWait::stage_free, site))
+    if (loads >= uint32_t(kStages) && !wait_phase(&sm.empty[stage], ((loads / kStages) - 1) & 1u, watch,
+                                                  watch.stage_bound_ns, core::PipelineWait::stage_free, site))
       return false;
     FullBarrier::arrive_and_expect_tx(&sm.full[stage], kStageBytes);
     issue_tma(l.a, sm.a + stage * kBoxElements, sm.full[stage], kb);

@@ -36,10 +36,9 @@ const bf16* CudaEngine::Impl::matmul_operand(const float* x, int64_t n, int buff
 void CudaEngine::Impl::linear(const float* x, const DeviceParam& w, float* y) {
   const int64_t out = w.rule.spec.shape[0], in = w.rule.spec.shape[1];
   if (config.bf16_matmuls)
-    gemm(CUBLAS_OP_T, CUBLAS_OP_N, out, N, in, w.fwd(), w.shadow.data(), in, matmul_operand(x, N * in, 0), in, 0.0f,
-         y, out, true);
-  else
-    gemm(CUBLAS_OP_T, CUBLAS_OP_N, out, N, in, w.fwd(), w.value.data(), in, x, in, 0.0f, y, out);
+    gemm(CUBLAS_OP_T, CUBLAS_OP_N, out, N, in, w.fwd(), w.shadow.data(), in, matmul_operand(x, N * in, 0), in, 0.0f, y,
+         out, true);
+  else gemm(CUBLAS_OP_T, CUBLAS_OP_N, out, N, in, w.fwd(), w.value.data(), in, x, in, 0.0f, y, out);
 }
 
 // dx = fwd * dy W (added to dx when `accumulate`); dW = fwd * dy^T x (overwritten).
@@ -67,8 +66,8 @@ void CudaEngine::Impl::attention_forward(Layer& L) {
     linear(x, *L.attn[2], L.v.data());
   }
   if (fused_attention)
-    cuda::flash_attention_forward(L.q.data(), L.k.data(), L.v.data(), config.batch, config.seq, c.num_heads,
-                                  c.head_dim, L.lse.data(), L.context.data(), stream);
+    cuda::flash_attention_forward(L.q.data(), L.k.data(), L.v.data(), config.batch, config.seq, c.num_heads, c.head_dim,
+                                  L.lse.data(), L.context.data(), stream);
   else
     cuda::attention_forward(L.q.data(), L.k.data(), L.v.data(), config.batch, config.seq, c.num_heads, c.head_dim,
                             L.probs.data(), L.context.data(), stream);
@@ -82,9 +81,9 @@ void CudaEngine::Impl::attention_backward(Layer& L) {
   mark(Stage::attention_backward);
   linear_backward(L.context.data(), *L.attn_out, d_res.data(), d_context.data(), false);
   if (fused_attention)
-    cuda::flash_attention_backward(L.q.data(), L.k.data(), L.v.data(), L.context.data(), L.lse.data(),
-                                   d_context.data(), config.batch, config.seq, c.num_heads, c.head_dim,
-                                   row_dot.data(), dq.data(), dk.data(), dv.data(), stream);
+    cuda::flash_attention_backward(L.q.data(), L.k.data(), L.v.data(), L.context.data(), L.lse.data(), d_context.data(),
+                                   config.batch, config.seq, c.num_heads, c.head_dim, row_dot.data(), dq.data(),
+                                   dk.data(), dv.data(), stream);
   else
     cuda::attention_backward(L.q.data(), L.k.data(), L.v.data(), L.probs.data(), d_context.data(), config.batch,
                              config.seq, c.num_heads, c.head_dim, d_scores.data(), dq.data(), dk.data(), dv.data(),

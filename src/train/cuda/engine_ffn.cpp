@@ -21,7 +21,7 @@ std::array<TensorView, 6> CudaEngine::Impl::ffn_views(const Layer& L, bool grads
   auto view = [&](const DeviceParam* p, std::initializer_list<int64_t> dims) {
     return p ? dev_view(grads ? p->grad16.data() : p->shadow.data(), DType::bf16, dims) : TensorView();
   };
-  return {view(L.gate, {E, I, H}),          view(L.up, {E, I, H}),          view(L.down, {E, H, I}),
+  return {view(L.gate, {E, I, H}),      view(L.up, {E, I, H}),      view(L.down, {E, H, I}),
           view(L.shared_gate, {Is, H}), view(L.shared_up, {Is, H}), view(L.shared_down, {H, Is})};
 }
 
@@ -64,8 +64,14 @@ void CudaEngine::Impl::ffn_backward(Layer& L) {
   mark(Stage::moe_backward);
   const int64_t H = c.d_model, k = L.top_k, E = L.experts;
   const auto d = ffn_views(L, true);
-  const MoeGradients g{dev_view(dx16.data(), DType::bf16, {N, H}), dev_view(d_topk_weights.data(), DType::f32, {N, k}),
-                       d[0], d[1], d[2], d[3], d[4], d[5]};
+  const MoeGradients g{dev_view(dx16.data(), DType::bf16, {N, H}),
+                       dev_view(d_topk_weights.data(), DType::f32, {N, k}),
+                       d[0],
+                       d[1],
+                       d[2],
+                       d[3],
+                       d[4],
+                       d[5]};
   L.ffn->consume_backward(std::move(L.ffn_ctx), dev_view(d_out16.data(), DType::bf16, {N, H}), ffn_weights(L), g,
                           Stream{stream});
   // The norm's input gradient: dx (+ the router's dx), summed in fp32 in that order as on the CPU.
@@ -78,8 +84,8 @@ void CudaEngine::Impl::ffn_backward(Layer& L) {
     dy.b16[1] = dx_router16.data();
   }
   mark(Stage::norms_backward);
-  cuda::rmsnorm_backward(L.ffn_in.data(), L.ffn_norm->value.data(), L.ffn_inv_rms.data(), dy, N, H, true,
-                         d_res.data(), nullptr, L.ffn_norm->grad.data(), gain_partials.data(), stream);
+  cuda::rmsnorm_backward(L.ffn_in.data(), L.ffn_norm->value.data(), L.ffn_inv_rms.data(), dy, N, H, true, d_res.data(),
+                         nullptr, L.ffn_norm->grad.data(), gain_partials.data(), stream);
   MOKA_CUDA_CHECK_LAUNCH();
 }
 
@@ -97,8 +103,8 @@ void CudaEngine::Impl::router_bias_step() {
   if (config.bias_update_rate <= 0) return;
   for (auto& L : layers)
     if (L.is_moe)
-      cuda::update_selection_bias(L.counts.data(), L.experts, config.bias_update_rate, L.bias64.data(),
-                                  L.bias.data(), stream);
+      cuda::update_selection_bias(L.counts.data(), L.experts, config.bias_update_rate, L.bias64.data(), L.bias.data(),
+                                  stream);
   MOKA_CUDA_CHECK_LAUNCH();
 }
 

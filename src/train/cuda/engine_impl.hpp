@@ -104,7 +104,7 @@ struct CudaEngine::Impl {
   // The attention backward's scratch: d_scores [B*H, S, S] (reference) or row_dot [B*H, S] (fused).
   DeviceArray<float> d_scores, row_dot;
   DeviceArray<bf16> moe_out, d_out16, dx16, dx_router16;
-  DeviceArray<bf16> matmul16[2];  // with bf16 matmuls: the bf16 activation and gradient operands
+  DeviceArray<bf16> matmul16[2];          // with bf16 matmuls: the bf16 activation and gradient operands
   DeviceArray<double> partials, scalars;  // scalars: [0] cross-entropy, [1] grad sum of squares, [2] stats
   DeviceArray<double> router_losses_dev;  // per MoE layer {aux, z} of the last forward
   DeviceArray<float> gain_partials;       // the norm backward's scratch
@@ -121,7 +121,7 @@ struct CudaEngine::Impl {
   StepProfile profile;
   std::unique_ptr<DeviceStageClock> clock;
   std::vector<DeviceStageClock::Mark> graph_marks;  // the captured step's marks
-  int64_t host_syncs = 0;  // the device waits inside steps so far
+  int64_t host_syncs = 0;                           // the device waits inside steps so far
   // The fused attention kernels, where asked for and they take the head_dim (else the reference).
   bool fused_attention = false;
 

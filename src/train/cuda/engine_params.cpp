@@ -123,8 +123,8 @@ void CudaEngine::Impl::build_layers() {
     L.attn_norm = &at(p + "attn_norm");
     L.ffn_norm = &at(p + "ffn_norm");
     const std::vector<std::string> names = c.attention == AttentionKind::mla
-        ? std::vector<std::string>{"q_down", "q_up", "kv_down", "k_up", "v_up"}
-        : std::vector<std::string>{"q", "k", "v"};
+                                               ? std::vector<std::string>{"q_down", "q_up", "kv_down", "k_up", "v_up"}
+                                               : std::vector<std::string>{"q", "k", "v"};
     for (const auto& n : names) L.attn.push_back(&at(p + "attn." + n));
     L.attn_out = &at(p + "attn.out");
     const std::string f = L.is_moe ? p + "moe." : p + "ffn.";
@@ -142,8 +142,8 @@ void CudaEngine::Impl::build_layers() {
         L.shared_up = &at(f + "shared_up");
         L.shared_down = &at(f + "shared_down");
       }
-      const RouterConfig rc{c.d_model, c.num_experts, c.top_k, ScoreFunction::sigmoid, true, true, 1.0, 0.0,
-                            c.z_loss_coef};
+      const RouterConfig rc{c.d_model, c.num_experts, c.top_k, ScoreFunction::sigmoid, true,
+                            true,      1.0,           0.0,     c.z_loss_coef};
       L.router_op = make_router(rc, Backend::cuda);
       L.moe_index = int(moe_layers++);
       L.bias64 = DeviceArray<double>(c.num_experts);
@@ -166,10 +166,8 @@ void CudaEngine::Impl::build_layers() {
     L.q = DeviceArray<float>(N * W);
     L.k = DeviceArray<float>(N * W);
     L.v = DeviceArray<float>(N * W);
-    if (fused_attention)
-      L.lse = DeviceArray<float>(B * c.num_heads * S);
-    else
-      L.probs = DeviceArray<float>(B * c.num_heads * S * S);
+    if (fused_attention) L.lse = DeviceArray<float>(B * c.num_heads * S);
+    else L.probs = DeviceArray<float>(B * c.num_heads * S * S);
     L.context = DeviceArray<float>(N * W);
     L.ffn_in = DeviceArray<float>(N * c.d_model);
     L.ffn_inv_rms = DeviceArray<float>(N);
@@ -219,10 +217,8 @@ void CudaEngine::Impl::allocate_scratch() {
     d_q_latent = DeviceArray<float>(N * c.q_rank);
     d_kv_latent = DeviceArray<float>(N * c.kv_rank);
   }
-  if (fused_attention)
-    row_dot = DeviceArray<float>(config.batch * c.num_heads * config.seq);
-  else
-    d_scores = DeviceArray<float>(config.batch * c.num_heads * config.seq * config.seq);
+  if (fused_attention) row_dot = DeviceArray<float>(config.batch * c.num_heads * config.seq);
+  else d_scores = DeviceArray<float>(config.batch * c.num_heads * config.seq * config.seq);
   stats_logits = DeviceArray<float>(N * c.num_experts);
   for (auto* a : {&moe_out, &d_out16, &dx16, &dx_router16}) *a = DeviceArray<bf16>(N * d);
   if (config.bf16_matmuls) {

@@ -44,8 +44,7 @@ void CudaEngine::Impl::wait_for_device() {
 // (each token's positions), the pinned staging copy, one asynchronous transfer. The host waits
 // only when the previous transfer out of the staging copy has not run yet.
 void CudaEngine::Impl::stage_inputs(const Batch& b) {
-  require(b.tokens() == N && int64_t(b.inputs.size()) == N && int64_t(b.targets.size()) == N,
-          ErrorCode::shape_mismatch,
+  require(b.tokens() == N && int64_t(b.inputs.size()) == N && int64_t(b.targets.size()) == N, ErrorCode::shape_mismatch,
           "the CUDA engine was sized for " + std::to_string(N) + " tokens per batch, got " +
               std::to_string(b.tokens()));
   const int64_t V = c.vocab;
@@ -94,8 +93,8 @@ void CudaEngine::Impl::forward(ActivationStats* stats) {
     if (stats) stats->attention += mean_abs(branch.data(), false, N * H);
     mark(Stage::norms_forward);
     cuda::residual_rmsnorm_forward(h.data(), {branch.data(), nullptr}, h.data(), L.ffn_in.data(),
-                                   L.ffn_norm->value.data(), N, H, eps, nullptr, L.ffn_x.data(),
-                                   L.ffn_inv_rms.data(), stream);
+                                   L.ffn_norm->value.data(), N, H, eps, nullptr, L.ffn_x.data(), L.ffn_inv_rms.data(),
+                                   stream);
     MOKA_CUDA_CHECK_LAUNCH();
     mark(Stage::moe_forward);
     ffn_forward(L, stats);
@@ -162,7 +161,8 @@ cudaGraph_t CudaEngine::Impl::capture_step() {
     if (captured) cudaGraphDestroy(captured);
     if (clock) clock->set_capture(false);
     throw Error(e.code(), std::string("capturing the training step in a CUDA graph failed (--cuda-graph off runs "
-                                      "it uncaptured): ") + e.what());
+                                      "it uncaptured): ") +
+                              e.what());
   }
   const cudaError_t end = cudaStreamEndCapture(stream, &captured);
   if (clock) clock->set_capture(false);
@@ -194,8 +194,8 @@ void CudaEngine::Impl::read_metrics(StepReport& r) {
 double CudaEngine::Impl::router_losses() const {
   std::vector<double> losses(2 * moe_layers);
   if (moe_layers > 0)
-    MOKA_CUDA_CHECK(cudaMemcpy(losses.data(), router_losses_dev.data(), losses.size() * sizeof(double),
-                               cudaMemcpyDeviceToHost));
+    MOKA_CUDA_CHECK(
+        cudaMemcpy(losses.data(), router_losses_dev.data(), losses.size() * sizeof(double), cudaMemcpyDeviceToHost));
   double total = 0;
   for (int64_t l = 0; l < moe_layers; ++l) total += losses[2 * l] + losses[2 * l + 1];
   return total;

@@ -58,9 +58,7 @@ void expect_within(double error, double tolerance, const std::string& what) {
 // gtest's progress lines and failures, each line prefixed with the rank; replaces its default
 // printer. The last line counts this rank's passed and failed tests.
 class RankPrinter : public testing::EmptyTestEventListener {
-  static std::string name_of(const testing::TestInfo& t) {
-    return std::string(t.test_suite_name()) + "." + t.name();
-  }
+  static std::string name_of(const testing::TestInfo& t) { return std::string(t.test_suite_name()) + "." + t.name(); }
   void OnTestStart(const testing::TestInfo& t) override { print_lines(stdout, "[ RUN      ] " + name_of(t)); }
   void OnTestPartResult(const testing::TestPartResult& r) override {
     if (!r.failed()) return;
@@ -191,7 +189,7 @@ std::vector<cli::LayerBuffers<double>> group_inputs(const MoeShape& s, int world
 // The fp64 CPU reference layer run over the whole group (ranks as threads) on these inputs:
 // forward, and backward too when asked.
 std::vector<cli::LayerBuffers<double>> reference_of(const MoeShape& s, std::vector<cli::LayerBuffers<double>> ranks,
-                                                     bool backward) {
+                                                    bool backward) {
   run_emulated_ranks(static_cast<int>(ranks.size()), [&](ProcessGroup& g) {
     auto layer = make_moe_layer(s, Backend::cpu, &g, LayerOptions{128, 1});
     auto& b = ranks[g.rank()];
@@ -203,7 +201,8 @@ std::vector<cli::LayerBuffers<double>> reference_of(const MoeShape& s, std::vect
 
 // Out and every gradient this rank's GPU case holds, within 2e-2 relative error of its reference.
 void outputs_match(const gpu_test::GpuCase& c, const cli::LayerBuffers<double>& ref, const char* name) {
-  const char* names[] = {"out", "d_x", "d_topk_weights", "d_w_gate", "d_w_up", "d_w_down", "d_ws_gate", "d_ws_up", "d_ws_down"};
+  const char* names[] = {"out",      "d_x",       "d_topk_weights", "d_w_gate", "d_w_up",
+                         "d_w_down", "d_ws_gate", "d_ws_up",        "d_ws_down"};
   const auto got = c.download();
   const auto g_out = got.outputs();
   const auto r_out = ref.outputs();
@@ -315,11 +314,12 @@ void megakernel_matches_reference(ProcessGroup& host, DeviceGroup& g, const MoeS
 
   bool replayed = true;
   c.poison();
-  gpu_test::replay_in_graph([&](Stream s) { mk->forward(c.inputs(), c.weights(), c.out_view(), s); }, 3, [&](int) {
-    mk->check_errors();
-    replayed &= gpu_test::bytes_of(c.out) == bits;
-    c.poison();
-  });
+  gpu_test::replay_in_graph([&](Stream s) { mk->forward(c.inputs(), c.weights(), c.out_view(), s); }, 3,
+                            [&](int) {
+                              mk->check_errors();
+                              replayed &= gpu_test::bytes_of(c.out) == bits;
+                              c.poison();
+                            });
   EXPECT_TRUE(replayed) << name << ": megakernel CUDA-graph replay gives the same bits";
   host.barrier();
 }
@@ -461,15 +461,13 @@ void missing_peer_times_out(DeviceGroup& g) {
     error = e.what();
   }
   // Every other rank stays away; whichever peer's wait expires first is the one named.
-  const bool names_a_peer = error.find("did not arrive") != std::string::npos &&
-                            error.find("rank 0 did not arrive") == std::string::npos;
+  const bool names_a_peer =
+      error.find("did not arrive") != std::string::npos && error.find("rank 0 did not arrive") == std::string::npos;
   EXPECT_TRUE(names_a_peer) << "barrier timeout names a missing rank: " << error;
 }
 
 // 4 experts per rank at any world size, so "everything to rank 0's experts" still has k distinct ones.
-MoeShape shaped() {
-  return MoeShape{256, 128, 4 * int64_t(host_group().size()), 2, 128, Activation::swiglu, 7.0f};
-}
+MoeShape shaped() { return MoeShape{256, 128, 4 * int64_t(host_group().size()), 2, 128, Activation::swiglu, 7.0f}; }
 // One token with k = 8 and the clamped activation.
 MoeShape clamped_k8() {
   return MoeShape{512, 256, 8 * int64_t(host_group().size()), 8, 0, Activation::swiglu_clamped, 7.0f};
@@ -496,9 +494,7 @@ TEST(EpLayer, MatchesReferenceWithARankReceivingNothing) {
 TEST(EpLayer, MatchesReferenceOneTokenK8Clamped) {
   layer_matches_reference(host_group(), clamped_k8(), 1, Skew::uniform, "EP layer, T=1 k=8 clamped");
 }
-TEST(EpLayer, BadRoutingOnOneRankIsReportedEverywhere) {
-  bad_routing_on_one_rank_is_reported_everywhere(host_group());
-}
+TEST(EpLayer, BadRoutingOnOneRankIsReportedEverywhere) { bad_routing_on_one_rank_is_reported_everywhere(host_group()); }
 
 TEST(EpMegakernel, MatchesReferenceUniform) {
   megakernel_matches_reference(host_group(), device_group(), shaped(), 300, Skew::uniform, "megakernel, uniform");

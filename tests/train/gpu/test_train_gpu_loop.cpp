@@ -152,9 +152,8 @@ TEST(TrainGpuLoop, ProfileCountsLaunchesAndTimesStages) {
     for (int i = 0; i < kStageCount; ++i) staged += p.launches[i];
     EXPECT_EQ(staged, p.launches_per_step);
     for (Stage s : {Stage::embedding_forward, Stage::norms_forward, Stage::attention_forward, Stage::moe_forward,
-                    Stage::head_loss_forward, Stage::head_loss_backward, Stage::moe_backward,
-                    Stage::norms_backward, Stage::attention_backward, Stage::embedding_backward,
-                    Stage::optimizer, Stage::router_bias}) {
+                    Stage::head_loss_forward, Stage::head_loss_backward, Stage::moe_backward, Stage::norms_backward,
+                    Stage::attention_backward, Stage::embedding_backward, Stage::optimizer, Stage::router_bias}) {
       EXPECT_GT(p.ms[size_t(s)], 0.0) << stage_name(s);
       EXPECT_GT(p.launches[size_t(s)], 0) << stage_name(s);
     }

@@ -95,7 +95,8 @@ TEST(TrainGpuStages, ResidualRmsNormForwardAndBackward) {
     DeviceFloats gh(x), gdelta(delta), gsaved(rows * d), gg(gain), gdy(dy), gy(rows * d), ginv(rows), gdgain(d);
     DeviceFloats gdx(std::vector<float>(rows * d, 1.0f));  // backward adds into it
     kern::ResidualDelta rd;
-    if (bf16_operands) rd.b16 = gdelta16.data(); else rd.f32 = gdelta.p;
+    if (bf16_operands) rd.b16 = gdelta16.data();
+    else rd.f32 = gdelta.p;
     kern::residual_rmsnorm_forward(gh.p, rd, gh.p, gsaved.p, gg.p, rows, d, 1e-6f, gy.p, nullptr, ginv.p, nullptr);
     kern::NormGrad ng;
     if (bf16_operands) {
@@ -128,8 +129,8 @@ struct AttentionCase {
   size_t n, np;  // elements of q (and each other tensor), of the probabilities
   std::vector<float> q, k, v, dout, probs, out, dq, dk, dv;
   AttentionCase(dense::AttentionDims dims, std::mt19937_64& rng)
-      : a(dims), n(a.tokens() * a.width()), np(a.batch * a.heads * a.seq * a.seq), q(normal(n, rng)),
-        k(normal(n, rng)), v(normal(n, rng)), dout(normal(n, rng)), probs(np), out(n), dq(n), dk(n), dv(n) {
+      : a(dims), n(a.tokens() * a.width()), np(a.batch * a.heads * a.seq * a.seq), q(normal(n, rng)), k(normal(n, rng)),
+        v(normal(n, rng)), dout(normal(n, rng)), probs(np), out(n), dq(n), dk(n), dv(n) {
     dense::causal_attention(q.data(), k.data(), v.data(), a, probs.data(), out.data(), 2);
     dense::causal_attention_backward(q.data(), k.data(), v.data(), probs.data(), dout.data(), a, dq.data(), dk.data(),
                                      dv.data(), 2);
@@ -281,10 +282,17 @@ TEST(TrainGpuStages, MultiTensorAdamWWithClippingAndEmaMatchesTheHostOptimizer) 
   }
   for (size_t i = 0; i < T; ++i) {
     const size_t k = lead[i];
-    slots[i] = {value[i].p + k, m[i].p + k, v[i].p + k, ema_dev[i].p + k,
+    slots[i] = {value[i].p + k,
+                m[i].p + k,
+                v[i].p + k,
+                ema_dev[i].p + k,
                 bf16_grad[i] ? shadow[i].data() + k : nullptr,
-                bf16_grad[i] ? static_cast<const void*>(grad16[i].data() + k) : grad[i].p + k, bf16_grad[i],
-                int64_t(host[i].value.size()), 0, rules[i].lr_multiplier, rules[i].weight_decay_multiplier};
+                bf16_grad[i] ? static_cast<const void*>(grad16[i].data() + k) : grad[i].p + k,
+                bf16_grad[i],
+                int64_t(host[i].value.size()),
+                0,
+                rules[i].lr_multiplier,
+                rules[i].weight_decay_multiplier};
   }
   const int64_t blocks = kern::assign_adamw_blocks(slots.data(), int(T));
   moka::cuda::DeviceArray<kern::TensorSlot> table(T);

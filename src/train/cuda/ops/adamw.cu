@@ -46,7 +46,8 @@ __global__ void adamw_kernel(AdamWHyper a, const StepScalars* step, const double
   int lo = 0, hi = count - 1;
   while (lo < hi) {
     const int mid = (lo + hi + 1) / 2;
-    if (slots[mid].first_block <= int64_t(blockIdx.x)) lo = mid; else hi = mid - 1;
+    if (slots[mid].first_block <= int64_t(blockIdx.x)) lo = mid;
+    else hi = mid - 1;
   }
   const TensorSlot& t = slots[lo];
   const int64_t first = ((int64_t(blockIdx.x) - t.first_block) * blockDim.x + threadIdx.x) * kAdamWPerThread;
@@ -104,8 +105,8 @@ int64_t assign_adamw_blocks(TensorSlot* slots, int count) {
   return blocks;
 }
 
-void adamw_update(const AdamWHyper& a, const StepScalars* step, const double* grad_sum_squares,
-                  const TensorSlot* slots, int count, int64_t blocks, cudaStream_t s) {
+void adamw_update(const AdamWHyper& a, const StepScalars* step, const double* grad_sum_squares, const TensorSlot* slots,
+                  int count, int64_t blocks, cudaStream_t s) {
   adamw_kernel<<<unsigned(blocks), kThreads, 0, s>>>(a, step, grad_sum_squares, slots, count);
 }
 

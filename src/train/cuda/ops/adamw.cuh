@@ -10,8 +10,8 @@ namespace moka::train::cuda {
 // One optimized tensor, as the multi-tensor kernels read it (a device table of these).
 struct TensorSlot {
   float *value = nullptr, *m = nullptr, *v = nullptr;
-  float* ema = nullptr;     // null without EMA
-  bf16* shadow = nullptr;   // the bf16 copy the moka layers read, or null
+  float* ema = nullptr;    // null without EMA
+  bf16* shadow = nullptr;  // the bf16 copy the moka layers read, or null
   const void* grad = nullptr;
   bool grad_bf16 = false;
   int64_t n = 0;
@@ -38,7 +38,7 @@ struct AdamWHyper {
       : weight_decay(a.weight_decay), beta1(float(a.beta1)), beta2(float(a.beta2)), eps(float(a.eps)),
         clip_norm(a.clip_norm), ema_decay(float(ema)) {}
 };
-void adamw_update(const AdamWHyper& a, const StepScalars* step, const double* grad_sum_squares,
-                  const TensorSlot* slots, int count, int64_t blocks, cudaStream_t stream);
+void adamw_update(const AdamWHyper& a, const StepScalars* step, const double* grad_sum_squares, const TensorSlot* slots,
+                  int count, int64_t blocks, cudaStream_t stream);
 
 }  // namespace moka::train::cuda

@@ -139,7 +139,7 @@ void attention_forward(const float* q, const float* k, const float* v, int64_t b
   // K and V, and a row of scores per warp.
   const size_t smem = staging_bytes(attention_forward_kernel, 2 * seq * (head_dim + 1) + kWarps * seq);
   attention_forward_kernel<<<unsigned(batch * heads), kThreads, smem, s>>>({batch, seq, heads, head_dim}, q, k, v,
-                                                                            probs, out, smem > 0);
+                                                                           probs, out, smem > 0);
 }
 
 void attention_backward(const float* q, const float* k, const float* v, const float* probs, const float* d_out,
@@ -147,8 +147,8 @@ void attention_backward(const float* q, const float* k, const float* v, const fl
                         float* dk, float* dv, cudaStream_t s) {
   const size_t smem = staging_bytes(attention_backward_kernel, 2 * seq * (head_dim + 1));  // K and V
   attention_backward_kernel<<<unsigned(batch * heads), kThreads, smem, s>>>({batch, seq, heads, head_dim}, q, k, v,
-                                                                             probs, d_out, d_scores, dq, dk, dv,
-                                                                             smem > 0);
+                                                                            probs, d_out, d_scores, dq, dk, dv,
+                                                                            smem > 0);
 }
 
 }  // namespace moka::train::cuda

@@ -23,8 +23,8 @@ void attention_backward(const float* q, const float* k, const float* v, const fl
 // against and the path for other shapes.
 inline constexpr int64_t kFlashMaxHeadDim = 128;
 bool flash_attention_supports(int64_t head_dim);
-void flash_attention_forward(const float* q, const float* k, const float* v, int64_t batch, int64_t seq,
-                             int64_t heads, int64_t head_dim, float* lse, float* out, cudaStream_t stream);
+void flash_attention_forward(const float* q, const float* k, const float* v, int64_t batch, int64_t seq, int64_t heads,
+                             int64_t head_dim, float* lse, float* out, cudaStream_t stream);
 void flash_attention_backward(const float* q, const float* k, const float* v, const float* out, const float* lse,
                               const float* d_out, int64_t batch, int64_t seq, int64_t heads, int64_t head_dim,
                               float* row_dot, float* dq, float* dk, float* dv, cudaStream_t stream);

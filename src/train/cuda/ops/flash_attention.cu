@@ -27,8 +27,8 @@ namespace {
 constexpr int kFlashTile = 64;
 constexpr int kFlashWarps = kFlashTile / 16;
 constexpr int kFlashThreads = 32 * kFlashWarps;
-constexpr int kFlashPad = 4;                       // floats per shared row (WMMA needs ld % 4 == 0)
-constexpr int kScoreLd = kFlashTile + kFlashPad;   // a warp's 16 x kFlashTile score rows
+constexpr int kFlashPad = 4;                      // floats per shared row (WMMA needs ld % 4 == 0)
+constexpr int kScoreLd = kFlashTile + kFlashPad;  // a warp's 16 x kFlashTile score rows
 constexpr int kWarpScores = 16 * kScoreLd;
 
 namespace wmma = nvcuda::wmma;
@@ -100,10 +100,8 @@ __device__ void load_tile_by(const AttnDims& a, int64_t b, int64_t h, const floa
 
 template <int HD>
 __device__ void load_tile(const AttnDims& a, int64_t b, int64_t h, const float* t, int64_t r0, float* tile) {
-  if (a.hd % 4 == 0 && reinterpret_cast<uintptr_t>(t) % 16 == 0)
-    load_tile_by<HD, 4>(a, b, h, t, r0, tile);
-  else
-    load_tile_by<HD, 1>(a, b, h, t, r0, tile);
+  if (a.hd % 4 == 0 && reinterpret_cast<uintptr_t>(t) % 16 == 0) load_tile_by<HD, 4>(a, b, h, t, r0, tile);
+  else load_tile_by<HD, 1>(a, b, h, t, r0, tile);
 }
 
 // src[bh * seq + q0 + r] for the tile's rows r (0 past seq): lse or row_dot of a query tile.
@@ -121,7 +119,9 @@ __device__ void store_warp_rows(const AttnDims& a, int64_t b, int64_t h, const f
 }
 
 template <int HD>
-constexpr size_t flash_forward_floats() { return 4 * kFlashTile * (HD + kFlashPad) + kFlashWarps * kWarpScores; }
+constexpr size_t flash_forward_floats() {
+  return 4 * kFlashTile * (HD + kFlashPad) + kFlashWarps * kWarpScores;
+}
 
 // The blocks an SM holds by shared memory (228 KB, 1 KB of it reserved per block; at most 4):
 // the kernels' register budget is set to match (__launch_bounds__), so that registers do not
@@ -356,7 +356,7 @@ size_t flash_bytes(Kernel kernel, size_t floats) {
   const size_t bytes = staging_bytes(kernel, int64_t(floats));
   if (bytes == 0)
     throw Error(ErrorCode::unsupported_size, "the fused attention needs " + std::to_string(floats * sizeof(float)) +
-                                            " bytes of shared memory per block, more than this GPU has");
+                                                 " bytes of shared memory per block, more than this GPU has");
   return bytes;
 }
 
@@ -376,14 +376,13 @@ bool flash_attention_supports(int64_t head_dim) {
   return floats * sizeof(float) <= size_t(limit);
 }
 
-void flash_attention_forward(const float* q, const float* k, const float* v, int64_t batch, int64_t seq,
-                             int64_t heads, int64_t head_dim, float* lse, float* out, cudaStream_t s) {
+void flash_attention_forward(const float* q, const float* k, const float* v, int64_t batch, int64_t seq, int64_t heads,
+                             int64_t head_dim, float* lse, float* out, cudaStream_t s) {
   with_padded_head_dim(head_dim, [&](auto hd) {
     constexpr int HD = decltype(hd)::value;
     const auto kernel = flash_forward_kernel<HD>;
     const size_t smem = flash_bytes(kernel, flash_forward_floats<HD>());
-    kernel<<<flash_grid(batch, seq, heads), kFlashThreads, smem, s>>>({batch, seq, heads, head_dim}, q, k, v, lse,
-                                                                      out);
+    kernel<<<flash_grid(batch, seq, heads), kFlashThreads, smem, s>>>({batch, seq, heads, head_dim}, q, k, v, lse, out);
   });
 }
 

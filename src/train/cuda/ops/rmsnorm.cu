@@ -88,16 +88,16 @@ __global__ void rmsnorm_gain_sum(const float* partials, int64_t d, float* d_gain
 
 void residual_rmsnorm_forward(const float* x, ResidualDelta delta, float* sum, float* saved, const float* gain,
                               int64_t rows, int64_t d, float eps, float* y, bf16* yb, float* inv_rms, cudaStream_t s) {
-  residual_rmsnorm_kernel<<<blocks_for(rows, kWarps), kThreads, 0, s>>>(x, delta, sum, saved, gain, rows, d, eps, y,
-                                                                         yb, inv_rms);
+  residual_rmsnorm_kernel<<<blocks_for(rows, kWarps), kThreads, 0, s>>>(x, delta, sum, saved, gain, rows, d, eps, y, yb,
+                                                                        inv_rms);
 }
 
 void rmsnorm_backward(const float* x, const float* gain, const float* inv_rms, NormGrad dy, int64_t rows, int64_t d,
                       bool accumulate, float* dx, bf16* dx16, float* d_gain, float* gain_partials, cudaStream_t s) {
   rmsnorm_backward_rows<<<blocks_for(rows, kWarps), kThreads, 0, s>>>(x, gain, inv_rms, dy, rows, d, accumulate, dx,
-                                                                       dx16);
+                                                                      dx16);
   rmsnorm_gain_partials<<<dim3(blocks_for(d), kNormGainChunks), kThreads, 0, s>>>(x, inv_rms, dy, rows, d,
-                                                                                   gain_partials);
+                                                                                  gain_partials);
   rmsnorm_gain_sum<<<blocks_for(d), kThreads, 0, s>>>(gain_partials, d, d_gain);
 }
 

@@ -27,7 +27,6 @@ struct NormGrad {
 // scratch of kNormGainChunks * d floats.
 inline constexpr int kNormGainChunks = 64;
 void rmsnorm_backward(const float* x, const float* gain, const float* inv_rms, NormGrad dy, int64_t rows, int64_t d,
-                      bool accumulate, float* dx, bf16* dx16, float* d_gain, float* gain_partials,
-                      cudaStream_t stream);
+                      bool accumulate, float* dx, bf16* dx16, float* d_gain, float* gain_partials, cudaStream_t stream);
 
 }  // namespace moka::train::cuda
