@@ -1,6 +1,7 @@
-// moka._moka: the Python extension. Every call into moka's C++ API is in this file.
-// Tensors arrive as DLPack capsules (zero-copy, no torch headers); outputs are allocated by the
-// caller (torch's allocator) and passed in like inputs. A CUDA stream arrives as an integer.
+// moka._moka: the Python extension. Every call into moka's C++ API is in this file (the allocator
+// moka calls back, over Python callables: python_allocator.hpp). Tensors arrive as DLPack
+// capsules (zero-copy, no torch headers); outputs are allocated by the caller (torch's allocator)
+// and passed in like inputs. A CUDA stream arrives as an integer.
 #include <nanobind/nanobind.h>
 #include <nanobind/ndarray.h>
 #include <nanobind/stl/optional.h>
@@ -13,9 +14,11 @@
 
 #include "moka/distributed.hpp"
 #include "moka/moka.hpp"
+#include "python_allocator.hpp"
 
 namespace nb = nanobind;
 using namespace nb::literals;
+using moka_python::PythonAllocator;
 
 namespace {
 
@@ -148,52 +151,6 @@ void layer_backward(moka::MoeLayer& layer, std::unique_ptr<moka::MoeContext>& sa
     layer.backward(*saved, d_out, weights, grads, stream);
   }
 }
-
-// A DeviceAllocator of two Python callables, alloc(nbytes, stream) -> pointer and
-// free(pointer, nbytes, stream) (moka.torch passes torch's caching allocator). moka calls them from
-// layer calls that released the GIL and from destructors, so each call takes the GIL itself.
-class PythonAllocator final : public moka::DeviceAllocator {
- public:
-  PythonAllocator(nb::object alloc, nb::object free) : alloc_(std::move(alloc)), free_(std::move(free)) {
-    for (auto [name, f] : {std::pair{"alloc", alloc_.ptr()}, std::pair{"free", free_.ptr()}})
-      if (!PyCallable_Check(f))
-        throw nb::type_error((std::string("PythonAllocator(): ") + name + " must be callable, got " +
-                              nb::type_name(nb::handle(f).type()).c_str())
-                                 .c_str());
-  }
-
-  // A Python exception becomes a moka::Error naming it, which the layer call raises as moka.Error.
-  void* allocate(size_t bytes, moka::Stream stream) override {
-    nb::gil_scoped_acquire gil;
-    const std::string call = "the allocator's alloc(" + std::to_string(bytes) + " bytes)";
-    try {
-      return reinterpret_cast<void*>(nb::cast<uintptr_t>(alloc_(bytes, reinterpret_cast<uintptr_t>(stream.handle))));
-    } catch (const nb::python_error& e) {
-      throw moka::Error(moka::ErrorCode::cuda,
-                        call + " raised " + nb::type_name(e.type()).c_str() + ": " + nb::str(e.value()).c_str());
-    } catch (const nb::cast_error&) {
-      throw moka::Error(moka::ErrorCode::invalid_argument, call + " returned no device pointer (a non-negative int)");
-    }
-  }
-
-  // Called from destructors: an exception is reported to sys.unraisablehook, not raised. At the
-  // interpreter's exit nothing is called (the process's device memory goes with it).
-  void deallocate(void* pointer, size_t bytes, moka::Stream stream) override {
-    if (!nb::is_alive()) return;
-    nb::gil_scoped_acquire gil;
-    try {
-      free_(reinterpret_cast<uintptr_t>(pointer), bytes, reinterpret_cast<uintptr_t>(stream.handle));
-    } catch (nb::python_error& e) {
-      e.discard_as_unraisable(free_);
-    }
-  }
-
-  const nb::object& alloc() const { return alloc_; }
-  const nb::object& free() const { return free_; }
-
- private:
-  nb::object alloc_, free_;
-};
 
 // LayerOptions as bound: moka's, and the Python object of its allocator, which the options and
 // every layer or router made with them hold (moka's options only point to it).

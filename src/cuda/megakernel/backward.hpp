@@ -132,6 +132,10 @@ void launch_megakernel_backward(const MegakernelBackwardLaunch& launch, cudaStre
 // landed).
 void launch_backward_epilogue(const MegakernelBackwardLaunch& launch, cudaStream_t stream);
 size_t megakernel_backward_smem_bytes();
+// The segment-table kernel alone (backward_edges.cu; launch_megakernel_backward enqueues it), and
+// the loading of it and of the epilogue kernel (load_megakernel_backward_kernels does it).
+void launch_backward_segments(const MegakernelBackwardLaunch& launch, cudaStream_t stream);
+void load_backward_edge_kernels();
 // Loads the kernels launch_megakernel_backward and launch_backward_epilogue enqueue (outside any
 // graph capture). With lazy module loading (CUDA's default) a kernel's first launch loads its
 // module, which can wait for the device: while an earlier barrier on another stream spins on a
