@@ -181,6 +181,19 @@ struct Weights {
   }
 };
 
+// The layer's gradients: d_x, d_topk_weights and the weights' gradients (as Weights).
+moka::MoeGradients gradients_of(const Array& d_x, const Array& d_topk_weights, const Weights& d_weights) {
+  const moka::MoeWeights g = d_weights.view();
+  return {view_of(d_x, "d_x"),
+          view_of(d_topk_weights, "d_topk_weights"),
+          g.w_gate,
+          g.w_up,
+          g.w_down,
+          g.ws_gate,
+          g.ws_up,
+          g.ws_down};
+}
+
 class Layer {
  public:
   friend class Moe;
@@ -203,15 +216,8 @@ class Layer {
   void backward(LayerContext& saved, const Array& d_out, const Weights& w, const Array& d_x,
                 const Array& d_topk_weights, const Weights& grads, uintptr_t stream, bool consume) {
     on_rank_.run([&] {
-      const moka::MoeWeights weights = w.view(), g = grads.view();
-      const moka::MoeGradients gradients{view_of(d_x, "d_x"),
-                                         view_of(d_topk_weights, "d_topk_weights"),
-                                         g.w_gate,
-                                         g.w_up,
-                                         g.w_down,
-                                         g.ws_gate,
-                                         g.ws_up,
-                                         g.ws_down};
+      const moka::MoeWeights weights = w.view();
+      const moka::MoeGradients gradients = gradients_of(d_x, d_topk_weights, grads);
       const moka::TensorView d_out_view = view_of(d_out, "d_out");
       layer_backward(*layer_, saved.saved, consume, d_out_view, weights, gradients, stream_of(stream));
     });
@@ -336,15 +342,7 @@ class Moe {
     std::optional<nb::gil_scoped_release> unlocked;
     if (release_gil_) unlocked.emplace();
     layer_.on_rank_.run([&] {
-      const moka::MoeWeights g = d_weights.view();
-      const moka::MoeGradients grads{view_of(d_x, "d_x"),
-                                     view_of(d_topk_weights, "d_topk_weights"),
-                                     g.w_gate,
-                                     g.w_up,
-                                     g.w_down,
-                                     g.ws_gate,
-                                     g.ws_up,
-                                     g.ws_down};
+      const moka::MoeGradients grads = gradients_of(d_x, d_topk_weights, d_weights);
       layer_backward(*layer_.layer_, saved.layer_saved, consume, view_of(d_out, "d_out"), saved.weights.view(), grads,
                      stream);
       router_.router_->backward(*saved.router_saved, grads.d_topk_weights, grads.d_x, view_of(d_w_router, "d_w_router"),

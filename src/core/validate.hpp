@@ -30,6 +30,9 @@ struct LayerSignature {
   int32_t dtype = 0;
   bool operator==(const LayerSignature&) const = default;
 };
+inline LayerSignature layer_signature(const MoeShape& s, int64_t tokens, DType dtype) {
+  return {tokens, s.hidden, s.intermediate, s.num_experts, s.top_k, s.shared_intermediate, static_cast<int32_t>(dtype)};
+}
 
 // Runs `local_check` on this rank, then exchanges every rank's outcome and signature, so that a
 // bad input on any rank (or ranks that disagree) raises the same clear error on every rank,

@@ -210,15 +210,7 @@ class CpuMoeLayer final : public MoeLayer {
 
  private:
   static DType dtype() { return std::is_same_v<T, double> ? DType::f64 : DType::f32; }
-  core::LayerSignature signature(int64_t tokens) const {
-    return {tokens,
-            shape_.hidden,
-            shape_.intermediate,
-            shape_.num_experts,
-            shape_.top_k,
-            shape_.shared_intermediate,
-            static_cast<int32_t>(dtype())};
-  }
+  core::LayerSignature signature(int64_t tokens) const { return core::layer_signature(shape_, tokens, dtype()); }
 
   // Calls fn(experts, shared): the local experts' and the shared expert's products (expert_math.hpp)
   // in the layer's precision: on the weights as given, or on their 128x128-block quantization in

@@ -392,15 +392,7 @@ class CudaMoeLayer final : public MoeLayer {
 
   static bf16* ptr(const BufferTable& t, Buf b) { return static_cast<bf16*>(const_cast<void*>(t.ptr[b])); }
 
-  core::LayerSignature signature(int64_t tokens) const {
-    return {tokens,
-            shape_.hidden,
-            shape_.intermediate,
-            shape_.num_experts,
-            shape_.top_k,
-            shape_.shared_intermediate,
-            static_cast<int32_t>(DType::bf16)};
-  }
+  core::LayerSignature signature(int64_t tokens) const { return core::layer_signature(shape_, tokens, DType::bf16); }
 
   // Across ranks: the tensors are checked on every rank at once; then the exchange plans the
   // call (its one synchronization), after which the device's routing check is known, and any
