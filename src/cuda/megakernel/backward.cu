@@ -10,10 +10,15 @@
 
 #include "cuda/common/check.hpp"
 #include "cuda/common/stream.hpp"
+#include "cuda/megakernel/memory_order.cuh"
 #include "moka/error.hpp"
 
 namespace moka::cuda {
 namespace {
+
+using mk::atomic_load;
+using mk::MemoryOrder;
+using mk::Scope;
 
 core::MegakernelBackwardPlan gpu_backward_plan(const MoeShape& s, const MegakernelConfig& config, int world,
                                                int64_t tokens, core::ContextMode mode) {
@@ -38,7 +43,7 @@ __global__ void publish_status_kernel(const BackwardControl* control, BackwardSt
 }
 
 __global__ void note_missing_peer_kernel(const uint64_t* barrier_error, BackwardStatus* slot) {
-  const uint64_t missing = *reinterpret_cast<const volatile uint64_t*>(barrier_error);
+  const uint64_t missing = atomic_load<MemoryOrder::relaxed, Scope::sys>(barrier_error);
   if (missing == 0 || slot->status.code != core::StatusCode::ok) return;
   BackwardStatus s;
   s.status.code = core::StatusCode::peer_missing;

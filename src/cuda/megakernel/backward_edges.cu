@@ -15,7 +15,7 @@ using core::MegakernelBackwardPlan;
 // opening barrier that timed out (the peers' d_out, weights and slots may still be in use, so
 // nothing is pulled or pushed), else a schedule over capacity.
 __global__ void build_segments_kernel(const MegakernelBackwardLaunch p) {
-  const uint64_t missing = p.barrier_error ? *reinterpret_cast<const volatile uint64_t*>(p.barrier_error) : 0;
+  const uint64_t missing = p.barrier_error ? atomic_load<MemoryOrder::relaxed, Scope::sys>(p.barrier_error) : 0;
   if (missing != 0) {
     core::MegakernelStatus s;
     s.code = core::StatusCode::peer_missing;

@@ -78,7 +78,7 @@ __device__ inline void release_task(const MegakernelBackwardLaunch& p, const Meg
                                     const SegmentTable& segments, const BackwardTask& task) {
   for (const core::BackwardCounterRange& r : core::task_releases(plan, segments, task).range)
     for (int64_t at = r.first; at <= r.last && r.kind != BackwardCounterKind::none; ++at)
-      release_add(p.counters + core::counter_index(plan, r.kind, at));
+      atomic_add<MemoryOrder::release, Scope::gpu, 1>(p.counters + core::counter_index(plan, r.kind, at));
 }
 
 // ---- Comm: pull and push ------------------------------------------------------------------------
@@ -115,10 +115,10 @@ __device__ inline void pull_block(const MegakernelBackwardLaunch& p, const Megak
     dst[kTileM + r] = reinterpret_cast<int4*>(p.ring_x + ring * H);
     p.ring_weight[ring] = real ? p.io.weight_peers[o.rank][o.slot] : 0.f;
   }
-  __syncthreads();
+  sync(kCtaGroup);
   copy_rows(src, dst, 2 * kTileM, int(H / 8));
   // The ring rows are read next by TMA (async proxy) in the dgd and weight-gradient tiles.
-  fence_generic_to_async();
+  fence_proxy_async_global();
 }
 
 // Push: each row's d_x into its origin slot, and its d_topk_weights entry: the row's per-column-
@@ -141,7 +141,7 @@ __device__ inline void push_block(const MegakernelBackwardLaunch& p, const Megak
     for (int64_t c = 1; c < plan.dgd_col_tiles; ++c) d_weight = __fadd_rn(d_weight, partials[c]);
     p.io.dw_slot_peers[o.rank][o.slot] = d_weight;
   }
-  __syncthreads();
+  sync(kCtaGroup);
   copy_rows(src, dst, kTileM, int(H / 8));
 }
 
@@ -153,11 +153,11 @@ __device__ inline void run_comm_cta(const MegakernelBackwardLaunch& p, const Meg
   const uint64_t count = core::comm_task_count(plan);
   for (;;) {
     if (threadIdx.x == 0) {
-      const uint64_t t = atomicAdd(&p.control->base.comm_ticket, 1ull);
+      const uint64_t t = atomic_fetch_add<MemoryOrder::relaxed, Scope::gpu>(&p.control->base.comm_ticket, 1ull);
       shared_task = t < count ? core::comm_task(plan, int64_t(t)) : BackwardTask{};
       proceed = shared_task.kind != BackwardTaskKind::none && wait_task(p, plan, segments, shared_task);
     }
-    __syncthreads();
+    sync(kCtaGroup);
     if (!proceed) return;
     const BackwardTask task = shared_task;
     if (core::task_has_rows(plan, task)) {
@@ -167,7 +167,7 @@ __device__ inline void run_comm_cta(const MegakernelBackwardLaunch& p, const Meg
         push_block(p, plan, task);
       }
     }
-    __syncthreads();
+    sync(kCtaGroup);
     if (threadIdx.x == 0) release_task(p, plan, segments, task);
   }
 }
@@ -372,7 +372,7 @@ __device__ inline void init_backward_smem(BackwardSmem& sm) {
     init_task_queue(sm.queue, kBackwardSlotReaders);
     cutlass::arch::fence_barrier_init();
   }
-  __syncthreads();
+  sync(kCtaGroup);
 }
 
 // The scheduler thread (pipeline.cuh's loop): it takes a ticket only once a queue slot is free
@@ -421,14 +421,14 @@ __device__ __forceinline__ void store_backward_job(const Accumulator& acc, const
       // The forward's g and u: the fp32 accumulator rounded to bf16 (gate left, up right).
       store_rows<false>(acc, 0, j.out0, j.o);
       store_rows<false>(acc, kAccumulatorSize / 2, j.out1, j.o);
-      fence_generic_to_async();
+      fence_proxy_async_global();
       break;
     case JobStore::dgd: store_dgd_tile(acc, j.dgd); break;
     case JobStore::rows:
     case JobStore::weight_down:
       store_rows<true>(acc, 0, j.out0, j.o);
       // Ring rows of d_x are read by the push (generic); the fence keeps every store path alike.
-      fence_generic_to_async();
+      fence_proxy_async_global();
       break;
     case JobStore::weight_pair:
       store_transposed_halves(acc, j.out0, j.out1, j.o.row0, j.o.col0, j.o.valid_rows, j.o.width);
@@ -464,7 +464,7 @@ __device__ __forceinline__ void compute_backward(BackwardSmem& sm, const Megaker
         }
         // Every consumer's stores (and proxy fence) precede the leader's release; the ordered
         // barrier keeps the compiler from sinking a store below it.
-        sync_named_ordered(kConsumerThreads, kConsumerBarrier);
+        sync(kConsumerGroup);
         if (leader) release_task(p, plan, segments, job.task);
       },
       [] {});

@@ -74,7 +74,7 @@ __device__ inline void copy_block(const MegakernelLaunch& p, const core::Megaker
     src[r] = from;
     dst[r] = to;
   }
-  __syncthreads();
+  sync(kCtaGroup);
   copy_rows(src, dst, int(plan.tile_m), int(p.hidden / 8));
 }
 
@@ -91,7 +91,7 @@ __device__ inline void dispatch_block(const MegakernelLaunch& p, const core::Meg
     return RowEnds{from, reinterpret_cast<int4*>(p.ring_x + ring * H)};
   });
   // The ring rows are read next by TMA (async proxy) in the gate|up tiles.
-  asm volatile("fence.proxy.async.global;" ::: "memory");
+  fence_proxy_async_global();
 }
 
 // Combine (push): each routed row's output into its origin rank's combine slot token*k + j.

@@ -129,7 +129,7 @@ __device__ inline void init_compute_smem(ComputeSmem& sm) {
     }
     cutlass::arch::fence_barrier_init();
   }
-  __syncthreads();
+  sync(kCtaGroup);
 }
 
 // ---- Tasks -> jobs -----------------------------------------------------------------------
@@ -368,7 +368,7 @@ __device__ inline void store_tasks(ComputeSmem& sm, const MegakernelLaunch& p, c
     // The rows are in global memory; the proxy fence orders the TMA's (async-proxy) writes
     // before the release, for the generic and TMA reads of the CTAs that acquire it.
     wait_stores_complete();
-    fence_generic_to_async();
+    fence_proxy_async_global();
     release_done(p, plan, job.task);
     record(p.timeline_compute, job.ticket, start, cta, job.task);
   });

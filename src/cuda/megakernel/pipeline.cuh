@@ -36,7 +36,7 @@ __device__ inline void init_task_queue(TaskQueueOf<Job>& queue, uint32_t readers
   }
 }
 
-inline constexpr uint32_t kConsumerBarrier = 1;  // named barrier of the 256 consumer threads
+inline constexpr ThreadGroup<1, kConsumerThreads> kConsumerGroup{};  // named barrier 1: the 256 consumer threads
 
 __device__ inline uint32_t slot_phase(uint32_t n) { return (n / kTaskSlots) & 1u; }
 
@@ -60,7 +60,7 @@ __device__ inline void schedule_jobs(TaskQueueOf<Job>& queue, unsigned long long
       return;
     Job& job = queue.jobs[q];
     job = Job{};
-    fill(uint64_t(atomicAdd(tickets, 1ull)), job);
+    fill(uint64_t(atomic_fetch_add<MemoryOrder::relaxed, Scope::gpu>(tickets, 1ull)), job);
     const bool stop = job.stop;
     arrive_ordered(&queue.published[q]);  // release (CTA scope): the slot's contents
     if (stop) {
@@ -88,7 +88,7 @@ __device__ inline void producer_jobs(TaskQueueOf<Job>& queue, const PipelineWatc
     const Job& job = queue.jobs[q];
     const bool stop = job.stop;
     if (!stop) {
-      fence_generic_to_async();
+      fence_proxy_async_global();
       run(job, q);
     }
     arrive_ordered(&queue.finished[q]);  // no read of the slot moves below it
@@ -112,7 +112,7 @@ __device__ __forceinline__ void consumer_jobs(TaskQueueOf<Job>& queue, const Pip
     if (leader)
       job_ready[q] = wait_phase_ordered(&queue.published[q], slot_phase(n), watch, watch.queue_bound_ns,
                                         core::PipelineWait::task_published, TaskSite{});
-    sync_named_ordered(kConsumerThreads, kConsumerBarrier);  // the flag's write before, its reads after
+    sync(kConsumerGroup);  // the flag's write before, its reads after
     if (!job_ready[q]) return;
     // Complete (the leader saw it): returns at once.
     wait_phase_ordered(&queue.published[q], slot_phase(n), watch, watch.queue_bound_ns,

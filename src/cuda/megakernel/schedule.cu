@@ -5,9 +5,14 @@
 #include "cuda/common/check.hpp"
 #include "cuda/layer/layer_kernels.hpp"
 #include "cuda/megakernel/launch.hpp"
+#include "cuda/megakernel/memory_order.cuh"
 
 namespace moka::cuda {
 namespace {
+
+using mk::atomic_load;
+using mk::MemoryOrder;
+using mk::Scope;
 
 constexpr int kThreads = 256;
 
@@ -46,7 +51,7 @@ __global__ void invert_rows_kernel(ScheduleCheck c) {
 __global__ void finish_kernel(ScheduleCheck c) {
   core::MegakernelStatus s;
   const int64_t region = routing_region_ints(c.max_tokens, c.top_k), slots = c.tokens * c.top_k;
-  const uint64_t missing = c.barrier_error ? *reinterpret_cast<const volatile uint64_t*>(c.barrier_error) : 0;
+  const uint64_t missing = c.barrier_error ? atomic_load<MemoryOrder::relaxed, Scope::sys>(c.barrier_error) : 0;
   if (missing != 0) {
     s.code = core::StatusCode::peer_missing;
     s.source_rank = static_cast<int64_t>(missing) - 1;
@@ -101,8 +106,8 @@ __global__ void merge_kernel(core::MegakernelStatus* const* slots, int world, Me
 // over PCIe took ~0.12 ms on an H200) into a device flag.
 __global__ void failure_flag_kernel(const core::StatusCode* code, const unsigned long long* routing_error,
                                     int* failed) {
-  *failed = *reinterpret_cast<const volatile core::StatusCode*>(code) != core::StatusCode::ok ||
-            (routing_error && *reinterpret_cast<const volatile unsigned long long*>(routing_error) != kNoRoutingError);
+  *failed = atomic_load<MemoryOrder::relaxed, Scope::sys>(code) != core::StatusCode::ok ||
+            (routing_error && atomic_load<MemoryOrder::relaxed, Scope::sys>(routing_error) != kNoRoutingError);
 }
 
 // 16-byte stores (the outputs are whole tensors: 16-byte aligned allocations; a tail of 2-byte

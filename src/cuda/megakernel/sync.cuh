@@ -1,12 +1,14 @@
 // Synchronization of the megakernel's CTAs: task tickets, dependency counters (release adds,
-// bounded acquire waits), the first-failure status word and the task timeline. Every counter
-// is GPU-local; the only cross-GPU traffic inside the kernel is data (docs/MEGAKERNEL.md).
+// bounded acquire waits), the first-failure status word and the task timeline, on the primitives
+// of memory_order.cuh (each names its memory order, scope or thread group). Every counter is
+// GPU-local; the only cross-GPU traffic inside the kernel is data (docs/MEGAKERNEL.md).
 #pragma once
 #include <cstdint>
 
 #include "core/megakernel_plan.hpp"
 #include "cuda/common/check.hpp"
 #include "cuda/megakernel/launch.hpp"
+#include "cuda/megakernel/memory_order.cuh"
 
 namespace moka::cuda::mk {
 
@@ -18,20 +20,10 @@ __device__ inline uint64_t global_ns() {
   return t;
 }
 
-__device__ inline int64_t load_relaxed(const int64_t* p) {
-  int64_t v;
-  asm volatile("ld.relaxed.gpu.global.s64 %0, [%1];" : "=l"(v) : "l"(p) : "memory");
-  return v;
-}
-
-// Release: every store this CTA made before the preceding __syncthreads is visible to a thread
-// that acquires the counter (bar.sync orders the CTA's stores before thread 0's release).
-__device__ inline void release_add(int64_t* p) {
-  asm volatile("red.release.gpu.global.add.u64 [%0], 1;" ::"l"(p) : "memory");
-}
-
+// The status word's code, written by report() (a relaxed system-scope store after a seq_cst
+// fence) and read here relaxed at system scope, as often as a waiting thread polls.
 __device__ inline bool failed(const MegakernelControl* control) {
-  return *reinterpret_cast<const volatile int32_t*>(&control->status.code) !=
+  return atomic_load<MemoryOrder::relaxed, Scope::sys>(reinterpret_cast<const int32_t*>(&control->status.code)) !=
          static_cast<int32_t>(core::StatusCode::ok);
 }
 
@@ -40,13 +32,14 @@ __device__ inline bool failed(const MegakernelControl* control) {
 // counter), before the code is published.
 template <class Details>
 __device__ inline void report(MegakernelControl* control, core::MegakernelStatus status, Details&& details) {
-  if (atomicCAS(&control->claim, 0, 1) != 0) return;
+  if (atomic_cas<MemoryOrder::relaxed, Scope::gpu>(&control->claim, 0, 1) != 0) return;
   const core::StatusCode code = status.code;
   status.code = core::StatusCode::ok;
   control->status = status;
   details();
-  __threadfence();
-  *reinterpret_cast<volatile int32_t*>(&control->status.code) = static_cast<int32_t>(code);
+  fence<MemoryOrder::seq_cst, Scope::gpu>();
+  atomic_store<MemoryOrder::relaxed, Scope::sys>(reinterpret_cast<int32_t*>(&control->status.code),
+                                                 static_cast<int32_t>(code));
 }
 __device__ inline void report(MegakernelControl* control, core::MegakernelStatus status) {
   report(control, status, [] {});
@@ -57,8 +50,9 @@ __device__ inline void report(MegakernelControl* control, core::MegakernelStatus
 // already failed (capacity, bad routing): read by one thread, so the whole CTA leaves together.
 __device__ inline int arrival_index(MegakernelControl* control) {
   __shared__ int index;
-  if (threadIdx.x == 0) index = failed(control) ? -1 : int(atomicAdd(&control->arrivals, 1u));
-  __syncthreads();
+  if (threadIdx.x == 0)
+    index = failed(control) ? -1 : int(atomic_fetch_add<MemoryOrder::relaxed, Scope::gpu>(&control->arrivals, 1u));
+  sync(kCtaGroup);
   return index;
 }
 
@@ -73,10 +67,10 @@ __device__ inline WaitOutcome wait_counter(const int64_t* counter, int64_t targe
   uint64_t start = 0;
   unsigned sleep_ns = 32;
   for (;;) {
-    seen = load_relaxed(counter);
+    seen = atomic_load<MemoryOrder::relaxed, Scope::gpu>(counter);
     if (seen >= target) {
-      asm volatile("fence.acq_rel.gpu;" ::: "memory");
-      asm volatile("fence.proxy.async.global;" ::: "memory");
+      fence<MemoryOrder::acq_rel, Scope::gpu>();  // the acquire of the relaxed polls
+      fence_proxy_async_global();
       return WaitOutcome::reached;
     }
     if (failed(control)) return WaitOutcome::failed;
@@ -117,10 +111,13 @@ __device__ inline bool wait_for(const MegakernelLaunch& p, const core::Megakerne
 }
 
 // One thread, after the barrier that ends the task for every thread that stored its outputs.
+// Release: every store this CTA made before that barrier is visible to a thread that acquires
+// the counter (bar.sync orders the CTA's stores before this thread's release).
 __device__ inline void release_done(const MegakernelLaunch& p, const core::MegakernelPlan& plan,
                                     const core::Task& task) {
   const core::CounterRef done = core::task_release(plan, task);
-  if (done.kind != core::CounterKind::none) release_add(p.counters + core::counter_index(plan, done));
+  if (done.kind != core::CounterKind::none)
+    atomic_add<MemoryOrder::release, Scope::gpu, 1>(p.counters + core::counter_index(plan, done));
 }
 
 __device__ inline void record(TimelineRecord* timeline, uint64_t ticket, uint64_t start, int cta,
@@ -142,17 +139,17 @@ __device__ void task_loop(const MegakernelLaunch& p, const core::MegakernelPlan&
   for (;;) {
     uint64_t start = 0;
     if (threadIdx.x == 0) {
-      const uint64_t t = atomicAdd(ticket_word, 1ull);
+      const uint64_t t = atomic_fetch_add<MemoryOrder::relaxed, Scope::gpu>(ticket_word, 1ull);
       shared_ticket = t;
       shared_task = t < task_count ? decode(plan, int64_t(t)) : core::Task{};
       proceed = shared_task.kind != core::TaskKind::none && wait_for(p, plan, shared_task);
       start = global_ns();  // the timeline shows work, not waits
     }
-    __syncthreads();
+    sync(kCtaGroup);
     if (!proceed) return;
     const core::Task task = shared_task;
     if (task.step < 0 || core::task_has_rows(plan, task)) run(task);
-    __syncthreads();
+    sync(kCtaGroup);
     if (threadIdx.x == 0) {
       release_done(p, plan, task);
       record(timeline, shared_ticket, start, cta, task);

@@ -282,10 +282,7 @@ __device__ inline bool wait_phase_ordered(uint64_t* bar, uint32_t phase, const P
   return reached;
 }
 
-// bar.sync over `threads` threads on named barrier `id`, a compiler fence on both sides.
-__device__ __forceinline__ void sync_named_ordered(uint32_t threads, uint32_t id) {
-  asm volatile("bar.sync %0, %1;" ::"r"(id), "r"(threads) : "memory");
-}
+// The task-level named barriers: sync(group) (memory_order.cuh), a compiler fence on both sides.
 
 __device__ inline void init_tile_pipeline(TileSmem& sm) {
   for (int s = 0; s < kStages; ++s) {
@@ -423,9 +420,5 @@ static_assert(AccumulatorToTile{}(0, kAccumulatorSize / 2) == AccumulatorToTile{
 static_assert(AccumulatorToTile{}(1, kAccumulatorSize - 1) ==
                   AccumulatorToTile{}(1, kAccumulatorSize / 2 - 1) + kTileM * kHalfN,
               "the accumulator's second half must be the tile's right half");
-
-// Proxy fence: generic-proxy stores of this thread become visible to later TMA (async-proxy)
-// reads that are ordered after them by the counters.
-__device__ inline void fence_generic_to_async() { asm volatile("fence.proxy.async.global;" ::: "memory"); }
 
 }  // namespace moka::cuda::mk
