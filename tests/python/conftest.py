@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
+import moka._op
 from moka.torch import MoE
 
 
@@ -52,3 +53,41 @@ def run_ep_worker(*args: str) -> str:
     log = result.stdout + result.stderr
     assert result.returncode == 0, log
     return log
+
+
+class MokaCalls:
+    """Counts moka's forward and backward calls behind the ops (the module's and moe_experts')."""
+
+    def __init__(self, monkeypatch):
+        self.forwards = self.backwards = 0
+        for name in ("_moe_forward", "_experts_forward"):
+            monkeypatch.setattr(moka._op, name, self._counting(getattr(moka._op, name), "forwards"))
+        for name in ("_moe_backward", "_experts_backward"):
+            monkeypatch.setattr(moka._op, name, self._counting(getattr(moka._op, name), "backwards"))
+
+    def _counting(self, call, counter):
+        def counted(*args):
+            setattr(self, counter, getattr(self, counter) + 1)
+            return call(*args)
+        return counted
+
+
+def module_results(module, moe, x, return_aux=False):
+    """out (and the aux outputs), x's and every parameter's gradient, and the routes counted in
+    expert_load, of one forward and backward of module (moe or a compiled moe)."""
+    moe.zero_grad()
+    moe.expert_load.zero_()
+    x = x.detach().clone().requires_grad_()
+    if return_aux:
+        out, aux = module(x, return_aux=True)
+        (out.square().sum() + aux.load_balancing_loss + aux.z_loss).backward()
+    else:
+        out, aux = module(x), ()
+        out.square().sum().backward()
+    return [out, *aux, x.grad, *(p.grad for p in moe.parameters()), moe.expert_load.clone()]
+
+
+def assert_equal(got, want):
+    assert len(got) == len(want)
+    for g, w in zip(got, want):
+        assert torch.equal(g, w)

@@ -3,7 +3,7 @@ Marked cuda: skipped without a GPU or without moka's CUDA backend in the extensi
 import pytest
 import torch
 
-from conftest import reference_of, run_ep_worker
+from conftest import MokaCalls, assert_equal, module_results, reference_of, run_ep_worker
 from moka import reference
 from moka.torch import MoE, moe_experts
 
@@ -109,8 +109,12 @@ def test_backward_reads_its_forwards_routes_after_their_memory_was_offered_again
         assert torch.equal(g, w)
 
 
-def test_the_module_forward_and_backward_replay_in_a_cuda_graph():
-    moe = bf16_moe(384)
+@pytest.mark.parametrize("backend", [None, "inductor"])
+def test_the_module_forward_and_backward_replay_in_a_cuda_graph(backend):
+    # backend: the module as it is, or compiled with torch.compile(fullgraph=True) (compiled in
+    # the warm-up, captured as a model's step would be)
+    eager = bf16_moe(384)
+    moe = eager if backend is None else torch.compile(eager, fullgraph=True, backend=backend)
     x = torch.randn(256, HIDDEN, device="cuda", dtype=torch.bfloat16)
     d_out = torch.randn_like(x)
     static_x = x.clone().requires_grad_()
@@ -131,9 +135,31 @@ def test_the_module_forward_and_backward_replay_in_a_cuda_graph():
             static_x.copy_(inputs)
         graph.replay()
         got = [t.clone() for t in (static_out, *static_grads)]
-        want = module_gradients(moe, inputs, d_out)
+        want = module_gradients(eager, inputs, d_out)
         for g, w in zip(got, want, strict=True):
             assert torch.equal(g, w)
+
+
+@pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
+def test_the_compiled_module_computes_the_eager_bits_on_the_gpu_with_one_moka_call_each_way(backend, monkeypatch):
+    moe = bf16_moe(384, selection_bias=True)
+    x = torch.randn(4, 96, HIDDEN, device="cuda", dtype=torch.bfloat16)  # [B, S, H]
+    want = module_results(moe, moe, x, return_aux=True)
+    compiled = torch.compile(moe, fullgraph=True, backend=backend)
+    calls = MokaCalls(monkeypatch)
+    got = module_results(compiled, moe, x, return_aux=True)
+    assert_equal(got, want)
+    assert (calls.forwards, calls.backwards) == (1, 1)  # the backward reuses the forward's state
+
+
+def test_the_exported_module_runs_on_the_gpu_with_another_batch_and_computes_the_eager_forward():
+    moe = bf16_moe(384)
+    x = torch.randn(2, 64, HIDDEN, device="cuda", dtype=torch.bfloat16)
+    program = torch.export.export(moe, (x,), dynamic_shapes=({0: torch.export.Dim("batch")},))
+    other = torch.randn(3, 64, HIDDEN, device="cuda", dtype=torch.bfloat16)
+    want = moe(other)
+    for exported in (program, program.run_decompositions()):
+        assert torch.equal(exported.module()(other), want)
 
 
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
