@@ -79,7 +79,9 @@ MegakernelPlan build_megakernel_plan(const MegakernelConfig& c, const Megakernel
   p.macrobatch_rows = c.macrobatch_size;
   p.capacity_rows = capacity_rows(c, d);
   p.max_steps = ceil_div(p.capacity_rows, p.minibatch_rows);
-  p.ring_rows = min_i64(p.macrobatch_rows, p.max_steps * p.minibatch_rows);
+  // A ring that holds every row needs only the rows a schedule can have (whole tiles: every task
+  // past total_rows, which is a multiple of tile_m, is a no-op), not the last minibatch's tail.
+  p.ring_rows = min_i64(p.macrobatch_rows, ceil_div(p.capacity_rows, p.tile_m) * p.tile_m);
   p.row_tiles_per_minibatch = c.minibatch_size / c.tile_rows;
   p.minibatches_per_macrobatch = c.macrobatch_size / c.minibatch_size;
   p.gate_up_col_tiles = ceil_div(d.intermediate, c.tile_n);

@@ -65,7 +65,7 @@ struct MegakernelPlan {
   int64_t tile_m = 0, tile_n = 0, down_tile_n = 0, minibatch_rows = 0, macrobatch_rows = 0;
   int64_t band_row_tiles = 1;           // MegakernelConfig::band_row_tiles
   int64_t capacity_rows = 0;            // rows the schedule tables hold (padding included)
-  int64_t ring_rows = 0;                // rows allocated per ring buffer
+  int64_t ring_rows = 0;                // rows per ring buffer: macrobatch, or capacity in whole tiles if less
   int64_t row_tiles_per_minibatch = 0;  // also dispatch/combine blocks per minibatch
   int64_t minibatches_per_macrobatch = 0;
   int64_t gate_up_col_tiles = 0, down_col_tiles = 0;

@@ -106,7 +106,8 @@ struct RankLaunch {
   int num_ctas = 0;    // CTAs per rank (0: one per SM)
   int late_rank = -1;  // the host sleeps late_ms before it enqueues this rank's call (a rank that stops)
   int late_ms = 0;
-  int impatient_rank = -1;  // this rank's kernel bounds its waits by 1 ns (its barriers keep the config's bound)
+  int impatient_rank = -1;     // this rank's kernel bounds its waits by 1 ns (its barriers keep the config's bound)
+  bool dx_into_slots = false;  // EP = 1: the dx tiles store into the d_x slots (the layer's way)
 };
 
 // One rank's gradients of a run, or the error its check_errors raised.
@@ -237,6 +238,7 @@ class BackwardCase {
       io.x = d.x.data();
       io.d_out = d.d_out.data();
       io.dx_slots = o.dx_slots.device.data();
+      io.dx_into_slots = launch.dx_into_slots;
       io.context_x = d.ctx_x.data();
       io.context_gate = d.ctx_g.data();
       io.context_up = d.ctx_u.data();

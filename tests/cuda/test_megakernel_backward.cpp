@@ -50,6 +50,29 @@ TEST(MegakernelBackward, BitsDoNotDependOnSplitsOrBatchSizes) {
   EXPECT_TRUE(same_bits(first, c.run(config(1, 128, 256), 4))) << "the same run again";
 }
 
+// EP = 1 as the layer runs it: the dx tiles store each row's d_x straight into its slot (no d_x
+// rows in the ring, no row copies in the push): the bits of the push's copies, in both context
+// modes, across macrobatches (carries) and in one.
+TEST(MegakernelBackward, DxIntoSlotsGivesThePushesBits) {
+  BackwardCase c = skewed_case(false, 0xbac0009ull);
+  auto run = [&](const MegakernelConfig& cfg, core::ContextMode mode, bool into_slots) {
+    RankLaunch launch;
+    launch.num_ctas = 4;
+    launch.dx_into_slots = into_slots;
+    std::vector<RankResult> r = c.run_ranks(cfg, launch, mode);
+    if (r[0].error) std::rethrow_exception(r[0].error);
+    return r[0].grads;
+  };
+  for (const core::ContextMode mode : {core::ContextMode::resident, core::ContextMode::replay})
+    for (const MegakernelConfig& cfg : {config(1, 128, 256), config(2, 128, 1024)}) {
+      SCOPED_TRACE(std::string(mode == core::ContextMode::replay ? "replay" : "resident") + ", macrobatch " +
+                   std::to_string(cfg.macrobatch_size));
+      const Gradients into_slots = run(cfg, mode, true);
+      c.expect_close(into_slots);
+      EXPECT_TRUE(same_bits(into_slots, run(cfg, mode, false)));
+    }
+}
+
 // Replay mode: x pulled again and g, u recomputed by the forward's gate|up tile (fp32 sums, so
 // within bf16 rounding of the host's g, u the resident cases read); the shared expert's too.
 TEST(MegakernelBackward, ReplayModeMatchesReferenceAndItsBitsDoNotDependOnSplits) {

@@ -2,7 +2,6 @@
 // launch, and turns the kernel's status word into an Error.
 #include "cuda/megakernel/backward.hpp"
 
-#include <algorithm>
 #include <cstring>
 #include <sstream>
 #include <utility>
@@ -74,28 +73,19 @@ __global__ void merge_status_kernel(BackwardStatus* const* slots, int world, Mer
 }
 
 // A call's ring and the shared expert's rows, from the layer's allocator on the call's stream,
-// sized by the call's plan and given back (stream-ordered) when the call has enqueued its work.
-// One allocation per element type: ring d_out, x, dx (H wide), dg, du, hs (and in replay g, u;
-// over a consumed context hs only: I wide); the shared expert's dg, du, hs (and g, u), Is wide,
-// and its dx.
+// sized by the call's plan (core::backward_workspace_elements, which also says what each holds)
+// and given back (stream-ordered) when the call has enqueued its work.
 struct CallWorkspace {
   DeviceArray<bf16> ring_bf16, shared_bf16;
   DeviceArray<float> ring_float, shared_partials, carries;
-  CallWorkspace(const core::MegakernelBackwardPlan& plan, const MoeShape& shape, int64_t tokens, bool overwrite,
-                DeviceAllocator& from, cudaStream_t stream) {
-    const int64_t H = shape.hidden, I = shape.intermediate, Is = shape.shared_intermediate, ring = plan.ring_rows;
-    const int64_t shared_rows = plan.shared_row_tiles * plan.tile_m;
-    const int64_t shared_i_rows = plan.mode == core::ContextMode::replay ? 5 : 3;
-    const int64_t i_rows = overwrite ? 1 : shared_i_rows;
-    ring_bf16 = DeviceArray<bf16>(size_t(ring * (3 * H + i_rows * I)), from, stream);
-    shared_bf16 =
-        DeviceArray<bf16>(size_t(std::max<int64_t>(shared_rows * shared_i_rows * Is + (Is > 0 ? tokens * H : 0), 1)),
-                          from, stream);
-    ring_float = DeviceArray<float>(size_t(ring * (1 + plan.dgd_col_tiles)), from, stream);
-    shared_partials =
-        DeviceArray<float>(size_t(std::max<int64_t>(tokens * plan.shared_dgd_col_tiles, 1)), from, stream);
-    if (plan.max_macrobatches > 1)  // a weight-gradient carry per macrobatch boundary
-      carries = DeviceArray<float>(size_t((plan.max_macrobatches - 1) * backward_carry_floats(H, I)), from, stream);
+  CallWorkspace(const core::MegakernelBackwardPlan& plan, bool overwrite, bool dx_in_ring, DeviceAllocator& from,
+                cudaStream_t stream) {
+    const core::BackwardWorkspaceElements e = core::backward_workspace_elements(plan, overwrite, dx_in_ring);
+    ring_bf16 = DeviceArray<bf16>(size_t(e.ring_bf16), from, stream);
+    shared_bf16 = DeviceArray<bf16>(size_t(e.shared_bf16), from, stream);
+    ring_float = DeviceArray<float>(size_t(e.ring_float), from, stream);
+    shared_partials = DeviceArray<float>(size_t(e.shared_partials), from, stream);
+    if (e.carries > 0) carries = DeviceArray<float>(size_t(e.carries), from, stream);
   }
 };
 
@@ -154,7 +144,9 @@ void MegakernelBackward::run(const MegakernelBackwardIo& io, int64_t tokens, cud
   const int64_t H = shape_.hidden, I = shape_.intermediate, Is = shape_.shared_intermediate;
   last_plan_ = gpu_backward_plan(shape_, config_, world_, tokens, plan_.mode);
   const bool overwrite = io.overwrite_context && !replay() && last_plan_.max_macrobatches == 1;
-  const CallWorkspace workspace(last_plan_, shape_, tokens, overwrite, *allocator_, stream);
+  require(!io.dx_into_slots || (world_ == 1 && io.dx_slots), ErrorCode::invalid_argument,
+          "megakernel backward: dx_into_slots (the dx tiles storing into the d_x slots) needs EP = 1 and dx_slots");
+  const CallWorkspace workspace(last_plan_, overwrite, !io.dx_into_slots, *allocator_, stream);
   const int64_t ring = last_plan_.ring_rows, shared_rows = last_plan_.shared_row_tiles * last_plan_.tile_m;
   MegakernelBackwardLaunch l;
   l.plan = last_plan_;
@@ -170,7 +162,8 @@ void MegakernelBackward::run(const MegakernelBackwardIo& io, int64_t tokens, cud
   l.timeout_ns = static_cast<uint64_t>(config_.spin_timeout_seconds * 1e9);
   l.io = io;
   bf16* b = workspace.ring_bf16.data();
-  for (bf16** at : {&l.ring_d_out, &l.ring_x, &l.ring_dx}) *at = std::exchange(b, b + ring * H);
+  for (bf16** at : {&l.ring_d_out, &l.ring_x}) *at = std::exchange(b, b + ring * H);
+  if (!io.dx_into_slots) l.ring_dx = std::exchange(b, b + ring * H);
   if (overwrite) {
     l.ring_dg = io.context_gate;
     l.ring_du = io.context_up;

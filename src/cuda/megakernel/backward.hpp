@@ -18,6 +18,7 @@
 
 #include "core/activation.hpp"
 #include "core/megakernel_backward_plan.hpp"
+#include "core/megakernel_memory.hpp"
 #include "cuda/common/device_memory.hpp"
 #include "cuda/common/stage_clock.hpp"
 #include "cuda/megakernel/launch.hpp"
@@ -63,6 +64,10 @@ struct MegakernelBackwardIo {
   const bf16* x = nullptr;               // this rank's tokens [T, H] (shared expert)
   const bf16* d_out = nullptr;           // this rank's d_out [T, H] (shared expert)
   const bf16* dx_slots = nullptr;        // this rank's own d_x slots (dx_slot_peers[rank])
+  // EP = 1: the dx tiles store each row's d_x straight into its slot (slot_of_row) in dx_slots,
+  // as the push would have copied it from the ring: the same bits, and no d_x rows in the ring
+  // (rows x H fewer) nor copies in the push (dx_slot_peers is then unread).
+  bool dx_into_slots = false;
   // Resident context (replay: unread): the forward's grouped rows (row index = grouped row;
   // padding rows finite) and the shared expert's g, u. context_x may be null: x's rows are
   // pulled from their origin (x_peers) as in replay, and only g, u are kept.
@@ -93,7 +98,7 @@ struct MegakernelBackwardLaunch {
   MegakernelBackwardIo io;
 
   // Ring ([ring_rows, width]) and the shared expert's rows ([T rounded up to tile_m, width]).
-  bf16 *ring_d_out = nullptr, *ring_x = nullptr, *ring_dx = nullptr;        // H wide
+  bf16 *ring_d_out = nullptr, *ring_x = nullptr, *ring_dx = nullptr;        // H wide (dx: null into slots)
   bf16 *ring_dg = nullptr, *ring_du = nullptr, *ring_hs = nullptr;          // I wide
   bf16 *ring_gate = nullptr, *ring_up = nullptr;                            // I wide, replay only
   float *ring_weight = nullptr, *ring_partials = nullptr;                   // 1, dgd_col_tiles wide
@@ -113,15 +118,12 @@ struct MegakernelBackwardLaunch {
   const uint64_t* barrier_error = nullptr;
 };
 
-// fp32 elements of one macrobatch boundary's carry on the GPU: dW_gate|up as the pair tiles
-// compute them ([H, 2 * I rounded up to 128]: column tile c holds 128 gate columns then 128 up
-// columns, read back only by the same tile) and dW_down [H, I].
-MOKA_HD int64_t backward_carry_floats(int64_t hidden, int64_t intermediate) {
-  return hidden * (2 * ((intermediate + 127) / 128 * 128) + intermediate);
-}
+// backward_carry_floats (a macrobatch boundary's fp32 carry) and the workspace's sizes:
+// core/megakernel_memory.hpp.
+using core::backward_carry_floats;
 
 // The GPU's tiling of the backward plan: tile_m 128, 256-column single tiles, 128-column pairs.
-inline constexpr core::BackwardTiling kBackwardGpuTiling{256, 128};
+inline constexpr core::BackwardTiling kBackwardGpuTiling = core::kGpuBackwardTiling;
 
 // Enqueues, on `stream`: the segment table (built on the device from the offsets; a schedule
 // over capacity or a barrier that timed out writes the status word) and the persistent kernel

@@ -129,6 +129,22 @@ __device__ inline void store_rows(const Accumulator& acc, int first, __nv_bfloat
   });
 }
 
+// As store_rows (both halves), but row r of the tile goes to row slots[r] of `out` (its d_x slot,
+// token * k + j), and nowhere where slots[r] < 0 (padding). Each thread's two rows' slots are
+// loaded once; the runs are made on every lane (to_run shuffles within the quad).
+__device__ inline void store_slot_rows(const Accumulator& acc, __nv_bfloat16* out, const int32_t* slots,
+                                       const TileOut o) {
+  int32_t slot_of[2] = {-1, -1};
+  for_each_run_in<0, 8>([&](int r, int, int, int half) {
+    if (r < o.valid_rows) slot_of[half] = slots[r];
+  });
+  for_each_run<true>([&](int, int c, int i, int half) {
+    const uint2 run = to_run(bf16x2_bits(acc(i), acc(i + 1)), bf16x2_bits(acc(i + 4), acc(i + 5)));
+    if (slot_of[half] >= 0 && o.col0 + c < o.width)
+      *reinterpret_cast<uint2*>(out + int64_t(slot_of[half]) * o.width + o.col0 + c) = run;
+  });
+}
+
 // ---- The dgd epilogue ------------------------------------------------------------------------
 
 // One element of the epilogue; returns dH * bf16(h), the element's term of the partial. Both

@@ -121,8 +121,9 @@ __device__ inline void pull_block(const MegakernelBackwardLaunch& p, const Megak
   fence_proxy_async_global();
 }
 
-// Push: each row's d_x into its origin slot, and its d_topk_weights entry: the row's per-column-
-// tile partials of <dH, h> summed in column order.
+// Push: each row's d_x into its origin slot (unless the dx tiles stored it there: dx_into_slots),
+// and its d_topk_weights entry: the row's per-column-tile partials of <dH, h> summed in column
+// order.
 __device__ inline void push_block(const MegakernelBackwardLaunch& p, const MegakernelBackwardPlan& plan,
                                   const BackwardTask& task) {
   __shared__ const int4* src[kTileM];
@@ -134,8 +135,10 @@ __device__ inline void push_block(const MegakernelBackwardLaunch& p, const Megak
     src[r] = nullptr;
     dst[r] = nullptr;
     if (o.rank < 0) continue;
-    src[r] = reinterpret_cast<const int4*>(p.ring_dx + ring * H);
-    dst[r] = reinterpret_cast<int4*>(p.io.dx_slot_peers[o.rank] + o.slot * H);
+    if (!p.io.dx_into_slots) {
+      src[r] = reinterpret_cast<const int4*>(p.ring_dx + ring * H);
+      dst[r] = reinterpret_cast<int4*>(p.io.dx_slot_peers[o.rank] + o.slot * H);
+    }
     const float* partials = p.ring_partials + ring * plan.dgd_col_tiles;
     float d_weight = partials[0];
     for (int64_t c = 1; c < plan.dgd_col_tiles; ++c) d_weight = __fadd_rn(d_weight, partials[c]);
@@ -175,7 +178,7 @@ __device__ inline void run_comm_cta(const MegakernelBackwardLaunch& p, const Meg
 // ---- Compute: tasks -> jobs -------------------------------------------------------------------
 
 enum class JobLayout : int32_t { k_k, k_mn, mn_mn };
-enum class JobStore : int32_t { none, gate_up, dgd, rows, weight_pair, weight_down };
+enum class JobStore : int32_t { none, gate_up, dgd, rows, slot_rows, weight_pair, weight_down };
 
 // One published task: what the TMA thread loads (up to two products of one layout) and what the
 // consumers' epilogue writes.
@@ -190,11 +193,12 @@ struct BackwardJob {
   TileLoadsOf<Major::MN, Major::MN> mn_mn;
   JobStore store = JobStore::none;
   DgdTile dgd;
-  // rows, weight_down: out0; weight_pair: dW_gate, dW_up; gate_up: g, u
+  // rows, slot_rows, weight_down: out0; weight_pair: dW_gate, dW_up; gate_up: g, u
   bf16 *out0 = nullptr, *out1 = nullptr;
-  TileOut o{};                      // weight_pair: row0 = H row, col0 = I column, width = I, rows H
-  const float* carry_in = nullptr;  // start from this carry (continue_acc)
-  float* carry_out = nullptr;       // leave the accumulator here instead of storing
+  const int32_t* row_slots = nullptr;  // slot_rows: the slot of each of the tile's rows (-1: padding)
+  TileOut o{};                         // weight_pair: row0 = H row, col0 = I column, width = I, rows H
+  const float* carry_in = nullptr;     // start from this carry (continue_acc)
+  float* carry_out = nullptr;          // leave the accumulator here instead of storing
   TileOut carry_o{};
 };
 
@@ -327,9 +331,16 @@ __device__ inline void make_job(BackwardJob& j, const MegakernelBackwardLaunch& 
         j.products = 2;
         j.k_mn[0] = tile_loads(ops.ring_dg, int(ring / tm), ops.w_gate, nullptr, col, expert);
         j.k_mn[1] = tile_loads(ops.ring_du, int(ring / tm), ops.w_up, nullptr, col, expert);
-        j.store = JobStore::rows;
-        j.out0 = p.ring_dx;
-        j.o = {ring, tm, int64_t(col) * kTileN, H};
+        if (p.io.dx_into_slots) {  // EP = 1: each row's d_x straight into its slot
+          j.store = JobStore::slot_rows;
+          j.out0 = const_cast<bf16*>(p.io.dx_slots);
+          j.row_slots = p.io.slot_of_row + first;
+          j.o = {0, tm, int64_t(col) * kTileN, H};
+        } else {
+          j.store = JobStore::rows;
+          j.out0 = p.ring_dx;
+          j.o = {ring, tm, int64_t(col) * kTileN, H};
+        }
       }
       break;
     }
@@ -428,6 +439,10 @@ __device__ __forceinline__ void store_backward_job(const Accumulator& acc, const
     case JobStore::weight_down:
       store_rows<true>(acc, 0, j.out0, j.o);
       // Ring rows of d_x are read by the push (generic); the fence keeps every store path alike.
+      fence_proxy_async_global();
+      break;
+    case JobStore::slot_rows:
+      store_slot_rows(acc, j.out0, j.row_slots, j.o);
       fence_proxy_async_global();
       break;
     case JobStore::weight_pair:

@@ -92,7 +92,7 @@ class CudaMegakernelForward final : public MegakernelExtension {
         worst_(supported_plan(shape, config, world_, max_tokens)),
         resident_(save == SaveMode::gate_up && worst_.ring_rows >= worst_.capacity_rows),
         barrier_error_(group ? static_cast<const uint64_t*>(group->device_barrier_error()) : nullptr),
-        x_(group, max_tokens * shape.hidden * sizeof(bf16)),
+        x_(group ? std::make_unique<SymmetricBuffers>(group, max_tokens * shape.hidden * sizeof(bf16)) : nullptr),
         routing_(group, world_ * routing_region_ints(max_tokens, shape.top_k) * sizeof(int32_t)),
         combine_(group
                      ? std::make_unique<SymmetricBuffers>(group, max_tokens * shape.top_k * shape.hidden * sizeof(bf16))
@@ -125,7 +125,8 @@ class CudaMegakernelForward final : public MegakernelExtension {
 
     MOKA_CUDA_CHECK(cudaMemsetAsync(control_.data(), 0, sizeof(MegakernelControl), s));
     MOKA_CUDA_CHECK(cudaMemsetAsync(counters_.data(), 0, core::counter_count(plan) * sizeof(int64_t), s));
-    MOKA_CUDA_CHECK(cudaMemcpyAsync(x_.local<bf16>(), in.x.data, T * H * sizeof(bf16), cudaMemcpyDeviceToDevice, s));
+    if (x_)
+      MOKA_CUDA_CHECK(cudaMemcpyAsync(x_->local<bf16>(), in.x.data, T * H * sizeof(bf16), cudaMemcpyDeviceToDevice, s));
     exchange_routing({routing_.peers<int32_t>(), world_, rank_, T, k, max_tokens_}, in.topk_ids.as<int32_t>(), s);
     barrier(s);
     clock.mark("inputs", s);
@@ -148,7 +149,7 @@ class CudaMegakernelForward final : public MegakernelExtension {
     finish_schedule(check, s);
     clock.mark("schedule", s);
 
-    const ForwardScratch scratch(*this, plan, T, s);
+    const ForwardScratch scratch(*this, plan, T, in.x.as<bf16>(), s);
     launch_megakernel(launch(plan, T, w, scratch, saved), s);
     clock.mark("megakernel", s);
     if (!backward_is_resident())  // the backward recomputes g and u: they were the call's scratch
@@ -208,8 +209,9 @@ class CudaMegakernelForward final : public MegakernelExtension {
   // Forwards run; at EP > 1 the symmetric x holds the latest one's tokens.
   uint64_t generation() const { return generation_; }
   int device() const { return device_; }
-  bf16* const* x_peers() const { return x_.peers<bf16>(); }
-  bf16* x_local() const { return x_.local<bf16>(); }
+  // EP > 1: the symmetric x buffers; null at EP = 1, where dispatch reads the call's own x.
+  bf16* const* x_peers() const { return x_ ? x_->peers<bf16>() : nullptr; }
+  bf16* x_local() const { return x_ ? x_->local<bf16>() : nullptr; }
   // Resident: the ring holds every routed row of any call (one macrobatch of the worst case), so
   // ring row r is grouped row r and g and u of every row are the forward's to keep (the
   // backward pulls x's rows again from their origin, as dispatch did). Else, or with
@@ -268,11 +270,17 @@ class CudaMegakernelForward final : public MegakernelExtension {
 
   // What lives only inside one forward, from the layer's allocator on its stream, sized for its
   // plan: the ring's x, hidden and y rows, the shared expert's hidden and output, and at EP = 1
-  // the combine slots.
+  // the combine slots. At EP = 1 dispatch and the shared expert read the caller's x in place
+  // (a one-entry table beside the combine slots'; no copy and no x buffer of the layer's), or a
+  // copy of it where its base is not 16-byte aligned (the row copies and TMA need that).
   struct ForwardScratch {
-    DeviceArray<bf16> ring_x, ring_hidden, ring_y, shared_hidden, shared_out, own_combine;
+    DeviceArray<bf16> ring_x, ring_hidden, ring_y, shared_hidden, shared_out, own_combine, own_x;
     bf16* combine = nullptr;
-    ForwardScratch(const CudaMegakernelForward& f, const core::MegakernelPlan& plan, int64_t T, cudaStream_t s) {
+    const bf16* x_local = nullptr;
+    bf16* const* x_peers = nullptr;
+    bf16* const* combine_peers = nullptr;
+    ForwardScratch(const CudaMegakernelForward& f, const core::MegakernelPlan& plan, int64_t T, const bf16* x,
+                   cudaStream_t s) {
       const MoeShape& sh = f.shape_;
       ring_x = DeviceArray<bf16>(size_t(plan.ring_rows * sh.hidden), f.allocator_, s);
       ring_hidden = DeviceArray<bf16>(size_t(plan.ring_rows * sh.intermediate), f.allocator_, s);
@@ -283,14 +291,26 @@ class CudaMegakernelForward final : public MegakernelExtension {
       }
       if (f.combine_) {
         combine = f.combine_->local<bf16>();
+        combine_peers = f.combine_->peers<bf16>();
+        x_local = f.x_->local<bf16>();
+        x_peers = f.x_->peers<bf16>();
         return;
       }
       own_combine = DeviceArray<bf16>(size_t(T * sh.top_k * sh.hidden), f.allocator_, s);
       combine = own_combine.data();
+      x_local = x;
+      if (reinterpret_cast<uintptr_t>(x) % 16 != 0) {
+        own_x = DeviceArray<bf16>(size_t(T * sh.hidden), f.allocator_, s);
+        MOKA_CUDA_CHECK(cudaMemcpyAsync(own_x.data(), x, T * sh.hidden * sizeof(bf16), cudaMemcpyDeviceToDevice, s));
+        x_local = own_x.data();
+      }
       PointerValues table;
       table.at[0] = combine;
-      table.count = 1;
-      write_pointer_table(f.own_combine_table_.data(), table, s);
+      table.at[1] = x_local;
+      table.count = 2;
+      write_pointer_table(f.own_tables_.data(), table, s);
+      combine_peers = reinterpret_cast<bf16* const*>(f.own_tables_.data());
+      x_peers = reinterpret_cast<bf16* const*>(f.own_tables_.data() + 1);
     }
   };
 
@@ -300,9 +320,9 @@ class CudaMegakernelForward final : public MegakernelExtension {
     l.num_comm_ctas = config_.num_comm_sms;
     l.offsets = saved.offsets.data();
     l.slot_of_row = saved.slot_of_row.data();
-    l.x_peers = x_.peers<bf16>();
-    l.combine_peers = combine_ ? combine_->peers<bf16>() : reinterpret_cast<bf16* const*>(own_combine_table_.data());
-    l.x_local = x_.local<bf16>();
+    l.x_peers = scratch.x_peers;
+    l.combine_peers = scratch.combine_peers;
+    l.x_local = scratch.x_local;
     l.w_gate = w.w_gate.as<bf16>();
     l.w_up = w.w_up.as<bf16>();
     l.w_down = w.w_down.as<bf16>();
@@ -378,12 +398,13 @@ class CudaMegakernelForward final : public MegakernelExtension {
   const bool resident_;
   const uint64_t* const barrier_error_;  // the group's device-barrier error word, or null
   int device_ = 0, num_sms_ = 0;
-  SymmetricBuffers x_, routing_;
+  std::unique_ptr<SymmetricBuffers> x_;  // EP > 1 (the pulls' sources); EP = 1: the call's own x
+  SymmetricBuffers routing_;
   std::unique_ptr<SymmetricBuffers> combine_;  // EP > 1 (the pushes' targets); EP = 1: each call's
   SymmetricBuffers status_;
   DeviceArray<int32_t> ids_, chunk_counts_, source_counts_, row_of_slot_;
-  DeviceArray<int32_t> last_rows_{1};        // the last forward's grouped rows, while a timeline is recorded
-  DeviceArray<void*> own_combine_table_{1};  // EP = 1: the call's combine slots as a one-entry peer table
+  DeviceArray<int32_t> last_rows_{1};  // the last forward's grouped rows, while a timeline is recorded
+  DeviceArray<void*> own_tables_{2};   // EP = 1: the call's combine slots and x as one-entry peer tables
   DeviceArray<int64_t> counters_;
   DeviceArray<MegakernelControl> control_;
   PinnedWord<MergedStatus> merged_;

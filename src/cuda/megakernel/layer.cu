@@ -165,7 +165,7 @@ class MegakernelMoeLayer final : public MoeLayer {
     expect_tensor(d_out, "d_out", DType::bf16, dev, {T, sh.hidden});
     ctx.saved.used_on(s);
     MegakernelBackwardIo io;
-    DeviceArray<bf16> dx_slots;  // EP = 1
+    DeviceArray<bf16> dx_slots;  // EP = 1: the dx tiles store into them (no d_x rows in the ring)
     if (symmetric_) {
       auto copy = [s](void* to, const void* from, size_t bytes) {
         MOKA_CUDA_CHECK(cudaMemcpyAsync(to, from, bytes, cudaMemcpyDeviceToDevice, s));
@@ -184,6 +184,7 @@ class MegakernelMoeLayer final : public MoeLayer {
       tables.at[1] = ctx.inputs.topk_weights.data;
       dx_slots = DeviceArray<bf16>(size_t(T * sh.top_k * sh.hidden), kernel_.allocator(), s);
       tables.at[2] = dx_slots.data();
+      io.dx_into_slots = true;
       tables.at[3] = g.d_topk_weights.data;
       tables.at[4] = ctx.inputs.x.data;
       tables.count = 5;
