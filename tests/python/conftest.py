@@ -24,6 +24,14 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
 
 
+@pytest.fixture(autouse=True)
+def fresh_dynamo():
+    """Each test compiles from scratch: the tests compile MoE.forward for many modules, dtypes and
+    devices, more than dynamo's recompile limit for one code object in one process."""
+    torch._dynamo.reset()
+    yield
+
+
 def tiny_moe(dtype=torch.float64, shared=0, **kwargs) -> MoE:
     """H=8, I=6, E=4, k=2: small enough for gradcheck."""
     torch.manual_seed(0)
