@@ -186,17 +186,11 @@ TEST_P(GroupedGemmLayouts, MatchCpuReference) {
   }
 }
 
-INSTANTIATE_TEST_SUITE_P(
-    Layouts, GroupedGemmLayouts,
-    ::testing::Values(
-        LayoutCase{"KK_forward", {Major::k, Major::k}, CountDim::m},
-        LayoutCase{"KMN_data_grad", {Major::k, Major::mn}, CountDim::m},
-        LayoutCase{"MNMN_weight_grad", {Major::mn, Major::mn}, CountDim::k},
-        // The ping-pong kernels (GemmSchedule), same checks.
-        LayoutCase{"KK_forward_pingpong", {Major::k, Major::k, GemmSchedule::pingpong}, CountDim::m},
-        LayoutCase{"KMN_data_grad_pingpong", {Major::k, Major::mn, GemmSchedule::pingpong}, CountDim::m},
-        LayoutCase{"MNMN_weight_grad_pingpong", {Major::mn, Major::mn, GemmSchedule::pingpong}, CountDim::k}),
-    [](const ::testing::TestParamInfo<LayoutCase>& i) { return std::string(i.param.name); });
+INSTANTIATE_TEST_SUITE_P(Layouts, GroupedGemmLayouts,
+                         ::testing::Values(LayoutCase{"KK_forward", {Major::k, Major::k}, CountDim::m},
+                                           LayoutCase{"KMN_data_grad", {Major::k, Major::mn}, CountDim::m},
+                                           LayoutCase{"MNMN_weight_grad", {Major::mn, Major::mn}, CountDim::k}),
+                         [](const ::testing::TestParamInfo<LayoutCase>& i) { return std::string(i.param.name); });
 
 // --- the SwiGLU epilogue ------------------------------------------------------------------
 
@@ -410,8 +404,6 @@ TEST(GroupedGemmChecks, RejectUnbuiltKernelsAndBadOperands) {
   const GemmEpilogue swiglu{GemmEpilogue::swiglu, {}};
   EXPECT_THROW(GroupedGemm({g}, GemmLayout{Major::k, Major::mn}, 0, GemmEngine::cutlass, swiglu), Error);
   EXPECT_THROW(GroupedGemm({g}, GemmLayout{}, 0, GemmEngine::cublas_loop, swiglu), Error);
-  const GemmLayout pingpong{Major::k, Major::k, GemmSchedule::pingpong};  // built for the cooperative kernel only
-  EXPECT_THROW(GroupedGemm({g}, pingpong, 0, GemmEngine::cutlass, swiglu), Error);
   g.c = -1;
   EXPECT_THROW(GroupedGemm({g}, GemmLayout{}, 0, GemmEngine::cutlass, swiglu), Error);
 }

@@ -1,7 +1,7 @@
 // Grouped bf16 GEMMs whose group sizes live in device memory (CUTLASS sm90: TMA loads, wgmma,
-// warp-specialized persistent kernel, cooperative or ping-pong: GemmSchedule). The host never
-// reads a group size: a small setup kernel turns the device-side expert counts/offsets into
-// per-group problem sizes and pointers, then the persistent GEMM walks the groups. Both launches are stream-ordered and
+// warp-specialized cooperative persistent kernel). The host never reads a group size: a small
+// setup kernel turns the device-side expert counts/offsets into per-group problem sizes and
+// pointers, then the persistent GEMM walks the groups. Both launches are stream-ordered and
 // capturable in a CUDA graph.
 //
 // Every GEMM is D[m, n] = sum_k A(m, k) B(n, k), fp32 accumulation, bf16 row-major D. Each
@@ -27,27 +27,17 @@ namespace moka::cuda {
 //   Major::k:  A as [m, k], B as [n, k] (the reduced dimension contiguous), e.g. x W^T;
 //   Major::mn: A as [k, m], B as [k, n] (m or n contiguous), e.g. W in dY W, both in dY^T X.
 enum class Major : int8_t { k, mn };
-// The CUTLASS kernel schedule of one GroupedGemm (gemm_cutlass.cu; the cuBLAS loop ignores it):
-//   cooperative: both consumer warpgroups on one 128x256x64 tile (the layer's choice everywhere);
-//   pingpong: each consumer warpgroup on its own 128x128x64 tile, the two alternating, so one's
-//     epilogue overlaps the other's mainloop: for GEMMs with few k-blocks per tile (the weight
-//     gradients, short-K down products). Plain epilogue only. bench/kernels/gemm_schedules times
-//     both on each of the layer's GEMMs.
-enum class GemmSchedule : int8_t { cooperative, pingpong };
-// The operand majorness of one GroupedGemm (all its groups), and its kernel schedule.
-// Supported: {k, k} (forward), {k, mn} (data gradients dY W), {mn, mn} (weight gradients dY^T X),
-// each with either schedule.
+// The operand majorness of one GroupedGemm (all its groups). Supported: {k, k} (forward),
+// {k, mn} (data gradients dY W), {mn, mn} (weight gradients dY^T X).
 struct GemmLayout {
   Major a = Major::k, b = Major::k;
-  GemmSchedule schedule = GemmSchedule::cooperative;
 };
 
 // What the epilogue does with a group's fp32 accumulator.
 struct GemmEpilogue {
   enum Kind : int8_t {
     plain,   // D = bf16(acc)
-    swiglu,  // aux = G = bf16(acc), D = bf16(act(G, C)) (K-major A and B, the cooperative
-             // schedule and the CUTLASS engine only)
+    swiglu,  // aux = G = bf16(acc), D = bf16(act(G, C)) (K-major A and B, the CUTLASS engine only)
   };
   Kind kind = plain;
   core::ActParams act;  // swiglu only
