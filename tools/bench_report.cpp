@@ -3,6 +3,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <cmath>
 #include <cstdio>
 #include <fstream>
 #include <iomanip>
@@ -234,6 +235,27 @@ void Progress::update(const std::string& what, int done, int total) {
 
 void Progress::finish() {
   if (tty_) std::fprintf(stderr, "\r\033[K");
+}
+
+void check_lab_row(const BenchRow& row, const MoeShape& shape, int64_t tokens, int64_t tile_rows) {
+  const std::string which = row.shape + " at " + std::to_string(tokens) + " tokens (" + row.path + "): ";
+  if (row.extra.contains("grouped_rows")) {
+    const nlohmann::ordered_json& v = row.extra.at("grouped_rows");
+    const int64_t routes = tokens * shape.top_k, most = routes + (tile_rows - 1) * shape.num_experts;
+    const int64_t rows = v.is_number_integer() ? v.get<int64_t>() : -1;
+    require(rows >= routes && rows <= most, ErrorCode::internal,
+            which + "grouped_rows " + v.dump() + " outside [" + std::to_string(routes) + ", " + std::to_string(most) +
+                "] (" + std::to_string(tokens) + " tokens x top_k " + std::to_string(shape.top_k) + ", " +
+                std::to_string(shape.num_experts) + " experts padded to " + std::to_string(tile_rows) +
+                " rows): the row is not printed");
+  }
+  for (const auto& [key, v] : row.extra.items()) {
+    const std::string suffix = "pct_peak";
+    if (key.size() < suffix.size() || key.compare(key.size() - suffix.size(), suffix.size(), suffix) != 0) continue;
+    const double pct = v.is_number() ? v.get<double>() : NAN;
+    require(pct <= 100, ErrorCode::internal,
+            which + key + " " + v.dump() + " is above 100% of the dense peak: the row is not printed");
+  }
 }
 
 void dump_routing(const std::string& path, const NamedShape& ns, int64_t tokens, int ep,

@@ -80,6 +80,12 @@ void set_torch(BenchRow& row, const TorchResult& torch);
 void dump_routing(const std::string& path, const NamedShape& ns, int64_t tokens, int ep,
                   const std::vector<std::vector<int32_t>>& ids);
 std::string bench_json(const BenchRow& row);
+// The kernel lab's check of a row before it prints it (bench/kernels/): throws Error(internal)
+// when its grouped rows (extra "grouped_rows": `tokens` routed shape.top_k times, each of the
+// shape.num_experts experts' segments padded to `tile_rows`) are outside [tokens * top_k,
+// tokens * top_k + (tile_rows - 1) * num_experts], or when a share of the dense peak (an extra
+// field ending in "pct_peak") is above 100 or not a number: such a row did not measure its case.
+void check_lab_row(const BenchRow& row, const MoeShape& shape, int64_t tokens, int64_t tile_rows = 128);
 void print_table(std::ostream& os, const std::vector<BenchRow>& rows);
 // Every layer row's floor, memory and torch columns.
 void print_floor_comparison(std::ostream& os, const std::vector<BenchRow>& rows);

@@ -9,6 +9,7 @@
 
 #include "core/activation.hpp"
 #include "core/routing_gen.hpp"
+#include "core/schedule.hpp"
 #include "cuda/common/check.hpp"
 #include "cuda/layer/layer_kernels.hpp"
 #include "moka/distributed.hpp"
@@ -41,6 +42,9 @@ void add_megakernel_options(CLI::App& app, MegakernelConfig& c) {
 
 void print_json_line(const BenchRow& row) { std::cout << cli::bench_json(row) << std::endl; }
 
+namespace {
+constexpr int64_t kTileRows = 128;  // the megakernel's, and the schedule's padding
+}  // namespace
 
 int lab_main(CLI::App& app, int argc, char** argv, const std::function<void()>& run) {
   for (CLI::Option* option : app.get_options()) option->capture_default_str();  // --help shows the defaults
@@ -66,7 +70,12 @@ int case_bench_main(CLI::App& app, int argc, char** argv, CaseOptions& cases, Me
   if (megakernel) add_megakernel_options(app, *megakernel);
   return lab_main(app, argc, argv, [&] {
     for (const std::string& name : cases.shapes)
-      for (int64_t tokens : cases.tokens) print_json_line(run_case(named_shape(name), tokens));
+      for (int64_t tokens : cases.tokens) {
+        const NamedShape ns = named_shape(name);
+        const BenchRow row = run_case(ns, tokens);
+        cli::check_lab_row(row, ns.shape, tokens, kTileRows);  // impossible rows are refused, not printed
+        print_json_line(row);
+      }
   });
 }
 
@@ -92,7 +101,7 @@ namespace {
 template <typename T>
 Dev device_copy(const std::vector<T>& host) {
   Dev d(host.size() * sizeof(T));
-  MOKA_CUDA_CHECK(cudaMemcpy(d.data(), host.data(), d.bytes(), cudaMemcpyHostToDevice));
+  d.upload(host.data());  // in place on return: the schedule reads it on a non-blocking stream
   return d;
 }
 
@@ -111,8 +120,6 @@ std::vector<float> uniform_weights(size_t count, uint64_t seed) {
   return w;
 }
 
-constexpr int64_t kTileRows = 128;  // the megakernel's, and the schedule's padding
-
 }  // namespace
 
 GroupedRowsCase::GroupedRowsCase(const MoeShape& sh, int64_t t, int64_t rows, uint64_t seed, cudaStream_t s)
@@ -130,6 +137,16 @@ GroupedRowsCase::GroupedRowsCase(const MoeShape& sh, int64_t t, int64_t rows, ui
   wu.fill_normal(1 / std::sqrt(double(sh.hidden)), rng());
   wd.fill_normal(1 / std::sqrt(double(sh.intermediate)), rng());
   MOKA_CUDA_CHECK(cudaDeviceSynchronize());  // the fills ran on the legacy stream, the gather runs on s
+  // The schedule as the routing says: each expert's routes counted, its segment padded to whole tiles.
+  std::vector<int32_t> routed(sh.num_experts, 0);
+  for (int32_t e : topk) ++routed[e];
+  const std::vector<int32_t> got = counts(), starts = offsets();
+  for (int64_t e = 0, start = 0; e <= sh.num_experts; ++e) {
+    require(starts[e] == start && (e == sh.num_experts || got[e] == routed[e]), ErrorCode::internal,
+            "the grouped-row schedule does not match the routing at expert " + std::to_string(e) + " (" +
+                std::to_string(t) + " tokens of " + std::to_string(sh.num_experts) + " experts)");
+    if (e < sh.num_experts) start += core::round_up(int64_t(routed[e]), kTileRows);
+  }
   cuda::gather_rows(x.as<cuda::bf16>(), grouped.as<cuda::bf16>(), sched.row_of_slot.as<int32_t>(), t * sh.top_k,
                     sh.top_k, sh.hidden, s);
 }

@@ -45,7 +45,9 @@ void print_json_line(const BenchRow& row);
 int lab_main(CLI::App& app, int argc, char** argv, const std::function<void()>& run);
 
 // The main of a bench over cases: the case options (and the megakernel's knobs, when given), then
-// `run_case` for every shape and token count, each row printed as one JSON line.
+// `run_case` for every shape and token count, each row printed as one JSON line, after
+// cli::check_lab_row (a row with grouped rows outside tokens * k .. tokens * k + 127 * E, or
+// above 100% of the dense peak, is an Error: exit code 2, no line).
 using RunCase = std::function<BenchRow(const NamedShape&, int64_t)>;
 int case_bench_main(CLI::App& app, int argc, char** argv, CaseOptions& cases, MegakernelConfig* megakernel,
                     const RunCase& run_case);
@@ -63,7 +65,8 @@ cuda::GroupSpec expert_rows_group(int e, int a, int64_t lda, int b, int64_t b_of
 // One case's routed rows grouped by expert, as the megakernel core and the CUTLASS grouped GEMMs
 // read them (EP = 1, routed experts only): random x, d_out and weights N(0, 1/fan_in), uniform
 // routing with random route weights U(0, 1), the single-GPU schedule (tile_rows 128), and x
-// gathered into the experts' segments of `grouped` ([rows, H], zero padding rows).
+// gathered into the experts' segments of `grouped` ([rows, H], zero padding rows). The
+// schedule's counts and offsets are checked against the routing on the host (Error otherwise).
 struct GroupedRowsCase {
   MoeShape shape;
   int64_t tokens;

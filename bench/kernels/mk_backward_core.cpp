@@ -20,7 +20,7 @@ struct Options {
 template <typename T>
 Dev peer_table(T* p) {
   Dev table(sizeof(T*));
-  MOKA_CUDA_CHECK(cudaMemcpy(table.data(), &p, sizeof(T*), cudaMemcpyHostToDevice));
+  table.upload(&p);  // in place on return, before the backward reads it on the case's stream
   return table;
 }
 
@@ -31,7 +31,7 @@ Dev slot_of_row(const GroupedRowsCase& in, int64_t rows) {
       cudaMemcpy(row_of_slot.data(), in.sched.row_of_slot.data(), row_of_slot.size() * 4, cudaMemcpyDeviceToHost));
   for (size_t slot = 0; slot < row_of_slot.size(); ++slot) slots[row_of_slot[slot]] = int32_t(slot);
   Dev d(rows * 4);
-  MOKA_CUDA_CHECK(cudaMemcpy(d.data(), slots.data(), d.bytes(), cudaMemcpyHostToDevice));
+  d.upload(slots.data());
   return d;
 }
 

@@ -104,5 +104,57 @@ TEST(BenchTorchResult, NamesTheBadLine) {
   std::remove(path.c_str());
 }
 
+// The kernel lab's refusal of impossible rows (bench/kernels/, case_bench_main): mixtral-8x7b's
+// routing (8 experts, top 2) at 16384 tokens must give 32768 to 32768 + 127 * 8 grouped rows; an
+// H200 run printed 3072 and 370% of the dense peak when the lab's schedule raced its buffers'
+// zeroing (tools/gpu/device_tensors.cpp).
+TEST(LabRowCheck, RefusesGroupedRowsOutsideTheRoutesAndTheirPadding) {
+  const MoeShape mixtral{4096, 14336, 8, 2, 0, Activation::swiglu, 7.0f};
+  BenchRow row;
+  row.shape = "mixtral-8x7b";
+  row.path = "mk-backward-core";
+  for (int64_t rows : {32768, 32768 + 5 * 128, 32768 + 127 * 8}) {
+    row.extra["grouped_rows"] = rows;
+    EXPECT_NO_THROW(check_lab_row(row, mixtral, 16384)) << rows;
+  }
+  for (int64_t rows : {0, 3072, 32767, 32768 + 127 * 8 + 1}) {
+    row.extra["grouped_rows"] = rows;
+    try {
+      check_lab_row(row, mixtral, 16384);
+      ADD_FAILURE() << rows << ": no error";
+    } catch (const Error& e) {
+      EXPECT_EQ(e.code(), ErrorCode::internal);
+      EXPECT_NE(std::string(e.what()).find("grouped_rows " + std::to_string(rows) + " outside [32768, 33784]"),
+                std::string::npos)
+          << e.what();
+    }
+  }
+  row.extra["grouped_rows"] = "3072";  // not a count
+  EXPECT_THROW(check_lab_row(row, mixtral, 16384), Error);
+  row.extra.erase("grouped_rows");  // a bench without grouped rows (staged_baselines)
+  EXPECT_NO_THROW(check_lab_row(row, mixtral, 16384));
+}
+
+TEST(LabRowCheck, RefusesAShareOfThePeakAbove100) {
+  const MoeShape qwen3{2048, 768, 128, 8, 0, Activation::swiglu, 7.0f};
+  BenchRow row;
+  row.extra["grouped_rows"] = 131072 + 3000;
+  row.extra["backward_pct_peak"] = 71.5;
+  row.extra["core_pct_peak"] = 100.0;
+  EXPECT_NO_THROW(check_lab_row(row, qwen3, 16384));
+  row.extra["backward_pct_peak"] = 370.2;
+  try {
+    check_lab_row(row, qwen3, 16384);
+    ADD_FAILURE() << "no error";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("backward_pct_peak 370.2 is above 100%"), std::string::npos) << e.what();
+  }
+  row.extra["backward_pct_peak"] = nullptr;  // not a number (a NaN is written as null)
+  EXPECT_THROW(check_lab_row(row, qwen3, 16384), Error);
+  row.extra.erase("backward_pct_peak");
+  row.extra["dense_peak_tflops"] = 780.0;  // not a share of it
+  EXPECT_NO_THROW(check_lab_row(row, qwen3, 16384));
+}
+
 }  // namespace
 }  // namespace moka::cli

@@ -22,7 +22,8 @@ struct GroupedSchedule {
       : rows(tokens * sh.top_k + sh.num_experts * (tile_rows - 1)),
         chunk_counts(cuda::schedule_chunks(tokens * sh.top_k) * sh.num_experts * 4), counts(sh.num_experts * 4),
         offsets((sh.num_experts + 1) * 4), row_of_slot(tokens * sh.top_k * 4), error(8) {
-    MOKA_CUDA_CHECK(cudaMemset(error.data(), 0xFF, 8));
+    // On `s`, ordered before the routing check (the default stream's is not, when s is non-blocking).
+    MOKA_CUDA_CHECK(cudaMemsetAsync(error.data(), 0xFF, 8, s));
     cuda::DeviceSchedule d;
     d.slots = tokens * sh.top_k, d.num_experts = sh.num_experts, d.global_experts = sh.num_experts;
     d.tile_rows = tile_rows, d.top_k = sh.top_k;

@@ -10,10 +10,16 @@
 
 namespace moka::cli {
 
+// The zeros (and an upload's bytes) are waited for before the constructor (upload) returns: the
+// benches run on non-blocking streams (CaseStream), which do not wait for the default stream's
+// work, so a kernel enqueued there right after could otherwise run before them and have its
+// results zeroed behind it (the kernel lab's grouped-row schedules: mk_backward_core's rows of
+// 3072 grouped rows for mixtral-8x7b at 16384 tokens).
 DeviceBuffer::DeviceBuffer(size_t bytes) : bytes_(bytes) {
   const size_t allocated = std::max<size_t>(bytes, 16);
   BENCH_CHECK(cudaMalloc(&data_, allocated));
-  const cudaError_t zeroed = cudaMemset(data_, 0, allocated);
+  cudaError_t zeroed = cudaMemsetAsync(data_, 0, allocated, nullptr);
+  if (zeroed == cudaSuccess) zeroed = cudaStreamSynchronize(nullptr);
   if (zeroed != cudaSuccess) cudaFree(std::exchange(data_, nullptr));
   BENCH_CHECK(zeroed);
 }
@@ -27,7 +33,11 @@ DeviceBuffer& DeviceBuffer::operator=(DeviceBuffer&& other) noexcept {
   std::swap(bytes_, other.bytes_);
   return *this;
 }
-void DeviceBuffer::upload(const void* host) { BENCH_CHECK(cudaMemcpy(data_, host, bytes_, cudaMemcpyHostToDevice)); }
+void DeviceBuffer::upload(const void* host) {
+  // From pageable memory cudaMemcpy may return before the bytes land (CUDA's API sync behavior).
+  BENCH_CHECK(cudaMemcpy(data_, host, bytes_, cudaMemcpyHostToDevice));
+  BENCH_CHECK(cudaStreamSynchronize(nullptr));
+}
 
 namespace {
 int current_device() {

@@ -15,7 +15,8 @@ namespace moka::cli {
 // cudaMalloc'ed bytes on the current device, freed by their owner. Zeroed once, so that no
 // kernel reads memory nobody wrote (compute-sanitizer's initcheck runs the GPU tests), and at
 // least 16 bytes, so that even an empty buffer has an address a TMA descriptor takes: as the
-// library's own arrays.
+// library's own arrays. The zeros (and upload's bytes) are in place when the call returns, so
+// work on any stream, a non-blocking one included, may follow it.
 class DeviceBuffer {
  public:
   DeviceBuffer() = default;
