@@ -38,8 +38,12 @@
    which runs moka's ops, against the module eager (target: at most 1.03), the same for
    ``moe_experts``, and training steps of examples/train_tiny_moe.py's block (attention + MoE,
    --block-seq tokens a sequence, AdamW) compiled against eager (target: at most 1).
+7. ``--measure parts`` (per shape): where the module's fwd+bwd goes beyond the C++ layer's: the
+   module against ``apply_experts`` on uniform routes and on its own routes, the routing alone,
+   with --paired-steps the module against paired_steps, and on the GPU each CUDA kernel of one
+   profiled step of the module and of the experts alone, with the GPU's idle gaps.
 --measure picks them (default host,device; 1 to 4 are "host" and "device"); ``--smoke`` runs
-host, stack and compile on the CPU backend at tiny sizes in seconds (tests/python/test_bench_smoke.py).
+host, stack, compile and parts on the CPU backend at tiny sizes in seconds (tests/python/test_bench_smoke.py).
 One JSON line per measurement on stdout (and appended to --out). The measurements live in
 bench/overhead/ (host.py: 2 to 4, model.py: 5 and 6); this file holds the device comparison and
 the command line.
@@ -57,7 +61,7 @@ from torch_baseline import SHAPES, paired_runs  # noqa: E402
 
 from overhead.common import HOST_SHAPES, make_layer  # noqa: E402
 from overhead.host import host_overhead, host_per_layer, timeline  # noqa: E402
-from overhead.model import compiled_block, compiled_op, stack  # noqa: E402
+from overhead.model import compiled_block, compiled_op, module_parts, stack  # noqa: E402
 
 
 def device_overhead(paired_steps, name, tokens, iters, warmup, seed):
@@ -79,11 +83,11 @@ def device_overhead(paired_steps, name, tokens, iters, warmup, seed):
             "cpp_runs_ms": paired["moka_fwdbwd_ms"]}
 
 
-MEASUREMENTS = ("host", "device", "stack", "compile")
+MEASUREMENTS = ("host", "device", "stack", "compile", "parts")
 # --smoke: every measurement that runs without a GPU, on the CPU backend at sizes that take
 # seconds (the Python test suite runs it); options given beside it still apply.
-SMOKE = {"device": "cpu", "measure": "host,stack,compile", "shapes": "tiny", "tokens": 64, "iters": 2, "warmup": 1,
-         "host_tokens": 16, "host_calls": 3, "depth": 3, "block_seq": 8, "compile_backend": "aot_eager"}
+SMOKE = {"device": "cpu", "measure": "host,stack,compile,parts", "shapes": "tiny", "tokens": 64, "iters": 2,
+         "warmup": 1, "host_tokens": 16, "host_calls": 3, "depth": 3, "block_seq": 8, "compile_backend": "aot_eager"}
 
 
 def parser(smoke: bool) -> argparse.ArgumentParser:
@@ -161,6 +165,8 @@ def main():
         "device": lambda name: device_overhead(a.paired_steps, name, a.tokens, a.iters, a.warmup, a.seed),
         "stack": lambda name: stack(name, a.tokens, a.stack_depth, a.iters, a.warmup, a.seed, a.device,
                                     a.paired_steps if a.device == "cuda" else ""),
+        "parts": lambda name: module_parts(name, a.tokens, a.iters, a.warmup, a.seed, a.device,
+                                           a.paired_steps if a.device == "cuda" else ""),
         "compile": lambda name: [
             compiled_op(name, a.tokens, a.iters, a.warmup, a.seed, a.device, a.compile_backend),
             compiled_block(name, a.tokens, a.block_seq, a.iters, a.warmup, a.seed, a.device, a.compile_backend)],

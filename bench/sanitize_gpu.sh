@@ -16,7 +16,7 @@ OUT=${OUT:-$PWD/gpu_out}
 mkdir -p "$OUT"
 SANITIZER=${SANITIZER:-$(command -v compute-sanitizer || echo /usr/local/cuda/bin/compute-sanitizer)}
 TOOLS=${TOOLS:-memcheck racecheck synccheck initcheck}
-SUITES=${SUITES:-Shapes/MegakernelVsReference.*:Megakernel.*:MegakernelGrid.*:MegakernelCore.* MegakernelPath.*:MegakernelBackward.*:MegakernelBackwardTwoRanks.*:-*Dimensions* MegakernelBackwardGemm.* CudaLayer.*:Shapes/CudaLayerVsReference.*:-CudaLayer.NamedShapes* CudaRouter.*}
+SUITES=${SUITES:-Shapes/MegakernelVsReference.*:Megakernel.*:MegakernelGrid.*:MegakernelCore.* MegakernelPath.*:MegakernelBackward.*:MegakernelBackwardTwoRanks.*:-*Dimensions* MegakernelBackwardGemm.* CudaLayer.*:Shapes/CudaLayerVsReference.*:-CudaLayer.NamedShapes* CudaRouter.*:Losses/CudaRouterLosses.*}
 # The tests' in-kernel wait bound (2 s) is too short for kernels slowed down by a sanitizer.
 export MOKA_TEST_SPIN_TIMEOUT_S=${MOKA_TEST_SPIN_TIMEOUT_S:-120}
 LIMIT_S=${LIMIT_S:-300}

@@ -182,3 +182,76 @@ def compiled_block(name: str, tokens: int, seq: int, iters: int, warmup: int, se
             **timed_pair(times, "eager", "compiled", what="step"), "compile_s": compile_s,
             "first_output_max_abs_diff": difference}
 
+
+
+def kernel_profile(step) -> dict:
+    """Every CUDA kernel of one run of ``step`` (after one untimed run): their count, busy and
+    first-to-last microseconds, the longest idle gaps between two kernels and the kernels by total
+    time (names cut to 90 characters)."""
+    step()
+    torch.cuda.synchronize()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        step()
+        torch.cuda.synchronize()
+    events = sorted((e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA),
+                    key=lambda e: e.time_range.start)
+    gaps = sorted(((b.time_range.start - a.time_range.end, a.name[:60], b.name[:60])
+                   for a, b in zip(events, events[1:])), reverse=True)[:6]
+    by_name: dict[str, list] = {}
+    for e in events:
+        entry = by_name.setdefault(e.name[:90], [0, 0.0])
+        entry[0] += 1
+        entry[1] += e.time_range.elapsed_us()
+    return {"kernels": len(events), "busy_us": sum(e.time_range.elapsed_us() for e in events),
+            "span_us": events[-1].time_range.end - events[0].time_range.start if events else 0,
+            "gaps_us": [[round(g, 1), a, b] for g, a, b in gaps],
+            "by_kernel_us": [[name, n, round(us, 1)] for name, (n, us) in
+                             sorted(by_name.items(), key=lambda item: -item[1][1])[:25]]}
+
+
+def module_parts(name: str, tokens: int, iters: int, warmup: int, seed: int, device: str, moka: str = "") -> list:
+    """Where a module's fwd+bwd goes beyond the C++ layer's: the module (routing + experts)
+    against ``apply_experts`` on uniform routes and on the module's own routes, and the routing
+    alone (``route`` and its backward), alternated; with ``moka`` (GPU) the module paired with
+    paired_steps' fwd+bwd; on the GPU one profiled step of the module and of the experts alone
+    (``kernel_profile``)."""
+    moe, x, ids, weights, d_out = make_layer(name, tokens, seed, device)
+    with torch.no_grad():
+        routed_ids, routed_weights = moe.route(x.detach())
+    routed_weights.requires_grad_()
+
+    def module_step():
+        moe.zero_grad()
+        x.grad = None
+        moe(x).backward(d_out)
+
+    def experts_step(topk_ids, topk_weights):
+        def step():
+            moe.zero_grad()
+            x.grad = topk_weights.grad = None
+            moe.apply_experts(x, topk_ids, topk_weights).backward(d_out)
+        return step
+
+    def route_step():
+        moe.zero_grad()
+        x.grad = None
+        moe.route(x)[1].sum().backward()
+
+    steps = {"module": module_step, "experts_uniform": experts_step(ids, weights),
+             "experts_routed": experts_step(routed_ids, routed_weights), "route": route_step}
+    times = alternated_ms(steps, iters, warmup, device)
+    share = tokens * moe.top_k / moe.experts
+    row = {"measure": "parts", "shape": name, "tokens_per_rank": tokens, "runs": iters,
+           **{f"{step}_fwdbwd_ms": statistics.median(t) for step, t in times.items()},
+           "module_over_experts": median_ratio(times, "module", "experts_uniform"),
+           "routed_max_over_mean": (torch.bincount(routed_ids.flatten().long(), minlength=moe.experts).max()
+                                    / share).item(),
+           "uniform_max_over_mean": (torch.bincount(ids.flatten().long(), minlength=moe.experts).max() / share).item()}
+    if moka:
+        paired = paired_runs(moka, name, tokens, iters, warmup, seed, module_step)
+        row.update(cpp_fwdbwd_ms=paired["moka_median_ms"], module_over_cpp=paired["median_ratio"])
+    rows = [row]
+    if device == "cuda":
+        rows += [{"measure": "parts_profile", "shape": name, "tokens_per_rank": tokens, "step": step,
+                  **kernel_profile(steps[step])} for step in ("module", "experts_uniform")]
+    return rows

@@ -386,15 +386,25 @@ TEST(CudaRouter, AddsCountsToTheExpertLoadAndKeepsItsOwnIds) {
 }
 
 // The router against the CPU router (fp64 on bf16-rounded inputs): same ids (where scores are
-// not near-tied), close weights, and close input/weight gradients.
-TEST(CudaRouter, MatchesReferenceForEveryNamedStyle) {
+// not near-tied), close weights, and close input/weight gradients; with both losses, either, or
+// none (their sums then do not run), and token counts that leave a block's last warps idle.
+struct RouterLossCase {
+  double aux, z;
+  int64_t tokens;
+};
+class CudaRouterLosses : public ::testing::TestWithParam<RouterLossCase> {};
+INSTANTIATE_TEST_SUITE_P(Losses, CudaRouterLosses,
+                         ::testing::Values(RouterLossCase{0.01, 0.001, 64}, RouterLossCase{0, 0, 61},
+                                           RouterLossCase{0.01, 0, 37}, RouterLossCase{0, 0.001, 9}));
+
+TEST_P(CudaRouterLosses, MatchesReferenceForEveryNamedStyle) {
   for (const auto& ns : named_shapes()) {
     SCOPED_TRACE(ns.name);
     RouterConfig rc = ns.router;
     rc.hidden = 256;
-    rc.aux_loss_coef = 0.01;
-    rc.z_loss_coef = 0.001;
-    const int64_t T = 64, H = rc.hidden, E = rc.num_experts, k = rc.top_k;
+    rc.aux_loss_coef = GetParam().aux;
+    rc.z_loss_coef = GetParam().z;
+    const int64_t T = GetParam().tokens, H = rc.hidden, E = rc.num_experts, k = rc.top_k;
     std::mt19937_64 rng(fresh_seed());
     std::normal_distribution<double> nd(0, 1);
     std::vector<double> x(T * H), w(E * H), bias(E), dwt(T * k);
@@ -437,6 +447,15 @@ TEST(CudaRouter, MatchesReferenceForEveryNamedStyle) {
     MOKA_CUDA_CHECK(cudaMemcpy(hid.data(), gids.data(), gids.bytes(), cudaMemcpyDeviceToHost));
     MOKA_CUDA_CHECK(cudaMemcpy(hw.data(), gwt.data(), gwt.bytes(), cudaMemcpyDeviceToHost));
     MOKA_CUDA_CHECK(cudaMemcpy(hc.data(), gc.data(), gc.bytes(), cudaMemcpyDeviceToHost));
+    {  // the same bits from a second call
+      const auto ids_once = gpu_test::bytes_of(gids), weights_once = gpu_test::bytes_of(gwt);
+      gpu->forward(TensorView(gx.data(), DType::bf16, {T, H}, d), TensorView(gw.data(), DType::bf16, {E, H}, d),
+                   rc.use_selection_bias ? TensorView(gb.data(), DType::f32, {E}, d) : TensorView(),
+                   {TensorView(gids.data(), DType::i32, {T, k}, d), TensorView(gwt.data(), DType::f32, {T, k}, d), {}},
+                   Stream{});
+      EXPECT_EQ(gpu_test::bytes_of(gids), ids_once);
+      EXPECT_EQ(gpu_test::bytes_of(gwt), weights_once);
+    }
     int64_t same = 0;
     for (int64_t i = 0; i < T * k; ++i) same += hid[i] == ids[i];
     EXPECT_GE(double(same) / double(T * k), 0.97) << "top-k ids differ beyond near-ties";

@@ -29,7 +29,7 @@ def positive(value) -> bool:
 
 
 def test_every_measurement_of_the_smoke_run_reports_without_error(rows):
-    assert set(rows) == {"host", "host_per_layer", "stack", "compile_op", "compile_block"}
+    assert set(rows) == {"host", "host_per_layer", "stack", "compile_op", "compile_block", "parts"}
     for row in rows.values():
         assert "error" not in row, row
         assert row["device"] == "cpu" and row["shape"] == "tiny"
@@ -55,3 +55,11 @@ def test_the_compiled_runs_report_beside_eager(rows):
     assert positive(block["eager_step_ms"]) and positive(block["compiled_step_ms"]) and positive(block["compile_s"])
     # On the CPU the compiled block computes the same bits as eager.
     assert block["first_output_max_abs_diff"] == 0.0
+
+
+def test_the_parts_report_the_module_beside_the_experts_and_the_routing(rows):
+    parts = rows["parts"]
+    for step in ("module", "experts_uniform", "experts_routed", "route"):
+        assert positive(parts[f"{step}_fwdbwd_ms"]), step
+    assert positive(parts["module_over_experts"])
+    assert parts["routed_max_over_mean"] >= 1 and parts["uniform_max_over_mean"] >= 1

@@ -1,6 +1,7 @@
-// The router on the GPU: logits = x W^T through cuBLAS (bf16 in, fp32 out), then one block per
+// The router on the GPU: logits = x W^T through cuBLAS (bf16 in, fp32 out), then one warp per
 // token for scores, biased top-k (ties to the lower expert id, as the CPU reference), weights,
-// and per-expert counts (integer atomics: exact). Losses and their gradients use fixed-order
+// and per-expert counts (integer atomics: exact). A warp, not a block: a token's few hundred
+// scores need no block barriers, and a block per token spent most of the router's time in them. Losses and their gradients use fixed-order
 // reductions. Only RouterContext::losses() synchronizes (it returns host numbers).
 #include <cfloat>
 #include <cmath>
@@ -24,74 +25,85 @@ struct RouterParams {
   double aux_coef, z_coef;
 };
 
-// Block-wide argmax of key over experts (higher key wins; equal keys: lower id). Fixed shape.
-__device__ void block_argmax(float key, int id, float& best_key, int& best_id) {
-  __shared__ float keys[kThreads / 32];
-  __shared__ int ids[kThreads / 32];
+// Block-wide sum in a fixed order (lanes, then warps in order); every thread gets it.
+__device__ double block_sum(double v) {
+  __shared__ double part[kThreads / 32];
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+  if ((threadIdx.x & 31) == 0) part[threadIdx.x / 32] = v;
+  __syncthreads();
+  double r = part[0];
+  for (int w = 1; w < kThreads / 32; ++w) r += part[w];
+  __syncthreads();
+  return r;
+}
+
+constexpr int kWarps = kThreads / 32;  // tokens per block of the per-token kernels
+
+// Warp-wide max or sum over a butterfly: lane i adds lane i^o's value to its own, and a + b is
+// b + a bit for bit, so every lane ends with the same bits, in the same order every run.
+__device__ float warp_reduce(float v, bool is_max) {
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) {
+    const float u = __shfl_xor_sync(0xffffffffu, v, o);
+    v = is_max ? fmaxf(v, u) : v + u;
+  }
+  return v;
+}
+
+// Warp-wide argmax (higher key wins; equal keys: lower id); every lane gets the winner.
+__device__ void warp_argmax(float& key, int& id) {
 #pragma unroll
   for (int o = 16; o > 0; o >>= 1) {
     const float k2 = __shfl_xor_sync(0xffffffffu, key, o);
     const int i2 = __shfl_xor_sync(0xffffffffu, id, o);
     if (k2 > key || (k2 == key && i2 < id)) key = k2, id = i2;
   }
-  if ((threadIdx.x & 31) == 0) keys[threadIdx.x / 32] = key, ids[threadIdx.x / 32] = id;
-  __syncthreads();
-  best_key = keys[0], best_id = ids[0];
-  for (int w = 1; w < kThreads / 32; ++w)
-    if (keys[w] > best_key || (keys[w] == best_key && ids[w] < best_id)) best_key = keys[w], best_id = ids[w];
-  __syncthreads();
 }
 
-__device__ float max_of(float a, float b) { return fmaxf(a, b); }
-__device__ double max_of(double a, double b) { return fmax(a, b); }
-
-// Block-wide max or sum in a fixed order (lanes, then warps in order); every thread gets it.
-template <typename T>
-__device__ T block_reduce(T v, bool is_max) {
-  __shared__ T part[kThreads / 32];
-#pragma unroll
-  for (int o = 16; o > 0; o >>= 1) {
-    const T u = __shfl_xor_sync(0xffffffffu, v, o);
-    v = is_max ? max_of(v, u) : v + u;
-  }
-  if ((threadIdx.x & 31) == 0) part[threadIdx.x / 32] = v;
-  __syncthreads();
-  T r = part[0];
-  for (int w = 1; w < kThreads / 32; ++w) r = is_max ? max_of(r, part[w]) : r + part[w];
-  __syncthreads();
-  return r;
+// The token of this warp, or -1 past the last (the whole warp leaves together).
+__device__ int64_t warp_token(int64_t tokens) {
+  const int64_t t = int64_t(blockIdx.x) * kWarps + threadIdx.x / 32;
+  return t < tokens ? t : -1;
 }
 
-// One block per token. scores/p: [T, E]; lse: [T]. The ids go to the caller's topk_ids and to
-// saved_ids, the copy backward reads (the caller may reuse its buffer).
+// One warp per token. scores: [T, E]; p: [T, E], the balancing loss's probabilities (null when
+// the loss is off); lse: [T]. The ids go to the caller's topk_ids and to saved_ids, the copy
+// backward reads (the caller may reuse its buffer).
 __global__ void __launch_bounds__(kThreads)
     route_tokens(RouterParams P, const float* logits, const float* bias, float* scores, float* p, float* lse,
                  int32_t* ids, int32_t* saved_ids, float* weights, int32_t* counts) {
-  const int64_t t = blockIdx.x, E = P.experts;
+  __shared__ int chosen_of_warp[kWarps][64];
+  const int64_t t = warp_token(P.tokens);
+  if (t < 0) return;
+  const int lane = threadIdx.x & 31;
+  int* chosen = chosen_of_warp[threadIdx.x / 32];
+  const int64_t E = P.experts;
   const float* lg = logits + t * E;
   float* sc = scores + t * E;
   float mx = -FLT_MAX;
-  for (int64_t e = threadIdx.x; e < E; e += kThreads) mx = fmaxf(mx, lg[e]);
-  mx = block_reduce(mx, true);
+  for (int64_t e = lane; e < E; e += 32) mx = fmaxf(mx, lg[e]);
+  mx = warp_reduce(mx, true);
   float sum_exp = 0;
-  for (int64_t e = threadIdx.x; e < E; e += kThreads) sum_exp += expf(lg[e] - mx);
-  sum_exp = block_reduce(sum_exp, false);
-  if (threadIdx.x == 0) lse[t] = mx + logf(sum_exp);
-  for (int64_t e = threadIdx.x; e < E; e += kThreads)
-    sc[e] = P.sigmoid ? core::sigmoid(lg[e]) : expf(lg[e] - mx) / sum_exp;
-  __syncthreads();
-  // Probabilities of the balancing loss: the scores normalized per token.
+  for (int64_t e = lane; e < E; e += 32) sum_exp += expf(lg[e] - mx);
+  sum_exp = warp_reduce(sum_exp, false);
+  if (lane == 0) lse[t] = mx + logf(sum_exp);
   float ssum = 0;
-  for (int64_t e = threadIdx.x; e < E; e += kThreads) ssum += sc[e];
-  ssum = block_reduce(ssum, false);
-  for (int64_t e = threadIdx.x; e < E; e += kThreads) p[t * E + e] = sc[e] / ssum;
-  // Top-k: k rounds of a block argmax over experts not yet taken.
-  __shared__ int chosen[64];
+  for (int64_t e = lane; e < E; e += 32) {
+    sc[e] = P.sigmoid ? core::sigmoid(lg[e]) : expf(lg[e] - mx) / sum_exp;
+    ssum += sc[e];
+  }
+  if (p) {  // the scores normalized per token
+    ssum = warp_reduce(ssum, false);
+    for (int64_t e = lane; e < E; e += 32) p[t * E + e] = sc[e] / ssum;
+  }
+  __syncwarp();  // every lane's scores, before any lane reads another's
+  // Top-k: k rounds of a warp argmax over experts not yet taken.
   float sel_sum = 0;
   for (int64_t j = 0; j < P.top_k; ++j) {
     float key = -FLT_MAX;
     int id = INT_MAX;
-    for (int64_t e = threadIdx.x; e < E; e += kThreads) {
+    for (int64_t e = lane; e < E; e += 32) {
       bool taken = false;
       for (int64_t i = 0; i < j; ++i) taken |= chosen[i] == e;
       if (taken) continue;
@@ -101,19 +113,17 @@ __global__ void __launch_bounds__(kThreads)
       const float kv = isnan(raw) ? -FLT_MAX : raw;
       if (kv > key || (kv == key && e < id)) key = kv, id = static_cast<int>(e);
     }
-    float bk;
-    int bi;
-    block_argmax(key, id, bk, bi);
-    if (threadIdx.x == 0) chosen[j] = bi;
-    __syncthreads();
-    sel_sum += sc[chosen[j]];
+    warp_argmax(key, id);
+    if (lane == 0) chosen[j] = id;
+    __syncwarp();
+    sel_sum += sc[id];
   }
-  if (threadIdx.x < P.top_k) {
-    const int e = chosen[threadIdx.x];
+  for (int64_t j = lane; j < P.top_k; j += 32) {
+    const int e = chosen[j];
     const float s = sc[e];
-    ids[t * P.top_k + threadIdx.x] = e;
-    saved_ids[t * P.top_k + threadIdx.x] = e;
-    weights[t * P.top_k + threadIdx.x] = P.route_scale * (P.renormalize ? s / sel_sum : s);
+    ids[t * P.top_k + j] = e;
+    saved_ids[t * P.top_k + j] = e;
+    weights[t * P.top_k + j] = P.route_scale * (P.renormalize ? s / sel_sum : s);
     atomicAdd(&counts[e], 1);
   }
 }
@@ -125,13 +135,14 @@ __global__ void __launch_bounds__(kThreads)
 __global__ void router_loss_sums(RouterParams P, const float* p, const float* lse, double* mean_p, double* losses) {
   double s = 0;
   if (blockIdx.x < P.experts) {
+    if (!p) return;  // the balancing loss is off
     const int64_t e = blockIdx.x;
     for (int64_t t = threadIdx.x; t < P.tokens; t += blockDim.x) s += p[t * P.experts + e];
-    s = block_reduce(s, false);
+    s = block_sum(s);
     if (threadIdx.x == 0) mean_p[e] = s / double(P.tokens);
   } else {
     for (int64_t t = threadIdx.x; t < P.tokens; t += blockDim.x) s += double(lse[t]) * lse[t];
-    s = block_reduce(s, false);
+    s = block_sum(s);
     if (threadIdx.x == 0) losses[1] = P.z_coef * s / double(P.tokens);
   }
 }
@@ -146,22 +157,29 @@ __global__ void router_aux_loss(RouterParams P, const int32_t* counts, const dou
     if (expert_load) expert_load[e] += counts[e];
   }
   if (threadIdx.x != 0) return;
+  // A loss that is off is 0 and its sums did not run (router_loss_sums runs for either loss).
+  if (P.z_coef == 0) losses[1] = 0;
   double aux = 0;
-  for (int64_t e = 0; e < P.experts; ++e) aux += double(counts[e]) / double(P.tokens * P.top_k) * mean_p[e];
+  if (P.aux_coef != 0)
+    for (int64_t e = 0; e < P.experts; ++e) aux += double(counts[e]) / double(P.tokens * P.top_k) * mean_p[e];
   losses[0] = P.aux_coef * double(P.experts) * aux;
 }
 
-// d_logits of one token (bf16 for the cuBLAS products), mirroring the CPU router's backward.
+// d_logits of one token (bf16 for the cuBLAS products), mirroring the CPU router's backward; one
+// warp per token, as the forward.
 __global__ void __launch_bounds__(kThreads)
     router_backward_tokens(RouterParams P, const float* logits, const float* scores, const float* lse,
                            const int32_t* ids, const int32_t* counts, const float* d_weights, float* ds_scratch,
                            bf16* d_logits) {
-  const int64_t t = blockIdx.x, E = P.experts, k = P.top_k;
+  const int64_t t = warp_token(P.tokens);
+  if (t < 0) return;
+  const int lane = threadIdx.x & 31;
+  const int64_t E = P.experts, k = P.top_k;
   const float* sc = scores + t * E;
   float* ds = ds_scratch + t * E;
-  for (int64_t e = threadIdx.x; e < E; e += kThreads) ds[e] = 0;
-  __syncthreads();
-  if (threadIdx.x == 0) {
+  for (int64_t e = lane; e < E; e += 32) ds[e] = 0;
+  __syncwarp();
+  if (lane == 0) {  // the selected scores' gradients, j in order
     float S = 0, dot = 0;
     for (int64_t j = 0; j < k; ++j) S += sc[ids[t * k + j]], dot += d_weights[t * k + j] * sc[ids[t * k + j]];
     for (int64_t j = 0; j < k; ++j) {
@@ -169,29 +187,28 @@ __global__ void __launch_bounds__(kThreads)
       ds[ids[t * k + j]] += P.route_scale * (P.renormalize ? dw / S - dot / (S * S) : dw);
     }
   }
-  __syncthreads();
+  __syncwarp();
   if (P.aux_coef != 0) {
     float ssum = 0, dpp = 0;
-    for (int64_t e = threadIdx.x; e < E; e += kThreads) ssum += sc[e];
-    ssum = block_reduce(ssum, false);
-    for (int64_t e = threadIdx.x; e < E; e += kThreads) {
+    for (int64_t e = lane; e < E; e += 32) ssum += sc[e];
+    ssum = warp_reduce(ssum, false);
+    for (int64_t e = lane; e < E; e += 32) {
       const float dp = float(P.aux_coef * double(E) * (double(counts[e]) / double(P.tokens * k)) / double(P.tokens));
       dpp += dp * sc[e] / ssum;
     }
-    dpp = block_reduce(dpp, false);
-    for (int64_t e = threadIdx.x; e < E; e += kThreads) {
+    dpp = warp_reduce(dpp, false);
+    for (int64_t e = lane; e < E; e += 32) {
       const float dp = float(P.aux_coef * double(E) * (double(counts[e]) / double(P.tokens * k)) / double(P.tokens));
       ds[e] += (dp - dpp) / ssum;
     }
-    __syncthreads();
   }
   float dot_sp = 0;
   if (!P.sigmoid) {
-    for (int64_t e = threadIdx.x; e < E; e += kThreads) dot_sp += ds[e] * sc[e];
-    dot_sp = block_reduce(dot_sp, false);
+    for (int64_t e = lane; e < E; e += 32) dot_sp += ds[e] * sc[e];
+    dot_sp = warp_reduce(dot_sp, false);
   }
   const float zc = float(2.0 * P.z_coef / double(P.tokens)) * lse[t];
-  for (int64_t e = threadIdx.x; e < E; e += kThreads) {
+  for (int64_t e = lane; e < E; e += 32) {
     float dl = P.sigmoid ? ds[e] * sc[e] * (1.0f - sc[e]) : sc[e] * (ds[e] - dot_sp);
     if (P.z_coef != 0) dl += zc * expf(logits[t * E + e] - lse[t]);
     d_logits[t * E + e] = __float2bfloat16(dl);
@@ -260,7 +277,7 @@ class CudaRouter final : public Router {
     st->stream = s;
     st->logits = std::make_unique<StreamScratch<float>>(T * E, s);
     st->scores = std::make_unique<StreamScratch<float>>(T * E, s);
-    st->p = std::make_unique<StreamScratch<float>>(T * E, s);
+    if (c_.aux_loss_coef != 0) st->p = std::make_unique<StreamScratch<float>>(T * E, s);
     st->lse = std::make_unique<StreamScratch<float>>(T, s);
     st->ids = std::make_unique<StreamScratch<int32_t>>(T * k, s);
     st->counts = std::make_unique<StreamScratch<int32_t>>(E, s);
@@ -273,15 +290,18 @@ class CudaRouter final : public Router {
                                    int(H), x.data, CUDA_R_16BF, int(H), &zero, st->logits->data(), CUDA_R_32F, int(E),
                                    CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT));
     MOKA_CUDA_CHECK(cudaMemsetAsync(st->counts->data(), 0, E * sizeof(int32_t), s));
-    route_tokens<<<unsigned(T), kThreads, 0, s>>>(st->params, st->logits->data(),
+    float* p = st->p ? st->p->data() : nullptr;
+    const auto warp_blocks = unsigned((T + kWarps - 1) / kWarps);
+    route_tokens<<<warp_blocks, kThreads, 0, s>>>(st->params, st->logits->data(),
                                                   c_.use_selection_bias ? bias.as<float>() : nullptr,
-                                                  st->scores->data(), st->p->data(), st->lse->data(),
-                                                  out.topk_ids.as<int32_t>(), st->ids->data(),
-                                                  out.topk_weights.as<float>(), st->counts->data());
+                                                  st->scores->data(), p, st->lse->data(), out.topk_ids.as<int32_t>(),
+                                                  st->ids->data(), out.topk_weights.as<float>(), st->counts->data());
     MOKA_CUDA_CHECK_LAUNCH();
-    router_loss_sums<<<unsigned(E + 1), kThreads, 0, s>>>(st->params, st->p->data(), st->lse->data(),
-                                                          st->mean_p->data(), st->losses_dev->data());
-    MOKA_CUDA_CHECK_LAUNCH();
+    if (c_.aux_loss_coef != 0 || c_.z_loss_coef != 0) {  // off, both are 0 without their sums
+      router_loss_sums<<<unsigned(E + 1), kThreads, 0, s>>>(st->params, p, st->lse->data(), st->mean_p->data(),
+                                                            st->losses_dev->data());
+      MOKA_CUDA_CHECK_LAUNCH();
+    }
     router_aux_loss<<<1, kThreads, 0, s>>>(st->params, st->counts->data(), st->mean_p->data(), st->losses_dev->data(),
                                            out.expert_counts.as<int32_t>(), out.expert_load.as<int64_t>());
     MOKA_CUDA_CHECK_LAUNCH();
@@ -300,7 +320,7 @@ class CudaRouter final : public Router {
     const cudaStream_t s = to_cuda(stream);
     StreamScratch<float> ds(T * E, s);
     StreamScratch<bf16> d_logits(T * E, s);
-    router_backward_tokens<<<unsigned(T), kThreads, 0, s>>>(st->params, st->logits->data(), st->scores->data(),
+    router_backward_tokens<<<unsigned((T + kWarps - 1) / kWarps), kThreads, 0, s>>>(st->params, st->logits->data(), st->scores->data(),
                                                             st->lse->data(), st->ids->data(), st->counts->data(),
                                                             d_weights.as<float>(), ds.data(), d_logits.data());
     MOKA_CUDA_CHECK_LAUNCH();
