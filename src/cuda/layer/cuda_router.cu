@@ -320,9 +320,11 @@ class CudaRouter final : public Router {
     const cudaStream_t s = to_cuda(stream);
     StreamScratch<float> ds(T * E, s);
     StreamScratch<bf16> d_logits(T * E, s);
-    router_backward_tokens<<<unsigned((T + kWarps - 1) / kWarps), kThreads, 0, s>>>(st->params, st->logits->data(), st->scores->data(),
-                                                            st->lse->data(), st->ids->data(), st->counts->data(),
-                                                            d_weights.as<float>(), ds.data(), d_logits.data());
+    router_backward_tokens<<<unsigned((T + kWarps - 1) / kWarps), kThreads, 0, s>>>(st->params, st->logits->data(),
+                                                                                    st->scores->data(), st->lse->data(),
+                                                                                    st->ids->data(), st->counts->data(),
+                                                                                    d_weights.as<float>(), ds.data(),
+                                                                                    d_logits.data());
     MOKA_CUDA_CHECK_LAUNCH();
     use_stream(s);
     const float one = 1.0f, zero = 0.0f;
