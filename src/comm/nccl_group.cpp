@@ -79,7 +79,7 @@ class NcclGroup final : public DeviceGroup {
         o.view.peers[r] = r == rank_ ? o.view.local : o.mappings[r].data();
       }
       o.peers_device = cuda::DeviceArray<void*>(size_);
-      o.peers_device.upload(o.view.peers);
+      o.peers_device.upload(o.view.peers, cudaStreamLegacy);
       o.view.peers_device = o.peers_device.data();
     } catch (...) {
       buffers_.pop_back();

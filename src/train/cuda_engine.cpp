@@ -55,13 +55,13 @@ TrainState CudaEngine::state() const {
   const auto& I = *impl_;
   TrainState s;
   for (const auto& p : I.params) {
-    s.values.push_back(p.value.download());
-    s.adam_m.push_back(p.m.download());
-    s.adam_v.push_back(p.v.download());
-    if (!p.ema.empty()) s.ema.push_back(p.ema.download());
+    s.values.push_back(p.value.download(I.stream));
+    s.adam_m.push_back(p.m.download(I.stream));
+    s.adam_v.push_back(p.v.download(I.stream));
+    if (!p.ema.empty()) s.ema.push_back(p.ema.download(I.stream));
   }
   for (const auto& L : I.layers)
-    if (L.is_moe) s.selection_biases.push_back(L.bias64.download());
+    if (L.is_moe) s.selection_biases.push_back(L.bias64.download(I.stream));
   s.steps = I.steps_taken;
   return s;
 }
@@ -70,18 +70,18 @@ void CudaEngine::set_state(const TrainState& s) {
   auto& I = *impl_;
   for (size_t i = 0; i < I.params.size(); ++i) {
     auto& p = I.params[i];
-    p.value.upload(s.values[i].data(), p.n);
-    p.m.upload(s.adam_m[i].data(), p.n);
-    p.v.upload(s.adam_v[i].data(), p.n);
-    if (!p.ema.empty()) p.ema.upload(s.ema[i].data(), p.n);
+    p.value.upload(s.values[i].data(), p.n, I.stream);
+    p.m.upload(s.adam_m[i].data(), p.n, I.stream);
+    p.v.upload(s.adam_v[i].data(), p.n, I.stream);
+    if (!p.ema.empty()) p.ema.upload(s.ema[i].data(), p.n, I.stream);
   }
   I.refresh_shadows();
   for (auto& L : I.layers)
     if (L.is_moe) {
       const auto& bias = s.selection_biases[L.moe_index];
       const std::vector<float> bias32(bias.begin(), bias.end());
-      L.bias64.upload(bias);
-      L.bias.upload(bias32);
+      L.bias64.upload(bias, I.stream);
+      L.bias.upload(bias32, I.stream);
     }
   I.steps_taken = s.steps;
 }
@@ -103,10 +103,10 @@ std::vector<std::vector<float>> CudaEngine::gradients() const {
   std::vector<std::vector<float>> out;
   for (const auto& p : impl_->params) {
     if (!p.bf16_grad()) {
-      out.push_back(p.grad.download());
+      out.push_back(p.grad.download(impl_->stream));
       continue;
     }
-    const auto g16 = p.grad16.download();
+    const auto g16 = p.grad16.download(impl_->stream);
     std::vector<float> g(g16.size());
     std::transform(g16.begin(), g16.end(), g.begin(), bf16_to_float);
     out.push_back(std::move(g));
@@ -117,7 +117,7 @@ std::vector<std::vector<float>> CudaEngine::gradients() const {
 std::vector<std::vector<int32_t>> CudaEngine::routed_experts() const {
   std::vector<std::vector<int32_t>> out;
   for (const auto& L : impl_->layers)
-    if (L.is_moe) out.push_back(L.topk_ids.download());
+    if (L.is_moe) out.push_back(L.topk_ids.download(impl_->stream));
   return out;
 }
 

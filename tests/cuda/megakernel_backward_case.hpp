@@ -48,7 +48,7 @@ std::vector<bf16> bf16_of(const std::vector<double>& v) {
 template <class T>
 DeviceArray<T> on_device(const std::vector<T>& v) {
   DeviceArray<T> d(v.size());
-  d.upload(v);
+  d.upload(v, cudaStreamLegacy);
   return d;
 }
 
@@ -269,9 +269,10 @@ class BackwardCase {
         results[r].error = std::current_exception();
       }
       const Outputs& o = *out[r];
-      results[r].grads = {o.d_x.device.download(), o.dg.device.download(),    o.du.device.download(),
-                          o.dd.device.download(),  o.dsg.device.download(),   o.dsu.device.download(),
-                          o.dsd.device.download(), o.d_topk.device.download()};
+      results[r].grads = {o.d_x.device.download(cudaStreamLegacy), o.dg.device.download(cudaStreamLegacy),
+                          o.du.device.download(cudaStreamLegacy),  o.dd.device.download(cudaStreamLegacy),
+                          o.dsg.device.download(cudaStreamLegacy), o.dsu.device.download(cudaStreamLegacy),
+                          o.dsd.device.download(cudaStreamLegacy), o.d_topk.device.download(cudaStreamLegacy)};
     }
     return results;
   }

@@ -176,7 +176,7 @@ struct HostBf16 {
   HostBf16(int64_t count, float range, std::mt19937_64& rng) : bits(count), device(count) {
     std::uniform_real_distribution<float> dist(-range, range);
     for (auto& v : bits) v = bits_of(dist(rng));
-    device.upload(bits);
+    device.upload(bits, cudaStreamLegacy);
   }
   float operator[](int64_t i) const { return value_of(bits[i]); }
   __nv_bfloat16* data() const { return reinterpret_cast<__nv_bfloat16*>(device.data()); }
@@ -209,7 +209,7 @@ struct PoisonedOutput {
   void poison() { MOKA_CUDA_CHECK(cudaMemset(device.data(), 0xFF, device.bytes())); }
   // The elements; fails the test when the tail was written.
   std::vector<T> read(const char* name) const {
-    std::vector<T> all = device.download();
+    std::vector<T> all = device.download(cudaStreamLegacy);
     const std::vector<unsigned char> poison(kTail * sizeof(T), 0xFF);
     EXPECT_EQ(std::memcmp(all.data() + count, poison.data(), poison.size()), 0) << name << " written past its end";
     all.resize(count);
@@ -263,7 +263,8 @@ class CoreGemm {
     kernel<<<ctas, kThreads, smem>>>(p);
     MOKA_CUDA_CHECK(cudaGetLastError());
     MOKA_CUDA_CHECK(cudaDeviceSynchronize());
-    EXPECT_EQ(int(control_.download()[0].status.code), int(core::StatusCode::ok)) << "the pipeline reported a failure";
+    EXPECT_EQ(int(control_.download(cudaStreamLegacy)[0].status.code), int(core::StatusCode::ok))
+        << "the pipeline reported a failure";
   }
 
   // D(h)(r, c) in fp64 from the bf16 inputs, and the sum of the terms' magnitudes (the scale of
@@ -421,7 +422,7 @@ void check_dgd_epilogue(core::ActParams act) {
   std::uniform_real_distribution<float> w01(0.f, 1.f);
   for (auto& w : weight) w = w01(gemm.rng());
   DeviceArray<float> weight_device(rows);
-  weight_device.upload(weight);
+  weight_device.upload(weight, cudaStreamLegacy);
   // dg, du, hs hold whole row tiles: the padding rows [rows, padded_rows) must come back zero.
   const int64_t padded_rows = int64_t(gemm.tiles_m()) * kTileM;
   PoisonedOutput<uint16_t> dg(padded_rows * I), du(padded_rows * I), hs(padded_rows * I);

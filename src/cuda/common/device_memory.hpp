@@ -35,7 +35,10 @@ class DeviceArray {
   explicit DeviceArray(size_t count) : count_(count) {
     void* p = nullptr;
     MOKA_CUDA_CHECK(cudaMalloc(&p, padded_bytes()));
-    const cudaError_t zeroed = cudaMemset(p, 0, padded_bytes());
+    // Zeroed before the constructor returns: cudaMemset is queued on the legacy default stream,
+    // which a caller's non-blocking stream does not wait for.
+    cudaError_t zeroed = cudaMemset(p, 0, padded_bytes());
+    if (zeroed == cudaSuccess) zeroed = cudaStreamSynchronize(cudaStreamLegacy);
     if (zeroed != cudaSuccess) cudaFree(p);
     MOKA_CUDA_CHECK(zeroed);
     data_ = static_cast<T*>(p);
@@ -80,16 +83,19 @@ class DeviceArray {
   size_t bytes() const { return count_ * sizeof(T); }
   bool empty() const { return data_ == nullptr; }
 
-  // Blocking copies (they order with the legacy default stream).
-  void upload(const T* host, size_t count) {
+  // Copies ordered on `stream` that are complete when they return (the host buffer may go away
+  // at once, and a copy from pageable memory may return before its bytes land otherwise).
+  void upload(const T* host, size_t count, cudaStream_t stream) {
     require(count <= count_, ErrorCode::shape_mismatch,
             "device upload of " + std::to_string(count) + " elements into an array of " + std::to_string(count_));
-    MOKA_CUDA_CHECK(cudaMemcpy(data_, host, count * sizeof(T), cudaMemcpyHostToDevice));
+    MOKA_CUDA_CHECK(cudaMemcpyAsync(data_, host, count * sizeof(T), cudaMemcpyHostToDevice, stream));
+    MOKA_CUDA_CHECK(cudaStreamSynchronize(stream));
   }
-  void upload(const std::vector<T>& host) { upload(host.data(), host.size()); }
-  std::vector<T> download() const {
+  void upload(const std::vector<T>& host, cudaStream_t stream) { upload(host.data(), host.size(), stream); }
+  std::vector<T> download(cudaStream_t stream) const {
     std::vector<T> host(count_);
-    MOKA_CUDA_CHECK(cudaMemcpy(host.data(), data_, bytes(), cudaMemcpyDeviceToHost));
+    MOKA_CUDA_CHECK(cudaMemcpyAsync(host.data(), data_, bytes(), cudaMemcpyDeviceToHost, stream));
+    MOKA_CUDA_CHECK(cudaStreamSynchronize(stream));
     return host;
   }
 

@@ -154,9 +154,9 @@ class CutlassGemmRunner final : public GemmRunner {
     strides_a_ = DeviceArray<StrideA>(G);
     strides_b_ = DeviceArray<StrideB>(G);
     strides_d_ = DeviceArray<StrideD>(G);
-    strides_a_.upload(sa);
-    strides_b_.upload(sb);
-    strides_d_.upload(sd);
+    strides_a_.upload(sa, cudaStreamLegacy);
+    strides_b_.upload(sb, cudaStreamLegacy);
+    strides_d_.upload(sd, cudaStreamLegacy);
 
     cutlass::KernelHardwareInfo hw = cutlass::KernelHardwareInfo::make_kernel_hardware_info<Kernel>(device);
     // Host problem shapes are null: the scheduler reads the sizes on the device.

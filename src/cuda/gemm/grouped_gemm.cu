@@ -95,7 +95,7 @@ GroupedGemm::GroupedGemm(const std::vector<GroupSpec>& groups, GemmLayout layout
   }
   Impl& im = *impl_;
   im.specs = DeviceArray<GroupSpec>(G);
-  im.specs.upload(groups);
+  im.specs.upload(groups, cudaStreamLegacy);
   im.problems = DeviceArray<int>(G * 3);
   im.a = DeviceArray<const void*>(G);
   im.b = DeviceArray<const void*>(G);

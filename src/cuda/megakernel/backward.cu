@@ -123,7 +123,7 @@ MegakernelBackward::MegakernelBackward(const MoeShape& shape, const MegakernelCo
               " must be >= 1 and leave a compute CTA of " + std::to_string(num_ctas_));
   ones_ = DeviceArray<float>(size_t(tokens));
   const std::vector<float> ones(size_t(tokens), 1.f);
-  ones_.upload(ones);
+  ones_.upload(ones, cudaStreamLegacy);
   expert_offset_ = DeviceArray<int64_t>(size_t(shape.num_experts / world_size + 1));
   segments_ = DeviceArray<core::WeightGradSegment>(size_t(core::max_segments(plan_)));
   first_of_step_ = DeviceArray<int64_t>(size_t(plan_.max_steps + 1));

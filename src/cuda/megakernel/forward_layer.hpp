@@ -41,7 +41,7 @@ class SymmetricBuffers {
     local_ = DeviceArray<std::byte>(bytes);
     table_ = DeviceArray<void*>(1);
     void* local = local_.data();
-    table_.upload(&local, 1);
+    table_.upload(&local, 1, cudaStreamLegacy);
   }
   template <typename T>
   T* local() const {

@@ -51,7 +51,7 @@ MegakernelCore::MegakernelCore(const MoeShape& shape, const MegakernelConfig& co
   for (int64_t step = 0; step < plan_.max_steps; ++step)
     initial[core::counter_index(plan_, core::counter_ref(plan_, core::CounterKind::rows_ready, step, 0))] =
         core::counter_target(plan_, core::CounterKind::rows_ready);
-  initial_counters_.upload(initial.data(), initial.size());
+  initial_counters_.upload(initial.data(), initial.size(), cudaStreamLegacy);
 }
 
 void MegakernelCore::run(const GroupedExpertRows& rows, const bf16* w_gate, const bf16* w_up, const bf16* w_down,

@@ -62,7 +62,7 @@ CudaEngine::Impl::Impl(const TrainConfig& cfg, const std::vector<TensorRule>& ru
     p.rule = rules[i];
     p.n = rules[i].spec.numel();
     p.value = DeviceArray<float>(p.n);
-    p.value.upload(host[i].value.data(), p.n);
+    p.value.upload(host[i].value.data(), p.n, stream);
     p.m = DeviceArray<float>(p.n);
     p.v = DeviceArray<float>(p.n);
     MOKA_CUDA_CHECK(cudaMemset(p.m.data(), 0, p.n * sizeof(float)));
@@ -177,8 +177,8 @@ void CudaEngine::Impl::build_layers() {
     if (!L.is_moe) {
       const std::vector<int32_t> zeros(N, 0);
       const std::vector<float> ones(N, 1.0f);
-      L.topk_ids.upload(zeros.data(), N);
-      L.topk_weights.upload(ones.data(), N);
+      L.topk_ids.upload(zeros.data(), N, stream);
+      L.topk_weights.upload(ones.data(), N, stream);
     }
     layers.push_back(std::move(L));
   }
@@ -248,7 +248,7 @@ void CudaEngine::Impl::build_slots() {
   }
   adamw_blocks = cuda::assign_adamw_blocks(slots.data(), int(slots.size()));
   slot_table = DeviceArray<cuda::TensorSlot>(slots.size());
-  slot_table.upload(slots);
+  slot_table.upload(slots, stream);
 }
 
 void CudaEngine::Impl::refresh_shadows() {

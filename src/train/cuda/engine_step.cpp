@@ -205,7 +205,7 @@ std::vector<std::vector<int64_t>> CudaEngine::Impl::expert_counts() const {
   std::vector<std::vector<int64_t>> out;
   for (const auto& L : layers)
     if (L.is_moe) {
-      const auto counts = L.counts.download();
+      const auto counts = L.counts.download(stream);
       out.emplace_back(counts.begin(), counts.end());
     }
   return out;

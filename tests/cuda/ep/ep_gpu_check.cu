@@ -98,7 +98,7 @@ void all_to_all_v_matches(DeviceGroup& g, ProcessGroup& host, uint64_t seed) {
   }
   cuda::DeviceArray<int32_t> d_send(send.size() + 1), d_recv(total / 4 + 1);
   MOKA_CUDA_CHECK(cudaMemset(d_recv.data(), 0xff, d_recv.bytes()));  // poison
-  d_send.upload(send);
+  d_send.upload(send, cudaStreamLegacy);
   g.all_to_all_v(d_send.data(), sb.data(), so.data(), d_recv.data(), rb.data(), ro.data(), nullptr);
   std::vector<int32_t> recv(total / 4);
   MOKA_CUDA_CHECK(cudaMemcpy(recv.data(), d_recv.data(), total, cudaMemcpyDeviceToHost));

@@ -35,9 +35,11 @@ namespace {
 struct DeviceFloats {
   moka::cuda::DeviceArray<float> array;
   float* p;
-  explicit DeviceFloats(const std::vector<float>& host) : array(host.size()), p(array.data()) { array.upload(host); }
+  explicit DeviceFloats(const std::vector<float>& host) : array(host.size()), p(array.data()) {
+    array.upload(host, cudaStreamLegacy);
+  }
   explicit DeviceFloats(size_t count) : DeviceFloats(std::vector<float>(count, NAN)) {}
-  std::vector<float> host() const { return array.download(); }
+  std::vector<float> host() const { return array.download(cudaStreamLegacy); }
 };
 
 std::vector<float> normal(size_t n, std::mt19937_64& rng, float std = 1.0f) {
@@ -81,9 +83,9 @@ TEST(TrainGpuStages, ResidualRmsNormForwardAndBackward) {
     dy_r[i] = __bfloat162float(dy16[i]) + __bfloat162float(dy16_b[i]);
   }
   moka::cuda::DeviceArray<bf16> gdelta16(rows * d), gdy16(rows * d), gdy16_b(rows * d), gdx16(rows * d);
-  gdelta16.upload(delta16);
-  gdy16.upload(dy16);
-  gdy16_b.upload(dy16_b);
+  gdelta16.upload(delta16, cudaStreamLegacy);
+  gdy16.upload(dy16, cudaStreamLegacy);
+  gdy16_b.upload(dy16_b, cudaStreamLegacy);
   for (const bool bf16_operands : {false, true}) {
     SCOPED_TRACE(bf16_operands ? "bf16 delta and gradient" : "f32 delta and gradient");
     const auto& dlt = bf16_operands ? delta_r : delta;
@@ -112,7 +114,7 @@ TEST(TrainGpuStages, ResidualRmsNormForwardAndBackward) {
     EXPECT_EQ(gh.host(), sum);  // the residual stream, updated in place: one f32 add per element
     EXPECT_EQ(gsaved.host(), sum);
     auto dx_gpu = gdx.host();
-    const auto dx16_gpu = gdx16.download();
+    const auto dx16_gpu = gdx16.download(cudaStreamLegacy);
     for (int64_t i = 0; i < rows * d; ++i)
       ASSERT_EQ(__bfloat162float(dx16_gpu[i]), __bfloat162float(__float2bfloat16(dx_gpu[i]))) << i;
     for (auto& v : dx_gpu) v -= 1.0f;
@@ -219,7 +221,7 @@ TEST(TrainGpuStages, CrossEntropyAndItsGradient) {
     DeviceFloats gl(logits), grow(rows), gd(rows * vocab);
     moka::cuda::DeviceArray<int32_t> device_targets(rows);
     moka::cuda::DeviceArray<double> device_partial(kern::kReduceBlocks + 1);
-    device_targets.upload(targets);
+    device_targets.upload(targets, cudaStreamLegacy);
     int32_t* gt = device_targets.data();
     double* partial = device_partial.data();
     kern::cross_entropy(gl.p, gt, rows, vocab, grow.p, gd.p, nullptr);
@@ -296,7 +298,7 @@ TEST(TrainGpuStages, MultiTensorAdamWWithClippingAndEmaMatchesTheHostOptimizer) 
   }
   const int64_t blocks = kern::assign_adamw_blocks(slots.data(), int(T));
   moka::cuda::DeviceArray<kern::TensorSlot> table(T);
-  table.upload(slots);
+  table.upload(slots, cudaStreamLegacy);
   moka::cuda::DeviceArray<double> partials(T * kern::kReduceBlocks + 1);
   double* ss = partials.data() + T * kern::kReduceBlocks;
   moka::cuda::DeviceArray<kern::StepScalars> scalars(1);
@@ -311,16 +313,16 @@ TEST(TrainGpuStages, MultiTensorAdamWWithClippingAndEmaMatchesTheHostOptimizer) 
           host[i].grad[j] = __bfloat162float(g16[j]);
         }
         g16.insert(g16.begin(), lead[i], __float2bfloat16(0.0f));
-        grad16[i].upload(g16);
+        grad16[i].upload(g16, cudaStreamLegacy);
       } else {
-        grad[i].array.upload(with_lead(i, host[i].grad));
+        grad[i].array.upload(with_lead(i, host[i].grad), cudaStreamLegacy);
       }
     }
     adam.step(host, factor);
     ema.update(host);
     kern::StepScalars sc{cfg.lr * factor, float(1.0 - std::pow(cfg.beta1, step)),
                          float(1.0 - std::pow(cfg.beta2, step))};
-    scalars.upload(&sc, 1);
+    scalars.upload(&sc, 1, cudaStreamLegacy);
     kern::grad_square_partials(table.data(), int(T), partials.data(), nullptr);
     kern::reduce_finish(partials.data(), int64_t(T) * kern::kReduceBlocks, 1.0, ss, nullptr);
     kern::adamw_update(kern::AdamWHyper(cfg, 0.9), scalars.data(), ss, table.data(), int(T), blocks, nullptr);
@@ -340,7 +342,7 @@ TEST(TrainGpuStages, MultiTensorAdamWWithClippingAndEmaMatchesTheHostOptimizer) 
     EXPECT_LT(rel_error(tensor(v[i]), adam.v[i]), kFp32Tolerance);
     EXPECT_LT(rel_error(tensor(ema_dev[i]), ema.shadow[i]), kFp32Tolerance);
     if (bf16_grad[i]) {
-      const auto s16 = shadow[i].download();
+      const auto s16 = shadow[i].download(cudaStreamLegacy);
       const auto p = tensor(value[i]);
       for (size_t j = 0; j < p.size(); ++j)
         ASSERT_EQ(__bfloat162float(s16[j + size_t(k)]), __bfloat162float(__float2bfloat16(p[j])));
@@ -361,14 +363,14 @@ TEST(TrainGpuStages, SelectionBiasUpdateMatchesTheHost) {
     moka::cuda::DeviceArray<int32_t> gcounts(experts);
     moka::cuda::DeviceArray<double> gbias(experts);
     moka::cuda::DeviceArray<float> gbias32(experts);
-    gcounts.upload(counts);
-    gbias.upload(bias);
+    gcounts.upload(counts, cudaStreamLegacy);
+    gbias.upload(bias, cudaStreamLegacy);
     const double rate = 1e-3;
     kern::update_selection_bias(gcounts.data(), experts, rate, gbias.data(), gbias32.data(), nullptr);
     ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
     moka::update_selection_bias(bias, std::vector<int64_t>(counts.begin(), counts.end()), rate);
-    EXPECT_EQ(gbias.download(), bias) << experts << " experts";
+    EXPECT_EQ(gbias.download(cudaStreamLegacy), bias) << experts << " experts";
     const std::vector<float> bias32(bias.begin(), bias.end());
-    EXPECT_EQ(gbias32.download(), bias32) << experts << " experts";
+    EXPECT_EQ(gbias32.download(cudaStreamLegacy), bias32) << experts << " experts";
   }
 }
