@@ -7,6 +7,7 @@
 #include <cmath>
 #include <cstring>
 #include <random>
+#include <thread>
 
 #include "core/routing_gen.hpp"
 #include "cpu/expert_math.hpp"
@@ -383,6 +384,78 @@ TEST(CudaRouter, AddsCountsToTheExpertLoadAndKeepsItsOwnIds) {
   EXPECT_EQ(gpu_test::bytes_of(gdw), dw);
   EXPECT_THROW(gpu->forward(xv, wv, TensorView(), {out.topk_ids, out.topk_weights, {}, out.expert_counts}, Stream{}),
                Error);
+}
+
+// Threads sharing one router (its cuBLAS handle and workspace), each on its own non-blocking
+// stream with its own tokens: every call gives the bits it gives alone.
+TEST(CudaRouter, ThreadsSharingARouterGetTheBitsOfCallsAlone) {
+  RouterConfig rc = named_shape("qwen3-30b-a3b").router;
+  rc.hidden = 512;
+  const int64_t T = 4096, H = rc.hidden, E = rc.num_experts, k = rc.top_k;
+  constexpr int kThreads = 3, kCalls = 12;
+  const Device d = Device::cuda(0);
+  auto router = make_router(rc, Backend::cuda);
+  std::mt19937_64 rng(fresh_seed());
+  std::normal_distribution<double> nd(0, 1);
+  std::vector<double> w(E * H);
+  for (auto& v : w) v = nd(rng) / 16;
+  gpu_test::DeviceTensor gw(E * H * 2);
+  const auto wb = gpu_test::to_bf16(w);
+  MOKA_CUDA_CHECK(cudaMemcpy(gw.data(), wb.data(), gw.bytes(), cudaMemcpyHostToDevice));
+  const TensorView wv(gw.data(), DType::bf16, {E, H}, d);
+  struct Case {
+    gpu_test::DeviceTensor x, ids, weights, d_weights, d_x, d_w;
+  };
+  std::vector<Case> cases;
+  for (int c = 0; c < kThreads; ++c) {
+    std::vector<double> x(T * H);
+    for (auto& v : x) v = nd(rng);
+    std::vector<float> dwt(T * k);
+    for (auto& v : dwt) v = float(nd(rng));
+    cases.push_back({gpu_test::DeviceTensor(T * H * 2), gpu_test::DeviceTensor(T * k * 4),
+                     gpu_test::DeviceTensor(T * k * 4), gpu_test::DeviceTensor(T * k * 4),
+                     gpu_test::DeviceTensor(T * H * 2), gpu_test::DeviceTensor(E * H * 2)});
+    const auto xb = gpu_test::to_bf16(x);
+    MOKA_CUDA_CHECK(cudaMemcpy(cases[c].x.data(), xb.data(), T * H * 2, cudaMemcpyHostToDevice));
+    MOKA_CUDA_CHECK(cudaMemcpy(cases[c].d_weights.data(), dwt.data(), T * k * 4, cudaMemcpyHostToDevice));
+  }
+  auto call = [&](Case& c, cudaStream_t s) {
+    const Stream stream{s};
+    auto ctx = router->forward(
+        TensorView(c.x.data(), DType::bf16, {T, H}, d), wv, TensorView(),
+        {TensorView(c.ids.data(), DType::i32, {T, k}, d), TensorView(c.weights.data(), DType::f32, {T, k}, d), {}, {}},
+        stream);
+    router->backward(*ctx, TensorView(c.d_weights.data(), DType::f32, {T, k}, d),
+                     TensorView(c.d_x.data(), DType::bf16, {T, H}, d), TensorView(c.d_w.data(), DType::bf16, {E, H}, d),
+                     stream);
+  };
+  auto results = [&](const Case& c) {
+    return std::vector<std::vector<uint8_t>>{gpu_test::bytes_of(c.ids), gpu_test::bytes_of(c.weights),
+                                             gpu_test::bytes_of(c.d_x), gpu_test::bytes_of(c.d_w)};
+  };
+  std::vector<std::vector<std::vector<uint8_t>>> alone;
+  for (auto& c : cases) {
+    call(c, nullptr);
+    MOKA_CUDA_CHECK(cudaDeviceSynchronize());
+    alone.push_back(results(c));
+  }
+  std::vector<std::thread> threads;
+  std::vector<std::vector<std::vector<std::vector<uint8_t>>>> seen(kThreads);
+  for (int t = 0; t < kThreads; ++t)
+    threads.emplace_back([&, t] {
+      cudaStream_t s = nullptr;
+      MOKA_CUDA_CHECK(cudaSetDevice(0));
+      MOKA_CUDA_CHECK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
+      for (int i = 0; i < kCalls; ++i) {
+        call(cases[t], s);
+        MOKA_CUDA_CHECK(cudaStreamSynchronize(s));
+        seen[t].push_back(results(cases[t]));
+      }
+      MOKA_CUDA_CHECK(cudaStreamDestroy(s));
+    });
+  for (auto& th : threads) th.join();
+  for (int t = 0; t < kThreads; ++t)
+    for (int i = 0; i < kCalls; ++i) EXPECT_EQ(seen[t][i], alone[t]) << "thread " << t << ", call " << i;
 }
 
 // The router against the CPU router (fp64 on bf16-rounded inputs): same ids (where scores are

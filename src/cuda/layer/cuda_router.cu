@@ -5,6 +5,7 @@
 // reductions. Only RouterContext::losses() synchronizes (it returns host numbers).
 #include <cfloat>
 #include <cmath>
+#include <mutex>
 
 #include "core/activation.hpp"
 #include "cuda/common/check.hpp"
@@ -262,6 +263,11 @@ class CudaRouter final : public Router {
     if (!out.expert_counts.empty()) expect_tensor(out.expert_counts, "expert_counts", DType::i32, dev, {E});
     if (!out.expert_load.empty()) expect_tensor(out.expert_load, "expert_load", DType::i64, dev, {E});
 
+    // cuBLAS's handle and workspace are the router's: calls from several threads take turns, and
+    // a call on another stream than the last waits for it (the workspace is reused).
+    std::lock_guard<std::mutex> lock(mutex_);
+    const cudaStream_t s = to_cuda(stream);
+    call_order_.before(s);
     auto st = std::make_unique<CudaRouterState>();
     st->params = {T,
                   E,
@@ -273,7 +279,6 @@ class CudaRouter final : public Router {
                   c_.z_loss_coef};
     st->x = x.data;
     st->w_router = w.data;
-    const cudaStream_t s = to_cuda(stream);
     st->stream = s;
     st->logits = std::make_unique<StreamScratch<float>>(T * E, s);
     st->scores = std::make_unique<StreamScratch<float>>(T * E, s);
@@ -305,6 +310,7 @@ class CudaRouter final : public Router {
     router_aux_loss<<<1, kThreads, 0, s>>>(st->params, st->counts->data(), st->mean_p->data(), st->losses_dev->data(),
                                            out.expert_counts.as<int32_t>(), out.expert_load.as<int64_t>());
     MOKA_CUDA_CHECK_LAUNCH();
+    call_order_.after(s);
     return st;
   }
 
@@ -317,7 +323,9 @@ class CudaRouter final : public Router {
     expect_tensor(d_weights, "d_topk_weights", DType::f32, dev, {T, k});
     expect_tensor(d_x, "d_x", DType::bf16, dev, {T, H});
     expect_tensor(d_w, "d_w_router", DType::bf16, dev, {E, H});
+    std::lock_guard<std::mutex> lock(mutex_);
     const cudaStream_t s = to_cuda(stream);
+    call_order_.before(s);
     StreamScratch<float> ds(T * E, s);
     StreamScratch<bf16> d_logits(T * E, s);
     router_backward_tokens<<<unsigned((T + kWarps - 1) / kWarps), kThreads, 0, s>>>(st->params, st->logits->data(),
@@ -337,6 +345,7 @@ class CudaRouter final : public Router {
     MOKA_CUBLAS_CHECK(cublasGemmEx(cublas_, CUBLAS_OP_N, CUBLAS_OP_T, int(H), int(E), int(T), &one, st->x, CUDA_R_16BF,
                                    int(H), d_logits.data(), CUDA_R_16BF, int(E), &zero, d_w.data, CUDA_R_16BF, int(H),
                                    CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT));
+    call_order_.after(s);
     // The scratch is freed at scope exit in stream order, after the kernels above.
   }
 
@@ -348,6 +357,8 @@ class CudaRouter final : public Router {
   // (cublasSetStream drops a workspace set before it, so it is set again after each).
   static constexpr size_t kCublasWorkspace = size_t(32) << 20;  // what cuBLAS asks for on Hopper
   DeviceArray<unsigned char> workspace_;
+  std::mutex mutex_;
+  CallOrder call_order_;
   void use_stream(cudaStream_t s) {
     MOKA_CUBLAS_CHECK(cublasSetStream(cublas_, s));
     MOKA_CUBLAS_CHECK(cublasSetWorkspace(cublas_, workspace_.data(), kCublasWorkspace));
