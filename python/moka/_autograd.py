@@ -170,27 +170,48 @@ class _Experts(torch.autograd.Function):
         return (d_x, None, d_topk_weights, *d_weights, None)
 
 
-def _moe_forward(x, w_router, w_gate, w_up, w_down, ws_gate, ws_up, ws_down, bias, expert_load, moe, top_k):
-    """moka's forward of the whole layer: (saved state, out, topk_weights)."""
+def router_aux_outputs(x: Tensor, experts: int) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """Unfilled (router_logits [T, E], router_probs [T, E], losses [2], tokens_per_expert [E] int64)
+    that moka's router call fills in (moka::RouterAuxOutputs), in its compute dtype."""
+    dtype = router_weight_dtype(x.dtype)
+    logits = torch.empty(x.shape[0], experts, dtype=dtype, device=x.device)
+    return (logits, torch.empty_like(logits), torch.empty(2, dtype=dtype, device=x.device),
+            torch.empty(experts, dtype=torch.int64, device=x.device))
+
+
+def _moe_forward(x, w_router, w_gate, w_up, w_down, ws_gate, ws_up, ws_down, bias, expert_load, moe, top_k,
+                 aux=None):
+    """moka's forward of the whole layer: (saved state, out, topk_weights); ``aux``: the tensors of
+    ``router_aux_outputs`` for moka's router to fill in, or None."""
     ids, weights = _routes(x, top_k)
     out = torch.empty_like(x)
-    state = moe.forward(_dlpack(x), _dlpack(w_router), _dl(bias), _dlpack(expert_load), _dlpack(w_gate),
-                        _dlpack(w_up), _dlpack(w_down), _dl(ws_gate), _dl(ws_up), _dl(ws_down), _dlpack(ids),
-                        _dlpack(weights), _dlpack(out), _stream(x))
+    args = (_dlpack(x), _dlpack(w_router), _dl(bias), _dlpack(expert_load), _dlpack(w_gate), _dlpack(w_up),
+            _dlpack(w_down), _dl(ws_gate), _dl(ws_up), _dl(ws_down), _dlpack(ids), _dlpack(weights), _dlpack(out),
+            _stream(x))
+    if aux is None:
+        return moe.forward(*args), out, weights
+    logits, probs, losses, counts = aux  # counts: None where the caller has them (the op's routes)
+    state = moe.forward(*args, expert_counts=_dl(counts), router_logits=_dl(logits), router_probs=_dl(probs),
+                        losses=_dl(losses))
     return state, out, weights
 
 
-def _moe_backward(state, d_out, x, w_router, expert_weights, d_topk_weights, consume=False):
+def _moe_backward(state, d_out, x, w_router, expert_weights, d_topk_weights, consume=False, aux_grads=None):
     """(d_x, d_w_router, [d_w_gate, ..., d_ws_down]) of the whole layer from its forward's state;
-    d_topk_weights [T, k]: scratch for the router's part; ``consume``: see ``_experts_backward``."""
+    d_topk_weights [T, k]: scratch for the router's part; ``consume``: see ``_experts_backward``;
+    ``aux_grads``: the gradients of router_logits, router_probs and losses (each may be None)."""
     # Written out: each helper call costs host time, every backward.
     w_gate, w_up, w_down, ws_gate, ws_up, ws_down = expert_weights
     d_x, d_w_router = torch.empty_like(x), torch.empty_like(w_router)
     d_w_gate, d_w_up, d_w_down = torch.empty_like(w_gate), torch.empty_like(w_up), torch.empty_like(w_down)
     d_ws_gate, d_ws_up, d_ws_down = _empty_like(ws_gate), _empty_like(ws_up), _empty_like(ws_down)
-    state.backward(_dlpack(d_out.contiguous()), _dlpack(d_x), _dlpack(d_topk_weights), _dlpack(d_w_router),
-                   _dlpack(d_w_gate), _dlpack(d_w_up), _dlpack(d_w_down), _dl(d_ws_gate), _dl(d_ws_up), _dl(d_ws_down),
-                   consume)
+    args = (_dlpack(d_out.contiguous()), _dlpack(d_x), _dlpack(d_topk_weights), _dlpack(d_w_router), _dlpack(d_w_gate),
+            _dlpack(d_w_up), _dlpack(d_w_down), _dl(d_ws_gate), _dl(d_ws_up), _dl(d_ws_down), consume)
+    if aux_grads is None:
+        state.backward(*args)
+    else:
+        d_logits, d_probs, d_losses = (None if g is None else _dl(g.contiguous()) for g in aux_grads)
+        state.backward(*args, d_router_logits=d_logits, d_router_probs=d_probs, d_losses=d_losses)
     return d_x, d_w_router, (d_w_gate, d_w_up, d_w_down, d_ws_gate, d_ws_up, d_ws_down)
 
 
@@ -212,4 +233,29 @@ class _MoE(torch.autograd.Function):
         x, w_router, *expert_weights = ctx.saved_tensors
         d_x, d_w_router, d_weights = _moe_backward(_take_state(ctx, "state"), d_out, x, w_router, expert_weights,
                                                    torch.empty_like(ctx.topk_weights), _last_backward())
+        return d_x, d_w_router, *d_weights, None, None, None, None
+
+
+class _MoEWithAux(torch.autograd.Function):
+    """``_MoE`` that also returns what moka's router call wrote for ``MoE.forward(x, return_aux=True)``:
+    (out, router_logits, router_probs, losses [balancing, z], tokens_per_expert), the first four
+    differentiable; their gradients go into moka's router backward."""
+
+    @staticmethod
+    def forward(ctx, *inputs):
+        aux = router_aux_outputs(inputs[0], inputs[1].shape[0])
+        ctx.state, out, ctx.topk_weights = _moe_forward(*inputs, aux=aux)
+        ctx.save_for_backward(*inputs[:8])
+        ctx.mark_non_differentiable(aux[3])
+        ctx.set_materialize_grads(False)  # unused outputs' gradients stay None: nothing to read
+        return out, *aux
+
+    @staticmethod
+    @_first_order_only
+    def backward(ctx, d_out, d_logits, d_probs, d_losses, _d_counts):
+        x, w_router, *expert_weights = ctx.saved_tensors
+        d_out = torch.zeros_like(x) if d_out is None else d_out
+        d_x, d_w_router, d_weights = _moe_backward(_take_state(ctx, "state"), d_out, x, w_router, expert_weights,
+                                                   torch.empty_like(ctx.topk_weights), _last_backward(),
+                                                   (d_logits, d_probs, d_losses))
         return d_x, d_w_router, *d_weights, None, None, None, None

@@ -20,7 +20,7 @@ from torch import Tensor, nn
 from . import _moka
 from ._allocator import torch_allocator
 from ._autograd import (_empty_like, _experts_backward, _experts_forward, _first_order_only, _moe_backward,
-                        _moe_forward, _take_state, router_weight_dtype)
+                        _moe_forward, _take_state, router_aux_outputs, router_weight_dtype)
 from ._distributed import group_named
 
 
@@ -267,21 +267,49 @@ def _(x, w_router, *_arguments):
     return torch.empty_like(x), _routes_per_expert(x, w_router), _fake_saved_tensor()
 
 
+@torch.library.custom_op("moka::moe_with_aux", mutates_args=())
+def _moe_with_aux_op(x: Tensor, w_router: Tensor, w_gate: Tensor, w_up: Tensor, w_down: Tensor,
+                     ws_gate: Optional[Tensor], ws_up: Optional[Tensor], ws_down: Optional[Tensor],
+                     selection_bias: Optional[Tensor], top_k: int, score: str, renormalize: bool, route_scale: float,
+                     activation: str, clamp_limit: float, path: str, tile_rows: Optional[int], max_tokens: int,
+                     group_name: str, engine_id: int,
+                     allocator: str = "torch") -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """moka::moe with what moka's router call wrote for ``MoE.forward(x, return_aux=True)``: (out,
+    routes per expert, router_logits, router_probs, losses [balancing, z], saved state)."""
+    moe = _op_moe(x, w_router, w_gate, ws_gate, selection_bias, top_k, score, renormalize, route_scale, activation,
+                  clamp_limit, path, tile_rows, max_tokens, group_name, engine_id, allocator)
+    routes = _routes_per_expert(x, w_router)
+    logits, probs, losses, _ = router_aux_outputs(x, w_router.shape[0])
+    context, out, _ = _moe_forward(x, w_router, w_gate, w_up, w_down, ws_gate, ws_up, ws_down, selection_bias,
+                                   routes, moe, top_k, aux=(logits, probs, losses, None))
+    return out, routes, logits, probs, losses, _saved_tensor(moe, context)
+
+
+@_moe_with_aux_op.register_fake
+def _(x, w_router, *_arguments):
+    logits, probs, losses, _ = router_aux_outputs(x, w_router.shape[0])
+    return torch.empty_like(x), _routes_per_expert(x, w_router), logits, probs, losses, _fake_saved_tensor()
+
+
 @torch.library.custom_op("moka::moe_backward", mutates_args=())
 def _moe_backward_op(d_out: Tensor, saved: Tensor, x: Tensor, w_router: Tensor, w_gate: Tensor, w_up: Tensor,
                      w_down: Tensor, ws_gate: Optional[Tensor], ws_up: Optional[Tensor], ws_down: Optional[Tensor],
-                     top_k: int) -> list[Tensor]:
+                     top_k: int, d_router_logits: Optional[Tensor] = None, d_router_probs: Optional[Tensor] = None,
+                     d_losses: Optional[Tensor] = None) -> list[Tensor]:
     """[d_x, d_w_router, d_w_gate, ..., d_ws_down] from the forward's saved state (which holds the
-    weights and routes it points into; x is the caller's)."""
+    weights and routes it points into; x is the caller's); d_router_logits, d_router_probs,
+    d_losses: the gradients of moka::moe_with_aux's router outputs."""
     context = _take_state(_saved_state(saved), "context")
     d_topk_weights = torch.empty(x.shape[0], top_k, dtype=router_weight_dtype(x.dtype), device=x.device)
+    aux_grads = (d_router_logits, d_router_probs, d_losses)
     d_x, d_w_router, d_weights = _moe_backward(context, d_out, x, w_router,
-                                               (w_gate, w_up, w_down, ws_gate, ws_up, ws_down), d_topk_weights)
+                                               (w_gate, w_up, w_down, ws_gate, ws_up, ws_down), d_topk_weights,
+                                               aux_grads=None if all(g is None for g in aux_grads) else aux_grads)
     return _as_tensors([d_x, d_w_router, *d_weights])
 
 
 @_moe_backward_op.register_fake
-def _(d_out, saved, x, w_router, w_gate, w_up, w_down, ws_gate, ws_up, ws_down, top_k):
+def _(d_out, saved, x, w_router, w_gate, w_up, w_down, ws_gate, ws_up, ws_down, top_k, *_aux_grads):
     return _as_tensors([_empty_like(t) for t in (x, w_router, w_gate, w_up, w_down, ws_gate, ws_up, ws_down)])
 
 
@@ -297,6 +325,22 @@ def _moe_op_backward(ctx, d_out, _d_routes, _d_saved):
 
 
 _moe_op.register_autograd(_first_order_only(_moe_op_backward), setup_context=_setup_moe_context)
+
+
+def _setup_moe_with_aux_context(ctx, inputs, output):
+    ctx.save_for_backward(*inputs[:8], output[5])
+    ctx.top_k = inputs[9]
+
+
+def _moe_with_aux_op_backward(ctx, d_out, _d_routes, d_logits, d_probs, d_losses, _d_saved):
+    x, w_router, *weights, saved = ctx.saved_tensors
+    d_x, d_w_router, *d_weights = _moe_backward_op(d_out.contiguous(), saved, x, w_router, *weights, ctx.top_k,
+                                                   d_logits, d_probs, d_losses)
+    return (d_x, d_w_router, *_present(d_weights, weights), *[None] * 13)
+
+
+_moe_with_aux_op.register_autograd(_first_order_only(_moe_with_aux_op_backward),
+                                   setup_context=_setup_moe_with_aux_context)
 
 
 _PLAIN_TYPES = frozenset((Tensor, nn.Parameter, type(None)))  # None: an absent optional tensor

@@ -31,10 +31,10 @@ from torch import Tensor, nn
 
 from . import _moka
 from ._allocator import ALLOCATORS
-from ._autograd import _Experts, _MoE, _moe_forward, _Route, router_weight_dtype
+from ._autograd import _Experts, _MoE, _moe_forward, _MoEWithAux, _Route, router_aux_outputs, router_weight_dtype
 from ._distributed import moka_group
-from ._op import (_backend, _int32_ids, _make_engines, _moe_experts_op, _moe_op, _op_layer, _plain_eager_call,
-                  _untraced_call, new_engine_id, op_layers_of)
+from ._op import (_backend, _int32_ids, _make_engines, _moe_experts_op, _moe_op, _moe_with_aux_op, _op_layer,
+                  _plain_eager_call, _untraced_call, new_engine_id, op_layers_of)
 
 # Reached through moka.torch by bench/python_overhead.py, which times moka's calls one by one and
 # swaps the op's layers.
@@ -107,9 +107,11 @@ _FUNC_TRANSFORMS = ("moka: torch.func's differentiating transforms (grad, jvp, j
 class MoEAux(NamedTuple):
     """What ``MoE.forward(x, return_aux=True)`` returns beside the output, for trainers that balance
     the load with an auxiliary loss (Switch Transformer, GShard, Mixtral) instead of, or besides,
-    ``selection_bias``. The losses are differentiable in x and the router weight; add them to the
-    training loss with a coefficient of your choice (Switch: 1e-2 for the load-balancing loss,
-    ST-MoE: 1e-3 for the z-loss).
+    ``selection_bias``. moka's router call computes them all (its kernels write them, no torch op
+    runs) and its backward takes their gradients: every one but tokens_per_expert is
+    differentiable in x and the router weight. Add the losses to the training loss with a
+    coefficient of your choice (Switch: 1e-2 for the load-balancing loss, ST-MoE: 1e-3 for the
+    z-loss).
 
     Attributes:
         router_logits (Tensor): [T, E] x @ w_router^T, float32 for bfloat16 x (else x's dtype).
@@ -375,10 +377,9 @@ class MoE(nn.Module):
         Args:
             x (Tensor): [..., H] in the weights' dtype (float32/float64 on the CPU, bfloat16 on the
                 current CUDA device); with a ``group``, every rank passes the same number of tokens.
-            return_aux (bool): also return the routing's auxiliary outputs and losses (``MoEAux``).
-                Off (the default), nothing beyond moka's own call runs; on, the router logits are
-                computed once more with torch ops (one [T, H] x [H, E] product and a few
-                element-wise ops).
+            return_aux (bool): also return the routing's auxiliary outputs and losses (``MoEAux``),
+                written by moka's router call itself and differentiated by its backward (no torch op
+                runs for them); off (the default), the router computes none of them.
 
         Returns:
             Tensor: the layer's output, x's shape and dtype, differentiable in x, the router and
@@ -394,37 +395,35 @@ class MoE(nn.Module):
         (w_router, bias, load), experts = self._tensors()
         inputs = (tokens, w_router, *experts, _selection_bias(bias, tokens), load)
         if _untraced_call(inputs):  # moka's call directly (a mode sees its allocations, as in any eager call)
-            load_before = load.clone() if return_aux else None  # this call's routes: what moka adds to load
             inputs += (self._engine(tokens)[2], self.top_k)
-            # With autograd off (evaluation, inference mode) the call skips Function.apply.
-            out = _MoE.apply(*inputs) if torch.is_grad_enabled() else _moe_forward(*inputs)[1]
-            routes = load - load_before if return_aux else None
-        else:  # a compiler or an exporter traces moka's op, which returns the routes
+            if return_aux:
+                out, *aux = self._forward_with_aux(inputs)
+            else:  # with autograd off (evaluation, inference mode) the call skips Function.apply
+                out = _MoE.apply(*inputs) if torch.is_grad_enabled() else _moe_forward(*inputs)[1]
+        elif return_aux:  # a compiler or an exporter traces moka's op, which returns the routes
+            out, routes, logits, probs, losses, _ = _moe_with_aux_op(*inputs[:-1], *self._op_options())
+            load.add_(routes)
+            aux = (logits, probs, losses, routes)
+        else:
             out, routes, _ = _moe_op(*inputs[:-1], *self._op_options())
             load.add_(routes)
         out = out if x.dim() == 2 else out.reshape(x.shape)
         if not return_aux:
             return out
-        return out, self._aux(tokens, w_router, routes)
+        logits, probs, losses, routes = aux
+        return out, MoEAux(logits, probs, routes, losses[0], losses[1])
+
+    def _forward_with_aux(self, inputs) -> tuple:
+        """(out, router_logits, router_probs, losses, tokens_per_expert), all written by moka's call."""
+        if torch.is_grad_enabled():
+            return _MoEWithAux.apply(*inputs)
+        aux = router_aux_outputs(inputs[0], self.experts)
+        return (_moe_forward(*inputs, aux=aux)[1], *aux)
 
     def _op_options(self) -> tuple:
         """moka::moe's arguments after the tensors: what its engines are built from, and their id."""
         return (self.top_k, self.score, self.renormalize, self.route_scale, self.activation, self.clamp_limit,
                 self.path, self.tile_rows, self.max_tokens, self._group_name, self._engine_id, self.allocator)
-
-    def _aux(self, tokens: Tensor, w_router: Tensor, tokens_per_expert: Tensor) -> MoEAux:
-        dtype = tokens.dtype if tokens.dtype in (torch.float32, torch.float64) else torch.float32
-        logits = tokens.to(dtype) @ w_router.to(dtype).t()
-        if self.score == "softmax":
-            probs = torch.softmax(logits, dim=-1)
-        else:
-            scores = torch.sigmoid(logits)
-            probs = scores / scores.sum(dim=-1, keepdim=True)
-        count = max(tokens.shape[0], 1)  # an empty batch gives losses of 0
-        fraction = tokens_per_expert.to(dtype) / (count * self.top_k)
-        balance = self.experts * (fraction * probs.sum(dim=0)).sum() / count
-        z_loss = torch.logsumexp(logits, dim=-1).square().sum() / count
-        return MoEAux(logits, probs, tokens_per_expert, balance, z_loss)
 
     def check_errors(self):
         """Raises (as moka.Error) what the GPU kernels of finished calls found; synchronize first."""

@@ -81,6 +81,16 @@ moka::TensorView view_of(const OptionalArray& a, const char* name, bool takes_in
   return a ? view_of(*a, name, takes_int64) : moka::TensorView{};
 }
 
+// The router's optional outputs for trainers that balance with auxiliary losses, and their gradients.
+moka::RouterAuxOutputs aux_outputs(const OptionalArray& logits, const OptionalArray& probs,
+                                   const OptionalArray& losses) {
+  return {view_of(logits, "router_logits"), view_of(probs, "router_probs"), view_of(losses, "losses")};
+}
+moka::RouterAuxGradients aux_gradients(const OptionalArray& d_logits, const OptionalArray& d_probs,
+                                       const OptionalArray& d_losses) {
+  return {view_of(d_logits, "d_router_logits"), view_of(d_probs, "d_router_probs"), view_of(d_losses, "d_losses")};
+}
+
 moka::Stream stream_of(uintptr_t handle) { return moka::Stream{reinterpret_cast<void*>(handle)}; }
 
 // Runs `body`, turning a moka::Error into a RankedError that names this rank. With a group,
@@ -253,10 +263,13 @@ class Router {
   std::unique_ptr<RouterContext> forward(const Array& x, const Array& w_router, const OptionalArray& bias,
                                          const Array& topk_ids, const Array& topk_weights,
                                          const OptionalArray& expert_counts, const OptionalArray& expert_load,
-                                         uintptr_t stream) {
+                                         uintptr_t stream, const OptionalArray& router_logits,
+                                         const OptionalArray& router_probs, const OptionalArray& losses) {
     return on_rank_.run([&] {
       const moka::RouterOutputs out{view_of(topk_ids, "topk_ids"), view_of(topk_weights, "topk_weights"),
-                                    view_of(expert_counts, "expert_counts"), view_of(expert_load, "expert_load", true)};
+                                    view_of(expert_counts, "expert_counts", true),
+                                    view_of(expert_load, "expert_load", true),
+                                    aux_outputs(router_logits, router_probs, losses)};
       const moka::TensorView x_view = view_of(x, "x"), w = view_of(w_router, "w_router");
       const moka::TensorView b = view_of(bias, "selection_bias");
       return std::make_unique<RouterContext>(RouterContext{router_->forward(x_view, w, b, out, stream_of(stream))});
@@ -264,11 +277,13 @@ class Router {
   }
 
   void backward(const RouterContext& saved, const Array& d_topk_weights, const Array& d_x, const Array& d_w_router,
-                uintptr_t stream, bool add_to_d_x) {
+                uintptr_t stream, bool add_to_d_x, const OptionalArray& d_router_logits,
+                const OptionalArray& d_router_probs, const OptionalArray& d_losses) {
     on_rank_.run([&] {
       const moka::TensorView dw = view_of(d_topk_weights, "d_topk_weights"), dx = view_of(d_x, "d_x");
       const moka::TensorView dwr = view_of(d_w_router, "d_w_router");
-      router_->backward(*saved.saved, dw, dx, dwr, stream_of(stream), add_to_d_x);
+      router_->backward(*saved.saved, dw, dx, dwr, stream_of(stream), add_to_d_x,
+                        aux_gradients(d_router_logits, d_router_probs, d_losses));
     });
   }
 
@@ -290,9 +305,12 @@ class MoeForward {
   MoeForward(const Moe& moe, moka::Stream stream) : moe_(moe), stream_(stream) {}
   // Writes every gradient: d_x, d_w_router and the expert weights' (the shared expert's where
   // it has one); d_topk_weights is scratch for the router's part.
+  // d_router_logits, d_router_probs, d_losses: the gradients of the aux outputs the forward wrote.
   void backward(const Array& d_out, const Array& d_x, const Array& d_topk_weights, const Array& d_w_router,
                 const Array& d_w_gate, const Array& d_w_up, const Array& d_w_down, const OptionalArray& d_ws_gate,
-                const OptionalArray& d_ws_up, const OptionalArray& d_ws_down, bool consume);
+                const OptionalArray& d_ws_up, const OptionalArray& d_ws_down, bool consume,
+                const OptionalArray& d_router_logits, const OptionalArray& d_router_probs,
+                const OptionalArray& d_losses);
 
   Array w_router, topk_ids, topk_weights;
   OptionalArray bias;
@@ -318,7 +336,9 @@ class Moe {
                                       const OptionalArray& expert_load, const Array& w_gate, const Array& w_up,
                                       const Array& w_down, const OptionalArray& ws_gate, const OptionalArray& ws_up,
                                       const OptionalArray& ws_down, const Array& topk_ids, const Array& topk_weights,
-                                      const Array& out, uintptr_t stream) const {
+                                      const Array& out, uintptr_t stream, const OptionalArray& expert_counts,
+                                      const OptionalArray& router_logits, const OptionalArray& router_probs,
+                                      const OptionalArray& losses) const {
     std::optional<nb::gil_scoped_release> unlocked;
     if (release_gil_) unlocked.emplace();
     return layer_.on_rank_.run([&] {
@@ -328,7 +348,9 @@ class Moe {
       saved->weights = Weights{w_gate, w_up, w_down, ws_gate, ws_up, ws_down};
       const moka::TensorView x_view = view_of(x, "x"), ids = view_of(topk_ids, "topk_ids");
       const moka::TensorView weights = view_of(topk_weights, "topk_weights");
-      const moka::RouterOutputs routes{ids, weights, {}, view_of(expert_load, "expert_load", true)};
+      const moka::RouterOutputs routes{ids, weights, view_of(expert_counts, "expert_counts", true),
+                                       view_of(expert_load, "expert_load", true),
+                                       aux_outputs(router_logits, router_probs, losses)};
       saved->router_saved = router_.router_->forward(x_view, view_of(w_router, "w_router"),
                                                      view_of(bias, "selection_bias"), routes, stream_of(stream));
       saved->layer_saved =
@@ -338,7 +360,8 @@ class Moe {
   }
 
   void backward(MoeForward& saved, moka::Stream stream, const Array& d_out, const Array& d_x,
-                const Array& d_topk_weights, const Array& d_w_router, const Weights& d_weights, bool consume) const {
+                const Array& d_topk_weights, const Array& d_w_router, const Weights& d_weights, bool consume,
+                const moka::RouterAuxGradients& aux) const {
     std::optional<nb::gil_scoped_release> unlocked;
     if (release_gil_) unlocked.emplace();
     layer_.on_rank_.run([&] {
@@ -346,7 +369,7 @@ class Moe {
       layer_backward(*layer_.layer_, saved.layer_saved, consume, view_of(d_out, "d_out"), saved.weights.view(), grads,
                      stream);
       router_.router_->backward(*saved.router_saved, grads.d_topk_weights, grads.d_x, view_of(d_w_router, "d_w_router"),
-                                stream, /*add_to_d_x=*/true);
+                                stream, /*add_to_d_x=*/true, aux);
     });
   }
 
@@ -359,9 +382,11 @@ class Moe {
 void MoeForward::backward(const Array& d_out, const Array& d_x, const Array& d_topk_weights, const Array& d_w_router,
                           const Array& d_w_gate, const Array& d_w_up, const Array& d_w_down,
                           const OptionalArray& d_ws_gate, const OptionalArray& d_ws_up, const OptionalArray& d_ws_down,
-                          bool consume) {
+                          bool consume, const OptionalArray& d_router_logits, const OptionalArray& d_router_probs,
+                          const OptionalArray& d_losses) {
   moe_.backward(*this, stream_, d_out, d_x, d_topk_weights, d_w_router,
-                Weights{d_w_gate, d_w_up, d_w_down, d_ws_gate, d_ws_up, d_ws_down}, consume);
+                Weights{d_w_gate, d_w_up, d_w_down, d_ws_gate, d_ws_up, d_ws_down}, consume,
+                aux_gradients(d_router_logits, d_router_probs, d_losses));
 }
 
 // The constructor of a bound options struct: the C++ defaults, then each keyword argument set
@@ -552,17 +577,24 @@ NB_MODULE(_moka, m) {
            "backend"_a, "group"_a.none(), "options"_a = LayerOptions{}, nb::keep_alive<1, 4>())
       .def("forward", &Router::forward, "x"_a.noconvert(), "w_router"_a.noconvert(),
            "selection_bias"_a.noconvert().none(), "topk_ids"_a.noconvert(), "topk_weights"_a.noconvert(),
-           "expert_counts"_a.noconvert().none(), "expert_load"_a.noconvert().none(), "stream"_a, nb::keep_alive<0, 1>(),
-           nb::call_guard<nb::gil_scoped_release>())
+           "expert_counts"_a.noconvert().none(), "expert_load"_a.noconvert().none(), "stream"_a,
+           "router_logits"_a.noconvert().none() = nb::none(), "router_probs"_a.noconvert().none() = nb::none(),
+           "losses"_a.noconvert().none() = nb::none(), nb::keep_alive<0, 1>(), nb::call_guard<nb::gil_scoped_release>(),
+           "Routes x; router_logits, router_probs [T, E] and losses [2] (balancing, z; no coefficients): optional "
+           "outputs in the router's compute dtype (moka::RouterAuxOutputs).")
       .def("backward", &Router::backward, "saved"_a, "d_topk_weights"_a.noconvert(), "d_x"_a.noconvert(),
-           "d_w_router"_a.noconvert(), "stream"_a, "add_to_d_x"_a = false, nb::call_guard<nb::gil_scoped_release>(),
-           "Writes d_w_router, and d_x (or adds to it with add_to_d_x).");
+           "d_w_router"_a.noconvert(), "stream"_a, "add_to_d_x"_a = false,
+           "d_router_logits"_a.noconvert().none() = nb::none(), "d_router_probs"_a.noconvert().none() = nb::none(),
+           "d_losses"_a.noconvert().none() = nb::none(), nb::call_guard<nb::gil_scoped_release>(),
+           "Writes d_w_router, and d_x (or adds to it with add_to_d_x); d_router_logits, d_router_probs, d_losses: "
+           "the gradients of the aux outputs the forward wrote.");
 
   nb::class_<MoeForward>(m, "MoeForward", "What one Moe.forward saved for its backward.")
       .def("backward", &MoeForward::backward, "d_out"_a.noconvert(), "d_x"_a.noconvert(),
            "d_topk_weights"_a.noconvert(), "d_w_router"_a.noconvert(), "d_w_gate"_a.noconvert(), "d_w_up"_a.noconvert(),
            "d_w_down"_a.noconvert(), "d_ws_gate"_a.noconvert().none(), "d_ws_up"_a.noconvert().none(),
-           "d_ws_down"_a.noconvert().none(), "consume"_a = false,
+           "d_ws_down"_a.noconvert().none(), "consume"_a = false, "d_router_logits"_a.noconvert().none() = nb::none(),
+           "d_router_probs"_a.noconvert().none() = nb::none(), "d_losses"_a.noconvert().none() = nb::none(),
            "Writes d_x and every weight's gradient (d_topk_weights: scratch), on the forward's stream; consume: "
            "the layer's saved state goes to this backward (its memory reused as scratch), none is run again.");
   nb::class_<Moe>(m, "Moe", "A router and a layer run as one call each way (routing through combine).")
@@ -572,6 +604,9 @@ NB_MODULE(_moka, m) {
            "expert_load"_a.noconvert().none(), "w_gate"_a.noconvert(), "w_up"_a.noconvert(), "w_down"_a.noconvert(),
            "ws_gate"_a.noconvert().none(), "ws_up"_a.noconvert().none(), "ws_down"_a.noconvert().none(),
            "topk_ids"_a.noconvert(), "topk_weights"_a.noconvert(), "out"_a.noconvert(), "stream"_a,
+           "expert_counts"_a.noconvert().none() = nb::none(), "router_logits"_a.noconvert().none() = nb::none(),
+           "router_probs"_a.noconvert().none() = nb::none(), "losses"_a.noconvert().none() = nb::none(),
            nb::keep_alive<0, 1>(),
-           "Routes x (adding the routes per expert to expert_load), runs the experts into out.");
+           "Routes x (adding the routes per expert to expert_load), runs the experts into out; expert_counts, "
+           "router_logits, router_probs, losses: the router's optional outputs (Router.forward).");
 }

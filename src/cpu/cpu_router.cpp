@@ -20,6 +20,7 @@ struct RouterState final : RouterContext {
   std::vector<int32_t> selected;  // [T, k]
   std::vector<double> fraction;   // f_e: share of routes per expert
   RouterLosses loss_values;
+  bool wrote_logits = false, wrote_probs = false, wrote_losses = false;  // RouterAuxOutputs written
   RouterLosses losses() const override { return loss_values; }
 };
 
@@ -38,7 +39,9 @@ class CpuRouter {
     if (c_.use_selection_bias) expect_tensor(bias, "selection_bias", dt, Device::cpu(), {E});
     expect_tensor(out.topk_ids, "topk_ids", DType::i32, Device::cpu(), {T_, k});
     expect_tensor(out.topk_weights, "topk_weights", core::router_weight_dtype(dt), Device::cpu(), {T_, k});
-    if (!out.expert_counts.empty()) expect_tensor(out.expert_counts, "expert_counts", DType::i32, Device::cpu(), {E});
+    if (!out.expert_counts.empty())
+      expect_tensor(out.expert_counts, "expert_counts", out.expert_counts.dtype == DType::i64 ? DType::i64 : DType::i32,
+                    Device::cpu(), {E});
     if (!out.expert_load.empty()) expect_tensor(out.expert_load, "expert_load", DType::i64, Device::cpu(), {E});
 
     auto st = std::make_unique<RouterState<T>>();
@@ -78,18 +81,23 @@ class CpuRouter {
 
     std::vector<int64_t> counts(E, 0);
     for (int32_t e : st->selected) ++counts[e];
-    if (!out.expert_counts.empty())
-      for (int64_t e = 0; e < E; ++e) out.expert_counts.as<int32_t>()[e] = static_cast<int32_t>(counts[e]);
+    for (int64_t e = 0; e < E && !out.expert_counts.empty(); ++e) {
+      if (out.expert_counts.dtype == DType::i64) out.expert_counts.as<int64_t>()[e] = counts[e];
+      else out.expert_counts.as<int32_t>()[e] = static_cast<int32_t>(counts[e]);
+    }
     if (!out.expert_load.empty())
       for (int64_t e = 0; e < E; ++e) out.expert_load.as<int64_t>()[e] += counts[e];
     st->fraction.resize(E);
     for (int64_t e = 0; e < E; ++e) st->fraction[e] = T_ > 0 ? double(counts[e]) / double(T_ * k) : 0.0;
-    st->loss_values = losses(*st);
+    const RouterLosses raw = raw_losses(*st, c_.aux_loss_coef != 0 || !out.aux.losses.empty(),
+                                        c_.z_loss_coef != 0 || !out.aux.losses.empty());
+    st->loss_values = {c_.aux_loss_coef * raw.aux_loss, c_.z_loss_coef * raw.z_loss};
+    write_aux(*st, out.aux, raw, dt);
     return st;
   }
 
   void backward(const RouterContext& saved, const TensorView& d_weights, const TensorView& d_x,
-                const TensorView& d_w_router, bool add_to_d_x) const {
+                const TensorView& d_w_router, bool add_to_d_x, const RouterAuxGradients& aux) const {
     const auto* stp = dynamic_cast<const RouterState<T>*>(&saved);
     require(stp != nullptr, ErrorCode::invalid_argument, "router backward got a context of another dtype");
     const auto& st = *stp;
@@ -99,6 +107,7 @@ class CpuRouter {
     expect_tensor(d_x, "d_x", dt, Device::cpu(), {T_, H});
     expect_tensor(d_w_router, "d_w_router", dt, Device::cpu(), {E, H});
     const T* dw = d_weights.as<T>();
+    const AuxGradients g = aux_gradients(st, aux, dt);
 
     std::vector<T> d_logits(T_ * E);
     parallel_for(T_, threads_, [&](int64_t lo, int64_t hi) {
@@ -106,11 +115,14 @@ class CpuRouter {
       for (int64_t t = lo; t < hi; ++t) {
         const T* sc = &st.scores[t * E];
         const T* lg = &st.logits[t * E];
+        T* dl = &d_logits[t * E];
         std::fill(ds.begin(), ds.end(), T(0));
         selection_backward(sc, &st.selected[t * k], dw + t * k, ds.data());
-        aux_loss_backward(sc, st, ds.data(), T_);
-        scores_backward(lg, sc, ds.data(), &d_logits[t * E], E);
-        z_loss_backward(lg, &d_logits[t * E], E, T_);
+        probs_backward(sc, st, g.balance, g.d_probs ? g.d_probs + t * E : nullptr, ds.data(), T_);
+        scores_backward(lg, sc, ds.data(), dl, E);
+        z_loss_backward(lg, g.z, dl, E, T_);
+        if (g.d_logits)
+          for (int64_t e = 0; e < E; ++e) dl[e] += g.d_logits[t * E + e];
       }
     });
     // d_x (+)= d_logits @ W_router, each row summed from zero first so that adding equals a
@@ -165,11 +177,12 @@ class CpuRouter {
     return mx + std::log(sum);
   }
 
-  RouterLosses losses(const RouterState<T>& st) const {
+  // The two losses without their coefficients, each only where asked for (else 0).
+  RouterLosses raw_losses(const RouterState<T>& st, bool balance, bool z) const {
     RouterLosses l;
     const int64_t T_ = st.tokens, E = c_.num_experts;
     if (T_ == 0) return l;
-    if (c_.aux_loss_coef != 0) {
+    if (balance) {
       std::vector<double> P(E, 0.0);
       std::vector<T> p(E);
       for (int64_t t = 0; t < T_; ++t) {
@@ -178,17 +191,65 @@ class CpuRouter {
       }
       double s = 0;
       for (int64_t e = 0; e < E; ++e) s += st.fraction[e] * P[e];
-      l.aux_loss = c_.aux_loss_coef * double(E) * s;
+      l.aux_loss = double(E) * s;
     }
-    if (c_.z_loss_coef != 0) {
-      double z = 0;
+    if (z) {
+      double sum = 0;
       for (int64_t t = 0; t < T_; ++t) {
         const double v = double(logsumexp(&st.logits[t * E], E));
-        z += v * v;
+        sum += v * v;
       }
-      l.z_loss = c_.z_loss_coef * z / double(T_);
+      l.z_loss = sum / double(T_);
     }
     return l;
+  }
+
+  // The RouterAuxOutputs the caller asked for, checked and written; the state remembers which.
+  void write_aux(RouterState<T>& st, const RouterAuxOutputs& aux, const RouterLosses& raw, DType dt) const {
+    const int64_t T_ = st.tokens, E = c_.num_experts;
+    if (!aux.router_logits.empty()) {
+      expect_tensor(aux.router_logits, "router_logits", dt, Device::cpu(), {T_, E});
+      std::copy(st.logits.begin(), st.logits.end(), aux.router_logits.as<T>());
+      st.wrote_logits = true;
+    }
+    if (!aux.router_probs.empty()) {
+      expect_tensor(aux.router_probs, "router_probs", dt, Device::cpu(), {T_, E});
+      for (int64_t t = 0; t < T_; ++t) normalized(&st.scores[t * E], aux.router_probs.as<T>() + t * E, E);
+      st.wrote_probs = true;
+    }
+    if (!aux.losses.empty()) {
+      expect_tensor(aux.losses, "losses", dt, Device::cpu(), {2});
+      aux.losses.as<T>()[0] = static_cast<T>(raw.aux_loss);
+      aux.losses.as<T>()[1] = static_cast<T>(raw.z_loss);
+      st.wrote_losses = true;
+    }
+  }
+
+  // The gradients backward applies: the losses' coefficients plus the caller's gradients of the
+  // returned losses, and the caller's gradients of the returned logits and probabilities.
+  struct AuxGradients {
+    double balance = 0, z = 0;
+    const T* d_probs = nullptr;
+    const T* d_logits = nullptr;
+  };
+  AuxGradients aux_gradients(const RouterState<T>& st, const RouterAuxGradients& aux, DType dt) const {
+    const int64_t T_ = st.tokens, E = c_.num_experts;
+    AuxGradients g{c_.aux_loss_coef, c_.z_loss_coef};
+    auto given = [&](const TensorView& t, bool wrote, const char* name, std::initializer_list<int64_t> shape) {
+      if (t.empty()) return false;
+      require(wrote, ErrorCode::invalid_argument,
+              std::string("router backward got ") + name + " for an output its forward did not write");
+      expect_tensor(t, name, dt, Device::cpu(), shape);
+      return true;
+    };
+    if (given(aux.d_losses, st.wrote_losses, "d_losses", {2})) {
+      g.balance += double(aux.d_losses.as<T>()[0]);
+      g.z += double(aux.d_losses.as<T>()[1]);
+    }
+    if (given(aux.d_router_probs, st.wrote_probs, "d_router_probs", {T_, E})) g.d_probs = aux.d_router_probs.as<T>();
+    if (given(aux.d_router_logits, st.wrote_logits, "d_router_logits", {T_, E}))
+      g.d_logits = aux.d_router_logits.as<T>();
+    return g;
   }
 
   // d scores from d weights through renormalization and route scale.
@@ -207,12 +268,15 @@ class CpuRouter {
     for (int64_t j = 0; j < k; ++j) ds[sel[j]] += scale * (dw[j] / S - dot_ws / (S * S));
   }
 
-  // The balancing loss treats the route fractions f_e as constants (they are counts).
-  void aux_loss_backward(const T* sc, const RouterState<T>& st, T* ds, int64_t T_) const {
-    if (c_.aux_loss_coef == 0) return;
+  // d scores from the probabilities p = s / sum(s): the balancing loss's (coefficient `balance`;
+  // it treats the route fractions f_e as constants: they are counts) plus the caller's d_probs.
+  void probs_backward(const T* sc, const RouterState<T>& st, double balance, const T* d_probs, T* ds,
+                      int64_t T_) const {
+    if (balance == 0 && !d_probs) return;
     const int64_t E = c_.num_experts;
     std::vector<T> dp(E), p(E);
-    for (int64_t e = 0; e < E; ++e) dp[e] = static_cast<T>(c_.aux_loss_coef * double(E) * st.fraction[e] / double(T_));
+    for (int64_t e = 0; e < E; ++e)
+      dp[e] = static_cast<T>(balance * double(E) * st.fraction[e] / double(T_)) + (d_probs ? d_probs[e] : T(0));
     normalized(sc, p.data(), E);
     T sum = 0, dpp = 0;
     for (int64_t e = 0; e < E; ++e) {
@@ -233,10 +297,10 @@ class CpuRouter {
     for (int64_t e = 0; e < E; ++e) dl[e] = sc[e] * (ds[e] - dot_sp);
   }
 
-  void z_loss_backward(const T* lg, T* dl, int64_t E, int64_t T_) const {
-    if (c_.z_loss_coef == 0) return;
+  void z_loss_backward(const T* lg, double z, T* dl, int64_t E, int64_t T_) const {
+    if (z == 0) return;
     const T lse = logsumexp(lg, E);
-    const T coef = static_cast<T>(2.0 * c_.z_loss_coef / double(T_)) * lse;
+    const T coef = static_cast<T>(2.0 * z / double(T_)) * lse;
     for (int64_t e = 0; e < E; ++e) dl[e] += coef * std::exp(lg[e] - lse);
   }
 
@@ -260,9 +324,9 @@ class CpuRouterByDtype final : public Router {
     return f32_.forward(x, w, bias, out);
   }
   void backward(const RouterContext& saved, const TensorView& dw, const TensorView& dx, const TensorView& dwr, Stream,
-                bool add_to_d_x) override {
-    if (dx.dtype == DType::f64) return f64_.backward(saved, dw, dx, dwr, add_to_d_x);
-    f32_.backward(saved, dw, dx, dwr, add_to_d_x);
+                bool add_to_d_x, const RouterAuxGradients& aux) override {
+    if (dx.dtype == DType::f64) return f64_.backward(saved, dw, dx, dwr, add_to_d_x, aux);
+    f32_.backward(saved, dw, dx, dwr, add_to_d_x, aux);
   }
 
  private:

@@ -64,6 +64,29 @@ RouterConfig config(ScoreFunction score, bool renorm, bool bias, double aux, dou
   return c;
 }
 
+// Central differences of `loss` in every element of x and w against the analytic dx, dw; the
+// selection must not change under the perturbation.
+template <typename Loss>
+void expect_finite_differences(RouterCase& rc, Loss loss, const std::vector<double>& dx,
+                               const std::vector<double>& dw) {
+  const auto selected = rc.ids;
+  auto check = [&](std::vector<double>& param, const std::vector<double>& analytic, const char* name) {
+    for (size_t i = 0; i < param.size(); ++i) {
+      const double saved = param[i], eps = 1e-6;
+      param[i] = saved + eps;
+      const double lp = loss();
+      param[i] = saved - eps;
+      const double lm = loss();
+      param[i] = saved;
+      ASSERT_EQ(rc.ids, selected) << "perturbation changed the selection; pick another seed";
+      const double numeric = (lp - lm) / (2 * eps);
+      ASSERT_NEAR(numeric, analytic[i], 1e-6 * std::max(1.0, std::abs(numeric))) << name << "[" << i << "]";
+    }
+  };
+  check(rc.x, dx, "x");
+  check(rc.w, dw, "w_router");
+}
+
 class RouterGradCheck : public ::testing::TestWithParam<std::tuple<ScoreFunction, bool, bool>> {};
 
 TEST_P(RouterGradCheck, BackwardMatchesFiniteDifferences) {
@@ -77,27 +100,105 @@ TEST_P(RouterGradCheck, BackwardMatchesFiniteDifferences) {
   router->backward(*ctx, TensorView(rc.g.data(), DType::f64, {rc.tokens, 3}),
                    TensorView(dx.data(), DType::f64, {rc.tokens, 6}), TensorView(dw.data(), DType::f64, {8, 6}),
                    Stream{});
-  const auto selected = rc.ids;
-  auto check = [&](std::vector<double>& param, const std::vector<double>& analytic, const char* name) {
-    for (size_t i = 0; i < param.size(); ++i) {
-      const double saved = param[i], eps = 1e-6;
-      param[i] = saved + eps;
-      const double lp = rc.loss(*router);
-      param[i] = saved - eps;
-      const double lm = rc.loss(*router);
-      param[i] = saved;
-      ASSERT_EQ(rc.ids, selected) << "perturbation changed the selection; pick another seed";
-      const double numeric = (lp - lm) / (2 * eps);
-      ASSERT_NEAR(numeric, analytic[i], 1e-6 * std::max(1.0, std::abs(numeric))) << name << "[" << i << "]";
-    }
-  };
-  check(rc.x, dx, "x");
-  check(rc.w, dw, "w_router");
+  expect_finite_differences(
+      rc, [&] { return rc.loss(*router); }, dx, dw);
 }
 
 INSTANTIATE_TEST_SUITE_P(Variants, RouterGradCheck,
                          ::testing::Combine(::testing::Values(ScoreFunction::softmax, ScoreFunction::sigmoid),
                                             ::testing::Bool(), ::testing::Bool()));
+
+// The aux outputs (logits, probabilities, the two losses without coefficients) with upstream
+// gradients of their own, on top of RouterConfig's coefficients: the values against a direct
+// computation, the backward against finite differences of
+// <weights, g> + <logits, r1> + <probs, r2> + a * balance + b * z + coef_aux * balance + coef_z * z.
+class RouterAuxGradCheck : public ::testing::TestWithParam<std::tuple<ScoreFunction, bool, bool>> {};
+
+TEST_P(RouterAuxGradCheck, AuxOutputsAndTheirGradientsMatchFiniteDifferences) {
+  const auto [score, renorm, with_coefs] = GetParam();
+  RouterCase rc(config(score, renorm, false, with_coefs ? 0.3 : 0.0, with_coefs ? 0.05 : 0.0), 11);
+  const int64_t T = rc.tokens, H = 6, E = 8;
+  auto router = make_router(rc.config, Backend::cpu);
+  std::vector<double> logits(T * E), probs(T * E), losses(2), r1(T * E), r2(T * E);
+  std::vector<int64_t> counts64(E);
+  std::mt19937_64 rng(17);
+  std::normal_distribution<double> nd(0, 1);
+  for (auto* v : {&r1, &r2})
+    for (auto& e : *v) e = nd(rng);
+  const std::vector<double> d_losses{0.7, -0.2};
+  auto forward = [&] {
+    RouterOutputs out{TensorView(rc.ids.data(), DType::i32, {T, 3}), TensorView(rc.weights.data(), DType::f64, {T, 3}),
+                      TensorView(counts64.data(), DType::i64, {E})};
+    out.aux = {TensorView(logits.data(), DType::f64, {T, E}), TensorView(probs.data(), DType::f64, {T, E}),
+               TensorView(losses.data(), DType::f64, {2})};
+    return router->forward(TensorView(rc.x.data(), DType::f64, {T, H}), TensorView(rc.w.data(), DType::f64, {E, H}),
+                           TensorView(), out, Stream{});
+  };
+  auto loss = [&] {
+    auto ctx = forward();
+    const RouterLosses coef = ctx->losses();
+    double l = coef.aux_loss + coef.z_loss + d_losses[0] * losses[0] + d_losses[1] * losses[1];
+    for (int64_t i = 0; i < T * 3; ++i) l += rc.weights[i] * rc.g[i];
+    for (int64_t i = 0; i < T * E; ++i) l += logits[i] * r1[i] + probs[i] * r2[i];
+    return l;
+  };
+  auto ctx = forward();
+  // The values, computed here from x and w.
+  double balance = 0, z = 0;
+  std::vector<double> mean_p(E, 0.0);
+  for (int64_t t = 0; t < T; ++t) {
+    std::vector<double> lg(E), sc(E);
+    double mx = -1e300, se = 0, ss = 0;
+    for (int64_t e = 0; e < E; ++e) {
+      for (int64_t h = 0; h < H; ++h) lg[e] += rc.x[t * H + h] * rc.w[e * H + h];
+      mx = std::max(mx, lg[e]);
+      EXPECT_NEAR(logits[t * E + e], lg[e], 1e-12);
+    }
+    for (int64_t e = 0; e < E; ++e) se += std::exp(lg[e] - mx);
+    for (int64_t e = 0; e < E; ++e)
+      ss += sc[e] = score == ScoreFunction::sigmoid ? 1 / (1 + std::exp(-lg[e])) : std::exp(lg[e] - mx) / se;
+    for (int64_t e = 0; e < E; ++e) {
+      EXPECT_NEAR(probs[t * E + e], sc[e] / ss, 1e-12);
+      mean_p[e] += sc[e] / ss / double(T);
+    }
+    z += std::pow(mx + std::log(se), 2) / double(T);
+  }
+  for (int64_t e = 0; e < E; ++e) {
+    int64_t n = 0;
+    for (int32_t id : rc.ids) n += id == e;
+    EXPECT_EQ(counts64[e], n);
+    balance += double(E) * double(n) / double(T * 3) * mean_p[e];
+  }
+  EXPECT_NEAR(losses[0], balance, 1e-12);
+  EXPECT_NEAR(losses[1], z, 1e-12);
+  EXPECT_NEAR(ctx->losses().aux_loss, rc.config.aux_loss_coef * balance, 1e-12);
+  EXPECT_NEAR(ctx->losses().z_loss, rc.config.z_loss_coef * z, 1e-12);
+
+  std::vector<double> dx(rc.x.size()), dw(rc.w.size());
+  const RouterAuxGradients grads{TensorView(r1.data(), DType::f64, {T, E}), TensorView(r2.data(), DType::f64, {T, E}),
+                                 TensorView(const_cast<double*>(d_losses.data()), DType::f64, {2})};
+  router->backward(*ctx, TensorView(rc.g.data(), DType::f64, {T, 3}), TensorView(dx.data(), DType::f64, {T, H}),
+                   TensorView(dw.data(), DType::f64, {E, H}), Stream{}, false, grads);
+  expect_finite_differences(rc, loss, dx, dw);
+}
+
+INSTANTIATE_TEST_SUITE_P(Variants, RouterAuxGradCheck,
+                         ::testing::Combine(::testing::Values(ScoreFunction::softmax, ScoreFunction::sigmoid),
+                                            ::testing::Bool(), ::testing::Bool()));
+
+// A gradient for an aux output the forward did not write is an error, not a silent zero.
+TEST(Router, AuxGradientsNeedTheirOutputs) {
+  RouterCase rc(config(ScoreFunction::softmax, false, false, 0, 0));
+  auto router = make_router(rc.config, Backend::cpu);
+  auto ctx = rc.forward(*router);
+  std::vector<double> dx(rc.x.size()), dw(rc.w.size()), d_losses{1.0, 1.0};
+  RouterAuxGradients grads;
+  grads.d_losses = TensorView(d_losses.data(), DType::f64, {2});
+  EXPECT_THROW(router->backward(*ctx, TensorView(rc.g.data(), DType::f64, {rc.tokens, 3}),
+                                TensorView(dx.data(), DType::f64, {rc.tokens, 6}),
+                                TensorView(dw.data(), DType::f64, {8, 6}), Stream{}, false, grads),
+               Error);
+}
 
 TEST(Router, SelectsByScorePlusBiasButWeighsByScoreAlone) {
   RouterConfig c = config(ScoreFunction::sigmoid, false, true, 0, 0);

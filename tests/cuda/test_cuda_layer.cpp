@@ -458,6 +458,108 @@ TEST(CudaRouter, ThreadsSharingARouterGetTheBitsOfCallsAlone) {
     for (int i = 0; i < kCalls; ++i) EXPECT_EQ(seen[t][i], alone[t]) << "thread " << t << ", call " << i;
 }
 
+// A bf16 device buffer's values, for comparison with a double reference.
+std::vector<double> bf16_values(const gpu_test::DeviceTensor& t) {
+  std::vector<__nv_bfloat16> h(t.bytes() / 2);
+  MOKA_CUDA_CHECK(cudaMemcpy(h.data(), t.data(), t.bytes(), cudaMemcpyDeviceToHost));
+  return std::vector<double>(h.begin(), h.end());
+}
+
+// The aux outputs (logits, probabilities, losses without coefficients, int64 counts) against the
+// CPU router's in fp64 on the same bf16 inputs, and the backward with the caller's gradients of
+// all three (d_losses read by the device) on top of RouterConfig's coefficients; the routes
+// keep the bits of a call without aux outputs. Every named style (softmax and sigmoid scores).
+TEST(CudaRouter, AuxOutputsAndTheirGradientsMatchTheReference) {
+  for (const auto& ns : named_shapes()) {
+    SCOPED_TRACE(ns.name);
+    RouterConfig rc = ns.router;
+    rc.hidden = 256;
+    rc.aux_loss_coef = 0.01;
+    const int64_t T = 45, H = rc.hidden, E = rc.num_experts, k = rc.top_k;
+    std::mt19937_64 rng(fresh_seed());
+    std::normal_distribution<double> nd(0, 1);
+    std::vector<double> x(T * H), w(E * H), dwt(T * k), r1(T * E), r2(T * E);
+    for (auto& v : x) v = nd(rng);
+    for (auto& v : w) v = nd(rng) / 16;
+    for (auto* v : {&dwt, &r1, &r2})
+      for (auto& e : *v) e = static_cast<double>(static_cast<float>(nd(rng)));
+    gpu_test::round_bf16(x);
+    gpu_test::round_bf16(w);
+    const std::vector<double> d_losses{0.5, 0.25};
+    rc.use_selection_bias = false;
+    auto cpu = make_router(rc, Backend::cpu);
+    std::vector<int32_t> ids(T * k);
+    std::vector<int64_t> counts(E);
+    std::vector<double> wt(T * k), logits(T * E), probs(T * E), losses(2), dx(T * H), dw(E * H);
+    RouterOutputs cout_{TensorView(ids.data(), DType::i32, {T, k}), TensorView(wt.data(), DType::f64, {T, k}),
+                        TensorView(counts.data(), DType::i64, {E})};
+    cout_.aux = {TensorView(logits.data(), DType::f64, {T, E}), TensorView(probs.data(), DType::f64, {T, E}),
+                 TensorView(losses.data(), DType::f64, {2})};
+    auto cctx = cpu->forward(TensorView(x.data(), DType::f64, {T, H}), TensorView(w.data(), DType::f64, {E, H}),
+                             TensorView(), cout_, Stream{});
+
+    const Device d = Device::cuda(0);
+    gpu_test::DeviceTensor gx(T * H * 2), gw(E * H * 2), gids(T * k * 4), gwt(T * k * 4), gc(E * 8), glogits(T * E * 4),
+        gprobs(T * E * 4), glosses(2 * 4), gdwt(T * k * 4), gr1(T * E * 4), gr2(T * E * 4), gdl(2 * 4), gdx(T * H * 2),
+        gdw(E * H * 2);
+    for (const auto* t : {&glogits, &gprobs, &glosses, &gc, &gdx, &gdw})  // NaN where nothing is written
+      MOKA_CUDA_CHECK(cudaMemset(t->data(), 0xFF, t->bytes()));
+    const auto xb = gpu_test::to_bf16(x), wb = gpu_test::to_bf16(w);
+    MOKA_CUDA_CHECK(cudaMemcpy(gx.data(), xb.data(), gx.bytes(), cudaMemcpyHostToDevice));
+    MOKA_CUDA_CHECK(cudaMemcpy(gw.data(), wb.data(), gw.bytes(), cudaMemcpyHostToDevice));
+    auto upload_f32 = [](gpu_test::DeviceTensor& dst, const std::vector<double>& v) {
+      const std::vector<float> f(v.begin(), v.end());
+      MOKA_CUDA_CHECK(cudaMemcpy(dst.data(), f.data(), dst.bytes(), cudaMemcpyHostToDevice));
+    };
+    upload_f32(gdwt, dwt), upload_f32(gr1, r1), upload_f32(gr2, r2), upload_f32(gdl, d_losses);
+    auto gpu = make_router(rc, Backend::cuda);
+    const TensorView xv(gx.data(), DType::bf16, {T, H}, d), wv(gw.data(), DType::bf16, {E, H}, d);
+    RouterOutputs out{TensorView(gids.data(), DType::i32, {T, k}, d), TensorView(gwt.data(), DType::f32, {T, k}, d),
+                      TensorView(gc.data(), DType::i64, {E}, d)};
+    gpu->forward(xv, wv, TensorView(), out, Stream{});  // without aux outputs first
+    const auto ids_plain = gpu_test::bytes_of(gids), weights_plain = gpu_test::bytes_of(gwt);
+    out.aux = {TensorView(glogits.data(), DType::f32, {T, E}, d), TensorView(gprobs.data(), DType::f32, {T, E}, d),
+               TensorView(glosses.data(), DType::f32, {2}, d)};
+    auto gctx = gpu->forward(xv, wv, TensorView(), out, Stream{});
+    EXPECT_EQ(gpu_test::bytes_of(gids), ids_plain);
+    EXPECT_EQ(gpu_test::bytes_of(gwt), weights_plain);
+    std::vector<int32_t> hid(T * k);
+    MOKA_CUDA_CHECK(cudaMemcpy(hid.data(), gids.data(), gids.bytes(), cudaMemcpyDeviceToHost));
+    if (hid != ids) continue;  // values and gradients compare only with identical selections (near-ties)
+    std::vector<int64_t> hc(E);
+    std::vector<float> hl(T * E), hp(T * E), hlo(2);
+    MOKA_CUDA_CHECK(cudaMemcpy(hc.data(), gc.data(), gc.bytes(), cudaMemcpyDeviceToHost));
+    MOKA_CUDA_CHECK(cudaMemcpy(hl.data(), glogits.data(), glogits.bytes(), cudaMemcpyDeviceToHost));
+    MOKA_CUDA_CHECK(cudaMemcpy(hp.data(), gprobs.data(), gprobs.bytes(), cudaMemcpyDeviceToHost));
+    MOKA_CUDA_CHECK(cudaMemcpy(hlo.data(), glosses.data(), glosses.bytes(), cudaMemcpyDeviceToHost));
+    EXPECT_EQ(hc, counts);
+    EXPECT_LE(cli::max_rel_error(hl, logits), 1e-4);
+    EXPECT_LE(cli::max_rel_error(hp, probs), 1e-4);
+    EXPECT_NEAR(hlo[0], losses[0], 1e-4 * losses[0]);
+    EXPECT_NEAR(hlo[1], losses[1], 1e-4 * losses[1]);
+    EXPECT_NEAR(gctx->losses().aux_loss, 0.01 * losses[0], 1e-4 * 0.01 * losses[0]);
+
+    const RouterAuxGradients cgrads{TensorView(r1.data(), DType::f64, {T, E}),
+                                    TensorView(r2.data(), DType::f64, {T, E}),
+                                    TensorView(const_cast<double*>(d_losses.data()), DType::f64, {2})};
+    cpu->backward(*cctx, TensorView(dwt.data(), DType::f64, {T, k}), TensorView(dx.data(), DType::f64, {T, H}),
+                  TensorView(dw.data(), DType::f64, {E, H}), Stream{}, false, cgrads);
+    const RouterAuxGradients ggrads{TensorView(gr1.data(), DType::f32, {T, E}, d),
+                                    TensorView(gr2.data(), DType::f32, {T, E}, d),
+                                    TensorView(gdl.data(), DType::f32, {2}, d)};
+    gpu->backward(*gctx, TensorView(gdwt.data(), DType::f32, {T, k}, d), TensorView(gdx.data(), DType::bf16, {T, H}, d),
+                  TensorView(gdw.data(), DType::bf16, {E, H}, d), Stream{}, false, ggrads);
+    EXPECT_LE(cli::max_rel_error(bf16_values(gdx), dx), 3e-2);
+    EXPECT_LE(cli::max_rel_error(bf16_values(gdw), dw), 3e-2);
+    // A gradient for an output the forward did not write is an error.
+    auto plain = gpu->forward(xv, wv, TensorView(), {out.topk_ids, out.topk_weights, {}}, Stream{});
+    EXPECT_THROW(gpu->backward(*plain, TensorView(gdwt.data(), DType::f32, {T, k}, d),
+                               TensorView(gdx.data(), DType::bf16, {T, H}, d),
+                               TensorView(gdw.data(), DType::bf16, {E, H}, d), Stream{}, false, ggrads),
+                 Error);
+  }
+}
+
 // The router against the CPU router (fp64 on bf16-rounded inputs): same ids (where scores are
 // not near-tied), close weights, and close input/weight gradients; with both losses, either, or
 // none (their sums then do not run), and token counts that leave a block's last warps idle.
@@ -546,14 +648,8 @@ TEST_P(CudaRouterLosses, MatchesReferenceForEveryNamedStyle) {
                   TensorView(dw.data(), DType::f64, {E, H}), Stream{});
     gpu->backward(*gctx, TensorView(gdwt.data(), DType::f32, {T, k}, d), TensorView(gdx.data(), DType::bf16, {T, H}, d),
                   TensorView(gdw.data(), DType::bf16, {E, H}, d), Stream{});
-    std::vector<__nv_bfloat16> hdx(T * H), hdw(E * H);
-    MOKA_CUDA_CHECK(cudaMemcpy(hdx.data(), gdx.data(), gdx.bytes(), cudaMemcpyDeviceToHost));
-    MOKA_CUDA_CHECK(cudaMemcpy(hdw.data(), gdw.data(), gdw.bytes(), cudaMemcpyDeviceToHost));
-    std::vector<double> ddx(hdx.size()), ddw(hdw.size());
-    for (size_t i = 0; i < hdx.size(); ++i) ddx[i] = __bfloat162float(hdx[i]);
-    for (size_t i = 0; i < hdw.size(); ++i) ddw[i] = __bfloat162float(hdw[i]);
-    EXPECT_LE(cli::max_rel_error(ddx, dx), 3e-2);
-    EXPECT_LE(cli::max_rel_error(ddw, dw), 3e-2);
+    EXPECT_LE(cli::max_rel_error(bf16_values(gdx), dx), 3e-2);
+    EXPECT_LE(cli::max_rel_error(bf16_values(gdw), dw), 3e-2);
   }
 }
 

@@ -74,9 +74,9 @@ class MokaCalls:
             monkeypatch.setattr(moka._op, name, self._counting(getattr(moka._op, name), "backwards"))
 
     def _counting(self, call, counter):
-        def counted(*args):
+        def counted(*args, **kwargs):
             setattr(self, counter, getattr(self, counter) + 1)
-            return call(*args)
+            return call(*args, **kwargs)
         return counted
 
 

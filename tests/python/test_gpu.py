@@ -140,9 +140,9 @@ def test_the_module_forward_and_backward_replay_in_a_cuda_graph(backend):
             assert torch.equal(g, w)
 
 
-# The aux outputs are torch ops (softmax, logsumexp) that inductor fuses into other bits than
-# eager's, so with inductor the test compares moka's outputs alone.
-@pytest.mark.parametrize("backend, return_aux", [("aot_eager", True), ("inductor", False)])
+# The aux outputs come from moka's router call (moka::moe_with_aux when traced), so inductor
+# gives eager's bits with them too.
+@pytest.mark.parametrize("backend, return_aux", [("aot_eager", True), ("inductor", True), ("inductor", False)])
 def test_the_compiled_module_computes_the_eager_bits_on_the_gpu_with_one_moka_call_each_way(backend, return_aux,
                                                                                           monkeypatch):
     moe = bf16_moe(384, selection_bias=True)
@@ -153,6 +153,27 @@ def test_the_compiled_module_computes_the_eager_bits_on_the_gpu_with_one_moka_ca
     got = module_results(compiled, moe, x, return_aux=return_aux)
     assert_equal(got, want)
     assert (calls.forwards, calls.backwards) == (1, 1)  # the backward reuses the forward's state
+
+
+def test_the_aux_outputs_and_their_router_gradients_match_fp32_torch():
+    moe = bf16_moe(score="sigmoid")
+    x = torch.randn(777, HIDDEN, device="cuda", dtype=torch.bfloat16)
+    r = torch.randn(777, EXPERTS, device="cuda")
+    _, aux = moe(x, return_aux=True)
+    ((aux.router_logits * r).sum() + (aux.router_probs * r).sum() + aux.load_balancing_loss + aux.z_loss).backward()
+    w = moe.w_router.detach().float().requires_grad_()
+    logits = x.float() @ w.t()
+    scores = torch.sigmoid(logits)
+    probs = scores / scores.sum(-1, keepdim=True)
+    counts = aux.tokens_per_expert  # moka's selection (near-ties may differ from fp32's)
+    balance = EXPERTS * (counts / (777.0 * TOP_K) * probs.mean(0)).sum()
+    z = (torch.logsumexp(logits, -1) ** 2).mean()
+    ((logits * r).sum() + (probs * r).sum() + balance + z).backward()
+    assert counts.dtype == torch.int64 and counts.sum().item() == 777 * TOP_K
+    assert aux.router_logits.dtype == torch.float32 and relative_error(aux.router_logits, logits) < 1e-5
+    assert relative_error(aux.router_probs, probs) < 1e-5
+    assert relative_error(aux.load_balancing_loss, balance) < 1e-5 and relative_error(aux.z_loss, z) < 1e-5
+    assert relative_error(moe.w_router.grad, w.grad) < 2e-2
 
 
 def test_the_exported_module_runs_on_the_gpu_with_another_batch_and_computes_the_eager_forward():

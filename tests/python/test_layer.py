@@ -205,6 +205,57 @@ def test_routing_aux_outputs_and_losses_match_a_hand_computation(score):
     assert moe.w_router.grad.abs().sum() > 0 and x.grad.abs().sum() > 0
 
 
+@pytest.mark.parametrize("score, renormalize", [("softmax", False), ("sigmoid", True)])
+def test_gradients_through_every_aux_output_match_a_torch_block(score, renormalize):
+    """A loss on the output, the logits and probabilities themselves and both losses: moka's router
+    backward takes all their gradients; the same loss on the pure-torch block gives the same ones."""
+    torch.manual_seed(5)
+    moe = MoE(8, 6, 4, 2, 3, score=score, renormalize=renormalize, dtype=torch.float64)
+    ref = reference_of(moe)
+    x = torch.randn(3, 7, 8, dtype=torch.float64)
+    r_out, r_logits, r_probs = (torch.randn(21, n, dtype=torch.float64) for n in (8, 4, 4))
+
+    def loss_of(out, logits, probs, balance, z):
+        return ((out.reshape(-1, 8) * r_out).sum() + (logits * r_logits).sum() + (probs * r_probs).sum() + 0.3 * balance
+                - 0.7 * z)
+
+    xm = x.clone().requires_grad_()
+    out, aux = moe(xm, return_aux=True)
+    loss_of(out, aux.router_logits, aux.router_probs, aux.load_balancing_loss, aux.z_loss).backward()
+
+    xr = x.clone().requires_grad_()
+    tokens = xr.reshape(-1, 8)
+    logits = tokens @ ref.w_router.t()
+    scores = torch.softmax(logits, -1) if score == "softmax" else torch.sigmoid(logits)
+    probs = scores / scores.sum(-1, keepdim=True)
+    counts = torch.bincount(reference.route(tokens.detach(), ref.w_router.detach(), 2, score=score)[0].flatten().long(),
+                            minlength=4)
+    balance = 4 * (counts / 42.0 * probs.mean(0)).sum()
+    z = (torch.logsumexp(logits, -1) ** 2).mean()
+    loss_of(ref(xr), logits, probs, balance, z).backward()
+
+    assert torch.equal(aux.tokens_per_expert, counts)
+    torch.testing.assert_close(xm.grad, xr.grad)
+    for name, p in moe.named_parameters():
+        torch.testing.assert_close(p.grad, dict(ref.named_parameters())[name].grad, msg=name)
+
+
+def test_a_loss_on_the_aux_losses_alone_reaches_the_router():
+    """No gradient for the output (None into moka's backward): the experts' weights get zeros, the
+    router the losses' gradients; without autograd the aux outputs are the same values."""
+    torch.manual_seed(6)
+    moe = tiny_moe()
+    x = torch.randn(9, 8, dtype=torch.float64, requires_grad=True)
+    _, aux = moe(x, return_aux=True)
+    (aux.load_balancing_loss + aux.z_loss).backward()
+    assert moe.w_router.grad.abs().sum() > 0 and x.grad.abs().sum() > 0
+    assert moe.w_gate.grad.abs().sum() == 0 and moe.w_down.grad.abs().sum() == 0
+    with torch.no_grad():
+        _, again = moe(x, return_aux=True)
+    for got, want in zip(again, aux):
+        assert torch.equal(got, want)
+
+
 def test_routing_aux_of_an_empty_batch_is_zero():
     moe = MoE(8, 6, 4, 2, dtype=torch.float64)
     out, aux = moe(torch.zeros(0, 8, dtype=torch.float64), return_aux=True)

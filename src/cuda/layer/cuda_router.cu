@@ -24,6 +24,9 @@ struct RouterParams {
   bool sigmoid, renormalize;
   float route_scale;
   double aux_coef, z_coef;
+  // Whether the forward computes the balancing loss's probabilities and sums, and the z-loss's sum:
+  // for a coefficient of RouterConfig's or for a caller's RouterAuxOutputs::losses.
+  bool balance_on, z_on;
 };
 
 // Block-wide sum in a fixed order (lanes, then warps in order); every thread gets it.
@@ -69,11 +72,12 @@ __device__ int64_t warp_token(int64_t tokens) {
 }
 
 // One warp per token. scores: [T, E]; p: [T, E], the balancing loss's probabilities (null when
-// the loss is off); lse: [T]. The ids go to the caller's topk_ids and to saved_ids, the copy
-// backward reads (the caller may reuse its buffer).
+// neither the loss nor the caller needs them); lse: [T]; logits_out: the caller's copy of the
+// logits (null: none). The ids go to the caller's topk_ids and to saved_ids, the copy backward
+// reads (the caller may reuse its buffer).
 __global__ void __launch_bounds__(kThreads)
     route_tokens(RouterParams P, const float* logits, const float* bias, float* scores, float* p, float* lse,
-                 int32_t* ids, int32_t* saved_ids, float* weights, int32_t* counts) {
+                 float* logits_out, int32_t* ids, int32_t* saved_ids, float* weights, int32_t* counts) {
   __shared__ int chosen_of_warp[kWarps][64];
   const int64_t t = warp_token(P.tokens);
   if (t < 0) return;
@@ -83,18 +87,19 @@ __global__ void __launch_bounds__(kThreads)
   const float* lg = logits + t * E;
   float* sc = scores + t * E;
   float mx = -FLT_MAX;
-  for (int64_t e = lane; e < E; e += 32) mx = fmaxf(mx, lg[e]);
+  for (int64_t e = lane; e < E; e += 32) {
+    mx = fmaxf(mx, lg[e]);
+    if (logits_out) logits_out[t * E + e] = lg[e];
+  }
   mx = warp_reduce(mx, true);
   float sum_exp = 0;
   for (int64_t e = lane; e < E; e += 32) sum_exp += expf(lg[e] - mx);
   sum_exp = warp_reduce(sum_exp, false);
   if (lane == 0) lse[t] = mx + logf(sum_exp);
-  float ssum = 0;
-  for (int64_t e = lane; e < E; e += 32) {
-    sc[e] = P.sigmoid ? core::sigmoid(lg[e]) : expf(lg[e] - mx) / sum_exp;
-    ssum += sc[e];
-  }
+  for (int64_t e = lane; e < E; e += 32) sc[e] = P.sigmoid ? core::sigmoid(lg[e]) : expf(lg[e] - mx) / sum_exp;
   if (p) {  // the scores normalized per token
+    float ssum = 0;
+    for (int64_t e = lane; e < E; e += 32) ssum += sc[e];
     ssum = warp_reduce(ssum, false);
     for (int64_t e = lane; e < E; e += 32) p[t * E + e] = sc[e] / ssum;
   }
@@ -129,49 +134,64 @@ __global__ void __launch_bounds__(kThreads)
   }
 }
 
-// The router's losses = {aux, z} in double, every sum in a fixed order (same bits every run).
-// router_loss_sums, blocks 0..E-1: mean_p of expert e, its column of p summed over the tokens by the whole block
-// (a fixed order); block E: the z-loss, lse^2 summed likewise. A block per sum: one thread per
-// expert over every token made this the router's slowest kernel.
-__global__ void router_loss_sums(RouterParams P, const float* p, const float* lse, double* mean_p, double* losses) {
+// The router's losses in double, every sum in a fixed order (same bits every run).
+// router_loss_sums, blocks 0..E-1: sums[e] = mean_p of expert e, its column of p summed over the
+// tokens by the whole block (a fixed order); block E: sums[E] = the mean of lse^2, summed
+// likewise. A block per sum: one thread per expert over every token made this the router's
+// slowest kernel.
+__global__ void router_loss_sums(RouterParams P, const float* p, const float* lse, double* sums) {
   double s = 0;
   if (blockIdx.x < P.experts) {
-    if (!p) return;  // the balancing loss is off
+    if (!P.balance_on) return;
     const int64_t e = blockIdx.x;
     for (int64_t t = threadIdx.x; t < P.tokens; t += blockDim.x) s += p[t * P.experts + e];
     s = block_sum(s);
-    if (threadIdx.x == 0) mean_p[e] = s / double(P.tokens);
+    if (threadIdx.x == 0) sums[e] = s / double(P.tokens);
   } else {
+    if (!P.z_on) return;
     for (int64_t t = threadIdx.x; t < P.tokens; t += blockDim.x) s += double(lse[t]) * lse[t];
     s = block_sum(s);
-    if (threadIdx.x == 0) losses[1] = P.z_coef * s / double(P.tokens);
+    if (threadIdx.x == 0) sums[P.experts] = s / double(P.tokens);
   }
 }
 
-// The aux loss from mean_p and the counts, experts in order. The counts also go out here, to the
-// caller's expert_counts and added to its expert_load (either may be null), which saves the
-// launches of a copy and of an accumulation.
-__global__ void router_aux_loss(RouterParams P, const int32_t* counts, const double* mean_p, double* losses,
-                                int32_t* expert_counts, int64_t* expert_load) {
+// The losses from the sums and the counts, experts in order: with RouterConfig's coefficients
+// into `losses` (device_losses()), without into the caller's aux_losses (null: not asked for).
+// The counts also go out here, to the caller's expert_counts (int32 or int64) and added to its
+// expert_load (any may be null), which saves the launches of a copy and of an accumulation.
+__global__ void router_losses(RouterParams P, const int32_t* counts, const double* sums, double* losses,
+                              float* aux_losses, int32_t* expert_counts32, int64_t* expert_counts64,
+                              int64_t* expert_load) {
   for (int64_t e = threadIdx.x; e < P.experts; e += blockDim.x) {
-    if (expert_counts) expert_counts[e] = counts[e];
+    if (expert_counts32) expert_counts32[e] = counts[e];
+    if (expert_counts64) expert_counts64[e] = counts[e];
     if (expert_load) expert_load[e] += counts[e];
   }
   if (threadIdx.x != 0) return;
-  // A loss that is off is 0 and its sums did not run (router_loss_sums runs for either loss).
-  if (P.z_coef == 0) losses[1] = 0;
-  double aux = 0;
-  if (P.aux_coef != 0)
-    for (int64_t e = 0; e < P.experts; ++e) aux += double(counts[e]) / double(P.tokens * P.top_k) * mean_p[e];
-  losses[0] = P.aux_coef * double(P.experts) * aux;
+  // A loss that is off is 0 and its sums did not run.
+  double balance = 0;
+  if (P.balance_on)
+    for (int64_t e = 0; e < P.experts; ++e) balance += double(counts[e]) / double(P.tokens * P.top_k) * sums[e];
+  balance *= double(P.experts);
+  const double z = P.z_on ? sums[P.experts] : 0.0;
+  losses[0] = P.aux_coef * balance;
+  losses[1] = P.z_coef * z;
+  if (aux_losses) aux_losses[0] = float(balance), aux_losses[1] = float(z);
 }
+
+// The caller's gradients of the RouterAuxOutputs (null: none given).
+struct AuxGradientPointers {
+  const float* d_logits = nullptr;
+  const float* d_probs = nullptr;
+  const float* d_losses = nullptr;  // {d balance, d z}, read here: no host copy
+};
 
 // d_logits of one token (bf16 for the cuBLAS products), mirroring the CPU router's backward; one
 // warp per token, as the forward.
 __global__ void __launch_bounds__(kThreads)
     router_backward_tokens(RouterParams P, const float* logits, const float* scores, const float* lse,
-                           const int32_t* ids, const int32_t* counts, const float* d_weights, float* ds_scratch,
-                           bf16* d_logits) {
+                           const int32_t* ids, const int32_t* counts, const float* d_weights, AuxGradientPointers aux,
+                           float* ds_scratch, bf16* d_logits) {
   const int64_t t = warp_token(P.tokens);
   if (t < 0) return;
   const int lane = threadIdx.x & 31;
@@ -189,29 +209,33 @@ __global__ void __launch_bounds__(kThreads)
     }
   }
   __syncwarp();
-  if (P.aux_coef != 0) {
+  // Through p = s / sum(s): the balancing loss (RouterConfig's coefficient plus the caller's
+  // gradient of the returned loss; the route fractions are constants) and the caller's d_probs.
+  const double balance = P.aux_coef + (aux.d_losses ? double(aux.d_losses[0]) : 0.0);
+  const float* dprob = aux.d_probs ? aux.d_probs + t * E : nullptr;
+  if (balance != 0 || dprob) {
+    auto dp_of = [&](int64_t e) {
+      const float d = float(balance * double(E) * (double(counts[e]) / double(P.tokens * k)) / double(P.tokens));
+      return dprob ? d + dprob[e] : d;
+    };
     float ssum = 0, dpp = 0;
     for (int64_t e = lane; e < E; e += 32) ssum += sc[e];
     ssum = warp_reduce(ssum, false);
-    for (int64_t e = lane; e < E; e += 32) {
-      const float dp = float(P.aux_coef * double(E) * (double(counts[e]) / double(P.tokens * k)) / double(P.tokens));
-      dpp += dp * sc[e] / ssum;
-    }
+    for (int64_t e = lane; e < E; e += 32) dpp += dp_of(e) * sc[e] / ssum;
     dpp = warp_reduce(dpp, false);
-    for (int64_t e = lane; e < E; e += 32) {
-      const float dp = float(P.aux_coef * double(E) * (double(counts[e]) / double(P.tokens * k)) / double(P.tokens));
-      ds[e] += (dp - dpp) / ssum;
-    }
+    for (int64_t e = lane; e < E; e += 32) ds[e] += (dp_of(e) - dpp) / ssum;
   }
   float dot_sp = 0;
   if (!P.sigmoid) {
     for (int64_t e = lane; e < E; e += 32) dot_sp += ds[e] * sc[e];
     dot_sp = warp_reduce(dot_sp, false);
   }
-  const float zc = float(2.0 * P.z_coef / double(P.tokens)) * lse[t];
+  const double z = P.z_coef + (aux.d_losses ? double(aux.d_losses[1]) : 0.0);
+  const float zc = float(2.0 * z / double(P.tokens)) * lse[t];
   for (int64_t e = lane; e < E; e += 32) {
     float dl = P.sigmoid ? ds[e] * sc[e] * (1.0f - sc[e]) : sc[e] * (ds[e] - dot_sp);
-    if (P.z_coef != 0) dl += zc * expf(logits[t * E + e] - lse[t]);
+    if (z != 0) dl += zc * expf(logits[t * E + e] - lse[t]);
+    if (aux.d_logits) dl += aux.d_logits[t * E + e];
     d_logits[t * E + e] = __float2bfloat16(dl);
   }
 }
@@ -224,7 +248,8 @@ struct CudaRouterState final : RouterContext {
   // Stream-ordered scratch: forward and backward of one context run on the same stream.
   std::unique_ptr<StreamScratch<float>> logits, scores, p, lse;
   std::unique_ptr<StreamScratch<int32_t>> ids, counts;
-  std::unique_ptr<StreamScratch<double>> mean_p, losses_dev;
+  std::unique_ptr<StreamScratch<double>> sums, losses_dev;
+  bool wrote_logits = false, wrote_probs = false, wrote_losses = false;  // RouterAuxOutputs written
   RouterLosses losses() const override {
     double h[2];
     MOKA_CUDA_CHECK(cudaStreamSynchronize(stream));
@@ -260,8 +285,14 @@ class CudaRouter final : public Router {
     if (c_.use_selection_bias) expect_tensor(bias, "selection_bias", DType::f32, dev, {E});
     expect_tensor(out.topk_ids, "topk_ids", DType::i32, dev, {T, k});
     expect_tensor(out.topk_weights, "topk_weights", DType::f32, dev, {T, k});
-    if (!out.expert_counts.empty()) expect_tensor(out.expert_counts, "expert_counts", DType::i32, dev, {E});
+    const bool counts64 = out.expert_counts.dtype == DType::i64;
+    if (!out.expert_counts.empty())
+      expect_tensor(out.expert_counts, "expert_counts", counts64 ? DType::i64 : DType::i32, dev, {E});
     if (!out.expert_load.empty()) expect_tensor(out.expert_load, "expert_load", DType::i64, dev, {E});
+    const RouterAuxOutputs& aux = out.aux;
+    if (!aux.router_logits.empty()) expect_tensor(aux.router_logits, "router_logits", DType::f32, dev, {T, E});
+    if (!aux.router_probs.empty()) expect_tensor(aux.router_probs, "router_probs", DType::f32, dev, {T, E});
+    if (!aux.losses.empty()) expect_tensor(aux.losses, "losses", DType::f32, dev, {2});
 
     // cuBLAS's handle and workspace are the router's: calls from several threads take turns, and
     // a call on another stream than the last waits for it (the workspace is reused).
@@ -276,17 +307,24 @@ class CudaRouter final : public Router {
                   c_.renormalize,
                   float(c_.route_scale),
                   c_.aux_loss_coef,
-                  c_.z_loss_coef};
+                  c_.z_loss_coef,
+                  c_.aux_loss_coef != 0 || !aux.losses.empty(),
+                  c_.z_loss_coef != 0 || !aux.losses.empty()};
     st->x = x.data;
     st->w_router = w.data;
     st->stream = s;
     st->logits = std::make_unique<StreamScratch<float>>(T * E, s);
     st->scores = std::make_unique<StreamScratch<float>>(T * E, s);
-    if (c_.aux_loss_coef != 0) st->p = std::make_unique<StreamScratch<float>>(T * E, s);
+    st->wrote_logits = !aux.router_logits.empty();
+    st->wrote_probs = !aux.router_probs.empty();
+    st->wrote_losses = !aux.losses.empty();
+    // p: the caller's router_probs where asked for (the loss sums read it before the call returns
+    // in stream order), else scratch where the balancing loss needs it.
+    if (st->params.balance_on && !st->wrote_probs) st->p = std::make_unique<StreamScratch<float>>(T * E, s);
     st->lse = std::make_unique<StreamScratch<float>>(T, s);
     st->ids = std::make_unique<StreamScratch<int32_t>>(T * k, s);
     st->counts = std::make_unique<StreamScratch<int32_t>>(E, s);
-    st->mean_p = std::make_unique<StreamScratch<double>>(E, s);
+    st->sums = std::make_unique<StreamScratch<double>>(E + 1, s);
     st->losses_dev = std::make_unique<StreamScratch<double>>(2, s);
     use_stream(s);
     const float one = 1.0f, zero = 0.0f;
@@ -295,27 +333,29 @@ class CudaRouter final : public Router {
                                    int(H), x.data, CUDA_R_16BF, int(H), &zero, st->logits->data(), CUDA_R_32F, int(E),
                                    CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT));
     MOKA_CUDA_CHECK(cudaMemsetAsync(st->counts->data(), 0, E * sizeof(int32_t), s));
-    float* p = st->p ? st->p->data() : nullptr;
+    float* p = st->wrote_probs ? aux.router_probs.as<float>() : (st->p ? st->p->data() : nullptr);
     const auto warp_blocks = unsigned((T + kWarps - 1) / kWarps);
     route_tokens<<<warp_blocks, kThreads, 0, s>>>(st->params, st->logits->data(),
                                                   c_.use_selection_bias ? bias.as<float>() : nullptr,
-                                                  st->scores->data(), p, st->lse->data(), out.topk_ids.as<int32_t>(),
-                                                  st->ids->data(), out.topk_weights.as<float>(), st->counts->data());
+                                                  st->scores->data(), p, st->lse->data(), aux.router_logits.as<float>(),
+                                                  out.topk_ids.as<int32_t>(), st->ids->data(),
+                                                  out.topk_weights.as<float>(), st->counts->data());
     MOKA_CUDA_CHECK_LAUNCH();
-    if (c_.aux_loss_coef != 0 || c_.z_loss_coef != 0) {  // off, both are 0 without their sums
-      router_loss_sums<<<unsigned(E + 1), kThreads, 0, s>>>(st->params, p, st->lse->data(), st->mean_p->data(),
-                                                            st->losses_dev->data());
+    if (st->params.balance_on || st->params.z_on) {  // off, both are 0 without their sums
+      router_loss_sums<<<unsigned(E + 1), kThreads, 0, s>>>(st->params, p, st->lse->data(), st->sums->data());
       MOKA_CUDA_CHECK_LAUNCH();
     }
-    router_aux_loss<<<1, kThreads, 0, s>>>(st->params, st->counts->data(), st->mean_p->data(), st->losses_dev->data(),
-                                           out.expert_counts.as<int32_t>(), out.expert_load.as<int64_t>());
+    router_losses<<<1, kThreads, 0, s>>>(st->params, st->counts->data(), st->sums->data(), st->losses_dev->data(),
+                                         aux.losses.as<float>(), counts64 ? nullptr : out.expert_counts.as<int32_t>(),
+                                         counts64 ? out.expert_counts.as<int64_t>() : nullptr,
+                                         out.expert_load.as<int64_t>());
     MOKA_CUDA_CHECK_LAUNCH();
     call_order_.after(s);
     return st;
   }
 
   void backward(const RouterContext& saved, const TensorView& d_weights, const TensorView& d_x, const TensorView& d_w,
-                Stream stream, bool add_to_d_x) override {
+                Stream stream, bool add_to_d_x, const RouterAuxGradients& aux) override {
     const auto* st = dynamic_cast<const CudaRouterState*>(&saved);
     require(st != nullptr, ErrorCode::invalid_argument, "router backward got a context from another router");
     const Device dev = Device::cuda(device_);
@@ -323,6 +363,7 @@ class CudaRouter final : public Router {
     expect_tensor(d_weights, "d_topk_weights", DType::f32, dev, {T, k});
     expect_tensor(d_x, "d_x", DType::bf16, dev, {T, H});
     expect_tensor(d_w, "d_w_router", DType::bf16, dev, {E, H});
+    const AuxGradientPointers aux_grads = aux_gradients(*st, aux, dev);
     std::lock_guard<std::mutex> lock(mutex_);
     const cudaStream_t s = to_cuda(stream);
     call_order_.before(s);
@@ -331,8 +372,8 @@ class CudaRouter final : public Router {
     router_backward_tokens<<<unsigned((T + kWarps - 1) / kWarps), kThreads, 0, s>>>(st->params, st->logits->data(),
                                                                                     st->scores->data(), st->lse->data(),
                                                                                     st->ids->data(), st->counts->data(),
-                                                                                    d_weights.as<float>(), ds.data(),
-                                                                                    d_logits.data());
+                                                                                    d_weights.as<float>(), aux_grads,
+                                                                                    ds.data(), d_logits.data());
     MOKA_CUDA_CHECK_LAUNCH();
     use_stream(s);
     const float one = 1.0f, zero = 0.0f;
@@ -350,6 +391,24 @@ class CudaRouter final : public Router {
   }
 
  private:
+  // The caller's gradients of the RouterAuxOutputs, each checked against what the forward wrote.
+  AuxGradientPointers aux_gradients(const CudaRouterState& st, const RouterAuxGradients& aux, const Device& dev) const {
+    const int64_t T = st.params.tokens, E = c_.num_experts;
+    auto given = [&](const TensorView& t, bool wrote, const char* name,
+                     std::initializer_list<int64_t> shape) -> const float* {
+      if (t.empty()) return nullptr;
+      require(wrote, ErrorCode::invalid_argument,
+              std::string("router backward got ") + name + " for an output its forward did not write");
+      expect_tensor(t, name, DType::f32, dev, shape);
+      return t.as<float>();
+    };
+    AuxGradientPointers g;
+    g.d_logits = given(aux.d_router_logits, st.wrote_logits, "d_router_logits", {T, E});
+    g.d_probs = given(aux.d_router_probs, st.wrote_probs, "d_router_probs", {T, E});
+    g.d_losses = given(aux.d_losses, st.wrote_losses, "d_losses", {2});
+    return g;
+  }
+
   RouterConfig c_;
   int device_ = 0;
   cublasHandle_t cublas_ = nullptr;
