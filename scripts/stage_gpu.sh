@@ -10,7 +10,7 @@ mkdir -p "$DEST"
 cp "$ROOT/build/tests/cuda/moka_gpu_tests" "$ROOT/build/tests/train/gpu/moka_train_gpu_tests" "$ROOT/build/tools/moka" "$DEST/"
 [ -x "$ROOT/build/tests/cuda/moka_ep_gpu_check" ] && cp "$ROOT/build/tests/cuda/moka_ep_gpu_check" "$DEST/"
 # The kernel lab (bench/kernels/README.md).
-cp "$ROOT"/build/bench/kernels/{mk_forward_core,mk_backward_core,mk_tune,nvlink_incast,staged_baselines,paired_steps} "$DEST/"
+cp "$ROOT"/build/bench/kernels/{mk_forward_core,mk_backward_core,mk_tune,nvlink_incast,staged_baselines,paired_steps,gemm_schedules} "$DEST/"
 cp "$ROOT/scripts/gpu.sh" "$ROOT/scripts/gpu_env.sh" "$ROOT/bench/torch_baseline.py" "$ROOT/bench/torch_train_baseline.py" \
   "$ROOT/bench/sanitize_gpu.sh" "$DEST/"
 # The commit the binaries were built from, for the results' JSON lines.
@@ -27,6 +27,6 @@ fi
 # it on the GPU machine with: mkdir -p gcide && gunzip -c DEST/gcide.gz > gcide/gcide
 GCIDE=${MOKA_DATA_DIR:-$HOME/.cache/moka-data}/gcide/text/gcide
 [ -f "$GCIDE" ] && gzip -c "$GCIDE" > "$DEST/gcide.gz"
-strip "$DEST"/moka* "$DEST"/{mk_forward_core,mk_backward_core,mk_tune,nvlink_incast,staged_baselines,paired_steps} \
+strip "$DEST"/moka* "$DEST"/{mk_forward_core,mk_backward_core,mk_tune,nvlink_incast,staged_baselines,paired_steps,gemm_schedules} \
   2>/dev/null || true
 du -sh "$DEST"

@@ -47,6 +47,7 @@ LAB_BASE = {
     "nvlink_incast": [],
     "staged_baselines": ["--shape", "tiny", "--tokens", "64"],
     "paired_steps": ["--shape", "tiny", "--tokens", "64"],
+    "gemm_schedules": ["--shape", "tiny", "--tokens", "64"],
 }
 # What follows the options (launch runs a command after --).
 TAIL = {"launch": ["--", "help"]}

@@ -12,8 +12,11 @@
 
 #include <chrono>
 #include <cmath>
+#include <cstring>
+#include <iterator>
 #include <memory>
 #include <random>
+#include <string>
 
 #include "core/activation.hpp"
 #include "cuda/gemm/grouped_gemm.hpp"
@@ -141,6 +144,8 @@ void expect_matches(const DeviceTensor& got_dev, const std::vector<double>& ref,
   EXPECT_LE(scale > 0 ? diff / scale : diff, tol) << what << ": max |diff| / max |ref|";
 }
 
+std::vector<uint16_t> download_bits(const DeviceTensor& d);
+
 class GroupedGemmLayouts : public ::testing::TestWithParam<LayoutCase> {};
 
 TEST_P(GroupedGemmLayouts, MatchCpuReference) {
@@ -186,11 +191,195 @@ TEST_P(GroupedGemmLayouts, MatchCpuReference) {
   }
 }
 
-INSTANTIATE_TEST_SUITE_P(Layouts, GroupedGemmLayouts,
-                         ::testing::Values(LayoutCase{"KK_forward", {Major::k, Major::k}, CountDim::m},
-                                           LayoutCase{"KMN_data_grad", {Major::k, Major::mn}, CountDim::m},
-                                           LayoutCase{"MNMN_weight_grad", {Major::mn, Major::mn}, CountDim::k}),
-                         [](const ::testing::TestParamInfo<LayoutCase>& i) { return std::string(i.param.name); });
+// Every layout in every schedule (GemmSchedule); the cooperative cases keep their old names.
+constexpr GemmSchedule kPingpong = GemmSchedule::pingpong, kMulticast = GemmSchedule::pingpong_multicast;
+const LayoutCase kEveryKernel[] = {
+    {"KK_forward", {Major::k, Major::k}, CountDim::m},
+    {"KMN_data_grad", {Major::k, Major::mn}, CountDim::m},
+    {"MNMN_weight_grad", {Major::mn, Major::mn}, CountDim::k},
+    {"KK_forward_pingpong", {Major::k, Major::k, kPingpong}, CountDim::m},
+    {"KMN_data_grad_pingpong", {Major::k, Major::mn, kPingpong}, CountDim::m},
+    {"MNMN_weight_grad_pingpong", {Major::mn, Major::mn, kPingpong}, CountDim::k},
+    {"KK_forward_pingpong_multicast", {Major::k, Major::k, kMulticast}, CountDim::m},
+    {"KMN_data_grad_pingpong_multicast", {Major::k, Major::mn, kMulticast}, CountDim::m},
+    {"MNMN_weight_grad_pingpong_multicast", {Major::mn, Major::mn, kMulticast}, CountDim::k},
+};
+std::string case_name(const ::testing::TestParamInfo<LayoutCase>& i) { return i.param.name; }
+
+INSTANTIATE_TEST_SUITE_P(Layouts, GroupedGemmLayouts, ::testing::ValuesIn(kEveryKernel), case_name);
+
+// --- every schedule at a larger size ------------------------------------------------------
+//
+// Many groups (47 experts and a fixed-size group in one launch): empty experts, one-row ones,
+// counts off the 128-row tile and above 2048, K up to 3000 (the weight gradients' K is the
+// count), m tiles odd and even (the multicast kernel pairs them), and the same objects called
+// again with the counts permuted. Every output element is compared with the cooperative kernel's
+// (bit for bit: the inputs are multiples of 1/16 in [-1, 1), so every partial sum is exact in
+// fp32 and any accumulation order gives the same accumulator), and a sample of them (every
+// group's corners and 4096 random ones) with the exact products on the CPU, rounded to bf16.
+
+// A fixed width of every group (multiples of 8, not of any tile), the K of the m-count layouts,
+// and the fixed-size group's token count.
+constexpr int64_t kBigM = 776, kBigN = 520, kBigK = 2056, kBigFixedRows = 1000;
+
+// bf16 bits of q / 16 (exact: at most five significant bits).
+uint16_t sixteenths(int q) {
+  const float f = float(q) / 16.0f;
+  uint32_t u;
+  std::memcpy(&u, &f, 4);
+  return static_cast<uint16_t>(u >> 16);
+}
+double bf16_value(uint16_t b) {
+  const uint32_t u = uint32_t(b) << 16;
+  float f;
+  std::memcpy(&f, &u, 4);
+  return f;
+}
+
+// Random sixteenths on the host (kept for the CPU sample) and on the device.
+struct BigOperand {
+  std::vector<uint16_t> host;
+  DeviceTensor dev;
+  BigOperand(int64_t n, std::mt19937_64& rng) : host(n), dev(n * 2) {
+    for (auto& v : host) v = sixteenths(int(rng() % 32) - 16);
+    dev.upload(host.data());
+  }
+  double operator()(int64_t i) const { return bf16_value(host[i]); }
+};
+
+class GroupedGemmSchedules : public ::testing::TestWithParam<LayoutCase> {};
+
+TEST_P(GroupedGemmSchedules, LargeMatchCooperativeAndCpuSample) {
+  const LayoutCase c = GetParam();
+  const bool by_m = c.count_dim == CountDim::m;
+  std::mt19937_64 rng(fresh_seed());
+  constexpr int E = 47;
+  // The first experts' counts chosen, the rest random with an empty one in every seven.
+  const int32_t chosen[] = {0, 1, 129, 2049, 37, 0, 128, 700, 255, 3000, 8, 513, 384, 385};
+  std::vector<int32_t> first(E);
+  for (int e = 0; e < E; ++e)
+    first[e] = e < int(std::size(chosen)) ? chosen[e] : (e % 7 == 0 ? 0 : int32_t(rng() % 1600));
+  std::vector<int32_t> second(first.rbegin(), first.rend());
+  int64_t rows = 0;
+  for (int32_t n : first) rows += (n + kPad - 1) / kPad * kPad;
+
+  // Slots as the small test's (kGrouped, kOther, kOut, kFixedA, kFixedB, kFixedOut). m-count
+  // layouts: A = grouped rows [rows, K], B = the experts' weights ([E][N][K] K-major or
+  // [E][K][N] MN-major), D = grouped rows [rows, N]. Weight gradients: A = grouped [rows, M],
+  // B = grouped [rows, N] (both MN-major, K = the count), D = [E][M][N].
+  const int64_t M = kBigM, N = kBigN, K = kBigK, F = kBigFixedRows;
+  std::vector<GroupSpec> groups;
+  for (int e = 0; e < E; ++e) {
+    GroupSpec g;
+    g.expert = e, g.count_dim = c.count_dim, g.n = int(N);
+    if (by_m) {
+      g.a = kGrouped, g.a_step = K, g.lda = K;
+      g.b = kOther, g.b_off = e * N * K, g.ldb = c.layout.b == Major::k ? K : N;
+      g.d = kOut, g.d_step = N, g.ldd = N;
+      g.k = int(K);
+    } else {
+      g.a = kGrouped, g.a_step = M, g.lda = M;
+      g.b = kOther, g.b_step = N, g.ldb = N;
+      g.d = kOut, g.d_off = e * M * N, g.ldd = N;
+      g.m = int(M);
+    }
+    groups.push_back(g);
+  }
+  GroupSpec f;
+  f.a = kFixedA, f.b = kFixedB, f.d = kFixedOut, f.n = int(N), f.ldd = N;
+  if (by_m) {
+    f.m = int(F), f.k = int(K), f.lda = K, f.ldb = c.layout.b == Major::k ? K : N;
+  } else {
+    f.m = int(M), f.k = int(F), f.lda = M, f.ldb = N;
+  }
+  groups.push_back(f);
+
+  const BigOperand grouped(rows * (by_m ? K : M), rng), other(by_m ? E * N * K : rows * N, rng),
+      fixed_a(by_m ? F * K : F * M, rng), fixed_b(by_m ? N * K : F * N, rng);
+  const int64_t out_elems = by_m ? rows * N : E * M * N, fixed_elems = by_m ? F * N : M * N;
+  GemmLayout coop_layout = c.layout;
+  coop_layout.schedule = GemmSchedule::cooperative;
+  GroupedGemm gemm(groups, c.layout, 0), coop(groups, coop_layout, 0);
+  DeviceTensor d_counts(E * 4), d_offsets((E + 1) * 4);
+  const std::vector<const BigOperand*> in = {&grouped, &other, nullptr, &fixed_a, &fixed_b, nullptr};
+
+  for (const std::vector<int32_t>* round : {&first, &second}) {
+    const std::vector<int32_t>& counts = *round;
+    SCOPED_TRACE(std::string(c.name) + (round == &first ? ", first counts" : ", permuted counts"));
+    std::vector<int32_t> offsets(E + 1, 0);
+    for (int e = 0; e < E; ++e) offsets[e + 1] = offsets[e] + (counts[e] + kPad - 1) / kPad * kPad;
+    d_counts.upload(counts.data());
+    d_offsets.upload(offsets.data());
+    // Both kernels' outputs, poisoned (bf16 NaN) first.
+    std::vector<std::vector<uint16_t>> got, want;
+    for (GroupedGemm* g : {&gemm, &coop}) {
+      DeviceTensor out(out_elems * 2), fixed_out(fixed_elems * 2);
+      MOKA_CUDA_CHECK(cudaMemset(out.data(), 0xFF, out.bytes()));
+      MOKA_CUDA_CHECK(cudaMemset(fixed_out.data(), 0xFF, fixed_out.bytes()));
+      BufferTable t;
+      t.ptr[kGrouped] = grouped.dev.data(), t.ptr[kOther] = other.dev.data(), t.ptr[kOut] = out.data();
+      t.ptr[kFixedA] = fixed_a.dev.data(), t.ptr[kFixedB] = fixed_b.dev.data(), t.ptr[kFixedOut] = fixed_out.data();
+      g->run(t, d_counts.as<int32_t>(), d_offsets.as<int32_t>(), nullptr);
+      MOKA_CUDA_CHECK(cudaDeviceSynchronize());
+      auto& dst = g == &gemm ? got : want;
+      dst.push_back(download_bits(out));
+      dst.push_back(download_bits(fixed_out));
+    }
+    // 1. Every element, bit for bit, the cooperative kernel's (unwritten ones: poison in both).
+    for (int o = 0; o < 2; ++o) {
+      int64_t differ = 0, first_at = -1;
+      for (size_t i = 0; i < got[o].size(); ++i)
+        if (got[o][i] != want[o][i] && differ++ == 0) first_at = int64_t(i);
+      EXPECT_EQ(differ, 0) << (o == 0 ? "expert groups" : "fixed group")
+                           << ": elements whose bits differ from the cooperative kernel's; first at " << first_at
+                           << " (got 0x" << std::hex << (first_at >= 0 ? got[o][first_at] : 0) << ", cooperative 0x"
+                           << (first_at >= 0 ? want[o][first_at] : 0) << std::dec << ")";
+    }
+    // 2. A sample against the exact products: each non-empty group's four corners and middle,
+    //    then random elements of random groups.
+    int64_t checked = 0, bad = 0;
+    std::string first_bad;
+    auto check = [&](size_t gi, int64_t i, int64_t j) {
+      const GroupSpec& s = groups[gi];
+      int64_t dims[3] = {s.m, s.n, s.k}, row = 0;
+      if (s.expert >= 0) dims[static_cast<int>(s.count_dim)] = counts[s.expert], row = offsets[s.expert];
+      const int64_t a0 = s.a_off + row * s.a_step, b0 = s.b_off + row * s.b_step, d0 = s.d_off + row * s.d_step;
+      double ref = 0;
+      for (int64_t kk = 0; kk < dims[2]; ++kk) {
+        const int64_t ai = a0 + (c.layout.a == Major::k ? i * s.lda + kk : kk * s.lda + i);
+        const int64_t bi = b0 + (c.layout.b == Major::k ? j * s.ldb + kk : kk * s.ldb + j);
+        ref += (*in[s.a])(ai) * (*in[s.b])(bi);
+      }
+      const double g = bf16_value(got[s.d == kOut ? 0 : 1][d0 + i * s.ldd + j]);
+      ++checked;
+      if (!(std::abs(g - ref) <= std::ldexp(std::abs(ref), -8))) {
+        if (bad++ == 0)
+          first_bad = "group " + std::to_string(gi) + " (" + std::to_string(i) + ", " + std::to_string(j) +
+                      "): " + std::to_string(g) + " vs " + std::to_string(ref);
+      }
+    };
+    std::vector<size_t> nonempty;
+    for (size_t gi = 0; gi < groups.size(); ++gi) {
+      const GroupSpec& s = groups[gi];
+      if (s.expert >= 0 && counts[s.expert] == 0) continue;
+      nonempty.push_back(gi);
+      const int64_t m = s.expert >= 0 && s.count_dim == CountDim::m ? counts[s.expert] : s.m;
+      for (int64_t i : {int64_t{0}, m / 2, m - 1})
+        for (int64_t j : {int64_t{0}, N / 2, N - 1}) check(gi, i, j);
+    }
+    for (int r = 0; r < 4096; ++r) {
+      const size_t gi = nonempty[rng() % nonempty.size()];
+      const GroupSpec& s = groups[gi];
+      const int64_t m = s.expert >= 0 && s.count_dim == CountDim::m ? counts[s.expert] : s.m;
+      check(gi, int64_t(rng() % uint64_t(m)), int64_t(rng() % uint64_t(N)));
+    }
+    EXPECT_GT(checked, 4096);
+    EXPECT_EQ(bad, 0) << "of " << checked << " sampled elements off the exact product by more than a bf16 "
+                      << "rounding; first " << first_bad;
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(Schedules, GroupedGemmSchedules, ::testing::ValuesIn(kEveryKernel), case_name);
 
 // --- the SwiGLU epilogue ------------------------------------------------------------------
 
@@ -404,6 +593,9 @@ TEST(GroupedGemmChecks, RejectUnbuiltKernelsAndBadOperands) {
   const GemmEpilogue swiglu{GemmEpilogue::swiglu, {}};
   EXPECT_THROW(GroupedGemm({g}, GemmLayout{Major::k, Major::mn}, 0, GemmEngine::cutlass, swiglu), Error);
   EXPECT_THROW(GroupedGemm({g}, GemmLayout{}, 0, GemmEngine::cublas_loop, swiglu), Error);
+  // ... and the cooperative schedule only.
+  for (GemmSchedule s : {kPingpong, kMulticast})
+    EXPECT_THROW(GroupedGemm({g}, GemmLayout{Major::k, Major::k, s}, 0, GemmEngine::cutlass, swiglu), Error);
   g.c = -1;
   EXPECT_THROW(GroupedGemm({g}, GemmLayout{}, 0, GemmEngine::cutlass, swiglu), Error);
 }

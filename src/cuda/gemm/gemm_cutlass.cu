@@ -3,10 +3,13 @@
 // forward gate GEMM's SwiGLU epilogue (GemmEpilogue::swiglu, swiglu_epilogue.cuh: C = U read per
 // group through TMA, D = H, G stored from registers).
 //
-// Kernel: warp-specialized cooperative persistent kernel (one TMA producer warp, two consumer
-// warpgroups sharing a 128x256 tile, 64-deep K blocks, as many pipeline stages as shared
-// memory holds). The persistent tile scheduler reads the problem sizes on the device, so the
-// grid is sized from the SM count alone and the host never needs the group sizes.
+// Kernels (GemmSchedule): warp-specialized persistent kernels with one TMA producer warp and two
+// consumer warpgroups, 64-deep K blocks and as many pipeline stages as shared memory holds, in
+// one of three schedules: cooperative (the two warpgroups share a 128x256 tile: the layer's
+// default), ping-pong (each warpgroup takes its own 128x128 tile and the two alternate, one's
+// epilogue under the other's mainloop), or ping-pong in 2x1 clusters that multicast B. The
+// persistent tile scheduler reads the problem sizes on the device, so the grid is sized from the
+// SM count alone and the host never needs the group sizes.
 // GemmKernel::operator()(params, smem) is a __device__ function: the megakernel can call the
 // same tile loop from its compute CTAs.
 #include <cute/tensor.hpp>
@@ -36,9 +39,9 @@ namespace moka::cuda {
 // operand layouts, so CutlassGemmRunner<GroupedGemmConfig> had one mangled name for three
 // different classes: an ODR violation. Its inline members and vtable are COMDAT, the linker
 // kept the first object's (K-major) copies, and the "MN-major" runners ran the K-major kernel,
-// which matched cuBLAS for K-major operands only. Here each layout's kernel is a distinct
-// type (GemmKK, GemmKMN, GemmMNMN, GemmKKSwiglu), in an unnamed namespace, so each has its own
-// symbols.
+// which matched cuBLAS for K-major operands only. Here each layout's and schedule's kernel is a
+// distinct type (GemmKK, GemmKMN, GemmMNMN, GemmKKSwiglu, and the ping-pong ones: GemmKKPingpong
+// ..., GemmKKPingpongMulticast ...), in an unnamed namespace, so each has its own symbols.
 namespace {
 
 // The operands in CUTLASS's terms, where A is (m, k) and B is (n, k) and a layout tag names
@@ -48,16 +51,20 @@ using LayoutATag = cute::conditional_t<kA == Major::k, cutlass::layout::RowMajor
 template <Major kB>
 using LayoutBTag = cute::conditional_t<kB == Major::k, cutlass::layout::ColumnMajor, cutlass::layout::RowMajor>;
 
-// What every layout shares. The epilogue is named outside any template: spelled inside a class
-// or function template, nvcc's host pass re-emitted its builder's decltype arguments in a form
-// g++ rejects.
-struct KernelParts {
+// What every layout and schedule shares.
+struct CommonParts {
   using Element = cutlass::bfloat16_t;
   using LayoutD = cutlass::layout::RowMajor;
   static constexpr int kAlign = 8;  // 16 bytes of bf16: TMA's alignment
   using ProblemShape = cutlass::gemm::GroupProblemShape<cute::Shape<int, int, int>>;
-  using TileShape = cute::Shape<cute::_128, cute::_256, cute::_64>;
   using ClusterShape = cute::Shape<cute::_1, cute::_1, cute::_1>;
+};
+
+// The cooperative schedule (GemmSchedule::cooperative), what every layout shares. The epilogue is
+// named outside any template: spelled inside a class or function template, nvcc's host pass
+// re-emitted its builder's decltype arguments in a form g++ rejects.
+struct KernelParts : CommonParts {
+  using TileShape = cute::Shape<cute::_128, cute::_256, cute::_64>;
   using KernelSchedule = cutlass::gemm::KernelPtrArrayTmaWarpSpecializedCooperative;
   using EpilogueSchedule = cutlass::epilogue::PtrArrayTmaWarpSpecializedCooperative;
 
@@ -66,6 +73,48 @@ struct KernelParts {
       cutlass::epilogue::collective::EpilogueTileAuto, float, float, void, LayoutD*, kAlign, Element, LayoutD*, kAlign,
       EpilogueSchedule, cutlass::epilogue::fusion::LinearCombination<Element, float>>::CollectiveOp;
   static constexpr int kEpilogueSmem = static_cast<int>(sizeof(typename EpilogueOp::SharedStorage));
+};
+
+// The ping-pong schedule (GemmSchedule::pingpong): each consumer warpgroup owns a whole tile, so
+// while one runs its epilogue (the store of its tile) the other runs its MMAs; the cooperative
+// schedule's two warpgroups finish a tile together and store it together, the tensor cores idle
+// meanwhile, which costs most when a tile has few k-blocks (the weight gradients: k = an expert's
+// rows, 512 for deepseek-v3 at 16384 tokens). Every type below is CUTLASS's own grouped ping-pong
+// configuration (example 57_hopper_grouped_gemm's PingpongConfig and the unit test
+// sm90_gemm_f16_f16_f16_tensor_op_f32_group_gemm_pingpong.cu): the PtrArray ping-pong kernel and
+// epilogue schedules together (the epilogue's is what gives each warpgroup its own D tensormap),
+// a 128x128 tile per warpgroup with 128 bytes of K per block (there 128 fp8 elements or 64 f16,
+// here 64 bf16), the builders' automatic epilogue tile (64x32) and stage count after the
+// epilogue's shared memory, the default group tile scheduler, and device-side problem sizes with
+// no host copy (example 57 runs that way too). One warpgroup's 128x128 fp32 accumulator takes 128
+// registers a thread, as a cooperative warpgroup's half of 128x256 does, and a stage (32 KB)
+// leaves room for six. The cluster is 1x1x1, as the cooperative kernel's, so a comparison of the
+// two measures the schedule alone; PingpongMulticastParts is the 2x1x1 one example 57 uses.
+// The epilogue is spelled out again rather than shared through a template (see KernelParts).
+struct PingpongParts : CommonParts {
+  using TileShape = cute::Shape<cute::_128, cute::_128, cute::_64>;
+  using KernelSchedule = cutlass::gemm::KernelPtrArrayTmaWarpSpecializedPingpong;
+  using EpilogueSchedule = cutlass::epilogue::PtrArrayTmaWarpSpecializedPingpong;
+
+  using EpilogueOp = typename cutlass::epilogue::collective::CollectiveBuilder<
+      cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, TileShape, ClusterShape,
+      cutlass::epilogue::collective::EpilogueTileAuto, float, float, void, LayoutD*, kAlign, Element, LayoutD*, kAlign,
+      EpilogueSchedule, cutlass::epilogue::fusion::LinearCombination<Element, float>>::CollectiveOp;
+  static constexpr int kEpilogueSmem = static_cast<int>(sizeof(typename EpilogueOp::SharedStorage));
+};
+
+// GemmSchedule::pingpong_multicast: the same in clusters of two CTAs along m, which run
+// neighbouring m tiles of one group and n tile, so each B tile is loaded once for both (TMA
+// multicast): a quarter less operand traffic per tile than the 1x1x1 kernel, whose 128x128 tiles
+// load a third more bytes per MMA than the cooperative 128x256. A group's m tiles are rounded up
+// to even (the extra tile is out of bounds: loads read zeros, stores are clipped). The epilogue is
+// the 1x1x1 kernel's: CUTLASS 4.2's sm90 TMA epilogue builder takes the cluster shape but builds
+// the same collective for any (sm90_builder.inl, "Tma warp-specialized builder").
+struct PingpongMulticastParts : CommonParts {
+  using ClusterShape = cute::Shape<cute::_2, cute::_1, cute::_1>;
+  using TileShape = PingpongParts::TileShape;
+  using KernelSchedule = PingpongParts::KernelSchedule;
+  using EpilogueOp = PingpongParts::EpilogueOp;
 };
 
 // The gate GEMM's SwiGLU epilogue (swiglu_epilogue.cuh): the same tile and schedule, plus a
@@ -83,24 +132,44 @@ struct SwigluParts {
   static constexpr int kEpilogueSmem = static_cast<int>(sizeof(typename EpilogueOp::SharedStorage));
 };
 
-// The mainloop of one operand layout (with the shared memory its epilogue leaves it): the only
-// part that depends on the layout.
-template <Major kA, Major kB, int kEpilogueSmem = KernelParts::kEpilogueSmem>
+// The mainloop of one operand layout and schedule (with the shared memory its epilogue leaves
+// it): the only part that depends on the layout.
+template <Major kA, Major kB, int kEpilogueSmem = KernelParts::kEpilogueSmem, class P = KernelParts>
 struct Mainloop {
-  using P = KernelParts;
   using type = typename cutlass::gemm::collective::CollectiveBuilder<
-      cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, P::Element, LayoutATag<kA>*, P::kAlign, P::Element,
-      LayoutBTag<kB>*, P::kAlign, float, P::TileShape, P::ClusterShape,
-      cutlass::gemm::collective::StageCountAutoCarveout<kEpilogueSmem>, P::KernelSchedule>::CollectiveOp;
+      cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, typename P::Element, LayoutATag<kA>*, P::kAlign,
+      typename P::Element, LayoutBTag<kB>*, P::kAlign, float, typename P::TileShape, typename P::ClusterShape,
+      cutlass::gemm::collective::StageCountAutoCarveout<kEpilogueSmem>, typename P::KernelSchedule>::CollectiveOp;
 };
 
-// The kernels: the three layouts of GemmLayout with the plain epilogue, and the forward layout
-// with the SwiGLU one; spelled outside templates (see KernelParts).
+// The kernels: the three layouts of GemmLayout with the plain epilogue in every schedule, and the
+// forward layout with the SwiGLU one (cooperative only); spelled outside templates (see
+// KernelParts).
 template <class MainloopOp, class EpilogueOp = KernelParts::EpilogueOp>
-using KernelOf = cutlass::gemm::kernel::GemmUniversal<KernelParts::ProblemShape, MainloopOp, EpilogueOp>;
+using KernelOf = cutlass::gemm::kernel::GemmUniversal<CommonParts::ProblemShape, MainloopOp, EpilogueOp>;
 using GemmKK = cutlass::gemm::device::GemmUniversalAdapter<KernelOf<Mainloop<Major::k, Major::k>::type>>;
 using GemmKMN = cutlass::gemm::device::GemmUniversalAdapter<KernelOf<Mainloop<Major::k, Major::mn>::type>>;
 using GemmMNMN = cutlass::gemm::device::GemmUniversalAdapter<KernelOf<Mainloop<Major::mn, Major::mn>::type>>;
+constexpr int kPingpongSmem = PingpongParts::kEpilogueSmem;
+using GemmKKPingpong = cutlass::gemm::device::GemmUniversalAdapter<
+    KernelOf<Mainloop<Major::k, Major::k, kPingpongSmem, PingpongParts>::type, PingpongParts::EpilogueOp>>;
+using GemmKMNPingpong = cutlass::gemm::device::GemmUniversalAdapter<
+    KernelOf<Mainloop<Major::k, Major::mn, kPingpongSmem, PingpongParts>::type, PingpongParts::EpilogueOp>>;
+using GemmMNMNPingpong = cutlass::gemm::device::GemmUniversalAdapter<
+    KernelOf<Mainloop<Major::mn, Major::mn, kPingpongSmem, PingpongParts>::type, PingpongParts::EpilogueOp>>;
+using MulticastParts = PingpongMulticastParts;
+using GemmKKPingpongMulticast = cutlass::gemm::device::GemmUniversalAdapter<
+    KernelOf<Mainloop<Major::k, Major::k, kPingpongSmem, MulticastParts>::type, MulticastParts::EpilogueOp>>;
+using GemmKMNPingpongMulticast = cutlass::gemm::device::GemmUniversalAdapter<
+    KernelOf<Mainloop<Major::k, Major::mn, kPingpongSmem, MulticastParts>::type, MulticastParts::EpilogueOp>>;
+using GemmMNMNPingpongMulticast = cutlass::gemm::device::GemmUniversalAdapter<
+    KernelOf<Mainloop<Major::mn, Major::mn, kPingpongSmem, MulticastParts>::type, MulticastParts::EpilogueOp>>;
+// A ping-pong warpgroup's pipeline must hold more than one tile's worth of a short-K GEMM's
+// k-blocks in flight for the two warpgroups to overlap; a CUTLASS update that cut the stages
+// (a larger epilogue, say) would quietly turn the schedule back into a serial one.
+static_assert(Mainloop<Major::mn, Major::mn, kPingpongSmem, PingpongParts>::type::DispatchPolicy::Stages >= 5 &&
+                  Mainloop<Major::mn, Major::mn, kPingpongSmem, MulticastParts>::type::DispatchPolicy::Stages >= 5,
+              "the ping-pong mainloop has fewer than five pipeline stages");
 using GemmKKSwiglu = cutlass::gemm::device::GemmUniversalAdapter<
     KernelOf<Mainloop<Major::k, Major::k, SwigluParts::kEpilogueSmem>::type, SwigluParts::EpilogueOp>>;
 // The C stages (33 KB of epilogue storage instead of 17 KB) still leave the mainloop its stages;
@@ -218,22 +287,43 @@ class CutlassGemmRunner final : public GemmRunner {
   DeviceArray<std::byte> workspace_;  // empty when the kernel needs none
 };
 
+// The plain-epilogue runner of one schedule's three layout kernels.
+template <class KK, class KMN, class MNMN>
+std::unique_ptr<GemmRunner> plain_runner(const GroupArrays& arrays, const std::vector<GroupSpec>& specs,
+                                         GemmLayout layout, GemmEpilogue epilogue, int device) {
+  constexpr auto plain = GemmEpilogue::plain;
+  if (layout.a == Major::k && layout.b == Major::k)
+    return std::make_unique<CutlassGemmRunner<KK, plain>>(arrays, specs, epilogue, device);
+  if (layout.a == Major::k && layout.b == Major::mn)
+    return std::make_unique<CutlassGemmRunner<KMN, plain>>(arrays, specs, epilogue, device);
+  if (layout.a == Major::mn && layout.b == Major::mn)
+    return std::make_unique<CutlassGemmRunner<MNMN, plain>>(arrays, specs, epilogue, device);
+  throw Error(ErrorCode::unsupported_size, "no grouped GEMM kernel is built for an MN-major A with a K-major B");
+}
+
 }  // namespace
 
 std::unique_ptr<GemmRunner> make_gemm_runner(const GroupArrays& arrays, const std::vector<GroupSpec>& specs,
                                              GemmLayout layout, GemmEpilogue epilogue, int device) {
-  const bool kk = layout.a == Major::k && layout.b == Major::k;
   if (epilogue.kind == GemmEpilogue::swiglu) {
-    require(kk, ErrorCode::unsupported_size, "the SwiGLU epilogue is built for K-major A and B (x W^T) only");
+    require(layout.a == Major::k && layout.b == Major::k, ErrorCode::unsupported_size,
+            "the SwiGLU epilogue is built for K-major A and B (x W^T) only");
+    require(layout.schedule == GemmSchedule::cooperative, ErrorCode::unsupported_size,
+            "the SwiGLU epilogue is built for the cooperative schedule only");
     return std::make_unique<CutlassGemmRunner<GemmKKSwiglu, GemmEpilogue::swiglu>>(arrays, specs, epilogue, device);
   }
-  constexpr auto plain = GemmEpilogue::plain;
-  if (kk) return std::make_unique<CutlassGemmRunner<GemmKK, plain>>(arrays, specs, epilogue, device);
-  if (layout.a == Major::k && layout.b == Major::mn)
-    return std::make_unique<CutlassGemmRunner<GemmKMN, plain>>(arrays, specs, epilogue, device);
-  if (layout.a == Major::mn && layout.b == Major::mn)
-    return std::make_unique<CutlassGemmRunner<GemmMNMN, plain>>(arrays, specs, epilogue, device);
-  throw Error(ErrorCode::unsupported_size, "no grouped GEMM kernel is built for an MN-major A with a K-major B");
+  switch (layout.schedule) {
+    case GemmSchedule::cooperative:
+      return plain_runner<GemmKK, GemmKMN, GemmMNMN>(arrays, specs, layout, epilogue, device);
+    case GemmSchedule::pingpong:
+      return plain_runner<GemmKKPingpong, GemmKMNPingpong, GemmMNMNPingpong>(arrays, specs, layout, epilogue, device);
+    case GemmSchedule::pingpong_multicast:
+      return plain_runner<GemmKKPingpongMulticast, GemmKMNPingpongMulticast, GemmMNMNPingpongMulticast>(arrays, specs,
+                                                                                                        layout,
+                                                                                                        epilogue,
+                                                                                                        device);
+  }
+  throw Error(ErrorCode::internal, "unknown grouped GEMM schedule");
 }
 
 }  // namespace moka::cuda

@@ -1,8 +1,8 @@
 // Grouped bf16 GEMMs whose group sizes live in device memory (CUTLASS sm90: TMA loads, wgmma,
-// warp-specialized cooperative persistent kernel). The host never reads a group size: a small
-// setup kernel turns the device-side expert counts/offsets into per-group problem sizes and
-// pointers, then the persistent GEMM walks the groups. Both launches are stream-ordered and
-// capturable in a CUDA graph.
+// warp-specialized persistent kernels, cooperative or ping-pong: GemmSchedule). The host never
+// reads a group size: a small setup kernel turns the device-side expert counts/offsets into
+// per-group problem sizes and pointers, then the persistent GEMM walks the groups. Both launches
+// are stream-ordered and capturable in a CUDA graph.
 //
 // Every GEMM is D[m, n] = sum_k A(m, k) B(n, k), fp32 accumulation, bf16 row-major D. Each
 // operand is K-major or MN-major (GemmLayout), so the backward products dY W and dY^T X read
@@ -27,17 +27,30 @@ namespace moka::cuda {
 //   Major::k:  A as [m, k], B as [n, k] (the reduced dimension contiguous), e.g. x W^T;
 //   Major::mn: A as [k, m], B as [k, n] (m or n contiguous), e.g. W in dY W, both in dY^T X.
 enum class Major : int8_t { k, mn };
-// The operand majorness of one GroupedGemm (all its groups). Supported: {k, k} (forward),
-// {k, mn} (data gradients dY W), {mn, mn} (weight gradients dY^T X).
+// The CUTLASS kernel schedule of one GroupedGemm (gemm_cutlass.cu; the cuBLAS loop ignores it):
+//   cooperative: both consumer warpgroups on one 128x256x64 tile (the layer's choice everywhere);
+//   pingpong: each consumer warpgroup on its own 128x128x64 tile, the two alternating, so one's
+//     epilogue runs under the other's mainloop: for GEMMs with few k-blocks per tile (the weight
+//     gradients, short-K products);
+//   pingpong_multicast: the same in clusters of two CTAs along m (CUTLASS example 57's grouped
+//     ping-pong configuration), which load each B tile once for both (TMA multicast).
+// Plain epilogue only for the ping-pong ones. bench/kernels/gemm_schedules checks them against
+// the cooperative kernel and times all three on each of the layer's GEMMs.
+enum class GemmSchedule : int8_t { cooperative, pingpong, pingpong_multicast };
+// The operand majorness of one GroupedGemm (all its groups), and its kernel schedule.
+// Supported: {k, k} (forward), {k, mn} (data gradients dY W), {mn, mn} (weight gradients dY^T X),
+// each with every schedule.
 struct GemmLayout {
   Major a = Major::k, b = Major::k;
+  GemmSchedule schedule = GemmSchedule::cooperative;
 };
 
 // What the epilogue does with a group's fp32 accumulator.
 struct GemmEpilogue {
   enum Kind : int8_t {
     plain,   // D = bf16(acc)
-    swiglu,  // aux = G = bf16(acc), D = bf16(act(G, C)) (K-major A and B, the CUTLASS engine only)
+    swiglu,  // aux = G = bf16(acc), D = bf16(act(G, C)) (K-major A and B, the cooperative
+             // schedule and the CUTLASS engine only)
   };
   Kind kind = plain;
   core::ActParams act;  // swiglu only

@@ -1,5 +1,6 @@
 #include "cuda/layer/layer_gemms.hpp"
 
+#include <utility>
 #include <vector>
 
 namespace moka::cuda::staged {
@@ -7,11 +8,7 @@ namespace moka::cuda::staged {
 // Forward is D = A B^T with both operands K-major; backward reads the same tensors as MN-major
 // operands (GemmLayout), so nothing is transposed. The shared expert's dense products are extra
 // fixed-size groups, so they overlap with the routed tiles in the same persistent launch.
-std::unique_ptr<LayerGemms> build_layer_gemms(const MoeShape& shape, int64_t local_experts, int64_t tokens,
-                                              const ActParams* fused_swiglu, int device, GemmEngine engine) {
-  auto gemms = std::make_unique<LayerGemms>();
-  LayerGemms& ws = *gemms;
-  ws.tokens = tokens;
+LayerGemmSpecs layer_gemm_specs(const MoeShape& shape, int64_t local_experts, int64_t tokens) {
   const int64_t H = shape.hidden, I = shape.intermediate, E = local_experts, T = tokens;
   const int64_t Is = shape.shared_intermediate;
   const int Ti = static_cast<int>(T), Hi = static_cast<int>(H), Ii = static_cast<int>(I), Isi = static_cast<int>(Is);
@@ -69,27 +66,54 @@ std::unique_ptr<LayerGemms> build_layer_gemms(const MoeShape& shape, int64_t loc
     wgrad_gate_up.push_back(fixed(kSharedUpGrad, Is, kInput, H, kSharedUpWeightGrad, H, Isi, Hi, Ti));
     wgrad_down.push_back(fixed(kOutGrad, H, kSharedHidden, Is, kSharedDownWeightGrad, Is, Hi, Isi, Ti));
   }
-  const GemmLayout forward{Major::k, Major::k}, data_grad{Major::k, Major::mn}, weight_grad{Major::mn, Major::mn};
+  std::vector<GroupSpec> gate_up;  // one launch, each expert's two groups side by side
+  for (size_t i = 0; i < gate.size(); ++i) gate_up.insert(gate_up.end(), {gate[i], up[i]});
+  // Each launch's operand layout and kernel schedule (GemmSchedule), one line per role:
+  // cooperative everywhere, the layer's kernel from before the ping-pong ones were built (no
+  // measurement has picked one for any role yet). bench/kernels/gemm_schedules checks and times
+  // every schedule on each of these launches; adopting another for a role is changing `coop` on
+  // its line (the fused forward's gate keeps the cooperative kernel: its SwiGLU epilogue is built
+  // for that one only).
+  constexpr GemmSchedule coop = GemmSchedule::cooperative;
+  LayerGemmSpecs specs;
+  specs.gate_up = {std::move(gate_up), {Major::k, Major::k, coop}};
+  specs.gate = {std::move(gate), {Major::k, Major::k, GemmSchedule::cooperative}};
+  specs.up = {std::move(up), {Major::k, Major::k, coop}};
+  specs.down = {std::move(down), {Major::k, Major::k, coop}};
+  specs.data_grad_h = {std::move(dh), {Major::k, Major::mn, coop}};
+  specs.data_grad_x = {std::move(dx), {Major::k, Major::mn, coop}};
+  specs.weight_grad_down = {std::move(wgrad_down), {Major::mn, Major::mn, coop}};
+  specs.weight_grad_gate_up = {std::move(wgrad_gate_up), {Major::mn, Major::mn, coop}};
+  return specs;
+}
+
+std::unique_ptr<LayerGemms> build_layer_gemms(const MoeShape& shape, int64_t local_experts, int64_t tokens,
+                                              const ActParams* fused_swiglu, int device, GemmEngine engine) {
+  auto gemms = std::make_unique<LayerGemms>();
+  LayerGemms& ws = *gemms;
+  ws.tokens = tokens;
+  LayerGemmSpecs specs = layer_gemm_specs(shape, local_experts, tokens);
+  auto build = [&](const LayerGemmSpec& spec) {
+    return std::make_unique<GroupedGemm>(spec.groups, spec.layout, device, engine);
+  };
   if (fused_swiglu) {
     // U first; then the gate product, whose epilogue reads U as its C operand and writes G
     // (aux) and H (D): three buffers laid out alike.
-    for (GroupSpec& g : gate) {
+    for (GroupSpec& g : specs.gate.groups) {
       const bool routed = g.expert >= 0;
       g.aux = g.d, g.c = routed ? kUpOut : kSharedUpOut, g.d = routed ? kHidden : kSharedHidden;
     }
-    ws.up = std::make_unique<GroupedGemm>(up, forward, device, engine);
-    ws.gate =
-        std::make_unique<GroupedGemm>(gate, forward, device, engine, GemmEpilogue{GemmEpilogue::swiglu, *fused_swiglu});
+    ws.up = build(specs.up);
+    ws.gate = std::make_unique<GroupedGemm>(specs.gate.groups, specs.gate.layout, device, engine,
+                                            GemmEpilogue{GemmEpilogue::swiglu, *fused_swiglu});
   } else {
-    std::vector<GroupSpec> gate_up;  // one launch, each expert's two groups side by side
-    for (size_t i = 0; i < gate.size(); ++i) gate_up.insert(gate_up.end(), {gate[i], up[i]});
-    ws.gate_up = std::make_unique<GroupedGemm>(gate_up, forward, device, engine);
+    ws.gate_up = build(specs.gate_up);
   }
-  ws.down = std::make_unique<GroupedGemm>(down, forward, device, engine);
-  ws.data_grad_h = std::make_unique<GroupedGemm>(dh, data_grad, device, engine);
-  ws.data_grad_x = std::make_unique<GroupedGemm>(dx, data_grad, device, engine);
-  ws.weight_grad_down = std::make_unique<GroupedGemm>(wgrad_down, weight_grad, device, engine);
-  ws.weight_grad_gate_up = std::make_unique<GroupedGemm>(wgrad_gate_up, weight_grad, device, engine);
+  ws.down = build(specs.down);
+  ws.data_grad_h = build(specs.data_grad_h);
+  ws.data_grad_x = build(specs.data_grad_x);
+  ws.weight_grad_down = build(specs.weight_grad_down);
+  ws.weight_grad_gate_up = build(specs.weight_grad_gate_up);
   return gemms;
 }
 

@@ -3,6 +3,7 @@
 #pragma once
 #include <cstdint>
 #include <memory>
+#include <vector>
 
 #include "cuda/gemm/grouped_gemm.hpp"
 #include "cuda/layer/layer_kernels.hpp"
@@ -44,6 +45,23 @@ struct LayerGemms {
   // back before x's rows are gathered for gate's and up's.
   std::unique_ptr<GroupedGemm> down, data_grad_h, data_grad_x, weight_grad_down, weight_grad_gate_up;
 };
+
+// One of the layer's grouped GEMMs before it is built: its groups and its layout (operand
+// majorness and kernel schedule).
+struct LayerGemmSpec {
+  std::vector<GroupSpec> groups;
+  GemmLayout layout;
+};
+// Every grouped GEMM a layer may run, as build_layer_gemms builds them (bench/kernels/
+// gemm_schedules times each): the forward's gate_up (each expert's gate and up groups side by
+// side), or, fused, up alone and gate alone (here with the plain epilogue: build_layer_gemms adds
+// the SwiGLU one), down; the data gradients dh = dY W_down and dx = dG W_gate, dU W_up; the weight
+// gradients of down and of gate and up (one launch). The shared expert's products are fixed-size
+// groups at the end of each.
+struct LayerGemmSpecs {
+  LayerGemmSpec gate_up, gate, up, down, data_grad_h, data_grad_x, weight_grad_down, weight_grad_gate_up;
+};
+LayerGemmSpecs layer_gemm_specs(const MoeShape& shape, int64_t local_experts, int64_t tokens);
 
 // The GEMMs of a layer of `shape` with `local_experts` experts for `tokens` tokens per call;
 // `fused_swiglu` (null: off) puts the activation in the gate GEMM's epilogue, after an up launch.
