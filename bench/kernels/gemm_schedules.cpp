@@ -254,6 +254,26 @@ std::string layout_name(const cuda::GemmLayout& l) {
   return std::string(m(l.a)) + "," + m(l.b);
 }
 
+// One line per role for the summary on stderr at the end (the JSON lines of three shapes run to
+// ~100 KB): each schedule's time, share of the peak, speedup and check, or its failed check.
+std::vector<std::string> summary;
+// Prints the summary when the run ends, however it ends.
+struct SummaryAtExit {
+  ~SummaryAtExit() {
+    if (summary.empty()) return;
+    std::string text = "gemm_schedules summary (median ms, share of the dense peak, speedup over cooperative):\n";
+    for (const std::string& l : summary) text += "  " + l + "\n";
+    std::cerr << text << std::flush;
+  }
+};
+std::string decimals(double x, int digits) {
+  std::ostringstream o;
+  o.setf(std::ios::fixed);
+  o.precision(digits);
+  o << x;
+  return o.str();
+}
+
 // One role: the check, then the times. Returns the schedules that failed the check.
 std::vector<std::string> run_role(const Case& c, const Role& role, const LayerGemmSpec& spec,
                                   const std::vector<const Schedule*>& schedules, const Options& o, double peak) {
@@ -312,6 +332,8 @@ std::vector<std::string> run_role(const Case& c, const Role& role, const LayerGe
   candidates.insert(candidates.end(), schedules.begin(), schedules.end());
   std::vector<std::string> failed;
   std::vector<std::pair<const Schedule*, std::unique_ptr<cuda::GroupedGemm>>> timed;
+  std::vector<std::string> checked;  // per timed kernel: how its check came out
+  const std::string where = c.ns.name + " " + role.name;
   for (const Schedule* sc : candidates) {
     const bool control = sc == &kCooperative;
     const std::string what = std::string(role.name) + " " + sc->name + (control ? " (control)" : "");
@@ -348,9 +370,15 @@ std::vector<std::string> run_role(const Case& c, const Role& role, const LayerGe
     print_json_line(row);
     if (!passed) {
       failed.push_back(what);
+      summary.push_back(c.ns.name + " " + what + ": CHECK FAILED, not timed: " +
+                        (error.empty()
+                             ? "max_rel_error " + std::to_string(k.relative()) + ", " + std::to_string(k.differing) +
+                                   " elements differ (" + std::to_string(k.unwritten) + " unwritten); first " + k.first
+                             : error));
       if (control) return failed;  // the comparison itself is broken: time nothing
     } else {
       timed.emplace_back(sc, std::move(gemm));
+      checked.push_back(k.identical() ? "identical" : "max_rel_error " + std::to_string(k.relative()));
     }
   }
 
@@ -358,6 +386,7 @@ std::vector<std::string> run_role(const Case& c, const Role& role, const LayerGe
   std::vector<std::function<void()>> runs;
   for (auto& [sc, gemm] : timed) runs.push_back([&, g = gemm.get()] { run_into(*g, out.ref_table); });
   const Times t = time_in_turn(runs, o.cases.warmup, o.cases.iters, c.s);
+  std::string line = where + " (k " + decimals(nonempty > 0 ? k_sum / nonempty : 0.0, 0) + ")";
   for (size_t j = 0; j < timed.size(); ++j) {
     const double tflops = flops / (t.ms[j] * 1e-3) / 1e12;
     BenchRow row = row_of("grouped-gemm", *timed[j].first);
@@ -372,7 +401,11 @@ std::vector<std::string> run_role(const Case& c, const Role& role, const LayerGe
     e["times"] = "medians of runs in turn with the other schedules";
     cli::check_lab_row(row, c.ns.shape, c.tokens, 1);
     print_json_line(row);
+    line += std::string(j == 0 ? ": " : "; ") + timed[j].first->name + " " + decimals(t.ms[j], 3) + " ms " +
+            decimals(100.0 * tflops / peak, 1) + "% of peak" +
+            (j > 0 ? " x" + decimals(1.0 / t.ratio_to_first[j], 3) + " (" + checked[j] + ")" : "");
   }
+  summary.push_back(line);
   return failed;
 }
 
@@ -447,6 +480,7 @@ int main(int argc, char** argv) {
       ->delimiter(',')
       ->check(CLI::IsMember(names_of(kOthers)));
   return lab_main(app, argc, argv, [&] {
+    const SummaryAtExit print_summary;
     std::vector<moka::NamedShape> shapes;
     for (const std::string& name : o.cases.shapes) shapes.push_back(moka::named_shape(name));  // all, before any work
     std::vector<std::string> failed;
