@@ -450,6 +450,32 @@ TEST(MegakernelPath, FailuresSurfaceAtTheNextCallWithNaNOutputs) {
   expect_raises([&] { layer->forward(c.inputs(), c.weights(), c.out_view(), Stream{}); }, "forward", "backward");
 }
 
+// A gradient view off a 16-byte boundary (the megakernel stores 8 and 16 bytes at a time) is an
+// error naming it, before the call touches anything: the same context then runs a backward.
+TEST(MegakernelPath, MisalignedGradientsAreAnErrorNamingThem) {
+  const MoeShape s = shape(1024, 512, 32, 4, 256);
+  const uint64_t seed = fresh_seed();
+  GpuCase c(s, 300, seed);
+  route_and_upload(c, U, seed + 1);
+  auto layer = make_moe_layer(s, nullptr, gpu_test::megakernel_options(megakernel_config(4, 512, 1 << 20), 300));
+  auto ctx = layer->forward(c.inputs(), c.weights(), c.out_view(), Stream{});
+  DeviceTensor spare(c.dwu.bytes() + 16);
+  MoeGradients g = c.gradients();
+  g.d_w_up.data = static_cast<char*>(spare.data()) + 2;
+  try {
+    layer->backward(*ctx, c.d_out_view(), c.weights(), g, Stream{});
+    ADD_FAILURE() << "a misaligned d_w_up was accepted";
+  } catch (const Error& e) {
+    EXPECT_EQ(e.code(), ErrorCode::invalid_argument);
+    EXPECT_NE(std::string(e.what()).find("d_w_up starts 2 bytes"), std::string::npos) << e.what();
+  }
+  c.poison();
+  layer->backward(*ctx, c.d_out_view(), c.weights(), c.gradients(), Stream{});
+  MOKA_CUDA_CHECK(cudaDeviceSynchronize());
+  layer->check_errors();
+  EXPECT_FALSE(gpu_test::all_nan(c.dwu.data(), c.dwu.bytes()));
+}
+
 TEST(MegakernelPath, ResidentBackwardMatchesTheStagedPathAndKeepsContextsApart) {
   check_megakernel_path(megakernel_config(4, 512, 1 << 20));
 }

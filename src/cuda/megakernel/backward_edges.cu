@@ -38,24 +38,51 @@ __global__ void build_segments_kernel(const MegakernelBackwardLaunch p) {
   core::fill_segment_steps(plan, p.segments, count, p.first_of_step);
 }
 
-// After the kernel (and, at EP > 1, the barrier): d_x = shared dx + sum_j slots[t*k+j] in fp32,
-// j in order; zero weight gradients for experts without rows (they have no weight-gradient task).
+// 8 bf16 values: one 16-byte load or store (every buffer here is 16-byte aligned: moka's own,
+// and the caller's d_x and gradients by the layer's check).
+struct alignas(16) Bf16x8 {
+  __nv_bfloat162 v[4];
+};
+
+// d_x[t, c..c+8) = shared dx + sum_j slots[t*k+j] in fp32, j in order.
+__device__ void sum_dx(const MegakernelBackwardLaunch& p, int64_t t, int64_t c) {
+  const int64_t H = p.hidden, k = p.top_k, at = t * H + c;
+  float sum[8] = {};
+  auto add = [&](const bf16* row) {
+    const Bf16x8 v = *reinterpret_cast<const Bf16x8*>(row);
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      const float2 f = __bfloat1622float2(v.v[i]);
+      sum[2 * i] = __fadd_rn(sum[2 * i], f.x);
+      sum[2 * i + 1] = __fadd_rn(sum[2 * i + 1], f.y);
+    }
+  };
+  if (p.shared_intermediate > 0) add(p.shared_dx + at);
+  for (int64_t j = 0; j < k; ++j) add(p.io.dx_slots + (t * k + j) * H + c);
+  Bf16x8 out;
+#pragma unroll
+  for (int i = 0; i < 4; ++i) out.v[i] = __floats2bfloat162_rn(sum[2 * i], sum[2 * i + 1]);
+  *reinterpret_cast<Bf16x8*>(p.io.d_x + at) = out;
+}
+
+// After the kernel (and, at EP > 1, the barrier): d_x = shared dx + sum_j slots[t*k+j]
+// (sum_dx, 8 columns a thread: H is a multiple of 8); zero weight gradients for experts without
+// rows (they have no weight-gradient task), with no work per element of the experts with rows.
 __global__ void backward_epilogue_kernel(const MegakernelBackwardLaunch p) {
-  const int64_t H = p.hidden, I = p.intermediate, k = p.top_k, stride = int64_t(gridDim.x) * blockDim.x;
-  const int64_t first = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
-  for (int64_t at = first; at < p.tokens * H; at += stride) {
-    const int64_t t = at / H, c = at % H;
-    float sum = p.shared_intermediate > 0 ? __bfloat162float(p.shared_dx[at]) : 0.f;
-    for (int64_t j = 0; j < k; ++j) sum = __fadd_rn(sum, __bfloat162float(p.io.dx_slots[(t * k + j) * H + c]));
-    p.io.d_x[at] = __float2bfloat16_rn(sum);
+  const int64_t H = p.hidden, I = p.intermediate, stride = int64_t(gridDim.x) * blockDim.x;
+  const int64_t first = int64_t(blockIdx.x) * blockDim.x + threadIdx.x, per_row = H / 8;
+  for (int64_t v = first; v < p.tokens * per_row; v += stride) {
+    const int64_t t = v / per_row;
+    sum_dx(p, t, (v - t * per_row) * 8);
   }
-  const bf16 zero = __float2bfloat16_rn(0.f);
-  for (int64_t at = first; at < p.local_experts * I * H; at += stride) {
-    const int64_t e = at / (I * H);
+  const int64_t slab = I * H;  // elements of each of an expert's three gradients
+  Bf16x8 zeros;
+#pragma unroll
+  for (int i = 0; i < 4; ++i) zeros.v[i] = __floats2bfloat162_rn(0.f, 0.f);
+  for (int64_t e = 0; e < p.local_experts; ++e) {
     if (p.io.offsets[e + 1] != p.io.offsets[e]) continue;
-    p.io.d_w_gate[at] = zero;
-    p.io.d_w_up[at] = zero;
-    p.io.d_w_down[at] = zero;
+    for (bf16* g : {p.io.d_w_gate, p.io.d_w_up, p.io.d_w_down})
+      for (int64_t v = first; v < slab / 8; v += stride) reinterpret_cast<Bf16x8*>(g + e * slab)[v] = zeros;
   }
 }
 
@@ -68,7 +95,8 @@ void launch_backward_segments(const MegakernelBackwardLaunch& launch, cudaStream
 }
 
 void launch_backward_epilogue(const MegakernelBackwardLaunch& launch, cudaStream_t stream) {
-  mk::backward_epilogue_kernel<<<256, 256, 0, stream>>>(launch);
+  // Enough threads to keep HBM busy on the d_x sum (an H200 twice over; the loops stride the rest).
+  mk::backward_epilogue_kernel<<<2 * 132 * 8, 256, 0, stream>>>(launch);
   MOKA_CUDA_CHECK_LAUNCH();
 }
 

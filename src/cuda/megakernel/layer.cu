@@ -150,6 +150,24 @@ class MegakernelMoeLayer final : public MoeLayer {
     return c;
   }
 
+  // The megakernel's tiles and its epilogue store gradients 8 and 16 bytes at a time: a caller's
+  // gradient at another offset (a view into a larger buffer) is an error here, not a fault there.
+  static void require_gradients_aligned(const MoeGradients& g) {
+    const std::pair<const TensorView*, const char*> grads[] = {{&g.d_x, "d_x"},
+                                                               {&g.d_w_gate, "d_w_gate"},
+                                                               {&g.d_w_up, "d_w_up"},
+                                                               {&g.d_w_down, "d_w_down"},
+                                                               {&g.d_ws_gate, "d_ws_gate"},
+                                                               {&g.d_ws_up, "d_ws_up"},
+                                                               {&g.d_ws_down, "d_ws_down"}};
+    for (const auto& [view, name] : grads) {
+      const auto offset = reinterpret_cast<uintptr_t>(view->data) % 16;
+      require(offset == 0, ErrorCode::invalid_argument,
+              std::string("the megakernel path needs 16-byte aligned gradients: ") + name + " starts " +
+                  std::to_string(offset) + " bytes past a 16-byte boundary");
+    }
+  }
+
   // The pulls read every row's d_out, route weight and x from its origin rank; the pushes write
   // its d_x slots and d_topk_weights. EP = 1: the call's own tensors and d_x slots of its own,
   // through one-entry tables; EP > 1: d_out and the route weights copied into symmetric buffers
@@ -163,6 +181,7 @@ class MegakernelMoeLayer final : public MoeLayer {
     core::validate_layer_tensors(sh, world_, ctx.inputs, w, DType::bf16, dev);
     core::validate_layer_gradients(sh, world_, T, g, DType::bf16, dev);
     expect_tensor(d_out, "d_out", DType::bf16, dev, {T, sh.hidden});
+    require_gradients_aligned(g);
     ctx.saved.used_on(s);
     MegakernelBackwardIo io;
     DeviceArray<bf16> dx_slots;  // EP = 1: the dx tiles store into them (no d_x rows in the ring)
