@@ -384,6 +384,9 @@ TEST(CudaRouter, AddsCountsToTheExpertLoadAndKeepsItsOwnIds) {
   EXPECT_EQ(gpu_test::bytes_of(gdw), dw);
   EXPECT_THROW(gpu->forward(xv, wv, TensorView(), {out.topk_ids, out.topk_weights, {}, out.expert_counts}, Stream{}),
                Error);
+  RouterConfig too_many = rc;  // the selection keeps one bit per expert and lane: E <= 2048
+  too_many.num_experts = 4096;
+  EXPECT_THROW(make_router(too_many, Backend::cuda), Error);
 }
 
 // Threads sharing one router (its cuBLAS handle and workspace), each on its own non-blocking

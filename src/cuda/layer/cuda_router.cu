@@ -78,11 +78,9 @@ __device__ int64_t warp_token(int64_t tokens) {
 __global__ void __launch_bounds__(kThreads)
     route_tokens(RouterParams P, const float* logits, const float* bias, float* scores, float* p, float* lse,
                  float* logits_out, int32_t* ids, int32_t* saved_ids, float* weights, int32_t* counts) {
-  __shared__ int chosen_of_warp[kWarps][64];
   const int64_t t = warp_token(P.tokens);
   if (t < 0) return;
   const int lane = threadIdx.x & 31;
-  int* chosen = chosen_of_warp[threadIdx.x / 32];
   const int64_t E = P.experts;
   const float* lg = logits + t * E;
   float* sc = scores + t * E;
@@ -104,15 +102,17 @@ __global__ void __launch_bounds__(kThreads)
     for (int64_t e = lane; e < E; e += 32) p[t * E + e] = sc[e] / ssum;
   }
   __syncwarp();  // every lane's scores, before any lane reads another's
-  // Top-k: k rounds of a warp argmax over experts not yet taken.
+  // Top-k: k rounds of a warp argmax over experts not yet taken, in registers (no memory shared
+  // between lanes): lane l owns experts l + 32 q and sets bit q of `taken` when one of them wins
+  // (E <= 2048); lane j % 32 keeps round j's winner (k <= 64).
   float sel_sum = 0;
+  uint64_t taken = 0;
+  int winner_low = -1, winner_high = -1;  // rounds lane and lane + 32
   for (int64_t j = 0; j < P.top_k; ++j) {
     float key = -FLT_MAX;
     int id = INT_MAX;
-    for (int64_t e = lane; e < E; e += 32) {
-      bool taken = false;
-      for (int64_t i = 0; i < j; ++i) taken |= chosen[i] == e;
-      if (taken) continue;
+    for (int64_t e = lane, q = 0; e < E; e += 32, ++q) {
+      if ((taken >> q) & 1) continue;
       // A NaN score ranks lowest, so a valid id is always chosen; its NaN weight is then
       // reported by the layer's routing check instead of indexing past the experts.
       const float raw = sc[e] + (bias ? bias[e] : 0.0f);
@@ -120,12 +120,12 @@ __global__ void __launch_bounds__(kThreads)
       if (kv > key || (kv == key && e < id)) key = kv, id = static_cast<int>(e);
     }
     warp_argmax(key, id);
-    if (lane == 0) chosen[j] = id;
-    __syncwarp();
+    if ((id & 31) == lane) taken |= uint64_t(1) << (id >> 5);
+    if ((j & 31) == lane) (j < 32 ? winner_low : winner_high) = id;
     sel_sum += sc[id];
   }
   for (int64_t j = lane; j < P.top_k; j += 32) {
-    const int e = chosen[j];
+    const int e = j < 32 ? winner_low : winner_high;
     const float s = sc[e];
     ids[t * P.top_k + j] = e;
     saved_ids[t * P.top_k + j] = e;
@@ -266,6 +266,7 @@ class CudaRouter final : public Router {
             "router hidden, num_experts and top_k must be positive");
     require(c.top_k <= c.num_experts, ErrorCode::invalid_argument, "router top_k exceeds num_experts");
     require(c.top_k <= 64, ErrorCode::unsupported_size, "the CUDA router takes top_k <= 64");
+    require(c.num_experts <= 2048, ErrorCode::unsupported_size, "the CUDA router takes num_experts <= 2048");
     require(std::isfinite(c.route_scale), ErrorCode::invalid_argument, "route_scale must be finite");
     MOKA_CUDA_CHECK(cudaGetDevice(&device_));
     MOKA_CUBLAS_CHECK(cublasCreate(&cublas_));
