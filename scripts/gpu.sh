@@ -70,7 +70,7 @@ single_gpu_suites() {
   local tests suite code
   tests=$(binary moka_gpu_tests)
   : > "$OUT/gpu_tests.log"
-  SUITES=${SUITES:-Layouts/GroupedGemmLayouts.*:GroupedGemmChecks.* Widths/GroupedGemmSwiglu.* Routing/DeviceSchedule.* Shapes/CudaLayerVsReference.* CudaLayer.* CudaRouter.*:Losses/CudaRouterLosses.*}
+  SUITES=${SUITES:-Layouts/GroupedGemmLayouts.*:GroupedGemmChecks.*:Schedules/GroupedGemmSchedules.* Widths/GroupedGemmSwiglu.* Routing/DeviceSchedule.* Shapes/CudaLayerVsReference.* CudaLayer.* CudaRouter.*:Losses/CudaRouterLosses.*}
   set -f  # the suite filters are gtest patterns, not file globs
   for suite in $SUITES; do
     timeout 300 "$tests" --gtest_color=no --gtest_filter="$suite" >> "$OUT/gpu_tests.log" 2>&1

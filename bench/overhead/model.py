@@ -34,7 +34,26 @@ def step_ms(step, device: str) -> float:
     return (time.perf_counter() - start) * 1e3
 
 
-def alternated_ms(steps: dict, iters: int, warmup: int, device: str) -> dict[str, list[float]]:
+def queued_ms(step, device: str, steps: int = 8) -> float:
+    """Milliseconds per run of ``steps`` runs of ``step`` queued back to back, as a training loop
+    runs them (no synchronization between: the host's time before a run's first launch overlaps
+    the previous run's GPU work instead of adding to it); the wall clock on the CPU."""
+    if device == "cuda":
+        torch.cuda.synchronize()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(steps):
+            step()
+        end.record()
+        end.synchronize()
+        return start.elapsed_time(end) / steps
+    start_s = time.perf_counter()
+    for _ in range(steps):
+        step()
+    return (time.perf_counter() - start_s) * 1e3 / steps
+
+
+def alternated_ms(steps: dict, iters: int, warmup: int, device: str, timer=step_ms) -> dict[str, list[float]]:
     """Each step's milliseconds in ``iters`` rounds after ``warmup`` untimed ones; a round runs
     every step once, starting one step later than the round before, so that no step always runs
     right after the same other one.
@@ -44,6 +63,7 @@ def alternated_ms(steps: dict, iters: int, warmup: int, device: str) -> dict[str
         iters (int): timed rounds.
         warmup (int): untimed rounds first.
         device (str): "cuda" or "cpu".
+        timer (Callable): ``step_ms`` (one run from an idle GPU) or ``queued_ms``.
     """
     names = list(steps)
     for _ in range(warmup):
@@ -53,7 +73,7 @@ def alternated_ms(steps: dict, iters: int, warmup: int, device: str) -> dict[str
     for round_index in range(iters):
         first = round_index % len(names)
         for name in names[first:] + names[:first]:
-            times[name].append(step_ms(steps[name], device))
+            times[name].append(timer(steps[name], device))
     return times
 
 
@@ -117,7 +137,10 @@ def compiled_op(name: str, tokens: int, iters: int, warmup: int, seed: int, devi
     """fwd+bwd of MoE compiled (``torch.compile(moe, fullgraph=True)``, which traces moka's
     ``moka::moe`` op and its backward op) against the module eager on the same x and weights
     (``compiled_over_eager``; target: at most 1.03), and the same for the experts alone
-    (``moe_experts``, op ``moka::moe_experts``) on uniform routing (``experts_compiled_over_eager``)."""
+    (``moe_experts``, op ``moka::moe_experts``) on uniform routing (``experts_compiled_over_eager``).
+    Each step alone from an idle GPU (the host's time before the first launch counts: compiled
+    code's guards and wrappers), and with ``queued_`` steps back to back as a training loop runs
+    them (that time overlaps the previous step's GPU work)."""
     moe, x, ids, weights, d_out = make_layer(name, tokens, seed, device)
     expert_weights = (moe.w_gate, moe.w_up, moe.w_down, moe.ws_gate, moe.ws_up, moe.ws_down)
     compiled_moe = torch.compile(moe, fullgraph=True, backend=backend)
@@ -130,14 +153,17 @@ def compiled_op(name: str, tokens: int, iters: int, warmup: int, seed: int, devi
             call().backward(d_out)
         return step
 
-    module_times = alternated_ms({"eager": fwdbwd(lambda: moe(x)), "compiled": fwdbwd(lambda: compiled_moe(x))},
-                                 iters, warmup, device)
-    experts_times = alternated_ms({"eager": fwdbwd(lambda: moe_experts(x, ids, weights, *expert_weights)),
-                                   "compiled": fwdbwd(lambda: compiled_experts(x, ids, weights, *expert_weights))},
-                                  iters, warmup, device)
+    module_steps = {"eager": fwdbwd(lambda: moe(x)), "compiled": fwdbwd(lambda: compiled_moe(x))}
+    experts_steps = {"eager": fwdbwd(lambda: moe_experts(x, ids, weights, *expert_weights)),
+                     "compiled": fwdbwd(lambda: compiled_experts(x, ids, weights, *expert_weights))}
+    fields = {}
+    for prefix, timer in (("", step_ms), ("queued_", queued_ms)):
+        fields.update(timed_pair(alternated_ms(module_steps, iters, warmup, device, timer), "eager", "compiled",
+                                 prefix=prefix))
+        fields.update(timed_pair(alternated_ms(experts_steps, iters, warmup, device, timer), "eager", "compiled",
+                                 prefix=prefix + "experts_"))
     return {"measure": "compile_op", "shape": name, "tokens_per_rank": tokens, "backend": backend, "runs": iters,
-            **timed_pair(module_times, "eager", "compiled"),
-            **timed_pair(experts_times, "eager", "compiled", prefix="experts_")}
+            **fields}
 
 
 def compiled_block(name: str, tokens: int, seq: int, iters: int, warmup: int, seed: int, device: str,
