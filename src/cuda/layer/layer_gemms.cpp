@@ -68,22 +68,28 @@ LayerGemmSpecs layer_gemm_specs(const MoeShape& shape, int64_t local_experts, in
   }
   std::vector<GroupSpec> gate_up;  // one launch, each expert's two groups side by side
   for (size_t i = 0; i < gate.size(); ++i) gate_up.insert(gate_up.end(), {gate[i], up[i]});
-  // Each launch's operand layout and kernel schedule (GemmSchedule), one line per role:
-  // cooperative everywhere, the layer's kernel from before the ping-pong ones were built (no
-  // measurement has picked one for any role yet). bench/kernels/gemm_schedules checks and times
-  // every schedule on each of these launches; adopting another for a role is changing `coop` on
-  // its line (the fused forward's gate keeps the cooperative kernel: its SwiGLU epilogue is built
-  // for that one only).
+  // Each launch's operand layout and kernel schedule (GemmSchedule), one line per role. The
+  // weight gradients (K = an expert's rows) take the ping-pong kernel in 2x1 clusters multicasting
+  // B, whose two consumer warpgroups overlap one tile's epilogue with the next tile's mainloop,
+  // where the mean rows per expert is 512 to 1024 (the counts are the device's): the whole layer's
+  // backward measured 0.93-0.98x there on an H200 (deepseek-v3, gpt-oss-120b and qwen3-235b-a22b
+  // at 16384 tokens, mixtral-8x7b at 4096) but 1.01-1.06x at 128-256 rows (4096 tokens). Everything
+  // else stays cooperative: ping-pong won qwen3-30b-a3b's down and dx (K = 768) alone in
+  // bench/kernels/gemm_schedules but lost 4-5% in the layer, and lost at longer K everywhere
+  // (bench/results/gemm-schedules-h200-2026-12-03-s17.jsonl, layer-paired-h200-2026-12-03-s17.jsonl).
+  const int64_t rows_per_expert = E > 0 ? T * shape.top_k / E : 0;
   constexpr GemmSchedule coop = GemmSchedule::cooperative;
+  const GemmSchedule wgrad =
+      rows_per_expert >= 512 && rows_per_expert <= 1024 ? GemmSchedule::pingpong_multicast : coop;
   LayerGemmSpecs specs;
   specs.gate_up = {std::move(gate_up), {Major::k, Major::k, coop}};
-  specs.gate = {std::move(gate), {Major::k, Major::k, GemmSchedule::cooperative}};
+  specs.gate = {std::move(gate), {Major::k, Major::k, coop}};  // its SwiGLU epilogue: cooperative only
   specs.up = {std::move(up), {Major::k, Major::k, coop}};
   specs.down = {std::move(down), {Major::k, Major::k, coop}};
   specs.data_grad_h = {std::move(dh), {Major::k, Major::mn, coop}};
   specs.data_grad_x = {std::move(dx), {Major::k, Major::mn, coop}};
-  specs.weight_grad_down = {std::move(wgrad_down), {Major::mn, Major::mn, coop}};
-  specs.weight_grad_gate_up = {std::move(wgrad_gate_up), {Major::mn, Major::mn, coop}};
+  specs.weight_grad_down = {std::move(wgrad_down), {Major::mn, Major::mn, wgrad}};
+  specs.weight_grad_gate_up = {std::move(wgrad_gate_up), {Major::mn, Major::mn, wgrad}};
   return specs;
 }
 
