@@ -39,6 +39,8 @@ namespace {
 
 using cuda::GemmSchedule;
 using cuda::GroupSpec;
+using cuda::GroupProblem;
+using cuda::resolve_group;
 using cuda::Major;
 using cuda::staged::LayerGemmSpec;
 using cuda::staged::LayerGemmSpecs;
@@ -97,29 +99,12 @@ struct Options {
   std::vector<std::string> schedules = names_of(kOthers);
 };
 
-// A group's (m, n, k) and first grouped row for this routing, as the setup kernel resolves them
-// (grouped_gemm.cu): the count dimension takes the expert's rows, an empty expert gets m = 0.
-struct Problem {
-  int64_t m = 0, n = 0, k = 0, row = 0;
-};
-Problem resolve(const GroupSpec& g, const std::vector<int32_t>& counts, const std::vector<int32_t>& offsets) {
-  int64_t dims[3] = {g.m, g.n, g.k};
-  int64_t row = 0;
-  if (g.expert >= 0) {
-    const int32_t count = counts[g.expert];
-    row = offsets[g.expert];
-    dims[static_cast<int>(g.count_dim)] = count;
-    if (count == 0) dims[0] = 0;
-  }
-  return {dims[0], dims[1], dims[2], row};
-}
-
 // Elements of each operand buffer the groups read (one past the last), so every buffer is
 // allocated at the size the layer's would have for this routing; outputs likewise.
 void extend_extents(const LayerGemmSpec& spec, const std::vector<int32_t>& counts, const std::vector<int32_t>& offsets,
                     std::vector<int64_t>& inputs, std::vector<int64_t>& outputs) {
   for (const GroupSpec& g : spec.groups) {
-    const Problem p = resolve(g, counts, offsets);
+    const GroupProblem p = resolve_group(g, counts.data(), offsets.data());
     if (p.m == 0 || p.n == 0 || p.k == 0) continue;  // no tiles: nothing is read or written
     auto reach = [](std::vector<int64_t>& extent, int buf, int64_t first, int64_t end) {
       extent[buf] = std::max(extent[buf], first + end);
@@ -139,7 +124,7 @@ std::string locate(const LayerGemmSpec& spec, const std::vector<int32_t>& counts
                    int buf, int64_t at) {
   for (size_t i = 0; i < spec.groups.size(); ++i) {
     const GroupSpec& g = spec.groups[i];
-    const Problem p = resolve(g, counts, offsets);
+    const GroupProblem p = resolve_group(g, counts.data(), offsets.data());
     if (g.d != buf || p.m == 0) continue;
     const int64_t rel = at - (g.d_off + p.row * g.d_step), r = rel / g.ldd, c = rel % g.ldd;
     if (rel >= 0 && r < p.m && c < p.n) {
@@ -295,7 +280,7 @@ std::vector<std::string> run_role(const Case& c, const Role& role, const LayerGe
   double flops = 0, k_sum = 0;
   int nonempty = 0;
   for (const GroupSpec& g : spec.groups) {
-    const Problem p = resolve(g, c.counts, c.offsets);
+    const GroupProblem p = resolve_group(g, c.counts.data(), c.offsets.data());
     flops += 2.0 * double(p.m) * double(p.n) * double(p.k);
     if (p.m > 0) k_sum += double(p.k), ++nonempty;
   }

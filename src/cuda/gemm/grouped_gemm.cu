@@ -17,17 +17,11 @@ __global__ void setup_groups(const GroupSpec* specs, int groups, const BufferTab
   const int g = blockIdx.x * blockDim.x + threadIdx.x;
   if (g >= groups) return;
   const GroupSpec s = specs[g];
-  int dims[3] = {s.m, s.n, s.k};
-  int64_t row = 0;
-  if (s.expert >= 0) {
-    const int count = counts[s.expert];
-    row = offsets[s.expert];
-    dims[static_cast<int>(s.count_dim)] = count;
-    if (count == 0) dims[0] = 0;  // no tiles (for k = count: no empty-K tiles either)
-  }
-  out.problems[3 * g + 0] = dims[0];
-  out.problems[3 * g + 1] = dims[1];
-  out.problems[3 * g + 2] = dims[2];
+  const GroupProblem p = resolve_group(s, counts, offsets);
+  const int64_t row = p.row;
+  out.problems[3 * g + 0] = static_cast<int>(p.m);
+  out.problems[3 * g + 1] = static_cast<int>(p.n);
+  out.problems[3 * g + 2] = static_cast<int>(p.k);
   using bf = unsigned short;  // pointer arithmetic in bf16 elements
   out.a[g] = static_cast<const bf*>(buffers.ptr[s.a]) + s.a_off + row * s.a_step;
   out.b[g] = static_cast<const bf*>(buffers.ptr[s.b]) + s.b_off + row * s.b_step;

@@ -20,6 +20,7 @@
 #include <vector>
 
 #include "core/activation.hpp"
+#include "core/hd.hpp"
 
 namespace moka::cuda {
 
@@ -82,6 +83,24 @@ struct GroupSpec {
   int expert = -1;
   CountDim count_dim = CountDim::none;
 };
+
+// A group's (m, n, k) and first grouped row for one routing (counts, offsets: per expert), as the
+// GEMM's setup kernel resolves them: the count dimension takes the expert's rows; an empty expert
+// gets m = 0 (no tiles, nor empty-K ones).
+struct GroupProblem {
+  int64_t m = 0, n = 0, k = 0, row = 0;
+};
+MOKA_HD GroupProblem resolve_group(const GroupSpec& s, const int32_t* counts, const int32_t* offsets) {
+  int64_t dims[3] = {s.m, s.n, s.k};
+  int64_t row = 0;
+  if (s.expert >= 0) {
+    const int32_t count = counts[s.expert];
+    row = offsets[s.expert];
+    dims[static_cast<int>(s.count_dim)] = count;
+    if (count == 0) dims[0] = 0;
+  }
+  return {dims[0], dims[1], dims[2], row};
+}
 
 // How the groups run. `cutlass`: the device-sized persistent grouped kernel (the product).
 // `cublas_loop`: the comparison baseline users would write without it: copy the counts to the
