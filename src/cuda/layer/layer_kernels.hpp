@@ -52,7 +52,8 @@ inline constexpr unsigned long long kNoRoutingError = ~0ull;
 // The error a DeviceSchedule::error code stands for, naming the entry [t, j] after `context`.
 Error routing_error(unsigned long long code, int64_t top_k, int64_t num_experts, const std::string& context);
 
-// dst[row_of_slot[s]] = src[s / k] for every local slot s (rows of `width` bf16).
+// dst[row_of_slot[s]] = src[s / k] for every local slot s < slots (rows of `width` bf16;
+// a negative row_of_slot entry skips its slot).
 void gather_rows(const bf16* src, bf16* dst, const int32_t* row_of_slot, int64_t slots, int64_t top_k, int64_t width,
                  cudaStream_t stream);
 
