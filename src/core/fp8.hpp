@@ -68,6 +68,14 @@ MOKA_HD uint8_t float_to_e4m3(float x) {
   return sign | static_cast<uint8_t>(code + ((rest > half || (rest == half && (code & 1))) ? 1 : 0));
 }
 
+// Where the GPU's grouped layout keeps row r's scale of column tile t (cuda/gemm/fp8_quantize.hpp):
+// the rows are cut into segments (an expert's rows of a grouped buffer, from `first`, `count`
+// rows), each segment's scales a [col_tiles, count] block (rows contiguous: the A-scale layout of
+// CUTLASS's sm90 blockwise-scaled GEMM) after the previous segments' blocks.
+MOKA_HD int64_t segment_scale_index(int64_t first, int64_t count, int64_t col_tiles, int64_t r, int64_t t) {
+  return first * col_tiles + t * count + (r - first);
+}
+
 // e4m3 -> float, exact (every e4m3 value is a float).
 MOKA_HD float e4m3_to_float(uint8_t c) {
   const uint32_t sign = static_cast<uint32_t>(c & 0x80) << 24;

@@ -48,6 +48,7 @@ LAB_BASE = {
     "staged_baselines": ["--shape", "tiny", "--tokens", "64"],
     "paired_steps": ["--shape", "tiny", "--tokens", "64"],
     "gemm_schedules": ["--shape", "tiny", "--tokens", "64"],
+    "fp8_gemm": ["--shape", "tiny", "--tokens", "64"],
 }
 # What follows the options (launch runs a command after --).
 TAIL = {"launch": ["--", "help"]}

@@ -212,3 +212,28 @@ TEST(Fp8Tiles, DoubleInputsQuantizeAsTheirFloatCopy) {
   EXPECT_EQ(a.codes, b.codes);
   EXPECT_EQ(a.scales, b.scales);
 }
+
+// The GPU's grouped scale layout (segment_scale_index): every (row, tile) of every segment gets
+// its own slot, the slots fill [first row * tiles, last row * tiles) with no gap, and a segment's
+// block is [tiles, count] with its rows contiguous from first * tiles: what the e4m3 grouped GEMM
+// reads for an expert whose rows start at `first` (cuda/gemm/grouped_gemm.hpp, GroupSpec).
+TEST(Fp8Scales, SegmentBlocksTileTheScaleBufferInTheGemmsLayout) {
+  const std::vector<int64_t> offsets = {0, 0, 3, 10, 11, 140};  // an empty segment, a one-row one
+  const int64_t tiles = 3, rows = offsets.back();
+  std::vector<int> hits(rows * tiles, 0);
+  for (size_t s = 0; s + 1 < offsets.size(); ++s) {
+    const int64_t first = offsets[s], count = offsets[s + 1] - first;
+    for (int64_t t = 0; t < tiles; ++t)
+      for (int64_t r = first; r < first + count; ++r) {
+        const int64_t at = segment_scale_index(first, count, tiles, r, t);
+        ASSERT_GE(at, 0);
+        ASSERT_LT(at, rows * tiles);
+        // CUTLASS's MN-major block: rows contiguous, tile t after t whole columns of the segment.
+        if (r > first) EXPECT_EQ(at, segment_scale_index(first, count, tiles, r - 1, t) + 1);
+        if (r == first && t > 0) EXPECT_EQ(at, segment_scale_index(first, count, tiles, r, t - 1) + count);
+        if (r == first && t == 0) EXPECT_EQ(at, first * tiles) << "the block must start where the GEMM looks";
+        ++hits[at];
+      }
+  }
+  for (int64_t i = 0; i < rows * tiles; ++i) EXPECT_EQ(hits[i], 1) << "slot " << i;
+}

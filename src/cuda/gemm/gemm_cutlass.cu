@@ -1,7 +1,8 @@
 // The CUTLASS sm90 grouped GEMM (pointer-array, device-side problem sizes): D[m, n] =
 // A(m, k) B(n, k) with row-major D and K-major or MN-major operands (GemmLayout), and the
 // forward gate GEMM's SwiGLU epilogue (GemmEpilogue::swiglu, swiglu_epilogue.cuh: C = U read per
-// group through TMA, D = H, G stored from registers).
+// group through TMA, D = H, G stored from registers), and the block-scaled e4m3 kernel of the FP8
+// recipe (GemmOperands::e4m3_block_scaled, Fp8Parts).
 //
 // Kernels (GemmSchedule): warp-specialized persistent kernels with one TMA producer warp and two
 // consumer warpgroups, 64-deep K blocks and as many pipeline stages as shared memory holds, in
@@ -14,6 +15,7 @@
 // same tile loop from its compute CTAs.
 #include <cute/tensor.hpp>
 #include <cutlass/cutlass.h>
+#include <cutlass/detail/blockwise_scale_layout.hpp>
 #include <cutlass/epilogue/collective/collective_builder.hpp>
 #include <cutlass/gemm/collective/collective_builder.hpp>
 #include <cutlass/gemm/device/gemm_universal_adapter.h>
@@ -21,6 +23,7 @@
 #include <cutlass/gemm/group_array_problem_shape.hpp>
 #include <cutlass/gemm/kernel/gemm_universal.hpp>
 
+#include <algorithm>
 #include <string>
 
 #include "cuda/common/check.hpp"
@@ -132,6 +135,36 @@ struct SwigluParts {
   static constexpr int kEpilogueSmem = static_cast<int>(sizeof(typename EpilogueOp::SharedStorage));
 };
 
+// The e4m3 kernel (GemmOperands::e4m3_block_scaled): CUTLASS's sm90 blockwise-scaled pointer-array
+// kernel, in the configuration of its grouped example (68_hopper_fp8_warp_specialized_grouped_
+// gemm_with_blockwise_scaling): cooperative 128x128x128 tiles (128 e4m3 of K = 128 bytes, one
+// scale block per k-block; B's 128 tile rows one scale block), 1x2 clusters multicasting A along
+// n, scales of A per 1x128 and of B per 128x128, both MN-major (the layout Sm90BlockwiseScale
+// Config supports), applied when the accumulator is promoted into fp32 after every k-block. The
+// 128x128 tile, not 128x256: the promotion keeps a second fp32 accumulator in registers.
+struct Fp8Parts : CommonParts {
+  using ElementAB = cutlass::float_e4m3_t;
+  static constexpr int kAlignAB = 16;  // 16 bytes of e4m3
+  using TileShape = cute::Shape<cute::_128, cute::_128, cute::_128>;
+  using ClusterShape = cute::Shape<cute::_1, cute::_2, cute::_1>;
+  using ScaleConfig = cutlass::detail::Sm90BlockwiseScaleConfig<1, 128, 128>;
+  using LayoutSFA = decltype(ScaleConfig::deduce_layoutSFA());
+  using LayoutSFB = decltype(ScaleConfig::deduce_layoutSFB());
+  using KernelSchedule = cutlass::gemm::KernelPtrArrayTmaWarpSpecializedCooperativeFP8BlockScaledAccum;
+  using EpilogueSchedule = cutlass::epilogue::PtrArrayTmaWarpSpecializedCooperative;
+
+  using EpilogueOp = typename cutlass::epilogue::collective::CollectiveBuilder<
+      cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, TileShape, ClusterShape,
+      cutlass::epilogue::collective::EpilogueTileAuto, float, float, void, LayoutD*, kAlign, Element, LayoutD*, kAlign,
+      EpilogueSchedule, cutlass::epilogue::fusion::LinearCombination<Element, float>>::CollectiveOp;
+  using MainloopOp = typename cutlass::gemm::collective::CollectiveBuilder<
+      cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, ElementAB,
+      cute::tuple<cutlass::layout::RowMajor*, LayoutSFA*>, kAlignAB, ElementAB,
+      cute::tuple<cutlass::layout::ColumnMajor*, LayoutSFB*>, kAlignAB, float, TileShape, ClusterShape,
+      cutlass::gemm::collective::StageCountAutoCarveout<static_cast<int>(sizeof(typename EpilogueOp::SharedStorage))>,
+      KernelSchedule>::CollectiveOp;
+};
+
 // The mainloop of one operand layout and schedule (with the shared memory its epilogue leaves
 // it): the only part that depends on the layout.
 template <Major kA, Major kB, int kEpilogueSmem = KernelParts::kEpilogueSmem, class P = KernelParts>
@@ -143,8 +176,8 @@ struct Mainloop {
 };
 
 // The kernels: the three layouts of GemmLayout with the plain epilogue in every schedule, and the
-// forward layout with the SwiGLU one (cooperative only); spelled outside templates (see
-// KernelParts).
+// forward layout with the SwiGLU one (cooperative only), and the e4m3 one; spelled outside
+// templates (see KernelParts).
 template <class MainloopOp, class EpilogueOp = KernelParts::EpilogueOp>
 using KernelOf = cutlass::gemm::kernel::GemmUniversal<CommonParts::ProblemShape, MainloopOp, EpilogueOp>;
 using GemmKK = cutlass::gemm::device::GemmUniversalAdapter<KernelOf<Mainloop<Major::k, Major::k>::type>>;
@@ -170,6 +203,7 @@ using GemmMNMNPingpongMulticast = cutlass::gemm::device::GemmUniversalAdapter<
 static_assert(Mainloop<Major::mn, Major::mn, kPingpongSmem, PingpongParts>::type::DispatchPolicy::Stages >= 5 &&
                   Mainloop<Major::mn, Major::mn, kPingpongSmem, MulticastParts>::type::DispatchPolicy::Stages >= 5,
               "the ping-pong mainloop has fewer than five pipeline stages");
+using GemmKKFp8 = cutlass::gemm::device::GemmUniversalAdapter<KernelOf<Fp8Parts::MainloopOp, Fp8Parts::EpilogueOp>>;
 using GemmKKSwiglu = cutlass::gemm::device::GemmUniversalAdapter<
     KernelOf<Mainloop<Major::k, Major::k, SwigluParts::kEpilogueSmem>::type, SwigluParts::EpilogueOp>>;
 // The C stages (33 KB of epilogue storage instead of 17 KB) still leave the mainloop its stages;
@@ -207,6 +241,8 @@ class CutlassGemmRunner final : public GemmRunner {
   using Element = typename Kernel::ElementA;
   using Shape3 = typename Kernel::ProblemShape::UnderlyingProblemShape;
   using EpilogueArguments = typename Kernel::CollectiveEpilogue::Arguments;
+  using MainloopArguments = typename Kernel::CollectiveMainloop::Arguments;
+  static constexpr bool kFp8 = cute::is_same_v<Element, Fp8Parts::ElementAB>;
 
  public:
   CutlassGemmRunner(const GroupArrays& arrays, const std::vector<GroupSpec>& specs, GemmEpilogue epilogue, int device) {
@@ -231,8 +267,7 @@ class CutlassGemmRunner final : public GemmRunner {
     // Host problem shapes are null: the scheduler reads the sizes on the device.
     const typename Gemm::Arguments args{cutlass::gemm::GemmUniversalMode::kGrouped,
                                         {static_cast<int>(G), reinterpret_cast<Shape3*>(arrays.problems), nullptr},
-                                        {reinterpret_cast<const Element**>(arrays.a), strides_a_.data(),
-                                         reinterpret_cast<const Element**>(arrays.b), strides_b_.data()},
+                                        mainloop_arguments(arrays, specs),
                                         epilogue_arguments(arrays, epilogue),
                                         hw};
     const cutlass::Status ok = gemm_.can_implement(args);
@@ -245,15 +280,39 @@ class CutlassGemmRunner final : public GemmRunner {
             std::string("grouped GEMM initialize failed: ") + cutlassGetStatusString(init));
   }
 
+  // The scale layouts are CUTLASS's per-group descriptions; its kernel rebuilds them on the device
+  // from each group's (m, n, k) (the host's m of a routed group is a placeholder).
+  MainloopArguments mainloop_arguments(const GroupArrays& arrays, const std::vector<GroupSpec>& specs) {
+    auto a = reinterpret_cast<const Element**>(arrays.a);
+    auto b = reinterpret_cast<const Element**>(arrays.b);
+    if constexpr (kFp8) {
+      std::vector<Fp8Parts::LayoutSFA> la;
+      std::vector<Fp8Parts::LayoutSFB> lb;
+      for (const GroupSpec& g : specs) {
+        const auto mnk = cute::make_shape(std::max(g.m, 1), g.n, g.k, 1);
+        la.push_back(Fp8Parts::ScaleConfig::tile_atom_to_shape_SFA(mnk));
+        lb.push_back(Fp8Parts::ScaleConfig::tile_atom_to_shape_SFB(mnk));
+      }
+      layouts_sfa_ = DeviceArray<Fp8Parts::LayoutSFA>(la.size());
+      layouts_sfb_ = DeviceArray<Fp8Parts::LayoutSFB>(lb.size());
+      layouts_sfa_.upload(la, cudaStreamLegacy);
+      layouts_sfb_.upload(lb, cudaStreamLegacy);
+      return {a,          strides_a_.data(),   b,          strides_b_.data(),
+              arrays.sfa, layouts_sfa_.data(), arrays.sfb, layouts_sfb_.data()};
+    } else {
+      return {a, strides_a_.data(), b, strides_b_.data()};
+    }
+  }
+
   // C and aux (SwiGLU epilogue) are laid out like D, so D's per-group strides serve all three.
   EpilogueArguments epilogue_arguments(const GroupArrays& arrays, GemmEpilogue epilogue) const {
     EpilogueArguments e{};
     if constexpr (kEpilogue == GemmEpilogue::swiglu) {
       static_assert(cute::is_same_v<StrideD, SwigluParts::StrideD>);
       e.thread = {{},
-                  {reinterpret_cast<Element* const*>(arrays.aux), strides_d_.data(), epilogue.act.clamped,
+                  {reinterpret_cast<CommonParts::Element* const*>(arrays.aux), strides_d_.data(), epilogue.act.clamped,
                    epilogue.act.limit}};  // {Sm90SrcFetch's, SwigluGateStore's}
-      e.ptr_C = reinterpret_cast<const Element**>(arrays.c);
+      e.ptr_C = reinterpret_cast<const CommonParts::Element**>(arrays.c);
       e.dC = strides_d_.data();
     } else {
       e.thread.alpha = 1.0f;
@@ -267,7 +326,7 @@ class CutlassGemmRunner final : public GemmRunner {
       e.ptr_C = nullptr;
       e.dC = nullptr;
     }
-    e.ptr_D = reinterpret_cast<Element**>(arrays.d);
+    e.ptr_D = reinterpret_cast<CommonParts::Element**>(arrays.d);
     e.dD = strides_d_.data();
     return e;
   }
@@ -284,6 +343,8 @@ class CutlassGemmRunner final : public GemmRunner {
   DeviceArray<StrideA> strides_a_;
   DeviceArray<StrideB> strides_b_;
   DeviceArray<StrideD> strides_d_;
+  DeviceArray<Fp8Parts::LayoutSFA> layouts_sfa_;  // e4m3 operands only
+  DeviceArray<Fp8Parts::LayoutSFB> layouts_sfb_;
   DeviceArray<std::byte> workspace_;  // empty when the kernel needs none
 };
 
@@ -305,6 +366,8 @@ std::unique_ptr<GemmRunner> plain_runner(const GroupArrays& arrays, const std::v
 
 std::unique_ptr<GemmRunner> make_gemm_runner(const GroupArrays& arrays, const std::vector<GroupSpec>& specs,
                                              GemmLayout layout, GemmEpilogue epilogue, int device) {
+  if (layout.operands == GemmOperands::e4m3_block_scaled)  // grouped_gemm.cu checked the layout
+    return std::make_unique<CutlassGemmRunner<GemmKKFp8, GemmEpilogue::plain>>(arrays, specs, epilogue, device);
   if (epilogue.kind == GemmEpilogue::swiglu) {
     require(layout.a == Major::k && layout.b == Major::k, ErrorCode::unsupported_size,
             "the SwiGLU epilogue is built for K-major A and B (x W^T) only");

@@ -16,8 +16,10 @@ struct GroupArrays {
   const void** a = nullptr;
   const void** b = nullptr;
   void** d = nullptr;
-  const void** c = nullptr;  // SwiGLU epilogue only: U
-  void** aux = nullptr;      // SwiGLU epilogue only: G
+  const void** c = nullptr;     // SwiGLU epilogue only: U
+  void** aux = nullptr;         // SwiGLU epilogue only: G
+  const float** sfa = nullptr;  // e4m3 operands only: A's and B's scales
+  const float** sfb = nullptr;
 };
 
 class GemmRunner {

@@ -8,6 +8,10 @@
 // operand is K-major or MN-major (GemmLayout), so the backward products dY W and dY^T X read
 // the weights and the routed activations where they are, without transposed copies.
 //
+// FP8 (GemmOperands::e4m3_block_scaled, docs/FP8.md): A and B are e4m3 codes with fp32 scales,
+// A's per 1x128 tile of each row, B's per 128x128 block, applied in the promotion of the fp32
+// accumulator after every 128 of K (CUTLASS's blockwise-scaled kernel); K-major A and B only.
+//
 // The forward gate GEMM can instead end in the SwiGLU epilogue (GemmEpilogue::swiglu,
 // swiglu_epilogue.cuh): with acc = sum_k A B and U read from the group's C operand it writes
 // G = bf16(acc) to the group's aux output and D = H = act(G, U), the same bits as the plain GEMM
@@ -38,12 +42,17 @@ enum class Major : int8_t { k, mn };
 // Plain epilogue only for the ping-pong ones. bench/kernels/gemm_schedules checks them against
 // the cooperative kernel and times all three on each of the layer's GEMMs.
 enum class GemmSchedule : int8_t { cooperative, pingpong, pingpong_multicast };
+// What A and B hold: bf16 values, or e4m3 codes with fp32 scales (A: 1x128 tiles; B: 128x128
+// blocks). The e4m3 kernel is cooperative on 128x128x128 tiles in 1x2 clusters (B's 128 rows
+// per tile are one scale block); D is bf16 either way.
+enum class GemmOperands : int8_t { bf16, e4m3_block_scaled };
 // The operand majorness of one GroupedGemm (all its groups), and its kernel schedule.
 // Supported: {k, k} (forward), {k, mn} (data gradients dY W), {mn, mn} (weight gradients dY^T X),
-// each with every schedule.
+// each with every schedule; e4m3 operands: {k, k}, cooperative, groups sized along m only.
 struct GemmLayout {
   Major a = Major::k, b = Major::k;
   GemmSchedule schedule = GemmSchedule::cooperative;
+  GemmOperands operands = GemmOperands::bf16;
 };
 
 // What the epilogue does with a group's fp32 accumulator.
@@ -73,9 +82,16 @@ struct BufferTable {
 // a grouped buffer). A group whose count is zero gets m = 0 (no tiles); callers zero such
 // outputs themselves where needed. With the SwiGLU epilogue the group also reads C (U) and
 // writes aux (G): both are laid out like D (the same offset, step and pitch, in their buffers).
+// With e4m3 operands, offsets and steps of A and B count codes (bytes), and the scales are fp32
+// in the layouts CUTLASS's sm90 blockwise kernel reads (fp8_quantize.hpp writes them so):
+//   A: a group's [ceil(k / 128), m] block (m contiguous), at sfa_off + row * ceil(k / 128), so an
+//      expert's block follows the previous experts' blocks in a grouped buffer;
+//   B: a group's [ceil(k / 128), ceil(n / 128)] block (n blocks contiguous), at sfb_off.
 struct GroupSpec {
   int a = 0, b = 0, d = 0;                     // BufferTable indices
   int c = -1, aux = -1;                        // SwiGLU epilogue only: BufferTable indices
+  int sfa = -1, sfb = -1;                      // e4m3 operands only: BufferTable indices of the scales
+  int64_t sfa_off = 0, sfb_off = 0;            // floats
   int64_t a_off = 0, b_off = 0, d_off = 0;     // elements
   int64_t a_step = 0, b_step = 0, d_step = 0;  // elements per grouped row; 0 = fixed
   int64_t lda = 0, ldb = 0, ldd = 0;           // row pitch (elements) of each stored operand
@@ -100,6 +116,15 @@ MOKA_HD GroupProblem resolve_group(const GroupSpec& s, const int32_t* counts, co
     if (count == 0) dims[0] = 0;
   }
   return {dims[0], dims[1], dims[2], row};
+}
+
+// Float offsets of a group's A and B scales in their buffers (e4m3 operands; layouts at
+// GroupSpec), for its first grouped row `row`: the setup kernel's pointers.
+struct GroupScaleOffsets {
+  int64_t a = 0, b = 0;
+};
+MOKA_HD GroupScaleOffsets group_scale_offsets(const GroupSpec& s, int64_t row) {
+  return {s.sfa_off + row * ((int64_t(s.k) + 127) / 128), s.sfb_off};
 }
 
 // How the groups run. `cutlass`: the device-sized persistent grouped kernel (the product).
