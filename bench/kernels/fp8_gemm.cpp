@@ -97,8 +97,7 @@ void run_product(const Product& p, const NamedShape& ns, const fixtures::Grouped
                                          cuda::GemmOperands::e4m3_block_scaled},
                         device);
   auto quantize = [&] {
-    cuda::quantize_rows_e4m3(a.data(), rows, p.k, p.k, offsets, int(E), a_codes.as<uint8_t>(), a_scales.as<float>(),
-                             s);
+    cuda::quantize_rows_e4m3(a.data(), rows, p.k, p.k, offsets, int(E), a_codes.as<uint8_t>(), a_scales.as<float>(), s);
   };
   auto run_bf16 = [&] { bf16.run(bf16_table, counts, offsets, s); };
   auto run_fp8 = [&] { fp8.run(fp8_table, counts, offsets, s); };

@@ -89,8 +89,8 @@ void check_row_quantizer(const std::vector<int32_t>* offsets) {
     doff = DeviceTensor(offsets->size() * 4);
     doff.upload(offsets->data());
   }
-  quantize_rows_e4m3(dx.data(), rows, cols, ld, doff.as<int32_t>(), segments, codes.as<uint8_t>(),
-                     scales.as<float>(), nullptr);
+  quantize_rows_e4m3(dx.data(), rows, cols, ld, doff.as<int32_t>(), segments, codes.as<uint8_t>(), scales.as<float>(),
+                     nullptr);
   MOKA_CUDA_CHECK(cudaDeviceSynchronize());
   const auto got_codes = download<uint8_t>(codes);
   const auto got_scales = download<float>(scales);
@@ -167,8 +167,8 @@ enum Slot { kA, kB, kSfa, kSfb, kOut, kFixedA, kFixedSfa, kFixedOut, kSlots };
 struct GemmCase {
   int64_t experts, n, k, fixed_rows, rows;
   std::vector<float> a, b, fixed_a;
-  DeviceTensor da, db, dfixed;                        // bf16 values
-  DeviceTensor ca, cb, cfixed, sa, sb, sfixed;        // codes and scales
+  DeviceTensor da, db, dfixed;                  // bf16 values
+  DeviceTensor ca, cb, cfixed, sa, sb, sfixed;  // codes and scales
   DeviceTensor out, fixed_out, counts, offsets;
   std::vector<int32_t> host_counts, host_offsets;
   std::unique_ptr<GroupedGemm> gemm;
@@ -202,8 +202,9 @@ struct GemmCase {
       f.d = kFixedOut, f.ldd = n, f.m = int(fixed_rows), f.n = int(n), f.k = int(k);
       groups.push_back(f);
     }
-    gemm = std::make_unique<GroupedGemm>(groups, GemmLayout{Major::k, Major::k, GemmSchedule::cooperative,
-                                                             GemmOperands::e4m3_block_scaled},
+    gemm = std::make_unique<GroupedGemm>(groups,
+                                         GemmLayout{Major::k, Major::k, GemmSchedule::cooperative,
+                                                    GemmOperands::e4m3_block_scaled},
                                          gpu_test::current_device());
     quantize_blocks_e4m3(db.data(), experts, n, k, cb.as<uint8_t>(), sb.as<float>(), nullptr, nullptr, nullptr);
     if (fixed_rows > 0)
@@ -254,8 +255,8 @@ void check_group(const std::vector<uint16_t>& d, int64_t d_row0, int64_t m, int6
       deq_a[i * a.cols + kk] = double(core::e4m3_to_float(a.codes[i * a.cols + kk])) * a.scale(i, kk / 128);
   for (int64_t j = 0; j < n; ++j)
     for (int64_t kk = 0; kk < b.cols; ++kk)
-      deq_b[j * b.cols + kk] = double(core::e4m3_to_float(b.codes[(b_row0 + j) * b.cols + kk])) *
-                               b.scale(b_row0 + j, kk / 128);
+      deq_b[j * b.cols + kk] =
+          double(core::e4m3_to_float(b.codes[(b_row0 + j) * b.cols + kk])) * b.scale(b_row0 + j, kk / 128);
   for (int64_t i = 0; i < m; ++i)
     for (int64_t j = 0; j < n; ++j) {
       double exact = 0, magnitude = 0;

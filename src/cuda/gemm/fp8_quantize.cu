@@ -14,7 +14,7 @@ namespace {
 
 using core::kFp8TileCols;
 
-constexpr int kWarps = 8;  // rows (or block rows' 16-row slices) per CTA
+constexpr int kWarps = 8;                       // rows (or block rows' 16-row slices) per CTA
 constexpr int kLaneValues = kFp8TileCols / 32;  // 4: a warp covers one 128-wide tile
 
 // The lane's 4 values of a tile starting at p (8-byte aligned), zeros past `valid`.
@@ -194,7 +194,7 @@ void quantize_rows_e4m3(const void* x, int64_t rows, int64_t cols, int64_t ld, c
   if (rows <= 0) return;
   const int64_t blocks = (rows + kWarps - 1) / kWarps;
   quantize_rows_kernel<<<unsigned(blocks), kWarps * 32, 0, stream>>>(static_cast<const __nv_bfloat16*>(x), rows, cols,
-                                                                      ld, offsets, segments, codes, scales);
+                                                                     ld, offsets, segments, codes, scales);
   MOKA_CUDA_CHECK_LAUNCH();
 }
 
