@@ -208,6 +208,11 @@ void add_train_options(CLI::App* cmd, TrainCliOptions& o, SharedOptions which) {
                   "weights, activations and accumulation either way)")
       ->capture_default_str()
       ->check(CLI::IsMember({"tf32", "bf16"}));
+  cmd->add_option("--precision", o.precision,
+                  "the MoE layers' expert GEMMs: bf16 (the backend's own format: fp32 on the CPU) | fp8 (DeepSeek-V3's "
+                  "recipe, docs/FP8.md; --backend cpu only, which emulates it exactly)")
+      ->capture_default_str()
+      ->check(CLI::IsMember({"bf16", "fp8"}));
   cmd->add_option("--data", o.data_dir, "fortune text folder (default: $MOKA_TEXT_DIR or the fortunes package)");
   cmd->add_option("--max-bytes", o.max_bytes, "load only this much text (0 = all)")
       ->capture_default_str()
@@ -252,6 +257,7 @@ train::TrainConfig TrainCliOptions::resolve_unchecked(int64_t multiplier) {
   t.cuda_graph = cuda_graph == "on";
   t.fused_attention = attention_kernel == "fused";
   t.bf16_matmuls = matmul == "bf16";
+  t.moe_precision = parse_precision(precision);
   t.base = base;
   t.base.attention = attention == "mla" ? train::AttentionKind::mla : train::AttentionKind::mha;
   t.model = train::scale_width(t.base, multiplier);

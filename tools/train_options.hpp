@@ -26,6 +26,7 @@ struct TrainCliOptions {
   std::string cuda_graph = "on";
   std::string attention_kernel = "fused";
   std::string matmul = "tf32";
+  std::string precision = "bf16";
   std::string data_dir;
   int64_t max_bytes = 0;
   int64_t steps = 200;

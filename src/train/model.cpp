@@ -79,6 +79,8 @@ Model<T>::Model(const ModelConfig& config, const std::vector<TensorRule>& rules,
     : config_(config), options_(options), params_(rules), cache_(std::make_unique<Cache>()) {
   config_.validate();
   const LayerOptions layer_options{1, options.threads};  // CPU: no row padding needed
+  LayerOptions moe_options = layer_options;
+  moe_options.precision = options.moe_precision;
   for (int64_t l = 0; l < config_.num_layers; ++l) {
     const std::string p = "layers." + std::to_string(l) + ".";
     Layer layer;
@@ -118,7 +120,7 @@ Model<T>::Model(const ModelConfig& config, const std::vector<TensorRule>& rules,
       layer.moe_index = static_cast<int>(selection_bias_.size());
       selection_bias_.emplace_back(config_.num_experts, 0.0);
     }
-    layer.ffn = make_moe_layer(shape, options.backend, nullptr, layer_options);
+    layer.ffn = make_moe_layer(shape, options.backend, nullptr, layer.is_moe ? moe_options : layer_options);
     layers_.push_back(std::move(layer));
   }
 }

@@ -40,6 +40,7 @@ struct ActivationStats {
 struct ModelOptions {
   Backend backend = Backend::cpu;
   int threads = 1;
+  Precision moe_precision = Precision::bf16;  // the MoE layers' expert GEMMs (TrainConfig)
 };
 
 template <typename T>

@@ -51,7 +51,8 @@ class HostStageClock final : public StageMarker {
 class CpuEngine final : public TrainEngine {
  public:
   CpuEngine(const TrainConfig& c, const std::vector<TensorRule>& rules)
-      : config_(c), model_(c.model, rules, ModelOptions{Backend::cpu, c.threads}), adam_(c.adam, model_.params()) {
+      : config_(c), model_(c.model, rules, ModelOptions{Backend::cpu, c.threads, c.moe_precision}),
+        adam_(c.adam, model_.params()) {
     model_.params().initialize(c.seed);
     if (c.ema_decay > 0) ema_.emplace(c.ema_decay, model_.params());
     if (c.profile) {
@@ -130,6 +131,9 @@ class CpuEngine final : public TrainEngine {
 std::unique_ptr<TrainEngine> make_engine(const TrainConfig& c, const std::vector<TensorRule>& rules) {
   if (c.backend == Backend::cpu) return std::make_unique<CpuEngine>(c, rules);
   require(c.backend == Backend::cuda, ErrorCode::invalid_argument, "training runs on --backend cpu or cuda");
+  require(c.moe_precision == Precision::bf16, ErrorCode::backend_unavailable,
+          "--precision fp8 trains on --backend cpu only (the FP8 recipe's exact emulation): the CUDA engine's MoE "
+          "layers have no fp8 path yet");
   return make_cuda_engine(c, rules);
 }
 

@@ -41,6 +41,11 @@ struct TrainConfig {
   bool bf16_matmuls = false;
   // Time every stage of each step (StepProfile); on the GPU this waits for every step to finish.
   bool profile = false;
+  // The number format of the MoE layers' expert GEMMs (LayerOptions::precision): bf16 = the
+  // engine's own (f32 on the CPU, bf16 on the GPU); fp8 = DeepSeek-V3's recipe (docs/FP8.md),
+  // which the CPU engine emulates exactly; the CUDA engine refuses it until the GPU layer has it.
+  // The dense layers' FFNs, attention and the LM head keep the engine's format either way.
+  Precision moe_precision = Precision::bf16;
 };
 
 struct StepReport {
