@@ -76,6 +76,21 @@ MOKA_HD int64_t segment_scale_index(int64_t first, int64_t count, int64_t col_ti
   return first * col_tiles + t * count + (r - first);
 }
 
+// Where the K-major copies of the weight gradients' operands keep segment s (an expert's rows of a
+// grouped buffer, from row `first`; cuda/gemm/fp8_quantize.hpp, quantize_columns_e4m3): the rows
+// become columns of codes [cols, transposed_pitch], the segment's from column
+// transposed_column(first, s), a multiple of 16 (each GEMM group's base must be 16-byte aligned
+// for TMA); its scales, one per column per 128 of its rows, are rows transposed_block(first, s)..
+// of a [transposed_blocks, cols] buffer (cols contiguous: the MN-major layout CUTLASS reads, with
+// the rows as K). Closed forms in (first, s), so no kernel needs a prefix sum over the device-side
+// counts: with contiguous segments, s + 1 starts at least count columns (rounded up to 16) and
+// ceil(count / 128) blocks after s, as floor(a + b) >= floor(a) + floor(b).
+MOKA_HD int64_t transposed_column(int64_t first, int64_t segment) { return (first + 15 * segment) / 16 * 16; }
+MOKA_HD int64_t transposed_block(int64_t first, int64_t segment) { return (first + 127 * segment) / 128; }
+// The columns and scale rows that hold every segment of `rows` rows cut into `segments`.
+MOKA_HD int64_t transposed_pitch(int64_t rows, int64_t segments) { return transposed_column(rows, segments); }
+MOKA_HD int64_t transposed_blocks(int64_t rows, int64_t segments) { return transposed_block(rows, segments); }
+
 // e4m3 -> float, exact (every e4m3 value is a float).
 MOKA_HD float e4m3_to_float(uint8_t c) {
   const uint32_t sign = static_cast<uint32_t>(c & 0x80) << 24;

@@ -237,3 +237,29 @@ TEST(Fp8Scales, SegmentBlocksTileTheScaleBufferInTheGemmsLayout) {
   }
   for (int64_t i = 0; i < rows * tiles; ++i) EXPECT_EQ(hits[i], 1) << "slot " << i;
 }
+
+TEST(Fp8Scales, TransposedSegmentsAreAlignedAndDisjointForAnyCounts) {
+  // Random contiguous segments (empty ones, 1-row ones, long ones) from a random first row: each
+  // starts on a 16-column boundary, the columns and 128-row scale blocks of no two overlap, and
+  // all lie within transposed_pitch / transposed_blocks of the rows.
+  std::mt19937_64 rng(12345);
+  for (int trial = 0; trial < 200; ++trial) {
+    const int segments = 1 + int(rng() % 40);
+    std::vector<int64_t> offsets = {int64_t(rng() % 300)};
+    for (int s = 0; s < segments; ++s) {
+      const int kind = int(rng() % 4);
+      offsets.push_back(offsets.back() + (kind == 0 ? 0 : kind == 1 ? 1 : int64_t(rng() % (kind == 2 ? 130 : 1000))));
+    }
+    const int64_t rows = offsets.back() + int64_t(rng() % 50);
+    std::vector<int> columns(transposed_pitch(rows, segments), 0), blocks(transposed_blocks(rows, segments), 0);
+    for (int s = 0; s < segments; ++s) {
+      const int64_t first = offsets[s], count = offsets[s + 1] - first;
+      const int64_t c0 = transposed_column(first, s), b0 = transposed_block(first, s);
+      ASSERT_EQ(c0 % 16, 0);
+      ASSERT_LE(c0 + count, int64_t(columns.size())) << "trial " << trial << " segment " << s;
+      ASSERT_LE(b0 + fp8_tiles(count, 128), int64_t(blocks.size())) << "trial " << trial << " segment " << s;
+      for (int64_t c = c0; c < c0 + count; ++c) ASSERT_EQ(++columns[c], 1) << "column " << c << " taken twice";
+      for (int64_t b = b0; b < b0 + fp8_tiles(count, 128); ++b) ASSERT_EQ(++blocks[b], 1) << "block " << b;
+    }
+  }
+}

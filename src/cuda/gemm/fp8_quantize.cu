@@ -4,6 +4,7 @@
 #include <cuda_fp8.h>
 
 #include <string>
+#include <type_traits>
 
 #include "core/fp8.hpp"
 #include "cuda/common/check.hpp"
@@ -17,15 +18,23 @@ using core::kFp8TileCols;
 constexpr int kWarps = 8;                       // rows (or block rows' 16-row slices) per CTA
 constexpr int kLaneValues = kFp8TileCols / 32;  // 4: a warp covers one 128-wide tile
 
-// The lane's 4 values of a tile starting at p (8-byte aligned), zeros past `valid`.
-__device__ __forceinline__ void load4(const __nv_bfloat16* p, int valid, float (&v)[kLaneValues]) {
-  if (valid >= kLaneValues) {
-    const uint2 q = *reinterpret_cast<const uint2*>(p);
-    const float2 a = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&q.x));
-    const float2 b = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&q.y));
-    v[0] = a.x, v[1] = a.y, v[2] = b.x, v[3] = b.y;
-  } else {
-    for (int i = 0; i < kLaneValues; ++i) v[i] = 0.0f;
+// The N consecutive bf16 at p (2N-byte aligned: one 8- or 16-byte load) as floats, or zeros
+// where they lie past the row (the caller's columns come in whole runs of N).
+template <int N>
+__device__ __forceinline__ void load_values(const __nv_bfloat16* p, bool in_row, float (&v)[N]) {
+  static_assert(N == 4 || N == 8, "one 8- or 16-byte load");
+  using Load = std::conditional_t<N == 4, uint2, uint4>;
+  if (!in_row) {
+#pragma unroll
+    for (int i = 0; i < N; ++i) v[i] = 0.0f;
+    return;
+  }
+  const Load q = *reinterpret_cast<const Load*>(p);
+  const auto* pairs = reinterpret_cast<const __nv_bfloat162*>(&q);
+#pragma unroll
+  for (int i = 0; i < N / 2; ++i) {
+    const float2 f = __bfloat1622float2(pairs[i]);
+    v[2 * i] = f.x, v[2 * i + 1] = f.y;
   }
 }
 
@@ -36,27 +45,24 @@ __device__ __forceinline__ void load4(const __nv_bfloat16* p, int valid, float (
 // (1.5-2.1 TB/s with this one). The weights' quantizer keeps core::quantize_e4m3: with this
 // conversion it measured 0.52-0.64 TB/s against 0.78-0.92 (not yet understood; it runs once per
 // optimizer step).
-__device__ __forceinline__ uint32_t encode2(float a, float b, float scale) {
-  return __nv_cvt_float2_to_fp8x2(make_float2(__fdiv_rn(a, scale), __fdiv_rn(b, scale)), __NV_SATFINITE, __NV_E4M3);
+// Each value has its own scale (a column's, in quantize_columns_kernel) or both share one.
+__device__ __forceinline__ uint32_t encode2(float a, float scale_a, float b, float scale_b) {
+  return __nv_cvt_float2_to_fp8x2(make_float2(__fdiv_rn(a, scale_a), __fdiv_rn(b, scale_b)), __NV_SATFINITE, __NV_E4M3);
 }
 
 // The 4 codes of the lane's values in one 32-bit store (p 4-byte aligned).
-__device__ __forceinline__ void store4(uint8_t* p, int valid, const float (&v)[kLaneValues], float scale) {
-  if (valid < kLaneValues) return;
+__device__ __forceinline__ void store4(uint8_t* p, bool in_row, const float (&v)[kLaneValues], float scale) {
+  if (!in_row) return;
   uint32_t word = 0;
   for (int i = 0; i < kLaneValues; ++i) word |= uint32_t(core::quantize_e4m3(v[i], scale)) << (8 * i);
   *reinterpret_cast<uint32_t*>(p) = word;
 }
 
-// The warp's NaN-propagating max of |v| (core::nan_abs_max; fmaxf would drop a NaN).
-__device__ __forceinline__ float warp_amax(float amax) {
-  for (int d = 16; d > 0; d /= 2) amax = core::nan_abs_max(amax, __shfl_xor_sync(0xFFFFFFFF, amax, d));
-  return amax;
-}
-
-// The half-warp's NaN-propagating max of |v| (lanes 0-15 and 16-31 reduce separately).
-__device__ __forceinline__ float half_warp_amax(float amax) {
-  for (int d = 8; d > 0; d /= 2) amax = core::nan_abs_max(amax, __shfl_xor_sync(0xFFFFFFFF, amax, d));
+// The NaN-propagating max of |v| over each aligned group of `kLanes` lanes (core::nan_abs_max;
+// fmaxf would drop a NaN): 32, the warp; 16, each half-warp.
+template <int kLanes>
+__device__ __forceinline__ float lanes_amax(float amax) {
+  for (int d = kLanes / 2; d > 0; d /= 2) amax = core::nan_abs_max(amax, __shfl_xor_sync(0xFFFFFFFF, amax, d));
   return amax;
 }
 
@@ -88,31 +94,21 @@ __global__ void quantize_rows_kernel(const __nv_bfloat16* x, int64_t rows, int64
 #pragma unroll
     for (int u = 0; u < kRowUnroll; ++u) {
       c[u] = (t0 + 2 * u + half) * kFp8TileCols + sub * kHalfValues;
-      if (c[u] < cols) {
-        const uint4 q = *reinterpret_cast<const uint4*>(x + r * ld + c[u]);
-        const uint32_t w[4] = {q.x, q.y, q.z, q.w};
-#pragma unroll
-        for (int i = 0; i < 4; ++i) {
-          const float2 f = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&w[i]));
-          v[u][2 * i] = f.x, v[u][2 * i + 1] = f.y;
-        }
-      } else {
-#pragma unroll
-        for (int i = 0; i < kHalfValues; ++i) v[u][i] = 0.0f;
-      }
+      load_values(x + r * ld + c[u], c[u] < cols, v[u]);
     }
 #pragma unroll
     for (int u = 0; u < kRowUnroll; ++u) {
       float amax = 0.0f;
 #pragma unroll
       for (int i = 0; i < kHalfValues; ++i) amax = core::nan_abs_max(amax, v[u][i]);
-      const float scale = core::fp8_scale(half_warp_amax(amax));
+      const float scale = core::fp8_scale(lanes_amax<16>(amax));
       const int64_t t = t0 + 2 * u + half;
       if (t >= col_tiles) continue;
       if (c[u] < cols) {
         uint32_t w[2] = {0, 0};
 #pragma unroll
-        for (int i = 0; i < kHalfValues; i += 2) w[i / 4] |= encode2(v[u][i], v[u][i + 1], scale) << (8 * (i % 4));
+        for (int i = 0; i < kHalfValues; i += 2)
+          w[i / 4] |= encode2(v[u][i], scale, v[u][i + 1], scale) << (8 * (i % 4));
         *reinterpret_cast<uint2*>(codes + r * cols + c[u]) = make_uint2(w[0], w[1]);
       }
       if (sub == 0) scales[core::segment_scale_index(first, count, col_tiles, r, t)] = scale;
@@ -135,16 +131,15 @@ __global__ void quantize_blocks_kernel(const __nv_bfloat16* w, int64_t rows, int
   const int64_t col_blocks = core::fp8_tiles(cols, kFp8TileCols), row_blocks = core::fp8_tiles(rows, kBlockRows);
   const int64_t batch = blockIdx.z, rb = blockIdx.y, cb = blockIdx.x;
   const int64_t c = cb * kFp8TileCols + lane * kLaneValues;
-  const int valid = c < cols ? int(cols - c) : 0;
   const __nv_bfloat16* in = w + batch * rows * cols;
   float v[kRowsPerWarp][kLaneValues];
   float amax = 0.0f;
   for (int i = 0; i < kRowsPerWarp; ++i) {
     const int64_t r = rb * kBlockRows + warp + i * kWarps;
-    load4(in + r * cols + c, r < rows ? valid : 0, v[i]);
+    load_values(in + r * cols + c, r < rows && c < cols, v[i]);
     for (float e : v[i]) amax = core::nan_abs_max(amax, e);
   }
-  amax = warp_amax(amax);
+  amax = lanes_amax<32>(amax);
   if (lane == 0) warp_amaxes[warp] = amax;
   __syncthreads();
   amax = 0.0f;
@@ -152,7 +147,7 @@ __global__ void quantize_blocks_kernel(const __nv_bfloat16* w, int64_t rows, int
   const float scale = core::fp8_scale(amax);
   for (int i = 0; i < kRowsPerWarp; ++i) {
     const int64_t r = rb * kBlockRows + warp + i * kWarps;
-    if (r < rows) store4(codes + (batch * rows + r) * cols + c, valid, v[i], scale);
+    if (r < rows) store4(codes + (batch * rows + r) * cols + c, c < cols, v[i], scale);
     if (codes_t)
       for (int j = 0; j < kLaneValues; ++j)
         tile[(warp + i * kWarps) * kTilePitch + lane * kLaneValues + j] = core::quantize_e4m3(v[i][j], scale);
@@ -172,6 +167,109 @@ __global__ void quantize_blocks_kernel(const __nv_bfloat16* w, int64_t rows, int
     uint32_t packed = 0;
     for (int u = 0; u < 4; ++u) packed |= uint32_t(tile[(i0 + u) * kTilePitch + j]) << (8 * u);
     *reinterpret_cast<uint32_t*>(codes_t + (batch * cols + col) * rows + row) = packed;
+  }
+}
+
+// One CTA per 128-row block of a segment and 64 columns (a K-major copy's 64 rows): the block's
+// bf16 rows go to shared memory (rows padded by 16 bytes, so that the lane-per-row reads below hit
+// distinct banks), each column's amax over the block gives its scale, then lane i of a warp
+// quantizes row i, 8 columns at a time, into the transposed tile (a column's 128 codes on one
+// padded shared row), which leaves in 16-byte stores along the copy's rows. Rows past the segment
+// are zeros in the tile: they leave every amax as it is and are not stored.
+constexpr int kColumnChunk = 64;
+constexpr int kColumnTilePitch = kColumnChunk + 8;  // bf16 per shared row
+constexpr int kCodesPitch = kBlockRows + 16;        // bytes per shared transposed row
+constexpr int kColumnThreads = 256;
+constexpr int kRowQuarters = kColumnThreads / kColumnChunk;  // the amax pass: a quarter of the rows per thread
+__global__ void __launch_bounds__(kColumnThreads)
+    quantize_columns_kernel(const __nv_bfloat16* x, int64_t rows, int64_t cols, int64_t ld, const int32_t* offsets,
+                            int segments, int64_t pitch, uint8_t* codes, float* scales) {
+  __shared__ alignas(16) __nv_bfloat16 tile[kBlockRows * kColumnTilePitch];
+  __shared__ alignas(16) uint8_t coded[kColumnChunk * kCodesPitch];
+  __shared__ float partial[kRowQuarters][kColumnChunk];
+  __shared__ float scale_of[kColumnChunk];
+  // This block slot's segment: the last one whose first block is at or before it (empty segments
+  // share their block with the next).
+  const int64_t slot = blockIdx.x;
+  int segment = 0;
+  int64_t first = 0, end = rows;
+  if (offsets) {
+    if (slot < core::transposed_block(offsets[0], 0)) return;
+    int lo = 0, hi = segments;
+    while (hi - lo > 1) {
+      const int mid = (lo + hi) / 2;
+      (core::transposed_block(offsets[mid], mid) <= slot ? lo : hi) = mid;
+    }
+    segment = lo, first = offsets[lo], end = offsets[lo + 1];
+  }
+  const int64_t first_block = core::transposed_block(first, segment), block = slot - first_block;
+  const int64_t r0 = first + block * kBlockRows;
+  if (r0 >= end) return;  // a slot between segments
+  const int block_rows = int(end - r0 < kBlockRows ? end - r0 : kBlockRows);
+  const int64_t c0 = int64_t(blockIdx.y) * kColumnChunk;
+  const int tid = threadIdx.x;
+
+  constexpr int kLoadRows = kColumnThreads / (kColumnChunk / kHalfValues);  // 32 rows per pass
+  {
+    const int part = tid % (kColumnChunk / kHalfValues), row = tid / (kColumnChunk / kHalfValues);
+    const int64_t c = c0 + part * kHalfValues;
+    uint4 q[kBlockRows / kLoadRows];
+#pragma unroll
+    for (int p = 0; p < kBlockRows / kLoadRows; ++p) {
+      const int i = row + p * kLoadRows;
+      q[p] =
+          i < block_rows && c < cols ? *reinterpret_cast<const uint4*>(x + (r0 + i) * ld + c) : make_uint4(0, 0, 0, 0);
+    }
+#pragma unroll
+    for (int p = 0; p < kBlockRows / kLoadRows; ++p)
+      *reinterpret_cast<uint4*>(&tile[(row + p * kLoadRows) * kColumnTilePitch + part * kHalfValues]) = q[p];
+  }
+  __syncthreads();
+  {
+    const int col = tid % kColumnChunk, quarter = tid / kColumnChunk;
+    constexpr int kQuarterRows = kBlockRows / kRowQuarters;
+    float amax = 0.0f;
+    for (int i = quarter * kQuarterRows; i < (quarter + 1) * kQuarterRows; ++i)
+      amax = core::nan_abs_max(amax, __bfloat162float(tile[i * kColumnTilePitch + col]));
+    partial[quarter][col] = amax;
+  }
+  __syncthreads();
+  if (tid < kColumnChunk) {
+    float amax = partial[0][tid];
+    for (int q = 1; q < kRowQuarters; ++q) amax = core::nan_abs_max(amax, partial[q][tid]);
+    const float scale = core::fp8_scale(amax);
+    scale_of[tid] = scale;
+    if (c0 + tid < cols) scales[(first_block + block) * cols + c0 + tid] = scale;
+  }
+  __syncthreads();
+  {
+    const int lane = tid % 32, chunk = tid / 32;  // columns chunk * 8 .. + 7
+    float scale[kHalfValues];
+#pragma unroll
+    for (int j = 0; j < kHalfValues; ++j) scale[j] = scale_of[chunk * kHalfValues + j];
+#pragma unroll
+    for (int i = lane; i < kBlockRows; i += 32) {
+      float v[kHalfValues];
+      load_values(&tile[i * kColumnTilePitch + chunk * kHalfValues], true, v);
+#pragma unroll
+      for (int j = 0; j < kHalfValues; j += 2) {
+        const uint32_t two = encode2(v[j], scale[j], v[j + 1], scale[j + 1]);
+        coded[(chunk * kHalfValues + j) * kCodesPitch + i] = uint8_t(two);
+        coded[(chunk * kHalfValues + j + 1) * kCodesPitch + i] = uint8_t(two >> 8);
+      }
+    }
+  }
+  __syncthreads();
+  const int64_t out_col = core::transposed_column(first, segment) + block * kBlockRows;
+  constexpr int kRuns = kBlockRows / 16;  // 16-byte runs per transposed row
+  for (int item = tid; item < kColumnChunk * kRuns; item += kColumnThreads) {
+    const int col = item / kRuns, i0 = (item % kRuns) * 16;
+    if (c0 + col >= cols || i0 >= block_rows) continue;
+    uint8_t* dst = codes + (c0 + col) * pitch + out_col + i0;
+    const uint8_t* src = &coded[col * kCodesPitch + i0];
+    if (i0 + 16 <= block_rows) *reinterpret_cast<uint4*>(dst) = *reinterpret_cast<const uint4*>(src);
+    else
+      for (int j = 0; j < block_rows - i0; ++j) dst[j] = src[j];
   }
 }
 
@@ -195,6 +293,23 @@ void quantize_rows_e4m3(const void* x, int64_t rows, int64_t cols, int64_t ld, c
   const int64_t blocks = (rows + kWarps - 1) / kWarps;
   quantize_rows_kernel<<<unsigned(blocks), kWarps * 32, 0, stream>>>(static_cast<const __nv_bfloat16*>(x), rows, cols,
                                                                      ld, offsets, segments, codes, scales);
+  MOKA_CUDA_CHECK_LAUNCH();
+}
+
+void quantize_columns_e4m3(const void* x, int64_t rows, int64_t cols, int64_t ld, const int32_t* offsets, int segments,
+                           uint8_t* codes, float* scales, cudaStream_t stream) {
+  require_quantizable(cols, ld, x, kHalfValues, "quantize_columns_e4m3");
+  require(!offsets || segments > 0, ErrorCode::invalid_argument, "quantize_columns_e4m3: offsets with no segments");
+  require(reinterpret_cast<uintptr_t>(codes) % 16 == 0, ErrorCode::unsupported_size,
+          "quantize_columns_e4m3: the codes are written in 16-byte runs; their base must be 16-byte aligned");
+  if (rows <= 0) return;
+  const int cut = offsets ? segments : 1;
+  const int64_t slots = core::transposed_blocks(rows, cut), chunks = core::fp8_tiles(cols, kColumnChunk);
+  require(slots < (int64_t(1) << 31) && chunks <= 65535, ErrorCode::unsupported_size,
+          "quantize_columns_e4m3: more than 2^31 row blocks or 65535 column chunks");
+  quantize_columns_kernel<<<dim3(unsigned(slots), unsigned(chunks)), kColumnThreads, 0, stream>>>(
+      static_cast<const __nv_bfloat16*>(x), rows, cols, ld, offsets, segments, core::transposed_pitch(rows, cut), codes,
+      scales);
   MOKA_CUDA_CHECK_LAUNCH();
 }
 

@@ -21,6 +21,19 @@ namespace moka::cuda {
 void quantize_rows_e4m3(const void* x, int64_t rows, int64_t cols, int64_t ld, const int32_t* offsets, int segments,
                         uint8_t* codes, float* scales, cudaStream_t stream);
 
+// The weight gradients' operands (dY^T X, K = an expert's rows): x bf16 [rows, cols] (row pitch
+// ld), cut into segments as above (offsets null: one segment of all rows) -> each segment's K-major
+// copy, quantized per 1x128 tile along its rows (one scale per column per 128 of the segment's
+// rows, counted from its first row). codes: [cols, core::transposed_pitch(rows, segments)], row c
+// holding column c of segment s's rows, in order, from column core::transposed_column(offsets[s],
+// s); scales: [core::transposed_blocks(rows, segments), cols], segment s's blocks from row
+// core::transposed_block(offsets[s], s): the layout of the e4m3 tile-scaled grouped GEMM's groups
+// sized along k (grouped_gemm.hpp). Rows outside every segment are not read, and the columns and
+// scale rows between segments not written. cols and ld: multiples of 8; x and codes 16-byte
+// aligned.
+void quantize_columns_e4m3(const void* x, int64_t rows, int64_t cols, int64_t ld, const int32_t* offsets, int segments,
+                           uint8_t* codes, float* scales, cudaStream_t stream);
+
 // w: bf16 [batch, rows, cols] (an expert's weights [N, K] per batch entry) -> codes of the same
 // shape and one scale per 128x128 block, each batch entry's scales a [ceil(cols / 128),
 // ceil(rows / 128)] block (row blocks contiguous) at batch index * that size: B's layout in the

@@ -1,8 +1,8 @@
 // The CUTLASS sm90 grouped GEMM (pointer-array, device-side problem sizes): D[m, n] =
 // A(m, k) B(n, k) with row-major D and K-major or MN-major operands (GemmLayout), and the
 // forward gate GEMM's SwiGLU epilogue (GemmEpilogue::swiglu, swiglu_epilogue.cuh: C = U read per
-// group through TMA, D = H, G stored from registers), and the block-scaled e4m3 kernel of the FP8
-// recipe (GemmOperands::e4m3_block_scaled, Fp8Parts).
+// group through TMA, D = H, G stored from registers), and the two e4m3 kernels of the FP8 recipe
+// (GemmOperands::e4m3_block_scaled and e4m3_tile_scaled, Fp8Parts).
 //
 // Kernels (GemmSchedule): warp-specialized persistent kernels with one TMA producer warp and two
 // consumer warpgroups, 64-deep K blocks and as many pipeline stages as shared memory holds, in
@@ -135,34 +135,49 @@ struct SwigluParts {
   static constexpr int kEpilogueSmem = static_cast<int>(sizeof(typename EpilogueOp::SharedStorage));
 };
 
-// The e4m3 kernel (GemmOperands::e4m3_block_scaled): CUTLASS's sm90 blockwise-scaled pointer-array
-// kernel, in the configuration of its grouped example (68_hopper_fp8_warp_specialized_grouped_
-// gemm_with_blockwise_scaling): cooperative 128x128x128 tiles (128 e4m3 of K = 128 bytes, one
-// scale block per k-block; B's 128 tile rows one scale block), 1x2 clusters multicasting A along
-// n, scales of A per 1x128 and of B per 128x128, both MN-major (the layout Sm90BlockwiseScale
-// Config supports), applied when the accumulator is promoted into fp32 after every k-block. The
-// 128x128 tile, not 128x256: the promotion keeps a second fp32 accumulator in registers.
-struct Fp8Parts : CommonParts {
+// The e4m3 kernels (GemmOperands::e4m3_*): CUTLASS's sm90 blockwise-scaled pointer-array kernel,
+// in the configuration of its grouped example (68_hopper_fp8_warp_specialized_grouped_gemm_with_
+// blockwise_scaling): cooperative 128x128x128 tiles (128 e4m3 of K = 128 bytes, one scale per
+// k-block), 1x2 clusters multicasting A along n, scales of A per 1x128, of B per 128x128
+// (kScaleRowsB = 128: a weight; B's 128 tile rows are one scale block) or per 1x128 (1: the weight
+// gradients' K-major activation copies), both MN-major (the layout Sm90BlockwiseScaleConfig
+// supports), applied when the accumulator is promoted into fp32 after every k-block. The 128x128
+// tile, not 128x256: the promotion keeps a second fp32 accumulator in registers. For the weight
+// gradients' few k-blocks per tile, CUTLASS's ping-pong kernel (64x128x128 per warpgroup, 2x1
+// clusters) measured 0.74-0.97x this one's TFLOP/s (docs/PERFORMANCE.md). The schedule's parts
+// (tile, cluster, epilogue) are built outside the template: g++ fails on CUTLASS's epilogue
+// builder, or its shared storage's size, as a dependent type.
+struct Fp8CooperativeParts : CommonParts {
   using ElementAB = cutlass::float_e4m3_t;
   static constexpr int kAlignAB = 16;  // 16 bytes of e4m3
   using TileShape = cute::Shape<cute::_128, cute::_128, cute::_128>;
   using ClusterShape = cute::Shape<cute::_1, cute::_2, cute::_1>;
-  using ScaleConfig = cutlass::detail::Sm90BlockwiseScaleConfig<1, 128, 128>;
-  using LayoutSFA = decltype(ScaleConfig::deduce_layoutSFA());
-  using LayoutSFB = decltype(ScaleConfig::deduce_layoutSFB());
   using KernelSchedule = cutlass::gemm::KernelPtrArrayTmaWarpSpecializedCooperativeFP8BlockScaledAccum;
   using EpilogueSchedule = cutlass::epilogue::PtrArrayTmaWarpSpecializedCooperative;
-
-  using EpilogueOp = typename cutlass::epilogue::collective::CollectiveBuilder<
+  using EpilogueOp = cutlass::epilogue::collective::CollectiveBuilder<
       cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, TileShape, ClusterShape,
       cutlass::epilogue::collective::EpilogueTileAuto, float, float, void, LayoutD*, kAlign, Element, LayoutD*, kAlign,
       EpilogueSchedule, cutlass::epilogue::fusion::LinearCombination<Element, float>>::CollectiveOp;
+  static constexpr int kEpilogueSmem = static_cast<int>(sizeof(EpilogueOp::SharedStorage));
+};
+template <int kScaleRowsB, class P, int kEpilogueSmem = P::kEpilogueSmem>
+struct Fp8Parts : P {
+  using ScaleConfig = cutlass::detail::Sm90BlockwiseScaleConfig<1, kScaleRowsB, 128>;
+  using LayoutSFA = decltype(ScaleConfig::deduce_layoutSFA());
+  using LayoutSFB = decltype(ScaleConfig::deduce_layoutSFB());
   using MainloopOp = typename cutlass::gemm::collective::CollectiveBuilder<
-      cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, ElementAB,
-      cute::tuple<cutlass::layout::RowMajor*, LayoutSFA*>, kAlignAB, ElementAB,
-      cute::tuple<cutlass::layout::ColumnMajor*, LayoutSFB*>, kAlignAB, float, TileShape, ClusterShape,
-      cutlass::gemm::collective::StageCountAutoCarveout<static_cast<int>(sizeof(typename EpilogueOp::SharedStorage))>,
-      KernelSchedule>::CollectiveOp;
+      cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, typename P::ElementAB,
+      cute::tuple<cutlass::layout::RowMajor*, LayoutSFA*>, P::kAlignAB, typename P::ElementAB,
+      cute::tuple<cutlass::layout::ColumnMajor*, LayoutSFB*>, P::kAlignAB, float, typename P::TileShape,
+      typename P::ClusterShape, cutlass::gemm::collective::StageCountAutoCarveout<kEpilogueSmem>,
+      typename P::KernelSchedule>::CollectiveOp;
+};
+using Fp8BlockParts = Fp8Parts<128, Fp8CooperativeParts>;
+using Fp8TileParts = Fp8Parts<1, Fp8CooperativeParts>;
+// What a bf16 runner carries instead of scale layouts.
+struct NoScales {
+  using LayoutSFA = char;
+  using LayoutSFB = char;
 };
 
 // The mainloop of one operand layout and schedule (with the shared memory its epilogue leaves
@@ -203,7 +218,10 @@ using GemmMNMNPingpongMulticast = cutlass::gemm::device::GemmUniversalAdapter<
 static_assert(Mainloop<Major::mn, Major::mn, kPingpongSmem, PingpongParts>::type::DispatchPolicy::Stages >= 5 &&
                   Mainloop<Major::mn, Major::mn, kPingpongSmem, MulticastParts>::type::DispatchPolicy::Stages >= 5,
               "the ping-pong mainloop has fewer than five pipeline stages");
-using GemmKKFp8 = cutlass::gemm::device::GemmUniversalAdapter<KernelOf<Fp8Parts::MainloopOp, Fp8Parts::EpilogueOp>>;
+using GemmKKFp8Blocks =
+    cutlass::gemm::device::GemmUniversalAdapter<KernelOf<Fp8BlockParts::MainloopOp, Fp8BlockParts::EpilogueOp>>;
+using GemmKKFp8Tiles =
+    cutlass::gemm::device::GemmUniversalAdapter<KernelOf<Fp8TileParts::MainloopOp, Fp8TileParts::EpilogueOp>>;
 using GemmKKSwiglu = cutlass::gemm::device::GemmUniversalAdapter<
     KernelOf<Mainloop<Major::k, Major::k, SwigluParts::kEpilogueSmem>::type, SwigluParts::EpilogueOp>>;
 // The C stages (33 KB of epilogue storage instead of 17 KB) still leave the mainloop its stages;
@@ -231,8 +249,9 @@ Stride pitched(int64_t pitch) {
   return s;
 }
 
-// kEpilogue: which epilogue Gemm was built with (its arguments differ).
-template <class Gemm, GemmEpilogue::Kind kEpilogue>
+// kEpilogue: which epilogue Gemm was built with (its arguments differ); Fp8: the e4m3 kernel's
+// parts (its scale layouts), NoScales for bf16.
+template <class Gemm, GemmEpilogue::Kind kEpilogue, class Fp8 = NoScales>
 class CutlassGemmRunner final : public GemmRunner {
   using Kernel = typename Gemm::GemmKernel;
   using StrideA = typename Kernel::InternalStrideA;
@@ -242,7 +261,7 @@ class CutlassGemmRunner final : public GemmRunner {
   using Shape3 = typename Kernel::ProblemShape::UnderlyingProblemShape;
   using EpilogueArguments = typename Kernel::CollectiveEpilogue::Arguments;
   using MainloopArguments = typename Kernel::CollectiveMainloop::Arguments;
-  static constexpr bool kFp8 = cute::is_same_v<Element, Fp8Parts::ElementAB>;
+  static constexpr bool kFp8 = !cute::is_same_v<Fp8, NoScales>;
 
  public:
   CutlassGemmRunner(const GroupArrays& arrays, const std::vector<GroupSpec>& specs, GemmEpilogue epilogue, int device) {
@@ -286,15 +305,15 @@ class CutlassGemmRunner final : public GemmRunner {
     auto a = reinterpret_cast<const Element**>(arrays.a);
     auto b = reinterpret_cast<const Element**>(arrays.b);
     if constexpr (kFp8) {
-      std::vector<Fp8Parts::LayoutSFA> la;
-      std::vector<Fp8Parts::LayoutSFB> lb;
+      std::vector<typename Fp8::LayoutSFA> la;
+      std::vector<typename Fp8::LayoutSFB> lb;
       for (const GroupSpec& g : specs) {
-        const auto mnk = cute::make_shape(std::max(g.m, 1), g.n, g.k, 1);
-        la.push_back(Fp8Parts::ScaleConfig::tile_atom_to_shape_SFA(mnk));
-        lb.push_back(Fp8Parts::ScaleConfig::tile_atom_to_shape_SFB(mnk));
+        const auto mnk = cute::make_shape(std::max(g.m, 1), g.n, std::max(g.k, 1), 1);
+        la.push_back(Fp8::ScaleConfig::tile_atom_to_shape_SFA(mnk));
+        lb.push_back(Fp8::ScaleConfig::tile_atom_to_shape_SFB(mnk));
       }
-      layouts_sfa_ = DeviceArray<Fp8Parts::LayoutSFA>(la.size());
-      layouts_sfb_ = DeviceArray<Fp8Parts::LayoutSFB>(lb.size());
+      layouts_sfa_ = DeviceArray<typename Fp8::LayoutSFA>(la.size());
+      layouts_sfb_ = DeviceArray<typename Fp8::LayoutSFB>(lb.size());
       layouts_sfa_.upload(la, cudaStreamLegacy);
       layouts_sfb_.upload(lb, cudaStreamLegacy);
       return {a,          strides_a_.data(),   b,          strides_b_.data(),
@@ -343,8 +362,8 @@ class CutlassGemmRunner final : public GemmRunner {
   DeviceArray<StrideA> strides_a_;
   DeviceArray<StrideB> strides_b_;
   DeviceArray<StrideD> strides_d_;
-  DeviceArray<Fp8Parts::LayoutSFA> layouts_sfa_;  // e4m3 operands only
-  DeviceArray<Fp8Parts::LayoutSFB> layouts_sfb_;
+  DeviceArray<typename Fp8::LayoutSFA> layouts_sfa_;  // e4m3 operands only
+  DeviceArray<typename Fp8::LayoutSFB> layouts_sfb_;
   DeviceArray<std::byte> workspace_;  // empty when the kernel needs none
 };
 
@@ -366,8 +385,13 @@ std::unique_ptr<GemmRunner> plain_runner(const GroupArrays& arrays, const std::v
 
 std::unique_ptr<GemmRunner> make_gemm_runner(const GroupArrays& arrays, const std::vector<GroupSpec>& specs,
                                              GemmLayout layout, GemmEpilogue epilogue, int device) {
-  if (layout.operands == GemmOperands::e4m3_block_scaled)  // grouped_gemm.cu checked the layout
-    return std::make_unique<CutlassGemmRunner<GemmKKFp8, GemmEpilogue::plain>>(arrays, specs, epilogue, device);
+  // grouped_gemm.cu checked the e4m3 layouts
+  if (layout.operands == GemmOperands::e4m3_block_scaled)
+    return std::make_unique<CutlassGemmRunner<GemmKKFp8Blocks, GemmEpilogue::plain, Fp8BlockParts>>(arrays, specs,
+                                                                                                    epilogue, device);
+  if (layout.operands == GemmOperands::e4m3_tile_scaled)
+    return std::make_unique<CutlassGemmRunner<GemmKKFp8Tiles, GemmEpilogue::plain, Fp8TileParts>>(arrays, specs,
+                                                                                                  epilogue, device);
   if (epilogue.kind == GemmEpilogue::swiglu) {
     require(layout.a == Major::k && layout.b == Major::k, ErrorCode::unsupported_size,
             "the SwiGLU epilogue is built for K-major A and B (x W^T) only");

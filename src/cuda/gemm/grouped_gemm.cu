@@ -11,34 +11,34 @@ namespace {
 
 // Turns the device-side expert counts and segment offsets into this launch's problem sizes and
 // pointers (A, B, D, with the SwiGLU epilogue C and aux, with e4m3 operands the scales): one
-// thread per group. This is the only place group sizes are read, on the device. `ab_bytes`: the
-// size of one element of A and B (2: bf16; 1: e4m3 codes); D, C and aux are bf16.
+// thread per group. This is the only place group sizes are read, on the device. A and B hold bf16
+// or one-byte e4m3 codes; D, C and aux are bf16.
 __global__ void setup_groups(const GroupSpec* specs, int groups, const BufferTable buffers, const int32_t* counts,
-                             const int32_t* offsets, int ab_bytes, GroupArrays out) {
+                             const int32_t* offsets, GemmOperands operands, GroupArrays out) {
   const int g = blockIdx.x * blockDim.x + threadIdx.x;
   if (g >= groups) return;
   const GroupSpec s = specs[g];
   const GroupProblem p = resolve_group(s, counts, offsets);
-  const int64_t row = p.row;
+  const GroupPlacement at = place_group(s, operands, p.row);
   out.problems[3 * g + 0] = static_cast<int>(p.m);
   out.problems[3 * g + 1] = static_cast<int>(p.n);
   out.problems[3 * g + 2] = static_cast<int>(p.k);
+  const int ab_bytes = operands == GemmOperands::bf16 ? 2 : 1;
   auto operand = [&](int buffer, int64_t elements) {
     return static_cast<const char*>(buffers.ptr[buffer]) + elements * ab_bytes;
   };
-  out.a[g] = operand(s.a, s.a_off + row * s.a_step);
-  out.b[g] = operand(s.b, s.b_off + row * s.b_step);
-  using bf = unsigned short;                        // pointer arithmetic in bf16 elements
-  const int64_t d_elem = s.d_off + row * s.d_step;  // C and aux are laid out like D
+  out.a[g] = operand(s.a, s.a_off + at.ab_steps * s.a_step);
+  out.b[g] = operand(s.b, s.b_off + at.ab_steps * s.b_step);
+  using bf = unsigned short;                               // pointer arithmetic in bf16 elements
+  const int64_t d_elem = s.d_off + at.d_steps * s.d_step;  // C and aux are laid out like D
   out.d[g] = const_cast<bf*>(static_cast<const bf*>(buffers.ptr[s.d])) + d_elem;
   if (out.c) {  // the SwiGLU epilogue: U in, G out
     out.c[g] = static_cast<const bf*>(buffers.ptr[s.c]) + d_elem;
     out.aux[g] = const_cast<bf*>(static_cast<const bf*>(buffers.ptr[s.aux])) + d_elem;
   }
-  if (out.sfa) {  // e4m3 operands: an expert's A scales follow the previous experts' [k/128, rows]
-    const GroupScaleOffsets at = group_scale_offsets(s, row);
-    out.sfa[g] = static_cast<const float*>(buffers.ptr[s.sfa]) + at.a;
-    out.sfb[g] = static_cast<const float*>(buffers.ptr[s.sfb]) + at.b;
+  if (out.sfa) {  // e4m3 operands
+    out.sfa[g] = static_cast<const float*>(buffers.ptr[s.sfa]) + at.sfa;
+    out.sfb[g] = static_cast<const float*>(buffers.ptr[s.sfb]) + at.sfb;
   }
 }
 
@@ -74,7 +74,8 @@ GroupedGemm::GroupedGemm(const std::vector<GroupSpec>& groups, GemmLayout layout
   // The baseline stays what users would write: a GEMM loop, then a separate activation pass.
   require(!swiglu || engine == GemmEngine::cutlass, ErrorCode::internal,
           "the SwiGLU epilogue exists in the CUTLASS grouped GEMM only");
-  const bool fp8 = layout.operands == GemmOperands::e4m3_block_scaled;
+  const bool fp8 = layout.operands != GemmOperands::bf16;
+  const bool tile_scaled = layout.operands == GemmOperands::e4m3_tile_scaled;
   require(!fp8 || (engine == GemmEngine::cutlass && !swiglu && layout.a == Major::k && layout.b == Major::k &&
                    layout.schedule == GemmSchedule::cooperative),
           ErrorCode::unsupported_size,
@@ -94,13 +95,16 @@ GroupedGemm::GroupedGemm(const std::vector<GroupSpec>& groups, GemmLayout layout
     // (never the routed count: its tiles' pointers step along k only) and a multiple of 8.
     require(layout.a == Major::k || (g.count_dim != CountDim::m && g.m % 8 == 0), ErrorCode::unsupported_size,
             "an MN-major A needs a fixed m that is a multiple of 8, got m=" + std::to_string(g.m));
-    // e4m3 rows are read in 16-byte runs too (16 codes), and the scale layouts assume a fixed k.
-    require(!fp8 || (index_ok(g.sfa) && index_ok(g.sfb) && g.count_dim != CountDim::k && g.lda % 16 == 0 &&
-                     g.ldb % 16 == 0 && g.k % 16 == 0),
+    // e4m3 rows are read in 16-byte runs too (16 codes), from 16-byte aligned group bases: a routed
+    // K starts at a transposed column (a multiple of 16) and may end anywhere (TMA fills zeros).
+    const CountDim routed = tile_scaled ? CountDim::k : CountDim::m;
+    require(!fp8 || (index_ok(g.sfa) && index_ok(g.sfb) && (g.count_dim == CountDim::none || g.count_dim == routed) &&
+                     g.lda % 16 == 0 && g.ldb % 16 == 0 && (g.count_dim == CountDim::k || g.k % 16 == 0)),
             ErrorCode::unsupported_size,
-            "the e4m3 grouped GEMM needs scale buffers, groups sized along m, and K and row pitches that are "
-            "multiples of 16, got k=" +
-                std::to_string(g.k) + " and pitches " + std::to_string(g.lda) + "/" + std::to_string(g.ldb));
+            std::string("the e4m3 grouped GEMM needs scale buffers, groups sized along ") +
+                (tile_scaled ? "k (tile-scaled operands: the weight gradients)" : "m (block-scaled operands)") +
+                " or fixed, and K and row pitches that are multiples of 16, got k=" + std::to_string(g.k) +
+                " and pitches " + std::to_string(g.lda) + "/" + std::to_string(g.ldb));
   }
   const size_t G = groups.size();
   if (engine == GemmEngine::cublas_loop) {
@@ -173,9 +177,8 @@ void GroupedGemm::run(const BufferTable& buffers, const int32_t* counts, const i
     return;
   }
   const int G = static_cast<int>(groups_);
-  const int ab_bytes = impl_->layout.operands == GemmOperands::e4m3_block_scaled ? 1 : 2;
-  setup_groups<<<(G + 127) / 128, 128, 0, stream>>>(impl_->specs.data(), G, buffers, counts, offsets, ab_bytes,
-                                                    impl_->arrays);
+  setup_groups<<<(G + 127) / 128, 128, 0, stream>>>(impl_->specs.data(), G, buffers, counts, offsets,
+                                                    impl_->layout.operands, impl_->arrays);
   MOKA_CUDA_CHECK_LAUNCH();
   impl_->runner->run(stream);
 }

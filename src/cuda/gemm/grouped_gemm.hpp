@@ -8,9 +8,10 @@
 // operand is K-major or MN-major (GemmLayout), so the backward products dY W and dY^T X read
 // the weights and the routed activations where they are, without transposed copies.
 //
-// FP8 (GemmOperands::e4m3_block_scaled, docs/FP8.md): A and B are e4m3 codes with fp32 scales,
-// A's per 1x128 tile of each row, B's per 128x128 block, applied in the promotion of the fp32
-// accumulator after every 128 of K (CUTLASS's blockwise-scaled kernel); K-major A and B only.
+// FP8 (GemmOperands::e4m3_*, docs/FP8.md): A and B are e4m3 codes with fp32 scales, A's per
+// 1x128 tile of each row, B's per 128x128 block (forward, data gradients) or per 1x128 tile too
+// (weight gradients), applied in the promotion of the fp32 accumulator after every 128 of K
+// (CUTLASS's blockwise-scaled kernel); K-major A and B only.
 //
 // The forward gate GEMM can instead end in the SwiGLU epilogue (GemmEpilogue::swiglu,
 // swiglu_epilogue.cuh): with acc = sum_k A B and U read from the group's C operand it writes
@@ -24,6 +25,7 @@
 #include <vector>
 
 #include "core/activation.hpp"
+#include "core/fp8.hpp"
 #include "core/hd.hpp"
 
 namespace moka::cuda {
@@ -42,13 +44,17 @@ enum class Major : int8_t { k, mn };
 // Plain epilogue only for the ping-pong ones. bench/kernels/gemm_schedules checks them against
 // the cooperative kernel and times all three on each of the layer's GEMMs.
 enum class GemmSchedule : int8_t { cooperative, pingpong, pingpong_multicast };
-// What A and B hold: bf16 values, or e4m3 codes with fp32 scales (A: 1x128 tiles; B: 128x128
-// blocks). The e4m3 kernel is cooperative on 128x128x128 tiles in 1x2 clusters (B's 128 rows
-// per tile are one scale block); D is bf16 either way.
-enum class GemmOperands : int8_t { bf16, e4m3_block_scaled };
+// What A and B hold: bf16 values, or e4m3 codes with fp32 scales:
+//   e4m3_block_scaled: A per 1x128 tile, B per 128x128 block (x W^T, dY W: B is a weight);
+//   e4m3_tile_scaled: both per 1x128 tile (dY^T X: both are the K-major copies of activations or
+//     gradients, K = an expert's rows; core::transposed_column/block place each expert's part).
+// The e4m3 kernels are cooperative on 128x128x128 tiles in 1x2 clusters (B's 128 rows per tile
+// are one scale block, or 128 of them); D is bf16 either way.
+enum class GemmOperands : int8_t { bf16, e4m3_block_scaled, e4m3_tile_scaled };
 // The operand majorness of one GroupedGemm (all its groups), and its kernel schedule.
 // Supported: {k, k} (forward), {k, mn} (data gradients dY W), {mn, mn} (weight gradients dY^T X),
-// each with every schedule; e4m3 operands: {k, k}, cooperative, groups sized along m only.
+// each with every schedule; e4m3 operands: {k, k}, cooperative; block-scaled groups sized along m
+// (or fixed), tile-scaled ones along k (or fixed).
 struct GemmLayout {
   Major a = Major::k, b = Major::k;
   GemmSchedule schedule = GemmSchedule::cooperative;
@@ -87,6 +93,11 @@ struct BufferTable {
 //   A: a group's [ceil(k / 128), m] block (m contiguous), at sfa_off + row * ceil(k / 128), so an
 //      expert's block follows the previous experts' blocks in a grouped buffer;
 //   B: a group's [ceil(k / 128), ceil(n / 128)] block (n blocks contiguous), at sfb_off.
+// Tile-scaled groups sized along k read the K-major copies of quantize_columns_e4m3: A and B
+// advance by core::transposed_column(row, expert) steps instead of `row` (their rows are the
+// copies' rows, the grouped rows their columns), and the scales are [ceil(k / 128), m] and
+// [ceil(k / 128), n] blocks (m, n contiguous) at sfa_off + transposed_block(row, expert) * m and
+// sfb_off + transposed_block(row, expert) * n; fixed ones at sfa_off and sfb_off.
 struct GroupSpec {
   int a = 0, b = 0, d = 0;                     // BufferTable indices
   int c = -1, aux = -1;                        // SwiGLU epilogue only: BufferTable indices
@@ -118,13 +129,18 @@ MOKA_HD GroupProblem resolve_group(const GroupSpec& s, const int32_t* counts, co
   return {dims[0], dims[1], dims[2], row};
 }
 
-// Float offsets of a group's A and B scales in their buffers (e4m3 operands; layouts at
-// GroupSpec), for its first grouped row `row`: the setup kernel's pointers.
-struct GroupScaleOffsets {
-  int64_t a = 0, b = 0;
+// Where a group's operands start for its first grouped row `row` (layouts at GroupSpec), as the
+// setup kernel resolves them: the steps A, B and D advance by, and the float offsets of A's and B's
+// scales (e4m3 operands).
+struct GroupPlacement {
+  int64_t ab_steps = 0, d_steps = 0, sfa = 0, sfb = 0;
 };
-MOKA_HD GroupScaleOffsets group_scale_offsets(const GroupSpec& s, int64_t row) {
-  return {s.sfa_off + row * ((int64_t(s.k) + 127) / 128), s.sfb_off};
+MOKA_HD GroupPlacement place_group(const GroupSpec& s, GemmOperands operands, int64_t row) {
+  if (operands == GemmOperands::e4m3_tile_scaled && s.count_dim == CountDim::k) {
+    const int64_t block = core::transposed_block(row, s.expert);
+    return {core::transposed_column(row, s.expert), row, s.sfa_off + block * s.m, s.sfb_off + block * s.n};
+  }
+  return {row, row, s.sfa_off + row * core::fp8_tiles(s.k, core::kFp8TileCols), s.sfb_off};
 }
 
 // How the groups run. `cutlass`: the device-sized persistent grouped kernel (the product).
