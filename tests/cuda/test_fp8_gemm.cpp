@@ -1,12 +1,15 @@
 // The FP8 recipe's GPU pieces (docs/FP8.md) against its CPU definition: the quantizers code for
 // code and scale for scale against core/fp8.hpp (fresh random values with zero rows, NaN,
 // infinities, huge and tiny tiles, partial tiles and blocks, a row pitch beyond the columns,
-// segments with an empty one and rows outside every segment, whose outputs must stay poisoned);
-// (w and w^T from one pass; the weight gradients' K-major copies per expert segment); the e4m3 grouped GEMM (device-side counts, a fixed-size group beside the experts' ones, an empty
-// and a one-row expert, K and N off the 128 multiples) against the CPU emulation of the same
-// codes and scales (cpu/fp8_gemm.hpp) and against fp64 on the dequantized values, the same bits
-// twice and after another routing on the same object, and at K = 16384 within the promotion
-// bound. Every output is poisoned first.
+// segments with an empty one and rows outside every segment, whose outputs must stay poisoned):
+// rows in 1x128 tiles, weights in 128x128 blocks (w and w^T from one pass), and each expert
+// segment's K-major copy for the weight gradients; the e4m3 grouped GEMMs against the CPU
+// emulation of the same codes and scales (cpu/fp8_gemm.hpp) and against fp64 on the dequantized
+// values: the block-scaled one (device-side counts, a fixed-size group beside the experts' ones, an
+// empty and a one-row expert, K and N off the 128 multiples, K = 16384 within the promotion bound)
+// and the tile-scaled weight gradients (K = each expert's rows, from 1 to 16500, an empty expert),
+// both the same bits twice and after another routing on the same object. Every output is poisoned
+// first.
 #include <gtest/gtest.h>
 
 #include <algorithm>
