@@ -29,8 +29,8 @@ __global__ void setup_groups(const GroupSpec* specs, int groups, const BufferTab
   };
   out.a[g] = operand(s.a, s.a_off + at.ab_steps * s.a_step);
   out.b[g] = operand(s.b, s.b_off + at.ab_steps * s.b_step);
-  using bf = unsigned short;                               // pointer arithmetic in bf16 elements
-  const int64_t d_elem = s.d_off + at.d_steps * s.d_step;  // C and aux are laid out like D
+  using bf = unsigned short;                          // pointer arithmetic in bf16 elements
+  const int64_t d_elem = s.d_off + p.row * s.d_step;  // C and aux are laid out like D
   out.d[g] = const_cast<bf*>(static_cast<const bf*>(buffers.ptr[s.d])) + d_elem;
   if (out.c) {  // the SwiGLU epilogue: U in, G out
     out.c[g] = static_cast<const bf*>(buffers.ptr[s.c]) + d_elem;

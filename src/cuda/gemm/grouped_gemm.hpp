@@ -129,18 +129,18 @@ MOKA_HD GroupProblem resolve_group(const GroupSpec& s, const int32_t* counts, co
   return {dims[0], dims[1], dims[2], row};
 }
 
-// Where a group's operands start for its first grouped row `row` (layouts at GroupSpec), as the
-// setup kernel resolves them: the steps A, B and D advance by, and the float offsets of A's and B's
-// scales (e4m3 operands).
+// Where a group's A and B start for its first grouped row `row` (layouts at GroupSpec), as the
+// setup kernel resolves them: the steps A and B advance by (D always advances by `row`), and the
+// float offsets of A's and B's scales (e4m3 operands).
 struct GroupPlacement {
-  int64_t ab_steps = 0, d_steps = 0, sfa = 0, sfb = 0;
+  int64_t ab_steps = 0, sfa = 0, sfb = 0;
 };
 MOKA_HD GroupPlacement place_group(const GroupSpec& s, GemmOperands operands, int64_t row) {
   if (operands == GemmOperands::e4m3_tile_scaled && s.count_dim == CountDim::k) {
     const int64_t block = core::transposed_block(row, s.expert);
-    return {core::transposed_column(row, s.expert), row, s.sfa_off + block * s.m, s.sfb_off + block * s.n};
+    return {core::transposed_column(row, s.expert), s.sfa_off + block * s.m, s.sfb_off + block * s.n};
   }
-  return {row, row, s.sfa_off + row * core::fp8_tiles(s.k, core::kFp8TileCols), s.sfb_off};
+  return {row, s.sfa_off + row * core::fp8_tiles(s.k, core::kFp8TileCols), s.sfb_off};
 }
 
 // How the groups run. `cutlass`: the device-sized persistent grouped kernel (the product).
