@@ -55,6 +55,13 @@ inline BackwardWorkspaceElements backward_workspace_elements(const MegakernelBac
   return e;
 }
 
+// Whether a resident context keeps g and u by slot (T*k rows per rank's tokens: a pack after the
+// forward's kernel and an unpack before the backward's, 1-4% of the megakernel step on one H200)
+// rather than as the kernel's grouped rows (`ring_rows`, each expert padded to whole row tiles):
+// where the padding exceeds a tenth of the routed rows, the bound on the bytes a context saves
+// (docs/PERFORMANCE.md, "Memory").
+inline bool saves_rows_by_slot(int64_t ring_rows, int64_t slots) { return ring_rows * 10 > slots * 11; }
+
 struct MemoryItem {
   std::string name;
   int64_t bytes = 0;
@@ -71,8 +78,15 @@ struct MegakernelLayerMemory {
   int64_t capacity_rows = 0, ring_rows = 0, macrobatches = 0;
   std::vector<MemoryItem> layer;     // the layer's life: its schedule tables, counters (the larger ones)
   std::vector<MemoryItem> saved;     // one context, forward to backward
-  std::vector<MemoryItem> forward;   // one forward's scratch beyond what it saves (replay: g, u too)
+  std::vector<MemoryItem> forward;   // one forward's scratch beyond what it saves
   std::vector<MemoryItem> backward;  // one consume_backward's workspace
+  // Resident: `saved_rows` of `saved` are g and u, allocated with the forward's scratch (grouped
+  // rows), or by slot (saves_rows_by_slot): packed from the kernel's grouped rows after the
+  // combine (when the ring's x, hidden and y rows and the combine slots have gone back), and
+  // unpacked by consume_backward into grouped rows of its own before its kernel, one of the two
+  // at a time; what the context's schedule comes with at those peaks.
+  bool by_slot = false;
+  int64_t saved_rows = 0, pack_peak = 0, unpack_peak = 0;
 };
 
 // `save_gate_up`: LayerOptions::save is SaveMode::gate_up (the backward is resident where the
@@ -101,22 +115,37 @@ inline MegakernelLayerMemory megakernel_layer_memory(const MoeShape& shape, cons
              {"shared expert's route weight (ones)", max_tokens * f32}};
 
   m.saved = {{"schedule (counts, offsets, slot_of_row)", (2 * E + 1 + plan.capacity_rows) * i32}};
-  const int64_t gate_up = 2 * ring * I * bf16, shared_gate_up = 2 * T * Is * bf16;
+  const int64_t grouped_gate_up = 2 * ring * I * bf16, shared_gate_up = 2 * T * Is * bf16;
+  m.by_slot = m.resident && saves_rows_by_slot(ring, slots);
   if (m.resident) {
-    m.saved.push_back({"g, u rows [ring, I] x2", gate_up});
+    m.saved_rows = m.by_slot ? 2 * slots * I * bf16 : grouped_gate_up;
+    m.saved.push_back({m.by_slot ? "g, u by slot [T*k, I] x2" : "g, u rows [ring, I] x2", m.saved_rows});
     if (Is > 0) m.saved.push_back({"shared g, u [T, Is] x2", shared_gate_up});
-  } else {
-    m.forward.push_back({"g, u rows [ring, I] x2 (replay: freed after the kernel)", gate_up});
-    if (Is > 0) m.forward.push_back({"shared g, u [T, Is] x2", shared_gate_up});
+  } else if (Is > 0) {
+    m.forward.push_back({"shared g, u [T, Is] x2", shared_gate_up});
   }
+  m.forward.push_back({m.by_slot    ? "g, u rows [ring, I] x2 (packed by slot after the kernel)"
+                       : m.resident ? "g, u rows [ring, I] x2 (the context's)"
+                                    : "g, u rows [ring, I] x2 (replay: freed after the kernel)",
+                       grouped_gate_up});
   m.forward.push_back({"ring x, y [ring, H] x2", 2 * ring * H * bf16});
   m.forward.push_back({"ring hidden [ring, I]", ring * I * bf16});
   if (Is > 0) m.forward.push_back({"shared hidden, out", T * (Is + H) * bf16});
   m.forward.push_back({"combine slots [T*k, H]", slots * H * bf16});
 
-  // EP = 1: the dx tiles store into the d_x slots, so the ring has no d_x rows.
+  // Resident: dg and du are written over grouped g and u rows, the context's or (by slot) the
+  // call's own unpacked copy (with one macrobatch). EP = 1: the dx tiles store into the d_x
+  // slots, so the ring has no d_x rows.
   const bool overwrite = m.resident && backward.max_macrobatches == 1;
   const BackwardWorkspaceElements w = backward_workspace_elements(backward, overwrite, false);
+  if (m.by_slot) {
+    m.pack_peak = grouped_gate_up + m.saved_rows / 2 + (Is > 0 ? T * (Is + H) * bf16 : 0);
+    m.unpack_peak = std::max(m.saved_rows + grouped_gate_up / 2, m.saved_rows / 2 + grouped_gate_up);
+  }
+  if (m.resident)
+    m.backward.push_back({m.by_slot ? "g, u rows [ring, I] x2 (unpacked; dg, du over them)"
+                                    : "g, u rows [ring, I] x2 (the context's; dg, du over them)",
+                          grouped_gate_up});
   m.backward.push_back({"d_x slots [T*k, H]", slots * H * bf16});
   m.backward.push_back(
       {overwrite ? "ring d_out, x (H) and hs (I)"
@@ -132,19 +161,22 @@ inline MegakernelLayerMemory megakernel_layer_memory(const MoeShape& shape, cons
 // through all, then consume_backward through all in reverse, with the bf16 [T, H] activations
 // between the layers (outputs, input gradients) from the same allocator; the caller's inputs,
 // weights and gradients are not counted. The backward of the last layer is the peak wherever a
-// backward's workspace outweighs a forward's scratch: every context (the consumed one too), its
-// workspace, D - 1 outputs and one input gradient.
+// backward's workspace outweighs a forward's scratch: every other context, the consumed one's
+// schedule, its workspace, D - 1 outputs and one input gradient.
 inline int64_t megakernel_stack_peak_bytes(const MegakernelLayerMemory& m, const MoeShape& shape, int64_t tokens,
                                            int depth) {
   const int64_t activation = tokens * shape.hidden * 2, saved = total_bytes(m.saved);
+  const int64_t schedule = saved - m.saved_rows;  // what a context holds while its g, u are grouped rows
+  const int64_t forward = std::max(total_bytes(m.forward), m.pack_peak);
+  const int64_t backward = std::max(total_bytes(m.backward), m.unpack_peak);
   int64_t peak = 0;
   for (int i = 0; i < depth; ++i) {  // forward i: i contexts before it, outputs 0..min(i, D - 2)
     const int64_t outputs = i + 1 < depth ? i + 1 : i;
-    peak = std::max(peak, (i + 1) * saved + total_bytes(m.forward) + outputs * activation);
+    peak = std::max(peak, i * saved + schedule + forward + outputs * activation);
   }
-  for (int i = depth - 1; i >= 0; --i) {  // backward i: contexts 0..i, outputs 0..i-1, d_x, d_out
+  for (int i = depth - 1; i >= 0; --i) {  // backward i: contexts 0..i - 1, outputs 0..i-1, d_x, d_out
     const int64_t activations = i + (i > 0 ? 1 : 0) + (i + 1 < depth ? 1 : 0);
-    peak = std::max(peak, (i + 1) * saved + total_bytes(m.backward) + activations * activation);
+    peak = std::max(peak, i * saved + schedule + backward + activations * activation);
   }
   return depth * total_bytes(m.layer) + peak;
 }

@@ -83,7 +83,8 @@ TEST(MegakernelMemory, BackwardWorkspaceFollowsTheContextMode) {
 }
 
 // At EP = 1 the backward's d_x rows live in the slots only (the dx tiles store there), and the
-// context keeps g and u only when the ring holds every row.
+// context keeps g and u only when the ring holds every row: T*k rows by slot where the ring's
+// padding exceeds a tenth of them (the backward unpacks them into padded rows), else the ring's.
 TEST(MegakernelMemory, BackwardHoldsDxRowsOnceAndContextsFollowTheRing) {
   const MegakernelConfig c = gpu_config();
   const MoeShape& s = named_shape("qwen3-30b-a3b").shape;
@@ -98,7 +99,16 @@ TEST(MegakernelMemory, BackwardHoldsDxRowsOnceAndContextsFollowTheRing) {
   EXPECT_EQ(resident.ring_rows, 4096 * k + 128 * 127);  // 49024: a whole number of tiles
   EXPECT_EQ(bytes_of(resident.backward, "d_x slots"), 4096 * k * H * 2);
   EXPECT_EQ(bytes_of(resident.backward, "ring d_out, x (H) and hs (I)"), resident.ring_rows * (2 * H + I) * 2);
-  EXPECT_EQ(bytes_of(resident.saved, "g, u"), 2 * resident.ring_rows * I * 2);
+  EXPECT_TRUE(resident.by_slot);                                              // 16256 padding rows to 32768 routed ones
+  EXPECT_EQ(bytes_of(resident.saved, "g, u by slot"), 2 * 4096 * k * I * 2);  // no padding rows
+  EXPECT_EQ(bytes_of(resident.backward, "g, u rows"), 2 * resident.ring_rows * I * 2);
+  // mixtral-8x7b: 1016 padding rows to 32768 routed ones; the context keeps the grouped rows.
+  const MoeShape& m = named_shape("mixtral-8x7b").shape;
+  const MegakernelLayerMemory grouped = megakernel_layer_memory(m, c, 16384, 16384);
+  EXPECT_TRUE(grouped.resident);
+  EXPECT_FALSE(grouped.by_slot);
+  EXPECT_EQ(bytes_of(grouped.saved, "g, u rows"), 2 * grouped.ring_rows * m.intermediate * 2);
+  EXPECT_EQ(grouped.unpack_peak, 0);
   const MegakernelLayerMemory replay = megakernel_layer_memory(s, c, 16384, 16384);
   EXPECT_FALSE(replay.resident);
   EXPECT_EQ(replay.macrobatches, 2);
@@ -113,9 +123,10 @@ TEST(MegakernelMemory, BackwardHoldsDxRowsOnceAndContextsFollowTheRing) {
 // the megakernel path's at bf83b58 (GB), and what the layer's buffers come to now. The same
 // accounting with bf83b58's buffers (the ring in whole minibatches, a copy of x per layer, d_x
 // rows in the ring besides the slots) gives its measurements within 0.01 GB; the layer's small
-// buffers and the allocator's rounding are below that. Still above half of torch's: gpt-oss-120b
-// at 4096 (its 128-row padding doubles the T*k rows) and mixtral-8x7b (the ring's x and d_out
-// rows beside 3 contexts' g, u and the consumed one's dg, du, hs).
+// buffers and the allocator's rounding are below that. A resident context keeps T*k rows of g and
+// u (by slot) where the ring's padding is over a tenth of them. Still above half of torch's:
+// mixtral-8x7b (the ring's x and d_out rows beside 3 contexts' g, u and the consumed one's dg, du
+// and hs; by slot would save 3% of the rows).
 struct StackCase {
   const char* shape;
   int64_t tokens;
@@ -125,10 +136,10 @@ struct StackCase {
 TEST(MegakernelMemory, StackOfFourAgainstTorch) {
   const MegakernelConfig c = gpu_config();
   const StackCase cases[] = {
-      {"qwen3-30b-a3b", 16384, 10.82, 3.72, 0.269},   {"qwen3-30b-a3b", 4096, 2.70, 1.56, 0.476},
-      {"qwen3-235b-a22b", 16384, 21.62, 7.47, 0.271}, {"qwen3-235b-a22b", 4096, 5.41, 3.11, 0.474},
-      {"gpt-oss-120b", 16384, 15.96, 6.80, 0.373},    {"gpt-oss-120b", 4096, 3.99, 2.56, 0.566},
-      {"mixtral-8x7b", 16384, 19.06, 11.77, 0.529},   {"mixtral-8x7b", 4096, 4.77, 3.81, 0.573},
+      {"qwen3-30b-a3b", 16384, 10.82, 3.72, 0.269},   {"qwen3-30b-a3b", 4096, 2.70, 1.56, 0.420},
+      {"qwen3-235b-a22b", 16384, 21.62, 7.47, 0.271}, {"qwen3-235b-a22b", 4096, 5.41, 3.11, 0.419},
+      {"gpt-oss-120b", 16384, 15.96, 6.80, 0.337},    {"gpt-oss-120b", 4096, 3.99, 2.56, 0.426},
+      {"mixtral-8x7b", 16384, 19.06, 11.77, 0.529},   {"mixtral-8x7b", 4096, 4.77, 3.81, 0.536},
   };
   std::printf("%-16s %6s %8s %8s %6s %9s %9s %7s\n", "shape", "tokens", "context", "ring", "GB", "bf83b58", "torch",
               "/torch");
@@ -137,8 +148,10 @@ TEST(MegakernelMemory, StackOfFourAgainstTorch) {
     const MegakernelLayerMemory m = megakernel_layer_memory(s, c, k.tokens, k.tokens);
     const double gb = double(megakernel_stack_peak_bytes(m, s, k.tokens, 4)) / 1e9;
     std::printf("%-16s %6lld %8s %8lld %6.2f %9.2f %9.2f %7.3f\n", k.shape, static_cast<long long>(k.tokens),
-                m.resident ? "resident" : "replay", static_cast<long long>(m.ring_rows), gb, k.measured_gb, k.torch_gb,
-                gb / k.torch_gb);
+                m.by_slot    ? "by slot"
+                : m.resident ? "grouped"
+                             : "replay",
+                static_cast<long long>(m.ring_rows), gb, k.measured_gb, k.torch_gb, gb / k.torch_gb);
     for (const auto* items : {&m.saved, &m.backward})
       for (const MemoryItem& i : *items)
         std::printf("    %-9s %-58s %8.3f GB\n", items == &m.saved ? "context" : "backward", i.name.c_str(),

@@ -231,7 +231,8 @@ TEST(CudaLayerMemory, EveryValueACallReadsItWrote) {
 // The megakernel layer takes each call's scratch (the ring's hidden and y rows, the shared
 // expert's, the combine and d_x slots, the backward's ring) from the caller's allocator, gives it
 // all back, and reads none of it before writing it: with memory that starts as NaN, the bits of
-// a run on the default pool, for a resident context and a replayed one (a ring of 512 rows).
+// a run on the default pool, for resident contexts (g and u by slot, and as grouped rows) and a
+// replayed one (a ring of 512 rows).
 TEST(CudaLayerMemory, MegakernelScratchComesFromTheCallersAllocatorAndIsWrittenBeforeRead) {
   const struct {
     const char* name;
@@ -240,7 +241,8 @@ TEST(CudaLayerMemory, MegakernelScratchComesFromTheCallersAllocatorAndIsWrittenB
     MegakernelConfig config;
   } cases[] = {{"resident_shared", shape(256, 128, 16, 4, 128), 37, gpu_test::megakernel_config(32, 4096, 131072)},
                {"replay_ring_reuse", shape(256, 192, 16, 8), 129, gpu_test::megakernel_config(4, 256, 512)},
-               {"resident_ragged", shape(264, 136, 8, 2, 72), 45, gpu_test::megakernel_config(32, 4096, 131072)}};
+               {"resident_ragged", shape(264, 136, 8, 2, 72), 45, gpu_test::megakernel_config(32, 4096, 131072)},
+               {"resident_grouped", shape(256, 128, 2, 2), 3000, gpu_test::megakernel_config(32, 4096, 131072)}};
   for (const auto& p : cases) {
     SCOPED_TRACE(p.name);
     GpuCase c = routed_case(p.shape, p.tokens, fresh_seed());

@@ -8,9 +8,13 @@
 #include <cstdio>
 #include <cstdlib>
 #include <map>
+#include <numeric>
+#include <random>
 
 #include "core/routing_gen.hpp"
+#include "core/megakernel_memory.hpp"
 #include "cuda/common/check.hpp"
+#include "cuda/common/device_memory.hpp"
 #include "cuda/cuda_backend.hpp"
 #include "cuda/layer_paths.hpp"
 #include "cuda/megakernel/gemm_core.hpp"
@@ -335,6 +339,73 @@ TEST(Megakernel, RejectsBadConfigAndTooManyTokens) {
 
 namespace {
 
+// A resident forward's g and u rows, packed by slot and unpacked again, against the host's copy:
+// random slots for the grouped rows of a few experts (padding rows -1; some slots routed to no
+// row; grouped rows past the schedule's), NaN in the padding rows, a sentinel in everything that
+// must stay unwritten; widths of one 16-byte vector, of several with a partial last warp step,
+// and of more than a warp's. Unpacking zeroes the schedule's padding rows (the dgd tiles read
+// them) and nothing past them.
+TEST(MegakernelSavedRows, PackAndUnpackMoveTheRoutedRowsOnly) {
+  std::mt19937_64 rng(fresh_seed());
+  const uint16_t nan = 0x7fc0, sentinel = 0x1234;
+  auto value = [&] { return uint16_t(0x4000 | rng() % 0x3f00); };  // finite, never the sentinel or 0
+  for (const int64_t width : {int64_t(8), int64_t(264), int64_t(2888)}) {
+    SCOPED_TRACE("width " + std::to_string(width));
+    const int64_t slots = 320, capacity = 768;
+    std::vector<int32_t> slot_of_row(capacity, -1), order(slots);
+    std::iota(order.begin(), order.end(), 0);
+    std::shuffle(order.begin(), order.end(), rng);
+    const int64_t counts[] = {0, 1, 127, 128, 45};  // experts' rows, each segment padded to 128
+    int32_t end = 0;
+    int64_t next = 0;
+    for (int64_t n : counts) {
+      for (int64_t r = 0; r < n; ++r) slot_of_row[end + r] = order[next++];
+      end += int32_t((n + 127) / 128 * 128);
+    }
+    ASSERT_LT(end, capacity);
+    std::vector<uint16_t> grouped(capacity * width, nan), by_slot(slots * width, sentinel);
+    for (int64_t r = 0; r < capacity; ++r)
+      if (slot_of_row[r] >= 0)
+        for (int64_t c = 0; c < width; ++c) grouped[r * width + c] = value();
+    cuda::DeviceArray<int32_t> d_slots(slot_of_row.size()), d_end(1);
+    cuda::DeviceArray<uint16_t> d_grouped(grouped.size()), d_by_slot(by_slot.size());
+    d_slots.upload(slot_of_row, nullptr);
+    d_end.upload(&end, 1, nullptr);
+    d_grouped.upload(grouped, nullptr);
+    d_by_slot.upload(by_slot, nullptr);
+    cuda::SavedRows rows;
+    rows.slot_of_row = d_slots.data();
+    rows.schedule_rows = d_end.data();
+    rows.grouped_rows = capacity;
+    rows.slots = slots;
+    rows.width = width;
+    rows.grouped = reinterpret_cast<cuda::bf16*>(d_grouped.data());
+    rows.by_slot = reinterpret_cast<cuda::bf16*>(d_by_slot.data());
+    cuda::copy_saved_rows(rows, cuda::SavedRowsCopy::pack, nullptr);
+    std::vector<uint16_t> want(slots * width, sentinel);
+    for (int64_t r = 0; r < capacity; ++r)
+      if (slot_of_row[r] >= 0) std::copy_n(grouped.begin() + r * width, width, want.begin() + slot_of_row[r] * width);
+    EXPECT_TRUE(d_by_slot.download(nullptr) == want) << "pack: not the host's copy (or unrouted slots written)";
+
+    d_grouped.upload(std::vector<uint16_t>(capacity * width, sentinel), nullptr);
+    cuda::copy_saved_rows(rows, cuda::SavedRowsCopy::unpack, nullptr);
+    const std::vector<uint16_t> unpacked = d_grouped.download(nullptr);
+    for (int64_t r = 0; r < capacity; ++r) {
+      const bool routed = slot_of_row[r] >= 0, scheduled = r < end;
+      std::vector<uint16_t> expected(width, routed ? 0 : scheduled ? 0 : sentinel);
+      if (routed) std::copy_n(grouped.begin() + r * width, width, expected.begin());
+      EXPECT_TRUE(std::equal(expected.begin(), expected.end(), unpacked.begin() + r * width))
+          << "unpack, grouped row " << r
+          << (routed      ? ": not its slot's row"
+              : scheduled ? ": a padding row not zeroed"
+                          : ": a row past the schedule written");
+    }
+  }
+  cuda::SavedRows ragged;
+  ragged.width = 12;
+  EXPECT_THROW(cuda::copy_saved_rows(ragged, cuda::SavedRowsCopy::pack, nullptr), Error);
+}
+
 // The megakernel path of MoeLayer, forward and backward, against the single-GPU path on the
 // same inputs (and the same routed rows per expert). At EP = 1 the megakernel path's forward has
 // the staged path's bits and its backward runs the backward megakernel (other summation orders:
@@ -342,9 +413,8 @@ namespace {
 // with the ring holding every row (resident context) and with a smaller ring (replay). Each
 // context owns what its backward reads: two forwards in flight, their backwards in reverse order
 // (the first on another stream), and consume_backward all give the one-at-a-time bits.
-void check_megakernel_path(const MegakernelConfig& config, SaveMode save = SaveMode::gate_up) {
-  const MoeShape s = shape(1024, 512, 32, 4, 256);
-  const int64_t T = 700;
+void check_megakernel_path(const MegakernelConfig& config, SaveMode save = SaveMode::gate_up,
+                           const MoeShape& s = shape(1024, 512, 32, 4, 256), int64_t T = 700) {
   const uint64_t seed = fresh_seed();
   GpuCase c(s, T, seed);
   route_and_upload(c, Z, seed + 1);
@@ -394,10 +464,16 @@ void check_megakernel_path(const MegakernelConfig& config, SaveMode save = SaveM
   mk->check_errors();
   EXPECT_TRUE(c.output_bytes() == one_at_a_time) << "the first of two forwards in flight: not its one-at-a-time bits";
   EXPECT_EQ(first->local_expert_rows(), want.second) << "the first context's rows per expert";
-  // Resident: at least the routed rows' g and u; replay: the schedule only.
-  const int64_t gate_up_bytes = 2 * T * s.top_k * s.intermediate * 2;
-  if (mk->megakernel()->backward_is_resident()) EXPECT_GE(first->saved_bytes(), gate_up_bytes);
-  else EXPECT_LT(first->saved_bytes(), gate_up_bytes / 8);
+  // Resident: the schedule, the routed rows' g and u (T*k rows by slot where the grouped rows'
+  // padding exceeds a tenth of them, else the grouped rows) and the shared expert's; replay: the
+  // schedule only.
+  const core::MegakernelPlan plan = core::build_megakernel_plan(config, {1, T, s.top_k, s.hidden, s.intermediate,
+                                                                         s.shared_intermediate, s.num_experts});
+  const int64_t slots = T * s.top_k, schedule_bytes = (2 * s.num_experts + 1 + plan.capacity_rows) * 4;
+  const int64_t rows = core::saves_rows_by_slot(plan.ring_rows, slots) ? slots : plan.ring_rows;
+  const int64_t gate_up_bytes = 2 * rows * s.intermediate * 2 + 2 * T * s.shared_intermediate * 2;
+  if (mk->megakernel()->backward_is_resident()) EXPECT_EQ(first->saved_bytes(), schedule_bytes + gate_up_bytes);
+  else EXPECT_EQ(first->saved_bytes(), schedule_bytes);
 
   // consume_backward: the same bits (resident: dg and du over the context's g and u).
   c.poison();
@@ -478,6 +554,15 @@ TEST(MegakernelPath, MisalignedGradientsAreAnErrorNamingThem) {
 
 TEST(MegakernelPath, ResidentBackwardMatchesTheStagedPathAndKeepsContextsApart) {
   check_megakernel_path(megakernel_config(4, 512, 1 << 20));
+}
+// Two experts for 3000 tokens: the grouped rows' padding is under a tenth of the rows, so the
+// context keeps the kernel's grouped rows (not by slot).
+TEST(MegakernelPath, ResidentGroupedContextMatchesTheStagedPathAndKeepsContextsApart) {
+  const MoeShape few_experts = shape(1024, 512, 2, 2, 256);
+  const MegakernelConfig config = megakernel_config(4, 512, 1 << 20);
+  const core::MegakernelPlan plan = core::build_megakernel_plan(config, {1, 3000, 2, 1024, 512, 256, 2});
+  ASSERT_FALSE(core::saves_rows_by_slot(plan.ring_rows, 3000 * 2)) << plan.ring_rows << " grouped rows";
+  check_megakernel_path(config, SaveMode::gate_up, few_experts, 3000);
 }
 TEST(MegakernelPath, ReplayBackwardMatchesTheStagedPathAndKeepsContextsApart) { check_megakernel_path(kRingReuse); }
 TEST(MegakernelPath, SaveNoneReplaysAWholeRingAndKeepsContextsApart) {

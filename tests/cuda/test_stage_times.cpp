@@ -123,8 +123,8 @@ TEST(StageTimes, MegakernelPathNamesEveryStage) {
   GpuCase c = routed_case(s, T, gpu_test::fresh_seed());
   auto layer = make_moe_layer(s, nullptr, gpu_test::megakernel_options(gpu_test::megakernel_config(8, 1024, 4096), T));
   ASSERT_NE(layer->megakernel(), nullptr);
-  check_path(*layer, c, {"inputs", "schedule", "megakernel", "combine", "status"},
-             {"setup", "megakernel", "epilogue", "status"});
+  check_path(*layer, c, {"inputs", "schedule", "megakernel", "combine", "pack", "status"},
+             {"unpack", "setup", "megakernel", "epilogue", "status"});
 }
 
 }  // namespace

@@ -69,12 +69,12 @@ struct MegakernelBackwardIo {
   // (rows x H fewer) nor copies in the push (dx_slot_peers is then unread).
   bool dx_into_slots = false;
   // Resident context (replay: unread): the forward's grouped rows (row index = grouped row;
-  // padding rows finite) and the shared expert's g, u. context_x may be null: x's rows are
+  // padding rows are not read) and the shared expert's g, u. context_x may be null: x's rows are
   // pulled from their origin (x_peers) as in replay, and only g, u are kept.
   const bf16* context_x = nullptr;                      // [rows, H]
   bf16 *context_gate = nullptr, *context_up = nullptr;  // [rows, I] x2
-  // A context the caller gives up (consume_backward): dg and du are written over context_gate
-  // and context_up, two I-wide ring buffers fewer. Each dgd tile reads its g and u before it
+  // Grouped rows that are the caller's to give up (the layer's copy unpacked from a context):
+  // dg and du are written over context_gate and context_up, two I-wide ring buffers fewer. Each dgd tile reads its g and u before it
   // writes the same elements, and nothing reads them after; with one macrobatch (the resident
   // layer's) ring row r is grouped row r. Otherwise the ring's own buffers are used.
   bool overwrite_context = false;

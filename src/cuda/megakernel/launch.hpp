@@ -124,6 +124,27 @@ struct ScheduleCheck {
 void gather_source_ids(const ScheduleCheck& c, int32_t* ids, cudaStream_t stream);
 void finish_schedule(const ScheduleCheck& c, cudaStream_t stream);
 
+// A resident forward's g and u (saved_rows.cu): the megakernels read and write them as grouped
+// rows (each local expert's segment padded to whole row tiles, ring row = grouped row); the
+// context keeps them by slot (source * T*k + slot, the index slot_of_row holds), which is
+// T*k rows per rank's tokens however the routes fall, instead of the padded capacity. One of
+// the two at a time, so that only one of them is held twice while it is copied.
+struct SavedRows {
+  const int32_t* slot_of_row = nullptr;    // [grouped_rows]: each grouped row's slot, -1 for padding
+  const int32_t* schedule_rows = nullptr;  // offsets[E]: the rows of the schedule's tiles
+  int64_t grouped_rows = 0;                // the capacity the schedule was built for
+  int64_t slots = 0;                       // world * T*k
+  int64_t width = 0;                       // I (a multiple of 8)
+  bf16* grouped = nullptr;                 // [grouped_rows, width]
+  bf16* by_slot = nullptr;                 // [slots, width]
+};
+enum class SavedRowsCopy { pack, unpack };
+// pack: by_slot[slot] = grouped[row] for every routed row; unpack: the reverse, and zeros in the
+// padding rows of the schedule's tiles (the backward's dgd tiles read whole tiles of g and u and
+// weigh the padding rows by 0, which needs finite values). Rows past the schedule's and slots no
+// local expert holds are neither read nor written.
+void copy_saved_rows(const SavedRows& rows, SavedRowsCopy direction, cudaStream_t stream);
+
 // The first failure of any rank, as every rank reports it.
 struct MergedStatus {
   int32_t rank = -1;  // -1: no rank failed

@@ -104,7 +104,7 @@ class MegakernelMoeLayer final : public MoeLayer {
   }
   void backward(const MoeContext& saved, const TensorView& d_out, const MoeWeights& w, const MoeGradients& g,
                 Stream stream) override {
-    run_backward(saved, d_out, w, g, to_cuda(stream), false);
+    run_backward(saved, d_out, w, g, to_cuda(stream), nullptr);
   }
   void record_stage_times(bool on) override { clock_.set_on(on); }
   std::vector<StageTime> stage_times() const override { return clock_.read(); }
@@ -116,15 +116,17 @@ class MegakernelMoeLayer final : public MoeLayer {
   MegakernelExtension* megakernel() override { return &kernel_; }
 
  protected:
-  // A resident context's g and u become the backward's dg and du.
+  // A resident context's g and u by slot go back once they are unpacked.
   void backward_overwriting(MoeContext& saved, const TensorView& d_out, const MoeWeights& w, const MoeGradients& g,
                             Stream stream) override {
-    run_backward(saved, d_out, w, g, to_cuda(stream), true);
+    auto* ctx = dynamic_cast<MegakernelContext*>(&saved);
+    run_backward(saved, d_out, w, g, to_cuda(stream), ctx ? &ctx->saved : nullptr);
   }
 
  private:
+  // `consumed`: the context's saved rows when the caller gave it up (consume_backward).
   void run_backward(const MoeContext& saved, const TensorView& d_out, const MoeWeights& w, const MoeGradients& g,
-                    cudaStream_t s, bool consume) {
+                    cudaStream_t s, ForwardSaved* consumed) {
     const auto* ctx = dynamic_cast<const MegakernelContext*>(&saved);
     require(ctx != nullptr && ctx->layer == this, ErrorCode::invalid_argument,
             "backward got a context from another layer");
@@ -132,7 +134,7 @@ class MegakernelMoeLayer final : public MoeLayer {
     raise_finished_errors(s);
     clock_.start(StageClock::Direction::backward, s);
     call_order_.before(s);
-    backward_megakernel(*ctx, d_out, w, g, s, consume);
+    backward_megakernel(*ctx, d_out, w, g, s, consumed);
     call_order_.after(s);
   }
 
@@ -168,13 +170,33 @@ class MegakernelMoeLayer final : public MoeLayer {
     }
   }
 
+  // A context's g and u by slot as the backward megakernel reads them: grouped rows, unpacked
+  // into memory of the call's, which the backward then writes dg and du over (empty for a
+  // context of grouped rows, and in replay, where the backward recomputes them). A consumed
+  // context's rows go back as soon as they are unpacked, one at a time.
+  struct GroupedGateUp {
+    DeviceArray<bf16> gate, up;
+  };
+  GroupedGateUp unpack_gate_up(const ForwardSaved& saved, ForwardSaved* consumed, cudaStream_t s) const {
+    GroupedGateUp rows;
+    if (!kernel_.backward_is_resident() || !saved.by_slot) return rows;
+    const size_t elements = size_t(saved.ring_rows * shape_.intermediate);
+    for (auto [grouped, by_slot] : {std::pair{&rows.gate, &saved.gate}, std::pair{&rows.up, &saved.up}}) {
+      *grouped = DeviceArray<bf16>(elements, kernel_.allocator(), s);
+      copy_saved_rows(saved_rows(saved, shape_.intermediate, grouped->data(), by_slot->data()), SavedRowsCopy::unpack,
+                      s);
+      if (consumed) (by_slot == &saved.gate ? consumed->gate : consumed->up).release();
+    }
+    return rows;
+  }
+
   // The pulls read every row's d_out, route weight and x from its origin rank; the pushes write
   // its d_x slots and d_topk_weights. EP = 1: the call's own tensors and d_x slots of its own,
   // through one-entry tables; EP > 1: d_out and the route weights copied into symmetric buffers
   // first (x too when a later forward replaced it), the d_x slots are the forward's combine
   // buffers (free between calls), d_topk_weights copied out after.
   void backward_megakernel(const MegakernelContext& ctx, const TensorView& d_out, const MoeWeights& w,
-                           const MoeGradients& g, cudaStream_t s, bool consume) {
+                           const MoeGradients& g, cudaStream_t s, ForwardSaved* consumed) {
     const MoeShape& sh = shape_;
     const int64_t T = ctx.tokens;
     const Device dev = Device::cuda(kernel_.device());
@@ -183,6 +205,8 @@ class MegakernelMoeLayer final : public MoeLayer {
     expect_tensor(d_out, "d_out", DType::bf16, dev, {T, sh.hidden});
     require_gradients_aligned(g);
     ctx.saved.used_on(s);
+    const GroupedGateUp gate_up = unpack_gate_up(ctx.saved, consumed, s);
+    clock_.mark("unpack", s);
     MegakernelBackwardIo io;
     DeviceArray<bf16> dx_slots;  // EP = 1: the dx tiles store into them (no d_x rows in the ring)
     if (symmetric_) {
@@ -220,9 +244,10 @@ class MegakernelMoeLayer final : public MoeLayer {
     io.x = ctx.inputs.x.as<bf16>();
     io.d_out = d_out.as<bf16>();
     io.dx_slots = symmetric_ ? kernel_.combine_slots() : dx_slots.data();
-    io.context_gate = ctx.saved.gate.data();
-    io.context_up = ctx.saved.up.data();
-    io.overwrite_context = consume;
+    const bool unpacked = ctx.saved.by_slot;
+    io.context_gate = unpacked ? gate_up.gate.data() : ctx.saved.gate.data();
+    io.context_up = unpacked ? gate_up.up.data() : ctx.saved.up.data();
+    io.overwrite_context = unpacked || consumed != nullptr;  // grouped rows of the call's or given up
     io.shared_gate = ctx.saved.shared_gate.data();
     io.shared_up = ctx.saved.shared_up.data();
     io.w_gate = w.w_gate.as<bf16>();
