@@ -116,7 +116,7 @@ class MegakernelMoeLayer final : public MoeLayer {
   MegakernelExtension* megakernel() override { return &kernel_; }
 
  protected:
-  // A resident context's g and u by slot go back once they are unpacked.
+  // The context's grouped g and u take dg and du; g and u by slot go back once unpacked.
   void backward_overwriting(MoeContext& saved, const TensorView& d_out, const MoeWeights& w, const MoeGradients& g,
                             Stream stream) override {
     auto* ctx = dynamic_cast<MegakernelContext*>(&saved);
@@ -185,7 +185,7 @@ class MegakernelMoeLayer final : public MoeLayer {
       *grouped = DeviceArray<bf16>(elements, kernel_.allocator(), s);
       copy_saved_rows(saved_rows(saved, shape_.intermediate, grouped->data(), by_slot->data()), SavedRowsCopy::unpack,
                       s);
-      if (consumed) (by_slot == &saved.gate ? consumed->gate : consumed->up).release();
+      if (consumed) (by_slot == &saved.gate ? consumed->gate : consumed->up).release();  // `saved` itself
     }
     return rows;
   }
