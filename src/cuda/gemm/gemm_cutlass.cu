@@ -160,20 +160,19 @@ struct Fp8CooperativeParts : CommonParts {
       EpilogueSchedule, cutlass::epilogue::fusion::LinearCombination<Element, float>>::CollectiveOp;
   static constexpr int kEpilogueSmem = static_cast<int>(sizeof(EpilogueOp::SharedStorage));
 };
-template <int kScaleRowsB, class P, int kEpilogueSmem = P::kEpilogueSmem>
-struct Fp8Parts : P {
+template <int kScaleRowsB>
+struct Fp8Parts : Fp8CooperativeParts {
   using ScaleConfig = cutlass::detail::Sm90BlockwiseScaleConfig<1, kScaleRowsB, 128>;
   using LayoutSFA = decltype(ScaleConfig::deduce_layoutSFA());
   using LayoutSFB = decltype(ScaleConfig::deduce_layoutSFB());
   using MainloopOp = typename cutlass::gemm::collective::CollectiveBuilder<
-      cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, typename P::ElementAB,
-      cute::tuple<cutlass::layout::RowMajor*, LayoutSFA*>, P::kAlignAB, typename P::ElementAB,
-      cute::tuple<cutlass::layout::ColumnMajor*, LayoutSFB*>, P::kAlignAB, float, typename P::TileShape,
-      typename P::ClusterShape, cutlass::gemm::collective::StageCountAutoCarveout<kEpilogueSmem>,
-      typename P::KernelSchedule>::CollectiveOp;
+      cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, ElementAB,
+      cute::tuple<cutlass::layout::RowMajor*, LayoutSFA*>, kAlignAB, ElementAB,
+      cute::tuple<cutlass::layout::ColumnMajor*, LayoutSFB*>, kAlignAB, float, TileShape, ClusterShape,
+      cutlass::gemm::collective::StageCountAutoCarveout<kEpilogueSmem>, KernelSchedule>::CollectiveOp;
 };
-using Fp8BlockParts = Fp8Parts<128, Fp8CooperativeParts>;
-using Fp8TileParts = Fp8Parts<1, Fp8CooperativeParts>;
+using Fp8BlockParts = Fp8Parts<128>;
+using Fp8TileParts = Fp8Parts<1>;
 // What a bf16 runner carries instead of scale layouts.
 struct NoScales {
   using LayoutSFA = char;

@@ -179,7 +179,7 @@ class MegakernelMoeLayer final : public MoeLayer {
   };
   GroupedGateUp unpack_gate_up(const ForwardSaved& saved, ForwardSaved* consumed, cudaStream_t s) const {
     GroupedGateUp rows;
-    if (!kernel_.backward_is_resident() || !saved.by_slot) return rows;
+    if (!saved.by_slot) return rows;
     const size_t elements = size_t(saved.ring_rows * shape_.intermediate);
     for (auto [grouped, by_slot] : {std::pair{&rows.gate, &saved.gate}, std::pair{&rows.up, &saved.up}}) {
       *grouped = DeviceArray<bf16>(elements, kernel_.allocator(), s);
