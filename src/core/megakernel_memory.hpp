@@ -81,12 +81,11 @@ struct MegakernelLayerMemory {
   std::vector<MemoryItem> forward;   // one forward's scratch beyond what it saves
   std::vector<MemoryItem> backward;  // one consume_backward's workspace
   // Resident: `saved_rows` of `saved` are g and u, allocated with the forward's scratch (grouped
-  // rows), or by slot (saves_rows_by_slot): packed from the kernel's grouped rows after the
-  // combine (when the ring's x, hidden and y rows and the combine slots have gone back), and
-  // unpacked by consume_backward into grouped rows of its own before its kernel, one of the two
-  // at a time; what the context's schedule comes with at those peaks.
+  // rows, the kernel's), or by slot (saves_rows_by_slot): stored so by the kernel, and unpacked
+  // by consume_backward into grouped rows of its own before its kernel, one of the two at a
+  // time; what the context's schedule comes with at that peak.
   bool by_slot = false;
-  int64_t saved_rows = 0, pack_peak = 0, unpack_peak = 0;
+  int64_t saved_rows = 0, unpack_peak = 0;
 };
 
 // `save_gate_up`: LayerOptions::save is SaveMode::gate_up (the backward is resident where the
@@ -124,10 +123,10 @@ inline MegakernelLayerMemory megakernel_layer_memory(const MoeShape& shape, cons
   } else if (Is > 0) {
     m.forward.push_back({"shared g, u [T, Is] x2", shared_gate_up});
   }
-  m.forward.push_back({m.by_slot    ? "g, u rows [ring, I] x2 (packed by slot after the kernel)"
-                       : m.resident ? "g, u rows [ring, I] x2 (the context's)"
+  if (!m.by_slot)
+    m.forward.push_back({m.resident ? "g, u rows [ring, I] x2 (the context's)"
                                     : "g, u rows [ring, I] x2 (replay: freed after the kernel)",
-                       grouped_gate_up});
+                         grouped_gate_up});
   m.forward.push_back({"ring x, y [ring, H] x2", 2 * ring * H * bf16});
   m.forward.push_back({"ring hidden [ring, I]", ring * I * bf16});
   if (Is > 0) m.forward.push_back({"shared hidden, out", T * (Is + H) * bf16});
@@ -138,10 +137,7 @@ inline MegakernelLayerMemory megakernel_layer_memory(const MoeShape& shape, cons
   // slots, so the ring has no d_x rows.
   const bool overwrite = m.resident && backward.max_macrobatches == 1;
   const BackwardWorkspaceElements w = backward_workspace_elements(backward, overwrite, false);
-  if (m.by_slot) {
-    m.pack_peak = grouped_gate_up + m.saved_rows / 2 + (Is > 0 ? T * (Is + H) * bf16 : 0);
-    m.unpack_peak = std::max(m.saved_rows + grouped_gate_up / 2, m.saved_rows / 2 + grouped_gate_up);
-  }
+  if (m.by_slot) m.unpack_peak = std::max(m.saved_rows + grouped_gate_up / 2, m.saved_rows / 2 + grouped_gate_up);
   if (m.resident)
     m.backward.push_back({m.by_slot ? "g, u rows [ring, I] x2 (unpacked; dg, du over them)"
                                     : "g, u rows [ring, I] x2 (the context's; dg, du over them)",
@@ -167,12 +163,14 @@ inline int64_t megakernel_stack_peak_bytes(const MegakernelLayerMemory& m, const
                                            int depth) {
   const int64_t activation = tokens * shape.hidden * 2, saved = total_bytes(m.saved);
   const int64_t schedule = saved - m.saved_rows;  // what a context holds while its g, u are grouped rows
-  const int64_t forward = std::max(total_bytes(m.forward), m.pack_peak);
+  // A forward's own context: by slot, whole from its start; else its grouped g, u are the
+  // forward's scratch.
+  const int64_t forward = (m.by_slot ? saved : schedule) + total_bytes(m.forward);
   const int64_t backward = std::max(total_bytes(m.backward), m.unpack_peak);
   int64_t peak = 0;
   for (int i = 0; i < depth; ++i) {  // forward i: i contexts before it, outputs 0..min(i, D - 2)
     const int64_t outputs = i + 1 < depth ? i + 1 : i;
-    peak = std::max(peak, i * saved + schedule + forward + outputs * activation);
+    peak = std::max(peak, i * saved + forward + outputs * activation);
   }
   for (int i = depth - 1; i >= 0; --i) {  // backward i: contexts 0..i - 1, outputs 0..i-1, d_x, d_out
     const int64_t activations = i + (i > 0 ? 1 : 0) + (i + 1 < depth ? 1 : 0);

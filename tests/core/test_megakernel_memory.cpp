@@ -84,7 +84,8 @@ TEST(MegakernelMemory, BackwardWorkspaceFollowsTheContextMode) {
 
 // At EP = 1 the backward's d_x rows live in the slots only (the dx tiles store there), and the
 // context keeps g and u only when the ring holds every row: T*k rows by slot where the ring's
-// padding exceeds a tenth of them (the backward unpacks them into padded rows), else the ring's.
+// padding exceeds a tenth of them (the forward's kernel stores them so; the backward unpacks
+// them into padded rows), else the ring's.
 TEST(MegakernelMemory, BackwardHoldsDxRowsOnceAndContextsFollowTheRing) {
   const MegakernelConfig c = gpu_config();
   const MoeShape& s = named_shape("qwen3-30b-a3b").shape;
@@ -102,6 +103,7 @@ TEST(MegakernelMemory, BackwardHoldsDxRowsOnceAndContextsFollowTheRing) {
   EXPECT_TRUE(resident.by_slot);                                              // 16256 padding rows to 32768 routed ones
   EXPECT_EQ(bytes_of(resident.saved, "g, u by slot"), 2 * 4096 * k * I * 2);  // no padding rows
   EXPECT_EQ(bytes_of(resident.backward, "g, u rows"), 2 * resident.ring_rows * I * 2);
+  EXPECT_EQ(bytes_of(resident.forward, "g, u rows"), -1);  // the kernel stores them by slot
   // mixtral-8x7b: 1016 padding rows to 32768 routed ones; the context keeps the grouped rows.
   const MoeShape& m = named_shape("mixtral-8x7b").shape;
   const MegakernelLayerMemory grouped = megakernel_layer_memory(m, c, 16384, 16384);
@@ -109,6 +111,7 @@ TEST(MegakernelMemory, BackwardHoldsDxRowsOnceAndContextsFollowTheRing) {
   EXPECT_FALSE(grouped.by_slot);
   EXPECT_EQ(bytes_of(grouped.saved, "g, u rows"), 2 * grouped.ring_rows * m.intermediate * 2);
   EXPECT_EQ(grouped.unpack_peak, 0);
+  EXPECT_EQ(bytes_of(grouped.forward, "g, u rows"), 2 * grouped.ring_rows * m.intermediate * 2);
   const MegakernelLayerMemory replay = megakernel_layer_memory(s, c, 16384, 16384);
   EXPECT_FALSE(replay.resident);
   EXPECT_EQ(replay.macrobatches, 2);

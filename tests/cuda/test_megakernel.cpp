@@ -339,15 +339,15 @@ TEST(Megakernel, RejectsBadConfigAndTooManyTokens) {
 
 namespace {
 
-// A resident forward's g and u rows, packed by slot and unpacked again, against the host's copy:
+// A resident context's g and u by slot, unpacked into grouped rows, against the host's copy:
 // random slots for the grouped rows of a few experts (padding rows -1; some slots routed to no
-// row; grouped rows past the schedule's), NaN in the padding rows, a sentinel in everything that
-// must stay unwritten; widths of one 16-byte vector, of several with a partial last warp step,
-// and of more than a warp's. Unpacking zeroes the schedule's padding rows (the dgd tiles read
-// them) and nothing past them.
-TEST(MegakernelSavedRows, PackAndUnpackMoveTheRoutedRowsOnly) {
+// row; grouped rows past the schedule's), a sentinel in everything that must stay unwritten;
+// widths of one 16-byte vector, of several with a partial last warp step, and of more than a
+// warp's. Unpacking zeroes the schedule's padding rows (the dgd tiles read them) and nothing past
+// them.
+TEST(MegakernelSavedRows, UnpackMovesTheRoutedRowsOnly) {
   std::mt19937_64 rng(fresh_seed());
-  const uint16_t nan = 0x7fc0, sentinel = 0x1234;
+  const uint16_t sentinel = 0x1234;
   auto value = [&] { return uint16_t(0x4000 | rng() % 0x3f00); };  // finite, never the sentinel or 0
   for (const int64_t width : {int64_t(8), int64_t(264), int64_t(2888)}) {
     SCOPED_TRACE("width " + std::to_string(width));
@@ -363,15 +363,13 @@ TEST(MegakernelSavedRows, PackAndUnpackMoveTheRoutedRowsOnly) {
       end += int32_t((n + 127) / 128 * 128);
     }
     ASSERT_LT(end, capacity);
-    std::vector<uint16_t> grouped(capacity * width, nan), by_slot(slots * width, sentinel);
-    for (int64_t r = 0; r < capacity; ++r)
-      if (slot_of_row[r] >= 0)
-        for (int64_t c = 0; c < width; ++c) grouped[r * width + c] = value();
+    std::vector<uint16_t> by_slot(slots * width);
+    for (uint16_t& v : by_slot) v = value();
     cuda::DeviceArray<int32_t> d_slots(slot_of_row.size()), d_end(1);
-    cuda::DeviceArray<uint16_t> d_grouped(grouped.size()), d_by_slot(by_slot.size());
+    cuda::DeviceArray<uint16_t> d_grouped(capacity * width), d_by_slot(by_slot.size());
     d_slots.upload(slot_of_row, nullptr);
     d_end.upload(&end, 1, nullptr);
-    d_grouped.upload(grouped, nullptr);
+    d_grouped.upload(std::vector<uint16_t>(capacity * width, sentinel), nullptr);
     d_by_slot.upload(by_slot, nullptr);
     cuda::SavedRows rows;
     rows.slot_of_row = d_slots.data();
@@ -381,21 +379,15 @@ TEST(MegakernelSavedRows, PackAndUnpackMoveTheRoutedRowsOnly) {
     rows.width = width;
     rows.grouped = reinterpret_cast<cuda::bf16*>(d_grouped.data());
     rows.by_slot = reinterpret_cast<cuda::bf16*>(d_by_slot.data());
-    cuda::copy_saved_rows(rows, cuda::SavedRowsCopy::pack, nullptr);
-    std::vector<uint16_t> want(slots * width, sentinel);
-    for (int64_t r = 0; r < capacity; ++r)
-      if (slot_of_row[r] >= 0) std::copy_n(grouped.begin() + r * width, width, want.begin() + slot_of_row[r] * width);
-    EXPECT_TRUE(d_by_slot.download(nullptr) == want) << "pack: not the host's copy (or unrouted slots written)";
-
-    d_grouped.upload(std::vector<uint16_t>(capacity * width, sentinel), nullptr);
-    cuda::copy_saved_rows(rows, cuda::SavedRowsCopy::unpack, nullptr);
+    cuda::unpack_saved_rows(rows, nullptr);
     const std::vector<uint16_t> unpacked = d_grouped.download(nullptr);
+    EXPECT_TRUE(d_by_slot.download(nullptr) == by_slot) << "the rows by slot changed";
     for (int64_t r = 0; r < capacity; ++r) {
       const bool routed = slot_of_row[r] >= 0, scheduled = r < end;
-      std::vector<uint16_t> expected(width, routed ? 0 : scheduled ? 0 : sentinel);
-      if (routed) std::copy_n(grouped.begin() + r * width, width, expected.begin());
+      std::vector<uint16_t> expected(width, scheduled ? 0 : sentinel);
+      if (routed) std::copy_n(by_slot.begin() + slot_of_row[r] * width, width, expected.begin());
       EXPECT_TRUE(std::equal(expected.begin(), expected.end(), unpacked.begin() + r * width))
-          << "unpack, grouped row " << r
+          << "grouped row " << r
           << (routed      ? ": not its slot's row"
               : scheduled ? ": a padding row not zeroed"
                           : ": a row past the schedule written");
@@ -403,7 +395,7 @@ TEST(MegakernelSavedRows, PackAndUnpackMoveTheRoutedRowsOnly) {
   }
   cuda::SavedRows ragged;
   ragged.width = 12;
-  EXPECT_THROW(cuda::copy_saved_rows(ragged, cuda::SavedRowsCopy::pack, nullptr), Error);
+  EXPECT_THROW(cuda::unpack_saved_rows(ragged, nullptr), Error);
 }
 
 // The megakernel path of MoeLayer, forward and backward, against the single-GPU path on the

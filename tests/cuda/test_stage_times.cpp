@@ -123,7 +123,7 @@ TEST(StageTimes, MegakernelPathNamesEveryStage) {
   GpuCase c = routed_case(s, T, gpu_test::fresh_seed());
   auto layer = make_moe_layer(s, nullptr, gpu_test::megakernel_options(gpu_test::megakernel_config(8, 1024, 4096), T));
   ASSERT_NE(layer->megakernel(), nullptr);
-  check_path(*layer, c, {"inputs", "schedule", "megakernel", "combine", "pack", "status"},
+  check_path(*layer, c, {"inputs", "schedule", "megakernel", "combine", "status"},
              {"unpack", "setup", "megakernel", "epilogue", "status"});
 }
 

@@ -442,7 +442,7 @@ __device__ __forceinline__ void store_backward_job(const Accumulator& acc, const
       fence_proxy_async_global();
       break;
     case JobStore::slot_rows:
-      store_slot_rows(acc, j.out0, j.row_slots, j.o);
+      store_slot_rows<true>(acc, 0, j.out0, j.row_slots, j.o);
       fence_proxy_async_global();
       break;
     case JobStore::weight_pair:

@@ -1,8 +1,9 @@
 // The megakernel's compute role: shared-expert and routed expert tiles on the GEMM core
 // (tile_gemm.cuh). A gate|up tile computes 128 rows x 128 hidden columns of both gate and
 // up (one 128 x 256 accumulator: gate columns left, up columns right, sharing the A tile) and
-// applies SwiGLU in its epilogue, writing gate, up and hidden (the saved context of backward);
-// a down tile computes 128 x 256 of y.
+// applies SwiGLU in its epilogue, writing gate, up and hidden (the saved context of backward;
+// gate and up by slot where the context keeps them so, SlotRows); a down tile computes 128 x 256
+// of y.
 // Numerics match the CUDA layer's (its gate GEMM's SwiGLU epilogue, swiglu_epilogue.cuh, and its
 // unfused path alike): gate and up are rounded to bf16 before the activation, which is
 // evaluated in fp32 (core/activation.hpp, the CPU reference's function).
@@ -38,6 +39,7 @@
 
 #include "core/activation.hpp"
 #include "core/megakernel_plan.hpp"
+#include "cuda/megakernel/epilogue_runs.cuh"
 #include "cuda/megakernel/launch.hpp"
 #include "cuda/megakernel/pipeline.cuh"
 #include "cuda/megakernel/sync.cuh"
@@ -73,10 +75,14 @@ struct Operands {
   Output shared_gate, shared_up, shared_hidden_out, shared_out;  // [tokens, Is] x 3, [tokens, H]
 };
 
-// Where a tile's outputs go: rows [row0, row0 + valid_rows) and columns [col0, col0 + N) of
-// row-major buffers `width` columns wide (columns past it are the last tile's overhang).
-struct TileOut {
-  int64_t row0, valid_rows, col0, width;
+// A resident context's g and u by slot ([slots, I], MegakernelLaunch::gate_by_slot): the
+// consumers store the tile's rows there from registers, row r to slots[r] (none where it is -1,
+// padding), as the backward's dx tiles store d_x. No reader in this kernel: the backward
+// unpacks them after it. gate null: g and u go to the ring as boxes.
+struct SlotRows {
+  __nv_bfloat16 *gate = nullptr, *up = nullptr;
+  const int32_t* slots = nullptr;
+  TileOut o{};
 };
 
 // One published task: what the TMA thread loads and what the epilogue writes: row tile
@@ -89,7 +95,9 @@ struct ComputeJob {
   TileLoads loads;
   bool swiglu = false;  // gate|up epilogue (out[0..2] = gate, up, hidden), else plain (out[0] = y)
   const Output* out[3] = {nullptr, nullptr, nullptr};
+  int outputs = 1;  // out[0..outputs): the boxes stored per 64 columns of the tile
   int row_tile = 0, col_box = 0;
+  SlotRows by_slot;  // a gate|up tile of a context saved by slot (out[0] = hidden)
 };
 
 using TaskQueue = TaskQueueOf<ComputeJob>;
@@ -168,6 +176,8 @@ __device__ inline TileLoadsOf<MA, MB> tile_loads(const OperandOf<MA>& a, int row
   return l;
 }
 
+inline constexpr int kGateUpOutputs = 3;  // gate, up, hidden
+
 // The scheduler thread: the job of an acquired task, written into its queue slot `j` (a stop
 // until then; in place, not through a local copy).
 __device__ inline void make_job(ComputeJob& j, const MegakernelLaunch& p, const Operands& ops,
@@ -185,6 +195,7 @@ __device__ inline void make_job(ComputeJob& j, const MegakernelLaunch& p, const 
       j.loads = tile_loads(ops.x_local, int(t.row_tile), ops.ws_gate, &ops.ws_up, col, 0);
       j.swiglu = true;
       j.out[0] = &ops.shared_gate, j.out[1] = &ops.shared_up, j.out[2] = &ops.shared_hidden_out;
+      j.outputs = kGateUpOutputs;
       j.row_tile = int(t.row_tile), j.col_box = gate_up_box;
       break;
     case core::TaskKind::shared_down:
@@ -200,8 +211,16 @@ __device__ inline void make_job(ComputeJob& j, const MegakernelLaunch& p, const 
       if (t.kind == core::TaskKind::gate_up) {
         j.loads = tile_loads(ops.ring_x, j.row_tile, ops.w_gate, &ops.w_up, col, expert);
         j.swiglu = true;
-        j.out[0] = &ops.ring_gate, j.out[1] = &ops.ring_up, j.out[2] = &ops.ring_hidden_out;
         j.col_box = gate_up_box;
+        if (p.gate_by_slot) {  // resident: the ring row is the grouped row
+          j.out[0] = &ops.ring_hidden_out;
+          j.by_slot = {p.gate_by_slot, p.up_by_slot, p.slot_of_row + first,
+                       TileOut{first, plan.capacity_rows - first < tm ? plan.capacity_rows - first : tm,
+                               col * plan.tile_n, p.intermediate}};
+        } else {
+          j.out[0] = &ops.ring_gate, j.out[1] = &ops.ring_up, j.out[2] = &ops.ring_hidden_out;
+          j.outputs = kGateUpOutputs;
+        }
       } else {
         j.loads = tile_loads(ops.ring_hidden, j.row_tile, ops.w_down, nullptr, col, expert);
         j.out[0] = &ops.ring_y;
@@ -226,16 +245,14 @@ static_assert(AccumulatorToTile{}(0, kBoxAccumulators) == AccumulatorToTile{}(0,
                       AccumulatorToTile{}(3, kBoxAccumulators - 1) + kTileM * kTileK,
               "a 64-column box must be a contiguous run of every thread's accumulator");
 
-// Output boxes of a job: a gate|up tile stores gate, up and hidden for each 64-column half of
-// its 128 columns, a down tile the four 64-column boxes of its 256 columns.
-inline constexpr int kGateUpOutputs = 3;
+// Output boxes of a job: a gate|up tile stores gate, up and hidden (hidden alone where g and u
+// go by slot) for each 64-column half of its 128 columns, a down tile the four 64-column boxes
+// of its 256 columns.
 __device__ inline int box_count(const ComputeJob& j) {
-  return j.loads.kblocks == 0 ? 0 : j.swiglu ? kGateUpOutputs * kHalfN / kTileK : kTileN / kTileK;
+  return j.loads.kblocks == 0 ? 0 : j.outputs * (j.swiglu ? kHalfN : kTileN) / kTileK;
 }
-__device__ inline const Output& box_output(const ComputeJob& j, int k) {
-  return *j.out[j.swiglu ? k % kGateUpOutputs : 0];
-}
-__device__ inline int box_column(const ComputeJob& j, int k) { return j.col_box + (j.swiglu ? k / kGateUpOutputs : k); }
+__device__ inline const Output& box_output(const ComputeJob& j, int k) { return *j.out[k % j.outputs]; }
+__device__ inline int box_column(const ComputeJob& j, int k) { return j.col_box + k / j.outputs; }
 
 // This consumer thread's part of box `Box` of the tile: value(i) (a float2) is the pair of
 // accumulator elements (i, i + 1), written as bf16 at its place in the swizzled TMA box.
@@ -262,7 +279,8 @@ __device__ inline void write_box(Element* box, Value&& value) {
 }
 
 // The consumers: hands a finished tile's output boxes to the store thread, each into the next
-// epilogue buffer once the TMA unit has read that buffer's previous box. `boxes`: their running
+// epilogue buffer once the TMA unit has read that buffer's previous box (g and u by slot: stores
+// them itself, after the hidden boxes). `boxes`: their running
 // box count (the store thread's is the same sequence). Gate is the accumulator's left half, up
 // its right half; a box's values are the ones the row-major epilogue stored (bf16 gate and up,
 // the activation of the rounded values in fp32, then rounded).
@@ -288,6 +306,15 @@ __device__ inline void write_job(EpilogueSync& epi, Element (&buffers)[kEpilogue
       return make_float2(core::swiglu_forward<float>(g.x, u.x, act.clamped, act.limit),
                          core::swiglu_forward<float>(g.y, u.y, act.clamped, act.limit));
     };
+    if (j.by_slot.gate) {  // the store thread starts on hidden while g and u are stored by slot
+      [&]<int... Half>(std::integer_sequence<int, Half...>) {
+        (hand_off([&](Element* box) { write_box<Half>(box, hidden); }), ...);
+      }
+      (std::make_integer_sequence<int, kHalfN / kTileK>{});
+      store_slot_rows<false>(acc, 0, j.by_slot.gate, j.by_slot.slots, j.by_slot.o);
+      store_slot_rows<false>(acc, up, j.by_slot.up, j.by_slot.slots, j.by_slot.o);
+      return;
+    }
     [&]<int... Half>(std::integer_sequence<int, Half...>) {
       ((hand_off([&](Element* box) { write_box<Half>(box, gate); }),
         hand_off([&](Element* box) { write_box<Half>(box, up_value); }),

@@ -44,8 +44,10 @@ mk::Operands make_operands(const MegakernelLaunch& p) {
   ops.w_gate = mk::make_operand(p.w_gate, I, H, E);
   ops.w_up = mk::make_operand(p.w_up, I, H, E);
   ops.w_down = mk::make_operand(p.w_down, H, I, E);
-  ops.ring_gate = mk::make_output(p.ring_gate, ring, I);
-  ops.ring_up = mk::make_output(p.ring_up, ring, I);
+  if (!p.gate_by_slot) {
+    ops.ring_gate = mk::make_output(p.ring_gate, ring, I);
+    ops.ring_up = mk::make_output(p.ring_up, ring, I);
+  }
   ops.ring_hidden_out = mk::make_output(p.ring_hidden, ring, I);
   ops.ring_y = mk::make_output(p.ring_y, ring, H);
   if (Is > 0) {

@@ -67,9 +67,9 @@ inline core::MegakernelDims dims_of(const MoeShape& s, int world, int64_t tokens
 // forward's context (so any number of forwards may be in flight, their backwards in any order):
 // the schedule (each local expert's padded segment, the slot of every grouped row, the rows per
 // expert) and, when the backward is resident, g and u of every routed row and the shared
-// expert's: as the kernel's grouped rows, or by slot (launch.hpp's SavedRows: no padding rows)
-// where the padding would outweigh the copies (core::saves_rows_by_slot). `ring_rows`: the
-// grouped rows' count.
+// expert's: as the kernel's grouped rows, or by slot (launch.hpp's SavedRows: no padding rows,
+// stored so by the kernel) where the padding would outweigh the backward's unpacking
+// (core::saves_rows_by_slot). `ring_rows`: the grouped rows' count.
 struct ForwardSaved {
   DeviceArray<int32_t> counts, offsets, slot_of_row;
   DeviceArray<bf16> gate, up, shared_gate, shared_up;
@@ -130,7 +130,7 @@ class CudaMegakernelForward final : public MegakernelExtension {
 
   const MegakernelConfig& config() const override { return config_; }
 
-  // `clock` gets the call's stages: inputs, schedule, megakernel, combine, pack, status. `saved` gets
+  // `clock` gets the call's stages: inputs, schedule, megakernel, combine, status. `saved` gets
   // what the backward reads.
   void forward(const MoeInputs& in, const MoeWeights& w, const TensorView& out, Stream stream, StageClock& clock,
                ForwardSaved& saved) {
@@ -168,7 +168,7 @@ class CudaMegakernelForward final : public MegakernelExtension {
     finish_schedule(check, s);
     clock.mark("schedule", s);
 
-    ForwardScratch scratch(*this, plan, T, in.x.as<bf16>(), s);
+    ForwardScratch scratch(*this, plan, T, in.x.as<bf16>(), saved.by_slot, s);
     launch_megakernel(launch(plan, T, w, scratch, saved), s);
     clock.mark("megakernel", s);
     for (DeviceArray<bf16>* a : {&scratch.ring_x, &scratch.ring_hidden, &scratch.ring_y}) a->release();
@@ -181,13 +181,13 @@ class CudaMegakernelForward final : public MegakernelExtension {
                    shape_.has_shared() ? scratch.shared_out.data() : nullptr, out.as<bf16>(), nullptr, T, k, H, s);
     clock.mark("combine", s);
     scratch.own_combine.release();
-    if (backward_is_resident()) {
-      save_gate_up(scratch, saved, s);
-    } else {  // the backward recomputes g and u
+    if (!backward_is_resident()) {  // the backward recomputes g and u
       for (DeviceArray<bf16>* a : {&saved.shared_gate, &saved.shared_up}) a->release();
+    } else if (!saved.by_slot) {  // the kernel's grouped rows become the context's
+      saved.gate = std::move(scratch.ring_gate);
+      saved.up = std::move(scratch.ring_up);
     }
     for (DeviceArray<bf16>* a : {&scratch.ring_gate, &scratch.ring_up}) a->release();
-    clock.mark("pack", s);
     merge_status(status_.peers<core::MegakernelStatus>(), world_, merged_.device(), s);
     CallOutputs outputs;
     outputs.add(out.data, T * H * sizeof(bf16));
@@ -267,6 +267,11 @@ class CudaMegakernelForward final : public MegakernelExtension {
     saved.slot_of_row = DeviceArray<int32_t>(size_t(plan.capacity_rows), allocator_, s);
     saved.ring_rows = plan.ring_rows;
     saved.slots = world_ * T * shape_.top_k;
+    saved.by_slot = backward_is_resident() && core::saves_rows_by_slot(saved.ring_rows, saved.slots);
+    if (saved.by_slot) {
+      saved.gate = DeviceArray<bf16>(size_t(saved.slots * shape_.intermediate), allocator_, s);
+      saved.up = DeviceArray<bf16>(size_t(saved.slots * shape_.intermediate), allocator_, s);
+    }
     if (shape_.has_shared()) {
       saved.shared_gate = DeviceArray<bf16>(size_t(T * shape_.shared_intermediate), allocator_, s);
       saved.shared_up = DeviceArray<bf16>(size_t(T * shape_.shared_intermediate), allocator_, s);
@@ -295,7 +300,7 @@ class CudaMegakernelForward final : public MegakernelExtension {
   }
 
   // What lives only inside one forward, from the layer's allocator on its stream, sized for its
-  // plan: the ring's x, g, u, hidden and y rows, the shared expert's hidden and output, and at EP = 1
+  // plan: the ring's x, g, u (not where the context keeps them by slot), hidden and y rows, the shared expert's hidden and output, and at EP = 1
   // the combine slots. At EP = 1 dispatch and the shared expert read the caller's x in place
   // (a one-entry table beside the combine slots'; no copy and no x buffer of the layer's), or a
   // copy of it where its base is not 16-byte aligned (the row copies and TMA need that).
@@ -306,11 +311,13 @@ class CudaMegakernelForward final : public MegakernelExtension {
     bf16* const* x_peers = nullptr;
     bf16* const* combine_peers = nullptr;
     ForwardScratch(const CudaMegakernelForward& f, const core::MegakernelPlan& plan, int64_t T, const bf16* x,
-                   cudaStream_t s) {
+                   bool gate_up_by_slot, cudaStream_t s) {
       const MoeShape& sh = f.shape_;
       ring_x = DeviceArray<bf16>(size_t(plan.ring_rows * sh.hidden), f.allocator_, s);
-      ring_gate = DeviceArray<bf16>(size_t(plan.ring_rows * sh.intermediate), f.allocator_, s);
-      ring_up = DeviceArray<bf16>(size_t(plan.ring_rows * sh.intermediate), f.allocator_, s);
+      if (!gate_up_by_slot) {
+        ring_gate = DeviceArray<bf16>(size_t(plan.ring_rows * sh.intermediate), f.allocator_, s);
+        ring_up = DeviceArray<bf16>(size_t(plan.ring_rows * sh.intermediate), f.allocator_, s);
+      }
       ring_hidden = DeviceArray<bf16>(size_t(plan.ring_rows * sh.intermediate), f.allocator_, s);
       ring_y = DeviceArray<bf16>(size_t(plan.ring_rows * sh.hidden), f.allocator_, s);
       if (sh.has_shared()) {
@@ -342,25 +349,6 @@ class CudaMegakernelForward final : public MegakernelExtension {
     }
   };
 
-  // After the combine: the grouped g and u rows the kernel wrote become the context's, or are
-  // packed by slot into it, one at a time (each grouped one gives its memory back before the
-  // next is packed).
-  void save_gate_up(ForwardScratch& scratch, ForwardSaved& saved, cudaStream_t s) const {
-    saved.by_slot = core::saves_rows_by_slot(saved.ring_rows, saved.slots);
-    if (!saved.by_slot) {
-      saved.gate = std::move(scratch.ring_gate);
-      saved.up = std::move(scratch.ring_up);
-      return;
-    }
-    const size_t elements = size_t(saved.slots * shape_.intermediate);
-    for (auto [grouped, by_slot] :
-         {std::pair{&scratch.ring_gate, &saved.gate}, std::pair{&scratch.ring_up, &saved.up}}) {
-      *by_slot = DeviceArray<bf16>(elements, allocator_, s);
-      copy_saved_rows(saved_rows(saved, shape_.intermediate, grouped->data(), by_slot->data()), SavedRowsCopy::pack, s);
-      grouped->release();
-    }
-  }
-
   MegakernelLaunch launch(const core::MegakernelPlan& plan, int64_t T, const MoeWeights& w,
                           const ForwardScratch& scratch, const ForwardSaved& saved) const {
     MegakernelLaunch l = sized_launch(plan, shape_, config_, T, experts_, num_sms_);
@@ -381,6 +369,10 @@ class CudaMegakernelForward final : public MegakernelExtension {
     l.ring_x = scratch.ring_x.data();
     l.ring_gate = scratch.ring_gate.data();
     l.ring_up = scratch.ring_up.data();
+    if (saved.by_slot) {
+      l.gate_by_slot = saved.gate.data();
+      l.up_by_slot = saved.up.data();
+    }
     l.ring_hidden = scratch.ring_hidden.data();
     l.ring_y = scratch.ring_y.data();
     l.shared_gate = saved.shared_gate.data();

@@ -54,6 +54,9 @@ struct MegakernelLaunch {
   const bf16 *ws_gate = nullptr, *ws_up = nullptr, *ws_down = nullptr;  // [Is, H], [Is, H], [H, Is]
 
   bf16 *ring_x = nullptr, *ring_gate = nullptr, *ring_up = nullptr, *ring_hidden = nullptr, *ring_y = nullptr;
+  // A resident context kept by slot ([world * T*k, I] each, SavedRows): the gate|up tiles store
+  // g and u there (by slot_of_row) instead of ring_gate and ring_up, which are then null.
+  bf16 *gate_by_slot = nullptr, *up_by_slot = nullptr;
   bf16 *shared_gate = nullptr, *shared_up = nullptr, *shared_hidden = nullptr, *shared_out = nullptr;
 
   int64_t* counters = nullptr;  // core::counter_count(plan), zeroed per launch
@@ -124,11 +127,12 @@ struct ScheduleCheck {
 void gather_source_ids(const ScheduleCheck& c, int32_t* ids, cudaStream_t stream);
 void finish_schedule(const ScheduleCheck& c, cudaStream_t stream);
 
-// A resident forward's g and u (saved_rows.cu): the megakernels read and write them as grouped
-// rows (each local expert's segment padded to whole row tiles, ring row = grouped row); the
-// context keeps them by slot (source * T*k + slot, the index slot_of_row holds), which is
-// T*k rows per rank's tokens however the routes fall, instead of the padded capacity. One of
-// the two at a time, so that only one of them is held twice while it is copied.
+// A resident forward's g and u (saved_rows.cu): the backward megakernel reads and writes them as
+// grouped rows (each local expert's segment padded to whole row tiles, ring row = grouped row);
+// the context keeps them by slot (source * T*k + slot, the index slot_of_row holds), which is
+// T*k rows per rank's tokens however the routes fall, instead of the padded capacity. The
+// forward megakernel stores them by slot (MegakernelLaunch::gate_by_slot); the backward unpacks
+// them, one of the two at a time, so that only one of them is held twice while it is copied.
 struct SavedRows {
   const int32_t* slot_of_row = nullptr;    // [grouped_rows]: each grouped row's slot, -1 for padding
   const int32_t* schedule_rows = nullptr;  // offsets[E]: the rows of the schedule's tiles
@@ -138,12 +142,11 @@ struct SavedRows {
   bf16* grouped = nullptr;                 // [grouped_rows, width]
   bf16* by_slot = nullptr;                 // [slots, width]
 };
-enum class SavedRowsCopy { pack, unpack };
-// pack: by_slot[slot] = grouped[row] for every routed row; unpack: the reverse, and zeros in the
-// padding rows of the schedule's tiles (the backward's dgd tiles read whole tiles of g and u and
-// weigh the padding rows by 0, which needs finite values). Rows past the schedule's and slots no
-// local expert holds are neither read nor written.
-void copy_saved_rows(const SavedRows& rows, SavedRowsCopy direction, cudaStream_t stream);
+// grouped[row] = by_slot[slot] for every routed row, and zeros in the padding rows of the
+// schedule's tiles (the backward's dgd tiles read whole tiles of g and u and weigh the padding
+// rows by 0, which needs finite values). Rows past the schedule's and slots no local expert
+// holds are neither read nor written.
+void unpack_saved_rows(const SavedRows& rows, cudaStream_t stream);
 
 // The first failure of any rank, as every rank reports it.
 struct MergedStatus {

@@ -183,8 +183,7 @@ class MegakernelMoeLayer final : public MoeLayer {
     const size_t elements = size_t(saved.ring_rows * shape_.intermediate);
     for (auto [grouped, by_slot] : {std::pair{&rows.gate, &saved.gate}, std::pair{&rows.up, &saved.up}}) {
       *grouped = DeviceArray<bf16>(elements, kernel_.allocator(), s);
-      copy_saved_rows(saved_rows(saved, shape_.intermediate, grouped->data(), by_slot->data()), SavedRowsCopy::unpack,
-                      s);
+      unpack_saved_rows(saved_rows(saved, shape_.intermediate, grouped->data(), by_slot->data()), s);
       if (consumed) (by_slot == &saved.gate ? consumed->gate : consumed->up).release();  // `saved` itself
     }
     return rows;
