@@ -280,8 +280,8 @@ __device__ inline void write_box(Element* box, Value&& value) {
 
 // The consumers: hands a finished tile's output boxes to the store thread, each into the next
 // epilogue buffer once the TMA unit has read that buffer's previous box (g and u by slot: stores
-// them itself, after the hidden boxes). `boxes`: their running
-// box count (the store thread's is the same sequence). Gate is the accumulator's left half, up
+// them itself, after the hidden boxes). `boxes`: their running box count (the store thread's is
+// the same sequence). Gate is the accumulator's left half, up
 // its right half; a box's values are the ones the row-major epilogue stored (bf16 gate and up,
 // the activation of the rounded values in fp32, then rounded).
 __device__ inline void write_job(EpilogueSync& epi, Element (&buffers)[kEpilogueBuffers][kBoxElements], uint32_t& boxes,

@@ -300,10 +300,11 @@ class CudaMegakernelForward final : public MegakernelExtension {
   }
 
   // What lives only inside one forward, from the layer's allocator on its stream, sized for its
-  // plan: the ring's x, g, u (not where the context keeps them by slot), hidden and y rows, the shared expert's hidden and output, and at EP = 1
-  // the combine slots. At EP = 1 dispatch and the shared expert read the caller's x in place
-  // (a one-entry table beside the combine slots'; no copy and no x buffer of the layer's), or a
-  // copy of it where its base is not 16-byte aligned (the row copies and TMA need that).
+  // plan: the ring's x, g, u (not where the context keeps them by slot), hidden and y rows, the
+  // shared expert's hidden and output, and at EP = 1 the combine slots. At EP = 1 dispatch and
+  // the shared expert read the caller's x in place (a one-entry table beside the combine slots';
+  // no copy and no x buffer of the layer's), or a copy of it where its base is not 16-byte
+  // aligned (the row copies and TMA need that).
   struct ForwardScratch {
     DeviceArray<bf16> ring_x, ring_gate, ring_up, ring_hidden, ring_y, shared_hidden, shared_out, own_combine, own_x;
     bf16* combine = nullptr;
