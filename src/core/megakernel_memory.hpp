@@ -127,7 +127,7 @@ inline MegakernelLayerMemory megakernel_layer_memory(const MoeShape& shape, cons
     m.forward.push_back({m.resident ? "g, u rows [ring, I] x2 (the context's)"
                                     : "g, u rows [ring, I] x2 (replay: freed after the kernel)",
                          grouped_gate_up});
-  m.forward.push_back({"ring x, y [ring, H] x2", 2 * ring * H * bf16});
+  m.forward.push_back({"ring x [ring, H] (y: by slot into the combine slots)", ring * H * bf16});
   m.forward.push_back({"ring hidden [ring, I]", ring * I * bf16});
   if (Is > 0) m.forward.push_back({"shared hidden, out", T * (Is + H) * bf16});
   m.forward.push_back({"combine slots [T*k, H]", slots * H * bf16});
@@ -142,7 +142,7 @@ inline MegakernelLayerMemory megakernel_layer_memory(const MoeShape& shape, cons
     m.backward.push_back({m.by_slot ? "g, u rows [ring, I] x2 (unpacked; dg, du over them)"
                                     : "g, u rows [ring, I] x2 (the context's; dg, du over them)",
                           grouped_gate_up});
-  m.backward.push_back({"d_x slots [T*k, H]", slots * H * bf16});
+  m.backward.push_back({"d_x slots [T*(k-1), H] (slot 0: d_x itself)", (slots - T) * H * bf16});
   m.backward.push_back(
       {overwrite ? "ring d_out, x (H) and hs (I)"
                  : (m.resident ? "ring d_out, x (H) and dg, du, hs (I)" : "ring d_out, x (H) and g, u, dg, du, hs (I)"),

@@ -98,8 +98,9 @@ TEST(MegakernelMemory, BackwardHoldsDxRowsOnceAndContextsFollowTheRing) {
   const MegakernelLayerMemory resident = megakernel_layer_memory(s, c, 4096, 4096);
   EXPECT_TRUE(resident.resident);
   EXPECT_EQ(resident.ring_rows, 4096 * k + 128 * 127);  // 49024: a whole number of tiles
-  EXPECT_EQ(bytes_of(resident.backward, "d_x slots"), 4096 * k * H * 2);
+  EXPECT_EQ(bytes_of(resident.backward, "d_x slots"), 4096 * (k - 1) * H * 2);  // slot 0 is d_x itself
   EXPECT_EQ(bytes_of(resident.backward, "ring d_out, x (H) and hs (I)"), resident.ring_rows * (2 * H + I) * 2);
+  EXPECT_EQ(bytes_of(resident.forward, "ring x"), resident.ring_rows * H * 2);  // y by slot: no ring y
   EXPECT_TRUE(resident.by_slot);                                              // 16256 padding rows to 32768 routed ones
   EXPECT_EQ(bytes_of(resident.saved, "g, u by slot"), 2 * 4096 * k * I * 2);  // no padding rows
   EXPECT_EQ(bytes_of(resident.backward, "g, u rows"), 2 * resident.ring_rows * I * 2);
@@ -127,9 +128,10 @@ TEST(MegakernelMemory, BackwardHoldsDxRowsOnceAndContextsFollowTheRing) {
 // accounting with bf83b58's buffers (the ring in whole minibatches, a copy of x per layer, d_x
 // rows in the ring besides the slots) gives its measurements within 0.01 GB; the layer's small
 // buffers and the allocator's rounding are below that. A resident context keeps T*k rows of g and
-// u (by slot) where the ring's padding is over a tenth of them. Still above half of torch's:
-// mixtral-8x7b (the ring's x and d_out rows beside 3 contexts' g, u and the consumed one's dg, du
-// and hs; by slot would save 3% of the rows).
+// u (by slot) where the ring's padding is over a tenth of them; at EP = 1 the down tiles store y
+// and the dx tiles d_x by slot (slot 0 into the layer's output). Still above half of torch's:
+// mixtral-8x7b (the backward ring's x and d_out rows beside 3 contexts' g, u and the consumed
+// one's dg, du and hs).
 struct StackCase {
   const char* shape;
   int64_t tokens;
@@ -139,10 +141,10 @@ struct StackCase {
 TEST(MegakernelMemory, StackOfFourAgainstTorch) {
   const MegakernelConfig c = gpu_config();
   const StackCase cases[] = {
-      {"qwen3-30b-a3b", 16384, 10.82, 3.72, 0.269},   {"qwen3-30b-a3b", 4096, 2.70, 1.56, 0.420},
-      {"qwen3-235b-a22b", 16384, 21.62, 7.47, 0.271}, {"qwen3-235b-a22b", 4096, 5.41, 3.11, 0.419},
-      {"gpt-oss-120b", 16384, 15.96, 6.80, 0.337},    {"gpt-oss-120b", 4096, 3.99, 2.56, 0.426},
-      {"mixtral-8x7b", 16384, 19.06, 11.77, 0.529},   {"mixtral-8x7b", 4096, 4.77, 3.81, 0.536},
+      {"qwen3-30b-a3b", 16384, 10.82, 3.72, 0.263},   {"qwen3-30b-a3b", 4096, 2.70, 1.56, 0.414},
+      {"qwen3-235b-a22b", 16384, 21.62, 7.47, 0.265}, {"qwen3-235b-a22b", 4096, 5.41, 3.11, 0.413},
+      {"gpt-oss-120b", 16384, 15.96, 6.80, 0.331},    {"gpt-oss-120b", 4096, 3.99, 2.56, 0.420},
+      {"mixtral-8x7b", 16384, 19.06, 11.77, 0.522},   {"mixtral-8x7b", 4096, 4.77, 3.81, 0.529},
   };
   std::printf("%-16s %6s %8s %8s %6s %9s %9s %7s\n", "shape", "tokens", "context", "ring", "GB", "bf83b58", "torch",
               "/torch");
@@ -155,10 +157,13 @@ TEST(MegakernelMemory, StackOfFourAgainstTorch) {
                 : m.resident ? "grouped"
                              : "replay",
                 static_cast<long long>(m.ring_rows), gb, k.measured_gb, k.torch_gb, gb / k.torch_gb);
-    for (const auto* items : {&m.saved, &m.backward})
+    for (const auto* items : {&m.saved, &m.forward, &m.backward})
       for (const MemoryItem& i : *items)
-        std::printf("    %-9s %-58s %8.3f GB\n", items == &m.saved ? "context" : "backward", i.name.c_str(),
-                    double(i.bytes) / 1e9);
+        std::printf("    %-9s %-58s %8.3f GB\n",
+                    items == &m.saved     ? "context"
+                    : items == &m.forward ? "forward"
+                                          : "backward",
+                    i.name.c_str(), double(i.bytes) / 1e9);
     SCOPED_TRACE(std::string(k.shape) + " at " + std::to_string(k.tokens));
     EXPECT_LT(gb, k.measured_gb);                           // no shape holds more than at bf83b58
     EXPECT_NEAR(gb / k.torch_gb, k.expected_ratio, 0.002);  // what the GPU should now measure

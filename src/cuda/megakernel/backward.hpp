@@ -64,9 +64,11 @@ struct MegakernelBackwardIo {
   const bf16* x = nullptr;               // this rank's tokens [T, H] (shared expert)
   const bf16* d_out = nullptr;           // this rank's d_out [T, H] (shared expert)
   const bf16* dx_slots = nullptr;        // this rank's own d_x slots (dx_slot_peers[rank])
-  // EP = 1: the dx tiles store each row's d_x straight into its slot (slot_of_row) in dx_slots,
-  // as the push would have copied it from the ring: the same bits, and no d_x rows in the ring
-  // (rows x H fewer) nor copies in the push (dx_slot_peers is then unread).
+  // EP = 1: the dx tiles store each row's d_x straight into its slot (slot_of_row), as the push
+  // would have copied it from the ring: the same bits, and no d_x rows in the ring (rows x H
+  // fewer) nor copies in the push (dx_slot_peers is then unread). Slot 0 of token t is row t of
+  // d_x itself (the epilogue adds the others to it), slot j >= 1 row t*(k-1) + j-1 of dx_slots
+  // ([T*(k-1), H]).
   bool dx_into_slots = false;
   // Resident context (replay: unread): the forward's grouped rows (row index = grouped row;
   // padding rows are not read) and the shared expert's g, u. context_x may be null: x's rows are

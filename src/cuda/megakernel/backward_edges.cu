@@ -44,7 +44,8 @@ struct alignas(16) Bf16x8 {
   __nv_bfloat162 v[4];
 };
 
-// d_x[t, c..c+8) = shared dx + sum_j slots[t*k+j] in fp32, j in order.
+// d_x[t, c..c+8) = shared dx + sum_j slot j of token t in fp32, j in order. EP = 1 (the dx tiles
+// stored into the slots): slot 0 is d_x itself, slot j >= 1 row t*(k-1) + j-1 of the d_x slots.
 __device__ void sum_dx(const MegakernelBackwardLaunch& p, int64_t t, int64_t c) {
   const int64_t H = p.hidden, k = p.top_k, at = t * H + c;
   float sum[8] = {};
@@ -58,7 +59,12 @@ __device__ void sum_dx(const MegakernelBackwardLaunch& p, int64_t t, int64_t c) 
     }
   };
   if (p.shared_intermediate > 0) add(p.shared_dx + at);
-  for (int64_t j = 0; j < k; ++j) add(p.io.dx_slots + (t * k + j) * H + c);
+  if (p.io.dx_into_slots) {
+    add(p.io.d_x + at);
+    for (int64_t j = 1; j < k; ++j) add(p.io.dx_slots + (t * (k - 1) + j - 1) * H + c);
+  } else {
+    for (int64_t j = 0; j < k; ++j) add(p.io.dx_slots + (t * k + j) * H + c);
+  }
   Bf16x8 out;
 #pragma unroll
   for (int i = 0; i < 4; ++i) out.v[i] = __floats2bfloat162_rn(sum[2 * i], sum[2 * i + 1]);

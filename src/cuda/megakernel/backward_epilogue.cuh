@@ -128,8 +128,11 @@ __device__ __forceinline__ void store_dgd_tile(const Accumulator& acc, const Dgd
     row_of[half] = r;
     if (r < t.valid_rows) w[half] = t.weight[t.row0 + r];
   });
-  [&]<int... Batch>(std::integer_sequence<int, Batch...>) { (dgd_batch<Batch * kDgdBatch>(acc, t, w, partial), ...); }
-  (std::make_integer_sequence<int, kAccumulatorSize / kDgdBatch>{});
+  // Forced inline: left to the inliner (whose budget the kernel's size sets), the lambda became a
+  // call that took the accumulator through local memory and serialized the wgmma.
+  [&]<int... Batch>(std::integer_sequence<int, Batch...>) __attribute__((always_inline)) {
+    (dgd_batch<Batch * kDgdBatch>(acc, t, w, partial), ...);
+  }(std::make_integer_sequence<int, kAccumulatorSize / kDgdBatch>{});
   CUTE_UNROLL
   for (int half = 0; half < 2; ++half) {
     float p = partial[half];

@@ -193,9 +193,10 @@ struct BackwardJob {
   TileLoadsOf<Major::MN, Major::MN> mn_mn;
   JobStore store = JobStore::none;
   DgdTile dgd;
-  // rows, slot_rows, weight_down: out0; weight_pair: dW_gate, dW_up; gate_up: g, u
+  // rows, weight_down: out0; weight_pair: dW_gate, dW_up; gate_up: g, u
   bf16 *out0 = nullptr, *out1 = nullptr;
   const int32_t* row_slots = nullptr;  // slot_rows: the slot of each of the tile's rows (-1: padding)
+  SlotTargets slot_rows;               // slot_rows: d_x's slot 0 into d_x, the others into the d_x slots
   TileOut o{};                         // weight_pair: row0 = H row, col0 = I column, width = I, rows H
   const float* carry_in = nullptr;     // start from this carry (continue_acc)
   float* carry_out = nullptr;          // leave the accumulator here instead of storing
@@ -333,7 +334,7 @@ __device__ inline void make_job(BackwardJob& j, const MegakernelBackwardLaunch& 
         j.k_mn[1] = tile_loads(ops.ring_du, int(ring / tm), ops.w_up, nullptr, col, expert);
         if (p.io.dx_into_slots) {  // EP = 1: each row's d_x straight into its slot
           j.store = JobStore::slot_rows;
-          j.out0 = const_cast<bf16*>(p.io.dx_slots);
+          j.slot_rows = {const_cast<bf16*>(p.io.dx_slots), p.io.d_x, int32_t(p.top_k)};
           j.row_slots = p.io.slot_of_row + first;
           j.o = {0, tm, int64_t(col) * kTileN, H};
         } else {
@@ -442,7 +443,7 @@ __device__ __forceinline__ void store_backward_job(const Accumulator& acc, const
       fence_proxy_async_global();
       break;
     case JobStore::slot_rows:
-      store_slot_rows<true>(acc, 0, j.out0, j.row_slots, j.o);
+      store_slot_rows<true>(acc, 0, j.slot_rows, j.row_slots, j.o);
       fence_proxy_async_global();
       break;
     case JobStore::weight_pair:

@@ -94,9 +94,11 @@ __device__ inline void dispatch_block(const MegakernelLaunch& p, const core::Meg
   fence_proxy_async_global();
 }
 
-// Combine (push): each routed row's output into its origin rank's combine slot token*k + j.
+// Combine (push): each routed row's output into its origin rank's combine slot token*k + j
+// (nothing where the down tiles stored it there: y_by_slot).
 __device__ inline void combine_block(const MegakernelLaunch& p, const core::MegakernelPlan& plan,
                                      const core::Task& task, RowTable& table) {
+  if (p.y_by_slot) return;
   const int64_t H = p.hidden, per_rank = p.tokens * p.top_k;
   copy_block(p, plan, task, table, [&](int64_t ring, int32_t slot) {
     if (slot < 0) return RowEnds{nullptr, nullptr};

@@ -107,21 +107,36 @@ __device__ inline void store_rows(const Accumulator& acc, int first, __nv_bfloat
   });
 }
 
-// As store_rows, but row r of the tile goes to row slots[r] of `out` (its slot, token * k + j,
+// Where a slot's row goes (o.width columns): row `slot` of `out`, except that with `first_slots`
+// the slots token * top_k + 0 go to row token of first_slots and the others, j >= 1, to row
+// token * (top_k - 1) + j - 1 of `out` (the backward's d_x: slot 0 into d_x itself at EP = 1).
+struct SlotTargets {
+  __nv_bfloat16* out = nullptr;
+  __nv_bfloat16* first_slots = nullptr;
+  int32_t top_k = 1;
+
+  __device__ __nv_bfloat16* row(int32_t slot, int64_t width) const {
+    if (!first_slots) return out + slot * width;
+    const int32_t token = slot / top_k, j = slot - token * top_k;  // 32-bit: no division call
+    return j == 0 ? first_slots + token * width : out + (int64_t(token) * (top_k - 1) + j - 1) * width;
+  }
+};
+
+// As store_rows, but row r of the tile goes to the row of slot slots[r] (its slot, token * k + j,
 // or source * T*k + token * k + j), and nowhere where slots[r] < 0 (padding). Each thread's two
-// rows' slots are loaded once; the runs are made on every lane (to_run shuffles within the quad).
+// rows' targets are found once; the runs are made on every lane (to_run shuffles within the quad).
 template <bool BothHalves>
-__device__ inline void store_slot_rows(const Accumulator& acc, int first, __nv_bfloat16* out, const int32_t* slots,
+__device__ inline void store_slot_rows(const Accumulator& acc, int first, const SlotTargets& to, const int32_t* slots,
                                        const TileOut o) {
-  int32_t slot_of[2] = {-1, -1};
+  __nv_bfloat16* row_of[2] = {nullptr, nullptr};
   for_each_run_in<0, 8>([&](int r, int, int, int half) {
-    if (r < o.valid_rows) slot_of[half] = slots[r];
+    const int32_t slot = r < o.valid_rows ? slots[r] : -1;
+    if (slot >= 0) row_of[half] = to.row(slot, o.width);
   });
   for_each_run<BothHalves>([&](int, int c, int i, int half) {
     const int e = first + i;
     const uint2 run = to_run(bf16x2_bits(acc(e), acc(e + 1)), bf16x2_bits(acc(e + 4), acc(e + 5)));
-    if (slot_of[half] >= 0 && o.col0 + c < o.width)
-      *reinterpret_cast<uint2*>(out + int64_t(slot_of[half]) * o.width + o.col0 + c) = run;
+    if (row_of[half] && o.col0 + c < o.width) *reinterpret_cast<uint2*>(row_of[half] + o.col0 + c) = run;
   });
 }
 

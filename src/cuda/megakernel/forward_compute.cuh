@@ -75,12 +75,13 @@ struct Operands {
   Output shared_gate, shared_up, shared_hidden_out, shared_out;  // [tokens, Is] x 3, [tokens, H]
 };
 
-// A resident context's g and u by slot ([slots, I], MegakernelLaunch::gate_by_slot): the
-// consumers store the tile's rows there from registers, row r to slots[r] (none where it is -1,
-// padding), as the backward's dx tiles store d_x. No reader in this kernel: the backward
-// unpacks them after it. gate null: g and u go to the ring as boxes.
+// Rows stored by slot: the consumers store the tile's rows from registers, row r to slots[r]
+// (none where it is -1, padding), as the backward's dx tiles store d_x. A gate|up tile: a
+// resident context's g and u ([slots, I], MegakernelLaunch::gate_by_slot), read by the backward
+// only (it unpacks them); gate null: g and u go to the ring as boxes. A down tile at EP = 1: y
+// into the combine slots (y_by_slot), read after the kernel only (combine_tokens).
 struct SlotRows {
-  __nv_bfloat16 *gate = nullptr, *up = nullptr;
+  __nv_bfloat16 *gate = nullptr, *up = nullptr, *y = nullptr;
   const int32_t* slots = nullptr;
   TileOut o{};
 };
@@ -97,7 +98,7 @@ struct ComputeJob {
   const Output* out[3] = {nullptr, nullptr, nullptr};
   int outputs = 1;  // out[0..outputs): the boxes stored per 64 columns of the tile
   int row_tile = 0, col_box = 0;
-  SlotRows by_slot;  // a gate|up tile of a context saved by slot (out[0] = hidden)
+  SlotRows by_slot;  // a gate|up tile of a context saved by slot (out[0] = hidden), a down tile's y
 };
 
 using TaskQueue = TaskQueueOf<ComputeJob>;
@@ -214,7 +215,7 @@ __device__ inline void make_job(ComputeJob& j, const MegakernelLaunch& p, const 
         j.col_box = gate_up_box;
         if (p.gate_by_slot) {  // resident: the ring row is the grouped row
           j.out[0] = &ops.ring_hidden_out;
-          j.by_slot = {p.gate_by_slot, p.up_by_slot, p.slot_of_row + first,
+          j.by_slot = {p.gate_by_slot, p.up_by_slot, nullptr, p.slot_of_row + first,
                        TileOut{first, plan.capacity_rows - first < tm ? plan.capacity_rows - first : tm,
                                col * plan.tile_n, p.intermediate}};
         } else {
@@ -223,8 +224,16 @@ __device__ inline void make_job(ComputeJob& j, const MegakernelLaunch& p, const 
         }
       } else {
         j.loads = tile_loads(ops.ring_hidden, j.row_tile, ops.w_down, nullptr, col, expert);
-        j.out[0] = &ops.ring_y;
         j.col_box = down_box;
+        if (p.y_by_slot) {
+          j.outputs = 0;
+          j.by_slot.y = p.y_by_slot;
+          j.by_slot.slots = p.slot_of_row + first;
+          j.by_slot.o = TileOut{first, plan.capacity_rows - first < tm ? plan.capacity_rows - first : tm,
+                                col * plan.down_tile_n, p.hidden};
+        } else {
+          j.out[0] = &ops.ring_y;
+        }
       }
       break;
     }
@@ -311,8 +320,8 @@ __device__ inline void write_job(EpilogueSync& epi, Element (&buffers)[kEpilogue
         (hand_off([&](Element* box) { write_box<Half>(box, hidden); }), ...);
       }
       (std::make_integer_sequence<int, kHalfN / kTileK>{});
-      store_slot_rows<false>(acc, 0, j.by_slot.gate, j.by_slot.slots, j.by_slot.o);
-      store_slot_rows<false>(acc, up, j.by_slot.up, j.by_slot.slots, j.by_slot.o);
+      store_slot_rows<false>(acc, 0, SlotTargets{j.by_slot.gate}, j.by_slot.slots, j.by_slot.o);
+      store_slot_rows<false>(acc, up, SlotTargets{j.by_slot.up}, j.by_slot.slots, j.by_slot.o);
       return;
     }
     [&]<int... Half>(std::integer_sequence<int, Half...>) {
@@ -322,6 +331,8 @@ __device__ inline void write_job(EpilogueSync& epi, Element (&buffers)[kEpilogue
        ...);
     }
     (std::make_integer_sequence<int, kHalfN / kTileK>{});
+  } else if (j.by_slot.y) {
+    store_slot_rows<true>(acc, 0, SlotTargets{j.by_slot.y}, j.by_slot.slots, j.by_slot.o);
   } else {
     auto y = [&](int i) { return make_float2(acc(i), acc(i + 1)); };
     [&]<int... Box>(std::integer_sequence<int, Box...>) {

@@ -49,7 +49,7 @@ mk::Operands make_operands(const MegakernelLaunch& p) {
     ops.ring_up = mk::make_output(p.ring_up, ring, I);
   }
   ops.ring_hidden_out = mk::make_output(p.ring_hidden, ring, I);
-  ops.ring_y = mk::make_output(p.ring_y, ring, H);
+  if (!p.y_by_slot) ops.ring_y = mk::make_output(p.ring_y, ring, H);
   if (Is > 0) {
     ops.shared_hidden = mk::make_operand(p.shared_hidden, p.tokens, Is, 1);
     ops.ws_gate = mk::make_operand(p.ws_gate, Is, H, 1);

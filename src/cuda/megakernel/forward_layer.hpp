@@ -300,8 +300,9 @@ class CudaMegakernelForward final : public MegakernelExtension {
   }
 
   // What lives only inside one forward, from the layer's allocator on its stream, sized for its
-  // plan: the ring's x, g, u (not where the context keeps them by slot), hidden and y rows, the
-  // shared expert's hidden and output, and at EP = 1 the combine slots. At EP = 1 dispatch and
+  // plan: the ring's x, g, u (not where the context keeps them by slot) and hidden rows, at EP > 1
+  // its y rows (at EP = 1 the down tiles store y into the combine slots: y_by_slot), the shared
+  // expert's hidden and output, and at EP = 1 the combine slots. At EP = 1 dispatch and
   // the shared expert read the caller's x in place (a one-entry table beside the combine slots';
   // no copy and no x buffer of the layer's), or a copy of it where its base is not 16-byte
   // aligned (the row copies and TMA need that).
@@ -320,12 +321,12 @@ class CudaMegakernelForward final : public MegakernelExtension {
         ring_up = DeviceArray<bf16>(size_t(plan.ring_rows * sh.intermediate), f.allocator_, s);
       }
       ring_hidden = DeviceArray<bf16>(size_t(plan.ring_rows * sh.intermediate), f.allocator_, s);
-      ring_y = DeviceArray<bf16>(size_t(plan.ring_rows * sh.hidden), f.allocator_, s);
       if (sh.has_shared()) {
         shared_hidden = DeviceArray<bf16>(size_t(T * sh.shared_intermediate), f.allocator_, s);
         shared_out = DeviceArray<bf16>(size_t(T * sh.hidden), f.allocator_, s);
       }
       if (f.combine_) {
+        ring_y = DeviceArray<bf16>(size_t(plan.ring_rows * sh.hidden), f.allocator_, s);
         combine = f.combine_->local<bf16>();
         combine_peers = f.combine_->peers<bf16>();
         x_local = f.x_->local<bf16>();
@@ -340,13 +341,12 @@ class CudaMegakernelForward final : public MegakernelExtension {
         MOKA_CUDA_CHECK(cudaMemcpyAsync(own_x.data(), x, T * sh.hidden * sizeof(bf16), cudaMemcpyDeviceToDevice, s));
         x_local = own_x.data();
       }
+      // Dispatch reads x through a one-entry table (the combine reads nothing: y_by_slot).
       PointerValues table;
-      table.at[0] = combine;
-      table.at[1] = x_local;
-      table.count = 2;
+      table.at[0] = x_local;
+      table.count = 1;
       write_pointer_table(f.own_tables_.data(), table, s);
-      combine_peers = reinterpret_cast<bf16* const*>(f.own_tables_.data());
-      x_peers = reinterpret_cast<bf16* const*>(f.own_tables_.data() + 1);
+      x_peers = reinterpret_cast<bf16* const*>(f.own_tables_.data());
     }
   };
 
@@ -376,6 +376,7 @@ class CudaMegakernelForward final : public MegakernelExtension {
     }
     l.ring_hidden = scratch.ring_hidden.data();
     l.ring_y = scratch.ring_y.data();
+    if (world_ == 1) l.y_by_slot = scratch.combine;
     l.shared_gate = saved.shared_gate.data();
     l.shared_up = saved.shared_up.data();
     l.shared_hidden = scratch.shared_hidden.data();
@@ -444,7 +445,7 @@ class CudaMegakernelForward final : public MegakernelExtension {
   SymmetricBuffers status_;
   DeviceArray<int32_t> ids_, chunk_counts_, source_counts_, row_of_slot_;
   DeviceArray<int32_t> last_rows_{1};  // the last forward's grouped rows, while a timeline is recorded
-  DeviceArray<void*> own_tables_{2};   // EP = 1: the call's combine slots and x as one-entry peer tables
+  DeviceArray<void*> own_tables_{1};   // EP = 1: the call's x as a one-entry peer table
   DeviceArray<int64_t> counters_;
   DeviceArray<MegakernelControl> control_;
   PinnedWord<MergedStatus> merged_;

@@ -58,6 +58,9 @@ struct MegakernelLaunch {
   // g and u there (by slot_of_row) instead of ring_gate and ring_up, which are then null.
   bf16 *gate_by_slot = nullptr, *up_by_slot = nullptr;
   bf16 *shared_gate = nullptr, *shared_up = nullptr, *shared_hidden = nullptr, *shared_out = nullptr;
+  // EP = 1: the down tiles store y by slot into the combine slots [T*k, H] (y_by_slot), from
+  // registers; the combine copies nothing and ring_y is null.
+  bf16* y_by_slot = nullptr;
 
   int64_t* counters = nullptr;  // core::counter_count(plan), zeroed per launch
   MegakernelControl* control = nullptr;

@@ -224,7 +224,7 @@ class MegakernelMoeLayer final : public MoeLayer {
       PointerValues tables;
       tables.at[0] = d_out.data;
       tables.at[1] = ctx.inputs.topk_weights.data;
-      dx_slots = DeviceArray<bf16>(size_t(T * sh.top_k * sh.hidden), kernel_.allocator(), s);
+      dx_slots = DeviceArray<bf16>(size_t(T * (sh.top_k - 1) * sh.hidden), kernel_.allocator(), s);
       tables.at[2] = dx_slots.data();
       io.dx_into_slots = true;
       tables.at[3] = g.d_topk_weights.data;
