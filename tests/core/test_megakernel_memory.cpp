@@ -97,7 +97,7 @@ TEST(MegakernelMemory, BackwardHoldsDxRowsOnceAndContextsFollowTheRing) {
   };
   const MegakernelLayerMemory resident = megakernel_layer_memory(s, c, 4096, 4096);
   EXPECT_TRUE(resident.resident);
-  EXPECT_EQ(resident.ring_rows, 4096 * k + 128 * 127);  // 49024: a whole number of tiles
+  EXPECT_EQ(resident.ring_rows, 4096 * k + 128 * 127);                          // 49024: a whole number of tiles
   EXPECT_EQ(bytes_of(resident.backward, "d_x slots"), 4096 * (k - 1) * H * 2);  // slot 0 is d_x itself
   EXPECT_EQ(bytes_of(resident.backward, "ring d_out, x (H) and hs (I)"), resident.ring_rows * (2 * H + I) * 2);
   EXPECT_EQ(bytes_of(resident.forward, "ring x"), resident.ring_rows * H * 2);  // y by slot: no ring y

@@ -132,7 +132,8 @@ __device__ __forceinline__ void store_dgd_tile(const Accumulator& acc, const Dgd
   // call that took the accumulator through local memory and serialized the wgmma.
   [&]<int... Batch>(std::integer_sequence<int, Batch...>) __attribute__((always_inline)) {
     (dgd_batch<Batch * kDgdBatch>(acc, t, w, partial), ...);
-  }(std::make_integer_sequence<int, kAccumulatorSize / kDgdBatch>{});
+  }
+  (std::make_integer_sequence<int, kAccumulatorSize / kDgdBatch>{});
   CUTE_UNROLL
   for (int half = 0; half < 2; ++half) {
     float p = partial[half];
