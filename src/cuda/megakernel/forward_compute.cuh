@@ -209,6 +209,11 @@ __device__ inline void make_job(ComputeJob& j, const MegakernelLaunch& p, const 
       const int64_t first = core::task_first_row(plan, t), ring = core::ring_row(plan, first);
       const int expert = expert_of_row(p.offsets, p.local_experts, first);
       j.row_tile = int(ring / tm);
+      // Where a tile stores by slot: its rows (fewer at the end of the capacity), columns
+      // [col0, col0 + N) of `width`.
+      auto slot_out = [&](int64_t col0, int64_t width) {
+        return TileOut{first, plan.capacity_rows - first < tm ? plan.capacity_rows - first : tm, col0, width};
+      };
       if (t.kind == core::TaskKind::gate_up) {
         j.loads = tile_loads(ops.ring_x, j.row_tile, ops.w_gate, &ops.w_up, col, expert);
         j.swiglu = true;
@@ -216,8 +221,7 @@ __device__ inline void make_job(ComputeJob& j, const MegakernelLaunch& p, const 
         if (p.gate_by_slot) {  // resident: the ring row is the grouped row
           j.out[0] = &ops.ring_hidden_out;
           j.by_slot = {p.gate_by_slot, p.up_by_slot, nullptr, p.slot_of_row + first,
-                       TileOut{first, plan.capacity_rows - first < tm ? plan.capacity_rows - first : tm,
-                               col * plan.tile_n, p.intermediate}};
+                       slot_out(col * plan.tile_n, p.intermediate)};
         } else {
           j.out[0] = &ops.ring_gate, j.out[1] = &ops.ring_up, j.out[2] = &ops.ring_hidden_out;
           j.outputs = kGateUpOutputs;
@@ -227,10 +231,8 @@ __device__ inline void make_job(ComputeJob& j, const MegakernelLaunch& p, const 
         j.col_box = down_box;
         if (p.y_by_slot) {
           j.outputs = 0;
-          j.by_slot.y = p.y_by_slot;
-          j.by_slot.slots = p.slot_of_row + first;
-          j.by_slot.o = TileOut{first, plan.capacity_rows - first < tm ? plan.capacity_rows - first : tm,
-                                col * plan.down_tile_n, p.hidden};
+          j.by_slot = {nullptr, nullptr, p.y_by_slot, p.slot_of_row + first,
+                       slot_out(col * plan.down_tile_n, p.hidden)};
         } else {
           j.out[0] = &ops.ring_y;
         }
